@@ -1,0 +1,16 @@
+"""losscodegen: loss terms declared as sympy formulas, compiled into one fused Triton kernel."""
+from . import symbols
+from .run import HeadLoss, HeadOutput
+from .terms import (GRPO, GSPO, JSD, ClipFraction, CrossEntropy, Entropy, ForwardKL, KLNewOld,
+                    LogProb, RatioMean, ReverseKL, Term, TokenAccuracy, TopKForwardKL, ZLoss,
+                    declare_term)
+
+
+def explain(head: HeadLoss) -> str:
+    """``head.explain()``: formulas, reductions, derived gradient, reads, and the serving kernel file."""
+    return head.explain()
+
+
+__all__ = ["HeadLoss", "HeadOutput", "Term", "declare_term", "explain", "symbols",
+           "CrossEntropy", "ZLoss", "Entropy", "TokenAccuracy", "ForwardKL", "ReverseKL", "JSD",
+           "TopKForwardKL", "GRPO", "GSPO", "RatioMean", "ClipFraction", "KLNewOld", "LogProb"]

@@ -1,0 +1,211 @@
+"""Stage 4, emit: sympy expressions printed as Triton (and torch) code, laid out by a Jinja2 template.
+
+Every decision is made here in Python; ``templates/head_loss.py.j2`` only places the printed
+statements into loops, loads and stores.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+import sympy as sp
+from sympy.printing.pycode import PythonCodePrinter
+
+from . import symbols as S
+from .lower import IS_Y, M, MT
+from .plan import Plan
+
+TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+X = sp.Symbol("x", real=True)
+LOGIT_SCALE = sp.Symbol("logit_scale", positive=True)
+SOFTCAP = sp.Symbol("softcap", positive=True)
+
+
+class _ArrayPrinter(PythonCodePrinter):
+    """Prints an expression for an array module (``tl`` or ``torch``); one ``_print_X`` per construct."""
+
+    module = ""
+
+    def _call(self, fn: str, *args: sp.Expr) -> str:
+        return f"{self.module}.{fn}(" + ", ".join(self._print(a) for a in args) + ")"
+
+    def _print_Symbol(self, expr: sp.Symbol) -> str:
+        return expr.name
+
+    def _print_Integer(self, expr: sp.Integer) -> str:
+        return f"{int(expr)}.0"
+
+    def _print_Rational(self, expr: sp.Rational) -> str:
+        return repr(float(expr))
+
+    def _print_Float(self, expr: sp.Float) -> str:
+        return repr(float(expr))
+
+    def _print_Exp1(self, expr) -> str:
+        return repr(float(sp.E))
+
+    def _print_exp(self, expr: sp.exp) -> str:
+        return self._call("exp", expr.args[0])
+
+    def _print_log(self, expr: sp.log) -> str:
+        return self._call("log", expr.args[0])
+
+    def _print_Abs(self, expr: sp.Abs) -> str:
+        return self._call("abs", expr.args[0])
+
+    def _print_tanh(self, expr: sp.tanh) -> str:
+        # 2 / (1 + exp(-2u)) - 1 saturates to +-1 without inf/inf for large |u|
+        return f"(2.0 / (1.0 + {self._call('exp', -2 * expr.args[0])}) - 1.0)"
+
+    def _print_Pow(self, expr: sp.Pow, rational: bool = False) -> str:
+        base, e = expr.args
+        if e.is_Integer and 0 < int(e) <= 4:
+            return "(" + " * ".join([self.parenthesize(base, 100)] * int(e)) + ")"
+        if e.is_Integer and int(e) < 0:
+            return f"(1.0 / {self._print(base ** (-e))})"
+        if e == sp.S.Half:
+            return self._call("sqrt", base)
+        return self._call("exp", e * sp.log(base))
+
+    def _minmax(self, args, op: str) -> str:
+        out = self._print(args[0])
+        for a in args[1:]:
+            b = self._print(a)
+            out = f"{self.module}.where({out} {op} {b}, {out}, {b})"
+        return out
+
+    def _print_Min(self, expr: sp.Min) -> str:
+        return self._minmax(expr.args, "<")
+
+    def _print_Max(self, expr: sp.Max) -> str:
+        return self._minmax(expr.args, ">")
+
+    def _print_Piecewise(self, expr: sp.Piecewise) -> str:
+        out = None
+        for value, cond in reversed(expr.args):
+            if out is None or cond == sp.true:
+                out = self._print(value)
+            else:
+                out = f"{self.module}.where({self._print(cond)}, {self._print(value)}, {out})"
+        return out
+
+    def _print_Relational(self, expr) -> str:
+        return f"({self._print(expr.lhs)} {expr.rel_op} {self._print(expr.rhs)})"
+
+    def _print_And(self, expr) -> str:
+        return "(" + " & ".join(self._print(a) for a in expr.args) + ")"
+
+    def _print_Or(self, expr) -> str:
+        return "(" + " | ".join(self._print(a) for a in expr.args) + ")"
+
+    def _print_Not(self, expr) -> str:
+        return f"(~{self._print(expr.args[0])})"
+
+    def _print_ITE(self, expr) -> str:
+        a, b, c = expr.args
+        return self._print(sp.Or(sp.And(a, b), sp.And(sp.Not(a), c)))
+
+    def _print_BooleanTrue(self, expr) -> str:
+        return "True"
+
+    def _print_BooleanFalse(self, expr) -> str:
+        return "False"
+
+
+class TritonPrinter(_ArrayPrinter):
+    module = "tl"
+
+
+class TorchPrinter(_ArrayPrinter):
+    module = "torch"
+
+
+_TL = TritonPrinter()
+_TORCH = TorchPrinter()
+
+
+def _statements(exprs: list[sp.Expr], prefix: str, printer=_TL) -> tuple[list[str], list[str]]:
+    """Common subexpressions first (``prefix0 = ...``), then the printed results."""
+    temps, reduced = sp.cse(exprs, symbols=sp.numbered_symbols(prefix, real=True), order="canonical")
+    return ([f"{s} = {printer.doprint(e)}" for s, e in temps], [printer.doprint(e) for e in reduced])
+
+
+@dataclass(frozen=True)
+class KernelSource:
+    name: str
+    key: str
+    text: str
+
+    def __str__(self) -> str:
+        return f"{self.name} ({len(self.text.splitlines())} lines)"
+
+
+def _group_online(plan: Plan, domain: str):
+    groups: dict[tuple, list] = {}
+    for acc in plan.lowered.accumulators:
+        if acc.online and acc.domain == domain:
+            groups.setdefault((acc.alpha, acc.beta), []).append(acc)
+    return groups
+
+
+def emit(plan: Plan, key: str, header: str) -> KernelSource:
+    lw = plan.lowered
+    name = f"head_loss_{key}"
+    transform = LOGIT_SCALE * (SOFTCAP * sp.tanh(X / SOFTCAP) if plan.softcap else X)
+    mn, mtn = sp.Symbol("m_new", real=True), sp.Symbol("m_t_new", real=True)
+
+    online = []
+    for i, ((alpha, beta), accs) in enumerate(_group_online(plan, "vocab").items()):
+        exponent = alpha * (S.logit - mn) + beta * (S.teacher_logit - mtn)
+        rescale = alpha * (M - mn) + beta * (MT - mtn)
+        scale = sp.Symbol(f"s{i}", real=True) if exponent != 0 else sp.S.One
+        online.append(dict(
+            scale=None if exponent == 0 else _TL.doprint(sp.exp(exponent)),
+            rescale=None if rescale == 0 else _TL.doprint(sp.exp(rescale)),
+            index=i, accs=[(a.name, _TL.doprint(scale * a.body)) for a in accs]))
+    topk_online = [(a.name, _TL.doprint(sp.exp(a.alpha * (S.topk_logit - M)) * a.body))
+                   for a in lw.accumulators if a.online and a.domain == "topk"]
+    exact = [a for a in lw.accumulators if not a.online and a.domain == "vocab"]
+    exact_temps, exact_bodies = _statements([a.body for a in exact], "e")
+    topk_exact = [a for a in lw.accumulators if not a.online and a.domain == "topk"]
+    tk_temps, tk_bodies = _statements([a.body for a in topk_exact], "k")
+    row_temps, row_exprs = _statements([e for _, e in lw.row_values], "r")
+    coef_temps, coef_exprs = _statements([e for _, e in lw.grad_coefs], "c")
+    grad_temps, (grad_expr, topk_grad_expr) = _statements([lw.grad_vocab, lw.grad_topk], "d")
+
+    seg_fns = []
+    for seg in lw.segments:
+        args = ", ".join(U.name for U in seg.means)
+        seg_fns.append(dict(name=seg.name, args=args, value=_TORCH.doprint(seg.formula),
+                            grads=[_TORCH.doprint(d) for d in seg.dformula]))
+
+    ctx = dict(
+        header=header, name=name, key=key, plan=plan, lw=lw,
+        transform=_TL.doprint(transform), dtransform=_TL.doprint(transform.diff(X)),
+        online=online, topk_online=topk_online,
+        exact=list(zip([a.name for a in exact], exact_bodies)), exact_temps=exact_temps,
+        topk_exact=list(zip([a.name for a in topk_exact], tk_bodies)), topk_temps=tk_temps,
+        normalizers=[(n.symbol.name, _TL.doprint(n.value)) for n in lw.normalizers],
+        row_temps=row_temps, rows=list(zip([n for n, _ in lw.row_values], row_exprs)),
+        coef_temps=coef_temps, coefs=list(zip([s.name for s, _ in lw.grad_coefs], coef_exprs)),
+        grad_temps=grad_temps, grad_expr=grad_expr,
+        topk_grad=None if lw.grad_topk == 0 else topk_grad_expr,
+        uses_t_in_grad=lw.grad_vocab.has(S.teacher_logit),
+        uses_is_y=lw.grad_vocab.has(IS_Y),
+        columns=[c.name for c in plan.columns],
+        first_read_columns=[c.name for c in plan.columns if c.name not in {a.name for a in exact}
+                            and c.name not in {a.name for a in topk_exact}],
+        exact_columns=[a.name for a in exact + topk_exact],
+        weights=[w.name for w in lw.weights if not any(w.name == f"w_{s.name}" for s in lw.segments)],
+        seg_coefs=[c.name for s in lw.segments for c in s.coefs],
+        segments=seg_fns,
+        uses_label=any(e.has(S.label) for _, e in lw.row_values),
+        merge=[(c.name, c.merge, float(c.alpha), float(c.beta)) for c in plan.columns],
+        segment_meta=[(s.name, [U.name for U in s.means], [c.name for c in s.coefs])
+                      for s in lw.segments],
+    )
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), keep_trailing_newline=True,
+                             trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
+    text = env.get_template("head_loss.py.j2").render(**ctx)
+    return KernelSource(name, key, text)

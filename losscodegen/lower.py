@@ -1,0 +1,358 @@
+"""Stage 2, lower: from row-level formulas to reductions, row math and the derived gradient.
+
+Input: the bound terms of a head. Output: a ``Lowered`` value that says
+
+* which accumulators the kernel keeps per row. An *online* accumulator is
+  ``A = sum_i exp(alpha*(z_i - m) + beta*(t_i - m_t)) * h(z_i, t_i)`` with ``h`` free of anything the
+  first read has not seen yet, so it can be kept with online-softmax rescaling while the max ``m``
+  grows; its true value is ``exp(alpha*m + beta*m_t) * A``. An *exact* accumulator needs the final
+  log-normalisers inside a non-exponential function (JSD's ``log(beta*p + (1-beta)*q)``) and costs
+  a second read. The same two kinds exist over the K top-k teacher entries (a gather, no loop).
+* each term's row value as an expression in those row statistics;
+* the gradient ``dL/dz_i = sum_n a_n*alpha_n*exp(alpha_n*z_i + beta_n*t_i - N_n) + b*[i == y]
+  + sum_k c_k * dg_k/dz_i``, every coefficient derived by sympy from the formulas.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy as sp
+
+from . import symbols as S
+
+# Row statistics of the first read.
+M = sp.Symbol("m", real=True)          # max_i z_i
+MT = sp.Symbol("m_t", real=True)       # max_i t_i
+IS_Y = sp.Symbol("is_y", real=True)    # element: [i == y]
+
+_BEFORE_STATS = {S.target_logit, S.label, S.vocab_size}  # row symbols known before the first read
+_Z_DEPENDENT_ROW = (S.target_logit,)                      # row inputs that move with the logits
+
+
+@dataclass(frozen=True)
+class Accumulator:
+    """One per-row sum the kernel keeps. ``online``: true value ``exp(alpha*m + beta*m_t) * A``."""
+
+    name: str
+    domain: str          # "vocab" | "topk"
+    online: bool
+    alpha: sp.Expr
+    beta: sp.Expr
+    body: sp.Expr        # h (online) or the whole summand (exact)
+
+    def __str__(self) -> str:
+        where = "sum_i" if self.domain == "vocab" else "sum_k"
+        if not self.online:
+            return f"{self.name} = {where} {self.body}    [exact: needs the final normalisers]"
+        var = ("z", "t") if self.domain == "vocab" else ("z_k", "t")
+        scale = " + ".join(f"{c}*({v} - {mx})" for c, v, mx in
+                           ((self.alpha, var[0], "m"), (self.beta, var[1], "m_t")) if c != 0)
+        factor = f"exp({scale})" if scale else "1"
+        return f"{self.name} = {where} {factor} * {self.body}    [online]"
+
+
+@dataclass(frozen=True)
+class Normalizer:
+    """``symbol = log sum_i exp(alpha*z_i + beta*t_i) = alpha*m + beta*m_t + log(acc)``."""
+
+    symbol: sp.Symbol
+    alpha: sp.Expr
+    beta: sp.Expr
+    acc: str
+
+    @property
+    def value(self) -> sp.Expr:
+        return self.alpha * M + self.beta * MT + sp.log(sp.Symbol(self.acc, real=True))
+
+
+@dataclass(frozen=True)
+class SegmentTerm:
+    """A term ``F(U_1..U_r)`` of per-segment means ``U_j = mean(u_j)`` of row quantities ``u_j``."""
+
+    name: str
+    means: tuple[sp.Symbol, ...]       # U_j
+    formula: sp.Expr                   # F(U)
+    dformula: tuple[sp.Expr, ...]      # dF/dU_j
+    coefs: tuple[sp.Symbol, ...]       # per-row dL/du_j fed back to the gradient launch
+
+
+@dataclass(frozen=True)
+class Lowered:
+    terms: tuple[tuple[str, bool], ...]          # (name, contributes gradient)
+    accumulators: tuple[Accumulator, ...]
+    normalizers: tuple[Normalizer, ...]
+    row_values: tuple[tuple[str, sp.Expr], ...]  # per-row outputs: term values and segment quantities
+    segments: tuple[SegmentTerm, ...]
+    weights: tuple[sp.Symbol, ...]               # runtime weight/divisor of each gradient term
+    grad_coefs: tuple[tuple[sp.Symbol, sp.Expr], ...]
+    grad_vocab: sp.Expr                          # dL/dz_i, in z, t, is_y and the coefficients
+    grad_topk: sp.Expr                           # dL/dz_{id_k}, sparse part
+    tokens: tuple[str, ...]
+    uses_labels: bool
+    uses_teacher: bool
+    uses_topk: bool
+    uses_argmax: bool
+
+    @property
+    def has_exact(self) -> bool:
+        return any(not a.online and a.domain == "vocab" for a in self.accumulators)
+
+    def __str__(self) -> str:
+        lines = ["row values:"]
+        lines += [f"  {name} = {expr}" for name, expr in self.row_values]
+        for seg in self.segments:
+            lines.append(f"  segment term {seg.name} = {seg.formula}")
+        lines.append("normalisers:")
+        lines += [f"  {n.symbol} = {n.value}" for n in self.normalizers]
+        lines.append("accumulators:")
+        lines += [f"  {a}" for a in self.accumulators]
+        lines.append("gradient (derived by sympy):")
+        lines += [f"  {s} = {e}" for s, e in self.grad_coefs]
+        lines.append(f"  dL/dz_i = {self.grad_vocab}")
+        if self.grad_topk != 0:
+            lines.append(f"  dL/dz_(id_k) += {self.grad_topk}")
+        return "\n".join(lines)
+
+
+def _num(x) -> sp.Expr:
+    x = sp.sympify(x)
+    return sp.nsimplify(x, rational=True) if isinstance(x, sp.Float) else x
+
+
+class _Lowering:
+    def __init__(self) -> None:
+        self.norms: dict[tuple, sp.Symbol] = {}
+        self.norm_of: dict[sp.Symbol, tuple] = {}
+        self.reductions: dict[tuple[str, sp.Expr], sp.Symbol] = {}
+        self.red_of: dict[sp.Symbol, tuple[str, sp.Expr]] = {}
+        self.accs: dict[tuple, Accumulator] = {}
+
+    # -- abstraction: LSE(..) and vsum(..) become placeholder symbols ------------------------------
+    def norm(self, alpha, beta) -> sp.Symbol:
+        key = (_num(alpha), _num(beta))
+        if not all(k.is_number and k >= 0 for k in key) or key == (0, 0):
+            raise ValueError(f"log-normaliser LSE{key}: temperatures must be positive numbers")
+        if key not in self.norms:
+            sym = sp.Symbol(f"N{len(self.norms)}", real=True)
+            self.norms[key], self.norm_of[sym] = sym, key
+        return self.norms[key]
+
+    def reduction(self, domain: str, body: sp.Expr) -> sp.Symbol:
+        key = (domain, body)
+        if key not in self.reductions:
+            sym = sp.Symbol(f"R{len(self.reductions)}", real=True)
+            self.reductions[key], self.red_of[sym] = sym, key
+        return self.reductions[key]
+
+    def abstract(self, expr: sp.Expr) -> sp.Expr:
+        expr = expr.replace(S.LSE, self.norm)
+        for fn, domain in ((S.vsum, "vocab"), (S.topk_sum, "topk")):
+            def repl(body, _domain=domain):
+                if body.has(S.vsum, S.topk_sum, S.segment_mean):
+                    raise ValueError(f"nested reductions are not supported: {body}")
+                return self.reduction(_domain, body)
+            expr = expr.replace(fn, repl)
+        return expr
+
+    # -- reductions -> accumulators ----------------------------------------------------------------
+    def acc(self, domain: str, online: bool, alpha, beta, body) -> sp.Symbol:
+        key = (domain, online, alpha, beta, body)
+        if key not in self.accs:
+            self.accs[key] = Accumulator(f"acc{len(self.accs)}", domain, online, alpha, beta, body)
+        return sp.Symbol(self.accs[key].name, real=True)
+
+    def online_piece(self, piece: sp.Expr, domain: str):
+        """``row * exp(alpha*z + beta*t) * h`` with h computable in the first read, or None."""
+        if domain == "vocab":
+            elem, z, t = (S.logit, S.teacher_logit), S.logit, S.teacher_logit
+        else:
+            elem, z, t = (S.topk_logit, S.topk_logprob), S.topk_logit, None
+        row, part = piece.as_independent(*elem, as_Add=False)
+        exponent, rest = sp.S.Zero, sp.S.One
+        for f in sp.Mul.make_args(part):
+            if isinstance(f, sp.exp) and f.args[0].has(z) or (t is not None and isinstance(f, sp.exp)):
+                exponent += f.args[0]
+            else:
+                rest *= f
+        exponent = sp.expand(exponent)
+        alpha = exponent.coeff(z)
+        beta = exponent.coeff(t) if t is not None else sp.S.Zero
+        const = sp.expand(exponent - alpha * z - (beta * t if t is not None else 0))
+        if const.has(*elem) or not (alpha.is_number and beta.is_number) or alpha < 0 or beta < 0:
+            return None
+        allowed = set(elem) | _BEFORE_STATS
+        if any(s not in allowed and not s.name.startswith(S.TOKEN_PREFIX) for s in rest.free_symbols):
+            return None
+        acc = self.acc(domain, True, alpha, beta, rest)
+        return _merge_exp(row * sp.exp(const) * sp.exp(alpha * M + beta * MT)) * acc
+
+    def lower_reduction(self, domain: str, body: sp.Expr) -> sp.Expr:
+        value, exact = sp.S.Zero, sp.S.Zero
+        for addend in sp.Add.make_args(body):
+            pieces = [self.online_piece(p, domain) for p in sp.Add.make_args(sp.expand(addend))]
+            if all(p is not None for p in pieces):
+                value += sp.Add(*pieces)
+            else:
+                exact += addend
+        if exact != 0:
+            value += self.acc(domain, False, sp.S.Zero, sp.S.Zero, exact)
+        return value
+
+
+def _merge_exp(expr: sp.Expr) -> sp.Expr:
+    """One exp per product, so that exp(2*m)*exp(-2*N) is evaluated as exp(2*m - 2*N) <= 1."""
+    exponent, rest = sp.S.Zero, sp.S.One
+    for f in sp.Mul.make_args(expr):
+        if isinstance(f, sp.exp):
+            exponent += f.args[0]
+        else:
+            rest *= f
+    return rest * sp.exp(sp.expand(exponent))
+
+
+def _prune(accs: list[Accumulator], normalizers, exprs: list[sp.Expr]):
+    """Drop accumulators nothing reads (left by reductions that fell back to an exact sum) and
+    number the rest densely, so that the generated kernel keeps only what it uses."""
+    used = {n.acc for n in normalizers}
+    used |= {s.name for e in exprs for s in e.free_symbols}
+    used |= {s.name for a in accs if a.name in used for s in a.body.free_symbols}
+    kept = [a for a in accs if a.name in used]
+    rename = {a.name: f"acc{i}" for i, a in enumerate(kept)}
+    subs = {sp.Symbol(o, real=True): sp.Symbol(n, real=True) for o, n in rename.items()}
+    return tuple(Accumulator(rename[a.name], a.domain, a.online, a.alpha, a.beta, a.body.xreplace(subs))
+                 for a in kept), rename
+
+
+def _piecewise(expr: sp.Expr) -> sp.Expr:
+    """Min/Max/Abs as Piecewise, so that sympy differentiates them branch by branch."""
+    return expr.replace(lambda e: isinstance(e, (sp.Min, sp.Max, sp.Abs)),
+                        lambda e: e.rewrite(sp.Piecewise))
+
+
+def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
+    """``terms``: (name, bound formula, is_metric) for each term of the head, in output order."""
+    lw = _Lowering()
+    row_values: list[tuple[str, sp.Expr]] = []
+    segments: list[SegmentTerm] = []
+    weights: list[sp.Symbol] = []
+    loss = sp.S.Zero
+    for name, formula, is_metric in terms:
+        if formula.has(S.segment_mean):
+            if is_metric:
+                raise ValueError(f"{name}: a segment term cannot be a metric")
+            means: dict[sp.Expr, sp.Symbol] = {}
+
+            def mean(u, _means=means, _name=name):
+                _means.setdefault(u, sp.Symbol(f"{_name}_U{len(_means)}", real=True))
+                return _means[u]
+            F = formula.replace(S.segment_mean, mean)
+            if F.free_symbols - set(means.values()):
+                raise ValueError(f"{name}: every row quantity of a segment term must sit inside "
+                                 f"segment_mean(...), found {sorted(map(str, F.free_symbols))}")
+            coefs = tuple(sp.Symbol(f"{U.name}_coef", real=True) for U in means.values())
+            for (u, U), c in zip(means.items(), coefs):
+                row_u = lw.abstract(u)
+                row_values.append((U.name, row_u))
+                loss += c * row_u
+            Fp = _piecewise(F)
+            segments.append(SegmentTerm(name, tuple(means.values()), F,
+                                        tuple(Fp.diff(U) for U in means.values()), coefs))
+            weights.append(sp.Symbol(f"w_{name}", real=True))  # folded into coefs at run time
+            continue
+        f = lw.abstract(formula)
+        row_values.append((name, f))
+        if not is_metric:
+            w = sp.Symbol(f"w_{name}", real=True)
+            weights.append(w)
+            loss += w * f
+
+    # ---- the gradient, by the chain rule over placeholders --------------------------------------
+    loss = _piecewise(loss)
+    coefs: list[tuple[sp.Symbol, sp.Expr]] = []
+
+    def coef(expr: sp.Expr) -> sp.Expr:
+        if expr == 0:
+            return sp.S.Zero
+        sym = sp.Symbol(f"g{len(coefs)}", real=True)
+        coefs.append((sym, expr))
+        return sym
+
+    reds = list(lw.reductions.items())
+    c = {r: loss.diff(r) for (_, r) in reds}
+    grad_vocab, grad_topk = sp.S.Zero, sp.S.Zero
+    for (domain, body), r in reds:
+        if c[r] == 0:
+            continue
+        elem = S.logit if domain == "vocab" else S.topk_logit
+        d = body.diff(elem)
+        if d == 0:
+            continue
+        term = coef(c[r]) * d
+        if domain == "vocab":
+            grad_vocab += term
+        else:
+            grad_topk += term
+    # row symbols that move with z_i: each normaliser N (dN/dz_i = alpha*exp(alpha*z_i + beta*t_i - N))
+    # and the target logit; their coefficients also collect the paths through the reductions.
+    student_norms = [n for n, (alpha, _) in lw.norm_of.items() if alpha != 0]
+    for x in student_norms + list(_Z_DEPENDENT_ROW):
+        total = loss.diff(x)
+        for (domain, body), r in reds:
+            if c[r] != 0 and body.has(x):
+                total += c[r] * lw.reduction(domain, body.diff(x))
+        if total == 0:
+            continue
+        if x in lw.norm_of:
+            alpha, beta = lw.norm_of[x]
+            grad_vocab += coef(total) * alpha * sp.exp(alpha * S.logit + beta * S.teacher_logit - x)
+        else:
+            grad_vocab += coef(total) * IS_Y
+
+    # ---- placeholders -> accumulators ----------------------------------------------------------
+    lowered_red = {r: lw.lower_reduction(domain, body) for (domain, body), r in lw.reductions.items()}
+    for key, sym in list(lw.norms.items()):
+        lw.acc("vocab", True, key[0], key[1], sp.S.One)
+    normalizers = tuple(
+        Normalizer(sym, key[0], key[1], lw.accs[("vocab", True, key[0], key[1], sp.S.One)].name)
+        for key, sym in lw.norms.items())
+
+    # A normaliser's own accumulator is exp(N - alpha*m - beta*m_t): writing it so lets sympy cancel
+    # products such as acc*exp(m - N) (the total probability, 1) exactly.
+    unit = {sp.Symbol(n.acc, real=True): sp.exp(n.symbol - n.alpha * M - n.beta * MT)
+            for n in normalizers}
+
+    def finish(expr: sp.Expr) -> sp.Expr:
+        return sp.powsimp(expr.xreplace(lowered_red).xreplace(unit), deep=True, combine="exp")
+
+    row_values = [(n, finish(e)) for n, e in row_values]
+    coefs = [(s, finish(e)) for s, e in coefs]
+    accumulators, rename = _prune(list(lw.accs.values()), normalizers,
+                                  [e for _, e in row_values] + [e for _, e in coefs])
+    normalizers = tuple(Normalizer(n.symbol, n.alpha, n.beta, rename[n.acc]) for n in normalizers)
+    subs = {sp.Symbol(old, real=True): sp.Symbol(new, real=True) for old, new in rename.items()}
+    row_values = [(n, e.xreplace(subs)) for n, e in row_values]
+    coefs = [(s, e.xreplace(subs)) for s, e in coefs]
+    free = set().union(*(e.free_symbols for _, e in row_values), *(e.free_symbols for _, e in coefs),
+                       grad_vocab.free_symbols, grad_topk.free_symbols,
+                       *(a.body.free_symbols for a in accumulators))
+    tokens = tuple(sorted(s.name[len(S.TOKEN_PREFIX):] for s in free
+                          if s.name.startswith(S.TOKEN_PREFIX)))
+    params = [s.name for s in free if s.name.startswith(S.PARAM_PREFIX)]
+    if params:
+        raise ValueError(f"unbound parameters {params}")
+    return Lowered(
+        terms=tuple((n, not m) for n, _, m in terms),
+        accumulators=accumulators,
+        normalizers=normalizers,
+        row_values=tuple(row_values),
+        segments=tuple(segments),
+        weights=tuple(weights),
+        grad_coefs=tuple(coefs),
+        grad_vocab=grad_vocab,
+        grad_topk=grad_topk,
+        tokens=tokens,
+        uses_labels=bool(free & {S.target_logit, S.label, IS_Y}),
+        uses_teacher=bool(free & {S.teacher_logit, MT}) or any(b != 0 for _, b in lw.norms),
+        uses_topk=any(a.domain == "topk" for a in accumulators),
+        uses_argmax=S.argmax in free,
+    )

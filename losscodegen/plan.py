@@ -1,0 +1,114 @@
+"""Stage 3, plan: reads over the vocabulary, the packed per-row statistics, and the launches.
+
+The first read keeps every online accumulator; an exact accumulator adds a second read; the gradient
+is one more read. Everything the first read produces for a row lives in one packed fp32 row of
+``stats``, with a merge rule per column, so that splitting a row across ranks (vocab-parallel) or
+across launches (segment terms) costs one exchange of that tensor whatever the terms.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy as sp
+
+from .lower import Lowered
+
+
+@dataclass(frozen=True)
+class Column:
+    """One packed statistic and how partial values of it (one per vocab shard) combine."""
+
+    name: str
+    merge: str                 # "max" | "sum" | "argmax" | "scaled"
+    alpha: sp.Expr = sp.S.Zero  # for "scaled": rescale by exp(alpha*(m_r - m) + beta*(m_t,r - m_t))
+    beta: sp.Expr = sp.S.Zero
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch: which phases it runs, and what the host does after it."""
+
+    stats: bool        # run the first read (else load the packed statistics)
+    exact: bool        # run the exact read (else load its sums, when the head has any)
+    store_stats: bool
+    rows: bool         # write per-row values
+    grad: bool
+    then: str          # "" | "merge" (all-gather + merge the packed stats) | "sum_exact" | "segments"
+
+
+@dataclass(frozen=True)
+class Plan:
+    lowered: Lowered
+    softcap: bool
+    columns: tuple[Column, ...]
+
+    @property
+    def reads(self) -> int:
+        """Reads of the logits per row for the loss (the gradient read not counted)."""
+        return 1 + int(self.lowered.has_exact)
+
+    def launches(self, *, sharded: bool, grad: bool) -> tuple[Launch, ...]:
+        lw = self.lowered
+        segments = bool(lw.segments) and grad
+        if not sharded:
+            if not segments:
+                return (Launch(True, True, False, True, grad, ""),)
+            return (Launch(True, True, True, True, False, "segments"),
+                    Launch(False, False, False, False, True, ""))
+        out = [Launch(True, False, True, False, False, "merge")]
+        if lw.has_exact:
+            out.append(Launch(False, True, True, False, False, "sum_exact"))
+        if segments:
+            out += [Launch(False, False, False, True, False, "segments"),
+                    Launch(False, False, False, False, True, "")]
+        else:
+            out.append(Launch(False, False, False, True, grad, ""))
+        return tuple(out)
+
+    def bytes_per_element(self, logit_bytes: int = 2, teacher_bytes: int = 2,
+                          grad: bool = True) -> float:
+        per_read = logit_bytes + (teacher_bytes if self.lowered.uses_teacher else 0)
+        total = self.reads * per_read
+        if grad:
+            uses_t = self.lowered.grad_vocab.has(sp.Symbol("t", real=True))
+            total += logit_bytes + (teacher_bytes if uses_t else 0) + logit_bytes
+        return total
+
+    def __str__(self) -> str:
+        lw = self.lowered
+        lines = [f"reads of the vocabulary: {self.reads} for the loss"
+                 + (" (online stats + exact)" if lw.has_exact else " (online stats)")
+                 + " + 1 for the gradient",
+                 f"bytes per element (bf16 in, bf16 grad): {self.bytes_per_element():g}",
+                 f"packed per-row stats ({len(self.columns)} fp32): "
+                 + ", ".join(f"{c.name}:{c.merge}" for c in self.columns),
+                 "vocab-parallel: one all-gather of the packed stats"
+                 + (" + one all-reduce of the exact sums" if lw.has_exact else "")]
+        for sharded in (False, True):
+            seq = self.launches(sharded=sharded, grad=True)
+            lines.append(("sharded" if sharded else "single device") + f": {len(seq)} launch(es): "
+                         + " -> ".join(_describe(l) for l in seq))
+        return "\n".join(lines)
+
+
+def _describe(launch: Launch) -> str:
+    parts = [n for n, on in (("stats", launch.stats), ("exact", launch.exact), ("rows", launch.rows),
+                             ("grad", launch.grad)) if on]
+    return "[" + "+".join(parts) + "]" + (f" {launch.then}" if launch.then else "")
+
+
+def plan(lowered: Lowered, *, softcap: bool) -> Plan:
+    cols = [Column("m", "max")]
+    if lowered.uses_teacher:
+        cols.append(Column("m_t", "max"))
+    if lowered.uses_labels:
+        cols.append(Column("z_y", "sum"))
+    if lowered.uses_argmax:
+        cols.append(Column("argmax", "argmax"))
+    for acc in lowered.accumulators:
+        if acc.online:
+            cols.append(Column(acc.name, "scaled", acc.alpha, acc.beta))
+    for acc in lowered.accumulators:
+        if not acc.online:
+            cols.append(Column(acc.name, "sum"))
+    return Plan(lowered, softcap, tuple(cols))

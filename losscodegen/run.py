@@ -1,0 +1,438 @@
+"""Stage 6, run: ``HeadLoss`` -- checks inputs, launches the planned kernels, wires autograd.
+
+The forward launch also writes dL/dlogits for an upstream gradient of 1; backward only rescales it,
+in place, with a kernel that reads the upstream gradient on the device and skips rows where it is
+exactly 1 (the usual case), so no call synchronises with the host.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import sympy as sp
+import torch
+import triton
+import triton.language as tl
+
+from . import load as _load
+from .emit import emit
+from .lower import Lowered, lower
+from .plan import Plan, plan
+from .terms import Term, bind
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_STANDARD_INPUTS = ("teacher_logits", "loss_mask", "teacher_topk_ids", "teacher_topk_logprobs",
+                    "segment_ids", "process_group", "segment_group", "num_segments", "divisor",
+                    "reduction")
+
+
+@dataclass
+class HeadOutput:
+    """``loss``: fp32 scalar (or per-row with reduction="none"), differentiable w.r.t. the logits.
+    ``terms`` and ``metrics``: detached fp32 scalars, unweighted."""
+
+    loss: torch.Tensor
+    terms: dict[str, torch.Tensor] = field(default_factory=dict)
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@triton.jit
+def _scale_rows(grad_ptr, grad_stride, g_ptr, g_stride, V, BLOCK_V: tl.constexpr):
+    # dL/dlogits was written for an upstream gradient of 1: multiply by the real one, and skip the
+    # row entirely when it is 1, which is the common case, without the host ever looking at it.
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.load(g_ptr + row * g_stride)
+    if g != 1.0:
+        for start in range(0, V, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            ptr = grad_ptr + row * grad_stride + cols
+            d = tl.load(ptr, mask=cols < V, other=0.0).to(tl.float32)
+            tl.store(ptr, (d * g).to(grad_ptr.dtype.element_ty), mask=cols < V)
+
+
+def _block_v(V: int) -> int:
+    return min(triton.next_power_of_2(V), 4096)
+
+
+class _HeadFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, head, inputs):
+        loss, values, grad = head._compute(logits, inputs)
+        ctx.grad = grad
+        ctx.mark_non_differentiable(values)
+        return loss, values
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_values):
+        grad = ctx.grad
+        if grad is None:
+            raise RuntimeError("HeadLoss: backward ran twice through the same call; its gradient "
+                               "buffer is consumed by the first (call the head again instead)")
+        ctx.grad = None
+        g = grad_loss.to(torch.float32).reshape(-1).contiguous()
+        _scale_rows[(grad.shape[0],)](grad, grad.stride(0), g, 0 if g.numel() == 1 else 1,
+                                      grad.shape[1], BLOCK_V=_block_v(grad.shape[1]))
+        return grad, None, None
+
+
+class HeadLoss(torch.nn.Module):
+    """Several loss terms and metrics over the same logits, computed by one generated kernel.
+
+    See CONTRACT.md: ``HeadLoss(*terms, metrics=(), ignore_index=-100, logit_scale=1.0,
+    softcap=None, validate=True)``; call it with ``logits [..., V]``, ``labels [...]`` and the
+    keyword inputs the terms need.
+    """
+
+    def __init__(self, *terms: Term, metrics: tuple[Term, ...] = (), ignore_index: int = -100,
+                 logit_scale: float = 1.0, softcap: float | None = None, validate: bool = True):
+        super().__init__()
+        metrics = tuple(metrics)
+        for t in terms + metrics:
+            if not isinstance(t, Term):
+                raise TypeError(f"HeadLoss takes terms such as lcg.CrossEntropy(), got {t!r} "
+                                "(did you pass the class instead of calling it?)")
+        for t in terms:
+            if t.metric_only:
+                raise ValueError(f"{t.name} is a metric only: pass it in metrics=(...)")
+        names = [t.name for t in terms + metrics]
+        if len(set(names)) != len(names):
+            raise ValueError(f"term names must be unique in a head, got {names}")
+        if not terms and not metrics:
+            raise ValueError("HeadLoss needs at least one term or metric")
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"softcap must be > 0 or None, got {softcap}")
+        if not isinstance(ignore_index, int):
+            raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+        self.loss_terms, self.metric_terms = terms, metrics
+        self.ignore_index, self.logit_scale, self.softcap = ignore_index, float(logit_scale), softcap
+        self.validate = validate
+        head = terms + metrics
+        self._bound = tuple((t.name, bind(t, head), t in metrics) for t in head)
+        self._weights = torch.tensor([t.weight for t in terms], dtype=torch.float32)
+        self.spec_text = "\n".join(
+            [f"{'metric' if m else 'loss'} {n} {sp.srepr(f)}" for n, f, m in self._bound]
+            + [f"softcap {softcap is not None}"])
+        self.key = _load.kernel_key(self.spec_text)
+        self.kernel: ModuleType = _load.load(self.key, lambda: self.source().text)
+
+    # ---- the pipeline, for explain() and generation --------------------------------------------
+    def lowered(self) -> Lowered:
+        return lower(self._bound)
+
+    def plan(self) -> Plan:
+        return plan(self.lowered(), softcap=self.softcap is not None)
+
+    def source(self):
+        p = self.plan()
+        return emit(p, self.key, _header(self._bound, p, self.softcap is not None))
+
+    def explain(self) -> str:
+        """Formulas, reductions, the derived gradient, the reads and the kernel file serving it."""
+        p = self.plan()
+        return "\n".join([
+            "terms:", *[f"  {'metric' if m else 'loss  '} {n} = {f}" for n, f, m in self._bound],
+            str(p.lowered), "plan:", *["  " + line for line in str(p).splitlines()],
+            f"kernel: {_load.module_path(self.key)}"])
+
+    # ---- call -----------------------------------------------------------------------------------
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor | None = None, **inputs: Any) -> HeadOutput:
+        reduction = inputs.get("reduction", "mean")
+        if reduction not in ("mean", "none"):
+            raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
+        inputs = dict(inputs, labels=labels, reduction=reduction)
+        if logits.requires_grad and torch.is_grad_enabled():
+            loss, values = _HeadFunction.apply(logits, self, inputs)
+        else:
+            loss, values, _ = self._compute(logits, inputs, grad=False)
+        n = len(self.loss_terms)
+        names = [t.name for t in self.loss_terms + self.metric_terms]
+        terms = {k: values[i] for i, k in enumerate(names[:n])}
+        metrics = {k: values[n + i] for i, k in enumerate(names[n:])}
+        return HeadOutput(loss, terms, metrics)
+
+    def _compute(self, logits, inputs, grad=True):
+        k = self.kernel
+        unknown = set(inputs) - set(_STANDARD_INPUTS) - {"labels"} - set(k.TOKENS)
+        known_tokens = {"advantages", "old_logprobs", "ref_logprobs"}
+        if unknown - known_tokens:
+            raise TypeError(f"HeadLoss got unexpected keyword argument(s) {sorted(unknown - known_tokens)}")
+        x, rows_shape, V_local = _check_logits(logits)
+        rows = x.shape[0]
+        group = inputs.get("process_group")
+        world, rank = _group_info(group)
+        V = V_local * world
+        dev = x.device
+        labels = _check_rowwise("labels", inputs["labels"], rows_shape, dev, integer=True,
+                                required=k.USES_LABELS)
+        mask = _check_rowwise("loss_mask", inputs.get("loss_mask"), rows_shape, dev, boolean=True)
+        if labels is not None and self.validate:
+            bad = (labels != self.ignore_index) & ((labels < 0) | (labels >= V))
+            if bool(bad.any()):
+                raise ValueError(f"labels: values must be in [0, {V}) or ignore_index="
+                                 f"{self.ignore_index}; found {labels[bad][0].item()}")
+        tokens = {name: _check_rowwise(name, inputs.get(name), rows_shape, dev, required=True).float()
+                  for name in k.TOKENS}
+        teacher = None
+        if k.USES_TEACHER:
+            teacher = inputs.get("teacher_logits")
+            if teacher is None:
+                raise ValueError("teacher_logits is required by " + self._needing("teacher"))
+            if not isinstance(teacher, torch.Tensor) or teacher.shape != logits.shape:
+                raise ValueError(f"teacher_logits must have the logits' shape {tuple(logits.shape)}, "
+                                 f"got {getattr(teacher, 'shape', type(teacher).__name__)}")
+            if teacher.dtype not in _FLOATS or teacher.device != dev:
+                raise TypeError(f"teacher_logits must be a float tensor on {dev}, got "
+                                f"{teacher.dtype} on {teacher.device}")
+            teacher = _rows_view(teacher.detach(), V_local)
+        topk = None
+        if k.USES_TOPK:
+            topk = _check_topk(inputs, rows_shape, dev)
+        valid = torch.ones(rows, dtype=torch.bool, device=dev)
+        if labels is not None:
+            valid &= labels != self.ignore_index
+        if mask is not None:
+            valid &= mask
+        n_valid = valid.sum().to(torch.float32)
+
+        divisor = inputs.get("divisor")
+        reduction = inputs["reduction"]
+        if divisor is not None:
+            divisor = torch.as_tensor(divisor, dtype=torch.float32, device=dev).reshape(())
+        row_div = divisor if divisor is not None else n_valid.clamp_min(1.0)
+        weights = self._weights.to(dev)
+        segment_terms = {name for name, _, _ in k.SEGMENTS}
+        if segment_terms and reduction == "none":
+            raise ValueError("reduction='none' has no per-row value for segment terms "
+                             f"{sorted(segment_terms)}")
+        plain = [i for i, t in enumerate(self.loss_terms) if t.name not in segment_terms]
+        scale = row_div if reduction == "mean" else torch.ones((), device=dev)
+        w_rows = weights[plain] / scale
+
+        n_values = len(k.ROW_VALUES)
+        out_rows = torch.empty(rows, n_values, dtype=torch.float32, device=dev)
+        stats = torch.empty(rows, len(k.COLUMNS), dtype=torch.float32, device=dev)
+        grad_buf = torch.empty_like(x, memory_format=torch.contiguous_format) if grad else None
+        seg_coefs: dict[str, torch.Tensor] = {}
+        seg_values: dict[str, torch.Tensor] = {}
+        args = dict(x=x, labels=labels, mask=mask, teacher=teacher, tokens=tokens, topk=topk,
+                    w=w_rows, grad=grad_buf, rows=out_rows, stats=stats, seg_coefs=seg_coefs,
+                    V_local=V_local, vocab_start=rank * V_local, V=V)
+        for launch in self.plan_launches(sharded=group is not None, grad=grad):
+            self._launch(launch, args)
+            if launch.then == "merge":
+                _merge_stats(stats, k.MERGE, group, world)
+            elif launch.then == "sum_exact":
+                _sum_exact(stats, k, group)
+            elif launch.then == "segments":
+                seg_values = self._segments(k, out_rows, valid, inputs, weights, divisor, dev, seg_coefs)
+        if not seg_values and segment_terms:  # no gradient wanted: still the values
+            seg_values = self._segments(k, out_rows, valid, inputs, weights, divisor, dev, seg_coefs)
+
+        names = [t.name for t in self.loss_terms + self.metric_terms]
+        col = {name: i for i, name in enumerate(k.ROW_VALUES)}
+        values = torch.stack([seg_values[n] if n in seg_values else out_rows[:, col[n]].sum() / row_div
+                              for n in names])
+        n_loss = len(self.loss_terms)
+        if reduction == "none":
+            idx = torch.tensor([col[self.loss_terms[i].name] for i in plain], device=dev)
+            loss = (out_rows[:, idx] * weights[plain]).sum(1).reshape(rows_shape)
+        else:
+            loss = (values[:n_loss] * weights).sum() if n_loss else values.new_zeros(())
+        grad_out = grad_buf.view(logits.shape) if grad else None
+        return loss, values, grad_out
+
+    def plan_launches(self, *, sharded: bool, grad: bool):
+        p = Plan(_MetaLowered(self.kernel), self.softcap is not None, ())
+        return p.launches(sharded=sharded, grad=grad)
+
+    def _needing(self, what: str) -> str:
+        return ", ".join(n for n, f, _ in self._bound) or what
+
+    def _launch(self, launch, a):
+        k = self.kernel
+        x = a["x"]
+        rows = x.shape[0]
+        dev = x.device
+        dummy = torch.empty(1, dtype=torch.float32, device=dev)
+        labels, mask = a["labels"], a["mask"]
+        args = [x, x.stride(0), labels if labels is not None else dummy,
+                mask if mask is not None else dummy]
+        if k.USES_TEACHER:
+            args += [a["teacher"], a["teacher"].stride(0)]
+        args += [a["tokens"][t] for t in k.TOKENS]
+        block_k = 1
+        if k.USES_TOPK:
+            ids, lps = a["topk"]
+            args += [ids, lps, ids.stride(0), ids.shape[1]]
+            block_k = triton.next_power_of_2(ids.shape[1])
+        args += [a["seg_coefs"].get(c, dummy) for _, _, cs in k.SEGMENTS for c in cs]
+        grad = a["grad"] if launch.grad else None
+        args += [a["w"], grad if grad is not None else x, grad.stride(0) if grad is not None else 0,
+                 a["rows"], a["stats"], self.logit_scale, float(self.softcap or 1.0),
+                 a["V_local"], a["vocab_start"], float(a["V"]), self.ignore_index]
+        kernel = getattr(k, f"head_loss_{k.KEY}")
+        kernel[(rows,)](*args, HAS_LABELS=labels is not None, HAS_MASK=mask is not None,
+                        STATS=launch.stats, EXACT=launch.exact, STORE_STATS=launch.store_stats,
+                        ROWS=launch.rows, GRAD=launch.grad, BLOCK_V=_block_v(a["V_local"]),
+                        BLOCK_K=block_k)
+
+    def _segments(self, k, out_rows, valid, inputs, weights, divisor, dev, seg_coefs):
+        """Per-segment means of the row quantities, the segment formula, and per-row coefficients
+        dL/du for the gradient launch -- index_add_, no host sync (unless num_segments is unknown)."""
+        seg = inputs.get("segment_ids")
+        rows = out_rows.shape[0]
+        if seg is None:
+            raise ValueError("segment_ids is required by segment term(s) "
+                             f"{[n for n, _, _ in k.SEGMENTS]}")
+        seg = seg.reshape(-1) if isinstance(seg, torch.Tensor) else seg
+        seg = _check_rowwise("segment_ids", seg, (rows,), dev, integer=True, required=True)
+        n_seg = inputs.get("num_segments")
+        if self.validate and bool((seg < 0).any()):
+            raise ValueError("segment_ids must be >= 0")
+        if n_seg is None:
+            n_seg = int(seg.max().item()) + 1 if rows else 0  # one sync; pass num_segments= to avoid it
+        seg = torch.where(valid, seg, n_seg)  # invalid rows go to a spill segment that is dropped
+        count = torch.zeros(n_seg + 1, device=dev).index_add_(0, seg, valid.float())[:n_seg]
+        nonempty = count > 0
+        n_nonempty = nonempty.sum().to(torch.float32)
+        div = divisor if divisor is not None else n_nonempty.clamp_min(1.0)
+        col = {name: i for i, name in enumerate(k.ROW_VALUES)}
+        names = [t.name for t in self.loss_terms]
+        values = {}
+        for name, means, coefs in k.SEGMENTS:
+            U = [torch.zeros(n_seg + 1, device=dev).index_add_(0, seg, out_rows[:, col[u]])[:n_seg]
+                 / count.clamp_min(1.0) for u in means]
+            with torch.no_grad():
+                F = getattr(k, f"{name}_segment_value")(*U)
+                dF = getattr(k, f"{name}_segment_grads")(*U)
+            values[name] = torch.where(nonempty, F, 0.0).sum() / div
+            w = weights[names.index(name)] / div
+            for c, d in zip(coefs, dF):
+                per_seg = torch.where(nonempty, d / count.clamp_min(1.0), 0.0) * w
+                seg_coefs[c] = torch.cat([per_seg, per_seg.new_zeros(1)])[seg].contiguous()
+        return values
+
+
+class _MetaLowered:
+    """What ``Plan.launches`` needs, read off a loaded kernel module (no sympy at call time)."""
+
+    def __init__(self, module: ModuleType):
+        self.segments = module.SEGMENTS
+        self.has_exact = module.HAS_EXACT
+
+
+def _header(bound, p: Plan, softcap: bool) -> str:
+    lines = ["# Generated by losscodegen -- do not edit; `python -m losscodegen generate` rewrites it.",
+             "#", "# terms (per-row formulas):"]
+    lines += [f"#   {'metric' if m else 'loss  '} {n} = {f}" for n, f, m in bound]
+    lines += [f"# softcap: {softcap}", "#", "# lowered:"]
+    lines += ["#   " + line for line in str(p.lowered).splitlines()]
+    lines += ["#", "# plan:"] + ["#   " + line for line in str(p).splitlines()]
+    return "\n".join(lines)
+
+
+# ---- input checks --------------------------------------------------------------------------------
+def _rows_view(t: torch.Tensor, V: int) -> torch.Tensor:
+    """[..., V] as [rows, V] with unit column stride, copying only when no such view exists."""
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    try:
+        return t.view(-1, V)
+    except RuntimeError:
+        return t.reshape(-1, V).contiguous()
+
+
+def _check_logits(logits):
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
+    if logits.dtype not in _FLOATS:
+        raise TypeError(f"logits must be float32, bfloat16 or float16, got {logits.dtype}")
+    if logits.dim() < 1 or logits.shape[-1] == 0:
+        raise ValueError(f"logits must be [..., V] with V > 0, got shape {tuple(logits.shape)}")
+    V = logits.shape[-1]
+    return _rows_view(logits.detach(), V), tuple(logits.shape[:-1]), V
+
+
+def _check_rowwise(name, t, rows_shape, device, *, integer=False, boolean=False, required=False):
+    if t is None:
+        if required:
+            raise ValueError(f"{name} is required by this head's terms")
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(rows_shape):
+        raise ValueError(f"{name} must have shape {tuple(rows_shape)} (the logits without the vocab "
+                         f"dim), got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but logits are on {device}")
+    if integer and (t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex()):
+        raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
+    if boolean and t.dtype != torch.bool:
+        raise TypeError(f"{name} must be a bool tensor, got {t.dtype}")
+    if not (integer or boolean) and not t.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a float tensor, got {t.dtype}")
+    t = t.reshape(-1)
+    return (t.long() if integer else t).contiguous()
+
+
+def _check_topk(inputs, rows_shape, device):
+    ids, lps = inputs.get("teacher_topk_ids"), inputs.get("teacher_topk_logprobs")
+    for name, t in (("teacher_topk_ids", ids), ("teacher_topk_logprobs", lps)):
+        if t is None:
+            raise ValueError(f"{name} is required by topk_forward_kl")
+        if not isinstance(t, torch.Tensor) or tuple(t.shape[:-1]) != tuple(rows_shape) or t.dim() == 0:
+            raise ValueError(f"{name} must have shape {tuple(rows_shape)} + (K,), got "
+                             f"{tuple(getattr(t, 'shape', ()))}")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but logits are on {device}")
+    if ids.shape != lps.shape:
+        raise ValueError(f"teacher_topk_ids {tuple(ids.shape)} and teacher_topk_logprobs "
+                         f"{tuple(lps.shape)} must have the same shape")
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise TypeError(f"teacher_topk_ids must be an integer tensor, got {ids.dtype}")
+    if not lps.dtype.is_floating_point:
+        raise TypeError(f"teacher_topk_logprobs must be a float tensor, got {lps.dtype}")
+    K = ids.shape[-1]
+    return ids.reshape(-1, K).long().contiguous(), lps.reshape(-1, K).float().contiguous()
+
+
+# ---- vocab-parallel ----------------------------------------------------------------------------
+def _group_info(group):
+    if group is None:
+        return 1, 0
+    import torch.distributed as dist
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _merge_stats(stats: torch.Tensor, merge, group, world: int) -> None:
+    """One all-gather of every rank's packed stats, merged locally, column rule by column rule."""
+    import torch.distributed as dist
+    parts = torch.empty((world,) + tuple(stats.shape), dtype=stats.dtype, device=stats.device)
+    dist.all_gather_into_tensor(parts, stats.contiguous(), group=group)
+    names = [m[0] for m in merge]
+    m_all = parts[:, :, names.index("m")]
+    m = m_all.max(0).values
+    mt_all = parts[:, :, names.index("m_t")] if "m_t" in names else None
+    mt = mt_all.max(0).values if mt_all is not None else None
+    for j, (name, rule, alpha, beta) in enumerate(merge):
+        col = parts[:, :, j]
+        if rule == "max":
+            stats[:, j] = col.max(0).values
+        elif rule == "sum":
+            stats[:, j] = col.sum(0)
+        elif rule == "argmax":  # the rank holding the first maximum
+            stats[:, j] = col.gather(0, m_all.argmax(0, keepdim=True))[0]
+        else:
+            shift = alpha * (m_all - m)
+            if beta:
+                shift = shift + beta * (mt_all - mt)
+            stats[:, j] = (col * torch.exp(shift)).sum(0)
+
+
+def _sum_exact(stats: torch.Tensor, k, group) -> None:
+    import torch.distributed as dist
+    idx = [j for j, m in enumerate(k.MERGE) if m[1] == "sum" and m[0].startswith("acc")]
+    part = stats[:, idx].contiguous()
+    dist.all_reduce(part, group=group)
+    stats[:, idx] = part

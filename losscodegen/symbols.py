@@ -1,0 +1,137 @@
+"""Stage 1a, declare: the symbols a loss formula is written in.
+
+Three levels of quantities (see docs/architecture.md):
+
+* element symbols -- one entry ``i`` of the vocabulary row: ``logit`` (z_i), ``teacher_logit`` (t_i),
+  and for top-k teacher inputs ``topk_logit`` (z at id_k) and ``topk_logprob`` (l_k);
+* row symbols -- one float per token: ``target_logit``, ``label``, ``argmax``, ``vocab_size``,
+  ``token(name)`` inputs, and the log-normalisers ``lse_at(T)`` / ``teacher_lse_at(T)``;
+* reductions -- ``vsum(element expr)`` over the vocabulary, ``topk_sum(expr)`` over the K teacher
+  entries, and ``segment_mean(row expr)`` over the valid rows of a segment.
+
+A term is a sympy expression at row level. Nothing here knows how it is computed.
+"""
+from __future__ import annotations
+
+import re
+
+import sympy as sp
+from sympy import Abs, Max, Min, Piecewise, exp, log  # re-exported for formulas
+
+__all__ = [
+    "Abs", "Max", "Min", "Piecewise", "exp", "log",
+    "logit", "teacher_logit", "topk_logit", "topk_logprob",
+    "target_logit", "label", "argmax", "vocab_size",
+    "lse", "teacher_lse", "lse_at", "teacher_lse_at",
+    "softmax", "logsoftmax", "softmax_at", "logsoftmax_at",
+    "teacher_prob", "teacher_logprob", "teacher_prob_at", "teacher_logprob_at",
+    "vsum", "topk_sum", "segment_mean", "token", "param", "LSE",
+]
+
+
+def _real(name: str) -> sp.Symbol:
+    return sp.Symbol(name, real=True)
+
+
+# element level
+logit = _real("z")
+teacher_logit = _real("t")
+topk_logit = _real("z_k")
+topk_logprob = _real("l_k")
+
+# row level
+target_logit = _real("z_y")
+label = _real("label")
+argmax = _real("argmax")
+vocab_size = _real("vocab_size")
+
+TOKEN_PREFIX = "tok_"
+PARAM_PREFIX = "param_"
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def token(name: str) -> sp.Symbol:
+    """A per-row input, passed at call time as keyword ``name=`` (shaped like ``labels``)."""
+    if not _NAME.match(name):
+        raise ValueError(f"token name {name!r} is not a Python identifier")
+    return _real(TOKEN_PREFIX + name)
+
+
+def param(name: str) -> sp.Symbol:
+    """A constant fixed when the term is built (``Term(name=value)``); it is baked into the kernel."""
+    if not _NAME.match(name):
+        raise ValueError(f"param name {name!r} is not a Python identifier")
+    return _real(PARAM_PREFIX + name)
+
+
+class LSE(sp.Function):
+    """``LSE(alpha, beta) = log sum_i exp(alpha*z_i + beta*t_i)``: a log-normaliser of the row."""
+
+    nargs = 2
+    is_real = True
+
+
+class vsum(sp.Function):
+    """Sum over the vocabulary of an element-level expression."""
+
+    nargs = 1
+    is_real = True
+
+
+class topk_sum(sp.Function):
+    """Sum over the K sparse teacher entries of an expression in ``topk_logit``/``topk_logprob``."""
+
+    nargs = 1
+    is_real = True
+
+
+class segment_mean(sp.Function):
+    """Mean of a row-level expression over the valid rows of the row's segment (``segment_ids``)."""
+
+    nargs = 1
+    is_real = True
+
+
+def _inv(temperature) -> sp.Expr:
+    if isinstance(temperature, (int, float)):
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        temperature = sp.Rational(str(temperature))
+    return 1 / sp.sympify(temperature)
+
+
+def lse_at(temperature=1) -> sp.Expr:
+    """``logsumexp(z / T)``."""
+    return LSE(_inv(temperature), 0)
+
+
+def teacher_lse_at(temperature=1) -> sp.Expr:
+    """``logsumexp(t / T)``."""
+    return LSE(0, _inv(temperature))
+
+
+def logsoftmax_at(temperature=1) -> sp.Expr:
+    return logit * _inv(temperature) - lse_at(temperature)
+
+
+def softmax_at(temperature=1) -> sp.Expr:
+    return exp(logsoftmax_at(temperature))
+
+
+def teacher_logprob_at(temperature=1) -> sp.Expr:
+    return teacher_logit * _inv(temperature) - teacher_lse_at(temperature)
+
+
+def teacher_prob_at(temperature=1) -> sp.Expr:
+    return exp(teacher_logprob_at(temperature))
+
+
+lse = lse_at(1)
+teacher_lse = teacher_lse_at(1)
+softmax = softmax_at(1)
+logsoftmax = logsoftmax_at(1)
+teacher_prob = teacher_prob_at(1)
+teacher_logprob = teacher_logprob_at(1)
+
+ELEMENT_SYMBOLS = (logit, teacher_logit)
+TOPK_SYMBOLS = (topk_logit, topk_logprob)
