@@ -114,7 +114,11 @@ class HeadLoss(torch.nn.Module):
             [f"{'metric' if m else 'loss'} {n} {sp.srepr(f)}" for n, f, m in self._bound]
             + [f"softcap {softcap is not None}"])
         self.key = _load.kernel_key(self.spec_text)
-        self.kernel: ModuleType = _load.load(self.key, lambda: self.source().text)
+
+    @property
+    def kernel(self) -> ModuleType:
+        """The kernel module: from generated/, else the cache, else generated now (first use)."""
+        return _load.load(self.key, lambda: self.source().text)
 
     # ---- the pipeline, for explain() and generation --------------------------------------------
     def lowered(self) -> Lowered:

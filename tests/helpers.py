@@ -1,0 +1,65 @@
+"""Run a head and its float64 reference on the same random inputs and compare."""
+from __future__ import annotations
+
+import torch
+
+import losscodegen as lcg
+from reference import head_reference
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_inputs(R=24, V=500, dtype=torch.float32, *, ignored=(1, 5), scale=2.0, seed=0, shape=None):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(R, V, generator=g) * scale).to(dtype)
+    labels = torch.randint(0, V, (R,), generator=g)
+    for i in ignored:
+        if i < R:
+            labels[i] = -100
+    if shape is not None:
+        logits, labels = logits.reshape(*shape, V), labels.reshape(shape)
+    return logits, labels, g
+
+
+def spec(term, head):
+    """(name, params, weight) for the reference; ClipFraction's eps come from the head's GRPO term,
+    0.2 without one (CONTRACT.md)."""
+    grpo = next((dict(t.params) for t in head.loss_terms if t.name == "grpo"), {})
+    params = {k: (grpo.get(k, 0.2) if isinstance(v, lcg.terms.FromTerm) else v) for k, v in term.params}
+    return term.name, params, term.weight
+
+
+def tolerances(dtype):
+    # values: fp32 accumulation; gradient: stored in the logits' dtype
+    return (1e-4, 1e-5) if dtype == torch.float32 else (2e-3, 2e-3)
+
+
+def check_head(head: lcg.HeadLoss, logits, labels=None, *, grad_tol=None, value_tol=None, **inputs):
+    """Assert the head's loss, terms, metrics and gradient match the float64 reference."""
+    x = logits.detach().clone().to(DEVICE).requires_grad_()
+    dev_inputs = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+    out = head(x, labels.to(DEVICE) if labels is not None else None, **dev_inputs)
+    wants_grad = bool(head.loss_terms)
+    if wants_grad:
+        out.loss.sum().backward() if out.loss.dim() else out.loss.backward()
+    ref_inputs = {k: v for k, v in inputs.items() if k not in ("num_segments",)}
+    ref_loss, ref_values, ref_grad = head_reference(
+        [spec(t, head) for t in head.loss_terms], [spec(t, head) for t in head.metric_terms],
+        logits, labels, ignore_index=head.ignore_index, logit_scale=head.logit_scale,
+        softcap=head.softcap, **ref_inputs)
+    rtol, atol = value_tol or tolerances(logits.dtype)
+    torch.testing.assert_close(out.loss.detach().double().cpu(), ref_loss, rtol=rtol, atol=atol)
+    for name, value in {**out.terms, **out.metrics}.items():
+        assert value.dtype == torch.float32 and not value.requires_grad
+        torch.testing.assert_close(value.double().cpu(), ref_values[name], rtol=rtol, atol=atol,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+    if wants_grad:
+        assert x.grad.dtype == logits.dtype and x.grad.shape == logits.shape
+        assert torch.isfinite(x.grad).all()
+        g, r = x.grad.double().cpu(), ref_grad
+        tol = grad_tol or (2e-4 if logits.dtype == torch.float32 else 1e-2)
+        err = (g - r).abs().max().item()
+        scale = r.abs().max().item()
+        assert err <= tol * max(scale, 1e-12) + 1e-9, f"gradient error {err:.3g} vs max |grad| {scale:.3g}"
+    return out
+
