@@ -54,6 +54,10 @@ class _ArrayPrinter(PythonCodePrinter):
     def _print_Abs(self, expr: sp.Abs) -> str:
         return self._call("abs", expr.args[0])
 
+    def _print_sign(self, expr: sp.sign) -> str:
+        a = self._print(expr.args[0])
+        return f"{self.module}.where({a} > 0, 1.0, {self.module}.where({a} < 0, -1.0, 0.0))"
+
     def _print_tanh(self, expr: sp.tanh) -> str:
         # 2 / (1 + exp(-2u)) - 1 saturates to +-1 without inf/inf for large |u|
         return f"(2.0 / (1.0 + {self._call('exp', -2 * expr.args[0])}) - 1.0)"

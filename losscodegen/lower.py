@@ -284,7 +284,7 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
         if c[r] == 0:
             continue
         elem = S.logit if domain == "vocab" else S.topk_logit
-        d = body.diff(elem)
+        d = _piecewise(body).diff(elem)
         if d == 0:
             continue
         term = coef(c[r]) * d
@@ -299,7 +299,7 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
         total = loss.diff(x)
         for (domain, body), r in reds:
             if c[r] != 0 and body.has(x):
-                total += c[r] * lw.reduction(domain, body.diff(x))
+                total += c[r] * lw.reduction(domain, _piecewise(body).diff(x))
         if total == 0:
             continue
         if x in lw.norm_of:

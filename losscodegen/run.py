@@ -71,8 +71,9 @@ class _HeadFunction(torch.autograd.Function):
                                "buffer is consumed by the first (call the head again instead)")
         ctx.grad = None
         g = grad_loss.to(torch.float32).reshape(-1).contiguous()
-        _scale_rows[(grad.shape[0],)](grad, grad.stride(0), g, 0 if g.numel() == 1 else 1,
-                                      grad.shape[1], BLOCK_V=_block_v(grad.shape[1]))
+        flat = grad.view(-1, grad.shape[-1])
+        _scale_rows[(flat.shape[0],)](flat, flat.stride(0), g, 0 if g.numel() == 1 else 1,
+                                      flat.shape[1], BLOCK_V=_block_v(flat.shape[1]))
         return grad, None, None
 
 

@@ -78,7 +78,22 @@ def declare_term(name: str, formula: sp.Expr, *, defaults: Mapping[str, Any] | N
     formula = sp.sympify(formula)
     if not isinstance(formula, sp.Expr):
         raise TypeError(f"{name}: formula must be a sympy expression, got {type(formula).__name__}")
+    _check_levels(name, formula)
     return TermFactory(name, formula, dict(defaults or {}), metric_only)
+
+
+def _check_levels(name: str, formula: sp.Expr) -> None:
+    """Element symbols live inside their reduction; reductions do not nest."""
+    reductions = (S.vsum, S.topk_sum, S.segment_mean)
+    for red in formula.atoms(*reductions):
+        inner = red.args[0]
+        if inner.has(*reductions):
+            raise ValueError(f"{name}: nested reductions are not supported: {red}")
+    outside = formula.replace(lambda e: isinstance(e, (S.vsum, S.topk_sum)), lambda e: sp.S.Zero)
+    for sym, where in ((S.ELEMENT_SYMBOLS, "vsum(...)"), (S.TOPK_SYMBOLS, "topk_sum(...)")):
+        if outside.has(*sym):
+            raise ValueError(f"{name}: element symbols {[str(s) for s in sym]} may only appear "
+                             f"inside {where}: {formula}")
 
 
 def bind(term: Term, head_terms: tuple[Term, ...]) -> sp.Expr:
