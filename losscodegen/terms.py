@@ -58,6 +58,12 @@ class TermFactory:
         for k, v in values.items():
             if not isinstance(v, (int, float, FromTerm)) or isinstance(v, bool):
                 raise TypeError(f"{self.name}: parameter {k} must be a number, got {v!r}")
+        numbers = {S.param(k): sp.Rational(str(float(v))) for k, v in values.items()
+                   if not isinstance(v, FromTerm)}
+        for lse in self.formula.xreplace(numbers).atoms(S.LSE):
+            if any(a.is_number and not (a.is_finite and a.is_extended_real and a >= 0) for a in lse.args) \
+                    or all(a == 0 for a in lse.args):
+                raise ValueError(f"{self.name}: a temperature must be > 0 (got {lse}, from {params})")
         return Term(self.name, self.formula, float(weight), tuple(sorted(values.items())),
                     self.metric_only)
 

@@ -129,8 +129,8 @@ def head_reference(terms, metrics, logits, labels=None, *, ignore_index=-100, lo
     x = logits.detach().double().reshape(-1, V).requires_grad_()
     z = transform(x, logit_scale, softcap)
     R = z.shape[0]
-    y = labels.reshape(-1) if labels is not None else torch.zeros(R, dtype=torch.long)
-    valid = torch.ones(R, dtype=torch.bool)
+    y = labels.reshape(-1) if labels is not None else torch.zeros(R, dtype=torch.long, device=z.device)
+    valid = torch.ones(R, dtype=torch.bool, device=z.device)
     if labels is not None:
         valid &= y != ignore_index
     if loss_mask is not None:

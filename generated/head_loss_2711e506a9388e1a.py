@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-KEY = "aa7f0e59cd35940b"
+KEY = "2711e506a9388e1a"
 COLUMNS = ['m', 'z_y', 'acc0', 'acc1']
 ROW_VALUES = ['gspo_U0', 'gspo_U1', 'entropy']
 WEIGHTS = []
@@ -60,7 +60,7 @@ def _dlogits(x, logit_scale, softcap):
 
 
 @triton.jit
-def head_loss_aa7f0e59cd35940b(
+def head_loss_2711e506a9388e1a(
     x_ptr, x_stride, y_ptr, mask_ptr,
     tok_advantages_ptr,
     tok_old_logprobs_ptr,

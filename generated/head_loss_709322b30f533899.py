@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-KEY = "557b386928d70e30"
+KEY = "709322b30f533899"
 COLUMNS = ['m', 'm_t', 'acc0', 'acc1', 'acc2', 'acc3']
 ROW_VALUES = ['reverse_kl']
 WEIGHTS = ['w_reverse_kl']
@@ -59,7 +59,7 @@ def _dlogits(x, logit_scale, softcap):
 
 
 @triton.jit
-def head_loss_557b386928d70e30(
+def head_loss_709322b30f533899(
     x_ptr, x_stride, y_ptr, mask_ptr,
     t_ptr, t_stride,
     w_ptr, grad_ptr, grad_stride, rows_ptr, stats_ptr,

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-KEY = "0c54092a9a4729ca"
+KEY = "aa6246b3319d3c49"
 COLUMNS = ['m', 'm_t', 'acc0', 'acc2', 'acc1', 'acc3', 'acc4', 'acc5']
 ROW_VALUES = ['jsd']
 WEIGHTS = ['w_jsd']
@@ -62,7 +62,7 @@ def _dlogits(x, logit_scale, softcap):
 
 
 @triton.jit
-def head_loss_0c54092a9a4729ca(
+def head_loss_aa6246b3319d3c49(
     x_ptr, x_stride, y_ptr, mask_ptr,
     t_ptr, t_stride,
     w_ptr, grad_ptr, grad_stride, rows_ptr, stats_ptr,

@@ -1,0 +1,86 @@
+"""Bad input gets a clear error naming the argument; generated/ is what the generator emits."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import losscodegen as lcg
+from helpers import make_inputs
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def head():
+    return lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(), metrics=(lcg.Entropy(), lcg.TokenAccuracy()))
+
+
+def test_bad_inputs_name_the_argument(head):
+    logits, labels, _ = make_inputs(R=6, V=256)
+    bad = labels.clone()
+    bad[0] = 256
+    with pytest.raises(ValueError, match="labels"):
+        head(logits, bad)
+    bad[0] = -3
+    with pytest.raises(ValueError, match="labels"):
+        head(logits, bad)
+    with pytest.raises(ValueError, match="labels"):
+        head(logits, labels[:5])
+    with pytest.raises(TypeError, match="logits"):
+        head(logits.long(), labels)
+    with pytest.raises(TypeError, match="labels"):
+        head(logits, labels.float())
+    with pytest.raises(ValueError, match="labels"):
+        head(logits, None)
+    with pytest.raises(ValueError, match="loss_mask"):
+        head(logits, labels, loss_mask=torch.ones(5, dtype=torch.bool))
+    with pytest.raises(TypeError, match="loss_mask"):
+        head(logits, labels, loss_mask=torch.ones(6))
+    with pytest.raises(ValueError, match="reduction"):
+        head(logits, labels, reduction="sum")
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        head(logits, labels, advantagez=torch.ones(6))
+
+
+def test_validate_false_skips_the_value_check():
+    logits, labels, _ = make_inputs(R=6, V=256)
+    lcg.HeadLoss(lcg.CrossEntropy(), validate=False)(logits, labels)
+
+
+def test_bad_heads():
+    with pytest.raises(TypeError, match="calling"):
+        lcg.HeadLoss(lcg.CrossEntropy)
+    with pytest.raises(ValueError, match="metric"):
+        lcg.HeadLoss(lcg.TokenAccuracy())
+    with pytest.raises(ValueError, match="unique"):
+        lcg.HeadLoss(lcg.CrossEntropy(), lcg.CrossEntropy(weight=2.0))
+    with pytest.raises(ValueError, match="softcap"):
+        lcg.HeadLoss(lcg.CrossEntropy(), softcap=0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        lcg.ForwardKL(temperature=0.0)
+
+
+def test_explain_names_reads_gradient_and_file(head):
+    text = head.explain()
+    for needle in ("cross_entropy", "dL/dz_i", "reads of the vocabulary: 1", "bytes per element",
+                   "head_loss_"):
+        assert needle in text
+    assert "exact" in lcg.HeadLoss(lcg.JSD()).explain()
+
+
+def test_generated_is_up_to_date(tmp_path):
+    subprocess.run([sys.executable, "-m", "losscodegen", "generate", "--out", str(tmp_path)],
+                   check=True, cwd=ROOT, capture_output=True)
+    fresh = {p.name: p.read_bytes() for p in tmp_path.glob("head_loss_*.py")}
+    committed = {p.name: p.read_bytes() for p in (ROOT / "generated").glob("head_loss_*.py")}
+    assert fresh.keys() == committed.keys(), "run `python -m losscodegen generate` and commit generated/"
+    for name in fresh:
+        assert fresh[name] == committed[name], f"generated/{name} is stale"
+
+
+def test_manifest_heads_load_from_generated():
+    head = lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss())
+    assert (ROOT / "generated" / f"head_loss_{head.key}.py").exists()
+    assert Path(head.kernel.__file__).parent == ROOT / "generated"

@@ -1,0 +1,81 @@
+"""GRPO with its metrics, and the segment mechanism (GSPO), against float64 references."""
+import pytest
+import torch
+
+import losscodegen as lcg
+from helpers import check_head, make_inputs
+
+
+def _policy_inputs(logits, labels, g, spread=0.4):
+    """old/ref log-probs near the current ones, so that ratios fall inside and on both clip sides."""
+    with torch.no_grad():
+        l = torch.log_softmax(logits.double(), -1).gather(-1, labels.clamp_min(0)[:, None])[:, 0]
+    R = logits.shape[0]
+    old = (l + torch.randn(R, generator=g, dtype=torch.float64) * spread).float()
+    ref = (l + torch.randn(R, generator=g, dtype=torch.float64) * 0.1).float()
+    adv = torch.randn(R, generator=g)  # both signs
+    return dict(advantages=adv, old_logprobs=old, ref_logprobs=ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("eps_low,eps_high", [(0.2, 0.2), (0.1, 0.28)])
+@pytest.mark.parametrize("kl_beta", [0.0, 0.04])
+def test_grpo_with_metrics(eps_low, eps_high, kl_beta, dtype):
+    logits, labels, g = make_inputs(R=32, V=500, dtype=dtype)
+    inputs = _policy_inputs(logits, labels, g)
+    head = lcg.HeadLoss(lcg.GRPO(eps_low=eps_low, eps_high=eps_high, kl_beta=kl_beta),
+                        metrics=(lcg.Entropy(), lcg.ClipFraction(), lcg.RatioMean(), lcg.KLNewOld(),
+                                 lcg.LogProb()))
+    if kl_beta == 0:
+        inputs.pop("ref_logprobs")
+    out = check_head(head, logits, labels, **inputs)
+    assert 0 < out.metrics["clip_fraction"] < 1  # both regimes are exercised
+
+
+def test_grpo_zero_gradient_where_clipped():
+    logits, labels, g = make_inputs(R=8, V=256, ignored=())
+    inputs = _policy_inputs(logits, labels, g, spread=0.0)
+    inputs["old_logprobs"] = inputs["old_logprobs"] - 1.0  # r = e: clipped above
+    inputs["advantages"] = torch.ones(8)                   # positive advantage: no gradient
+    x = logits.clone().requires_grad_()
+    lcg.HeadLoss(lcg.GRPO())(x, labels, **inputs).loss.backward()
+    assert torch.count_nonzero(x.grad) == 0
+    inputs["advantages"] = -torch.ones(8)                  # negative advantage: unclipped branch
+    x.grad = None
+    lcg.HeadLoss(lcg.GRPO())(x, labels, **inputs).loss.backward()
+    assert torch.count_nonzero(x.grad) > 0
+
+
+def test_clip_fraction_default_eps_without_grpo():
+    logits, labels, g = make_inputs(R=32, V=256)
+    inputs = _policy_inputs(logits, labels, g)
+    inputs.pop("ref_logprobs"), inputs.pop("advantages")
+    check_head(lcg.HeadLoss(lcg.CrossEntropy(), metrics=(lcg.ClipFraction(),)), logits, labels, **inputs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_segments", [1, 4, 11])
+def test_gspo_segments(n_segments, dtype):
+    R = 33
+    logits, labels, g = make_inputs(R=R, V=500, dtype=dtype, ignored=(0, 7, 8))
+    inputs = _policy_inputs(logits, labels, g, spread=0.002)
+    inputs.pop("ref_logprobs")
+    seg = torch.sort(torch.randint(0, n_segments, (R,), generator=g)).values
+    if n_segments == 11:
+        seg = torch.where(seg == 5, 6, seg)     # an empty segment id in the middle
+        labels[seg == 2] = -100                 # a segment whose rows are all ignored
+    head = lcg.HeadLoss(lcg.GSPO(), lcg.CrossEntropy(weight=0.1), metrics=(lcg.Entropy(),))
+    check_head(head, logits, labels, segment_ids=seg, **inputs)
+    check_head(head, logits, labels, segment_ids=seg, num_segments=n_segments, **inputs)
+
+
+def test_policy_inputs_are_named_when_missing():
+    logits, labels, _ = make_inputs(R=4, V=256)
+    with pytest.raises(ValueError, match="advantages"):
+        lcg.HeadLoss(lcg.GRPO())(logits, labels, old_logprobs=torch.zeros(4))
+    with pytest.raises(ValueError, match="segment_ids"):
+        lcg.HeadLoss(lcg.GSPO())(logits, labels, old_logprobs=torch.zeros(4), advantages=torch.zeros(4))
+    with pytest.raises(ValueError, match="reduction"):
+        lcg.HeadLoss(lcg.GSPO())(logits, labels, old_logprobs=torch.zeros(4),
+                                 advantages=torch.zeros(4), segment_ids=torch.zeros(4, dtype=torch.long),
+                                 reduction="none")
