@@ -1,4 +1,5 @@
 """``python -m losscodegen generate``: rewrite generated/ from generated/manifest.
+``python -m losscodegen demo``: run a real head and print its losses and its plan.
 
 The manifest holds one head per line, a Python expression over losscodegen's names, e.g.
 ``HeadLoss(CrossEntropy(), ZLoss(), metrics=(Entropy(),))``; ``#`` starts a comment.
@@ -6,11 +7,17 @@ The manifest holds one head per line, a Python expression over losscodegen's nam
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
-import losscodegen
-from losscodegen import load
+import torch
+
+if not torch.cuda.is_available():  # no GPU: run the kernels in Triton's interpreter (set before import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import losscodegen  # noqa: E402
+from losscodegen import load  # noqa: E402
 
 
 def manifest_heads(manifest: Path) -> list[tuple[str, losscodegen.HeadLoss]]:
@@ -40,14 +47,40 @@ def generate(out: Path, manifest: Path) -> list[Path]:
     return written
 
 
+def demo() -> None:
+    """A real call: CE + z-loss + 0.5 forward KL with entropy and accuracy metrics, forward and backward."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows, vocab = (4096, 128256) if device == "cuda" else (32, 4099)
+    g = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn(rows, vocab, device=device, generator=g).to(torch.bfloat16).requires_grad_()
+    teacher = torch.randn(rows, vocab, device=device, generator=g).to(torch.bfloat16)
+    labels = torch.randint(0, vocab, (rows,), device=device, generator=g)
+    labels[::5] = -100
+    head = losscodegen.HeadLoss(
+        losscodegen.CrossEntropy(), losscodegen.ZLoss(weight=1e-4), losscodegen.ForwardKL(weight=0.5),
+        metrics=(losscodegen.Entropy(), losscodegen.TokenAccuracy()))
+    out = head(logits, labels, teacher_logits=teacher)
+    out.loss.backward()
+    print(f"{rows} x {vocab} bf16 logits on {device}")
+    print(f"loss = {out.loss.item():.6f}")
+    for name, value in {**out.terms, **out.metrics}.items():
+        print(f"  {name:16s} {value.item():.6f}")
+    print(f"grad: {tuple(logits.grad.shape)} {logits.grad.dtype}, |grad| = {logits.grad.float().norm():.6f}")
+    print("\n" + head.explain())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m losscodegen")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="regenerate generated/ from generated/manifest")
     gen.add_argument("--out", type=Path, default=load.GENERATED)
     gen.add_argument("--manifest", type=Path, default=load.GENERATED / "manifest")
+    sub.add_parser("demo", help="run a real head on random logits and print what it computes")
     args = parser.parse_args(argv)
-    generate(args.out, args.manifest)
+    if args.command == "demo":
+        demo()
+    else:
+        generate(args.out, args.manifest)
     return 0
 
 

@@ -413,8 +413,9 @@ def _group_info(group):
 def _merge_stats(stats: torch.Tensor, merge, group, world: int) -> None:
     """One all-gather of every rank's packed stats, merged locally, column rule by column rule."""
     import torch.distributed as dist
-    parts = torch.empty((world,) + tuple(stats.shape), dtype=stats.dtype, device=stats.device)
-    dist.all_gather_into_tensor(parts, stats.contiguous(), group=group)
+    gathered = [torch.empty_like(stats) for _ in range(world)]
+    dist.all_gather(gathered, stats.contiguous(), group=group)
+    parts = torch.stack(gathered)
     names = [m[0] for m in merge]
     m_all = parts[:, :, names.index("m")]
     m = m_all.max(0).values

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-KEY = "e41eb00a44adae2f"
+KEY = "0191f0548b2bcdbc"
 COLUMNS = ['m', 'z_y', 'argmax', 'acc0']
 ROW_VALUES = ['cross_entropy', 'token_accuracy']
 WEIGHTS = ['w_cross_entropy']
@@ -57,7 +57,7 @@ def _dlogits(x, logit_scale, softcap):
 
 
 @triton.jit
-def head_loss_e41eb00a44adae2f(
+def head_loss_0191f0548b2bcdbc(
     x_ptr, x_stride, y_ptr, mask_ptr,
     w_ptr, grad_ptr, grad_stride, rows_ptr, stats_ptr,
     logit_scale, softcap, V, vocab_start, vocab_size, ignore_index,

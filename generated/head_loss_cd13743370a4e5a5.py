@@ -2,17 +2,19 @@
 #
 # terms (per-row formulas):
 #   loss   cross_entropy = -z_y + LSE(1, 0)
-# softcap: True
+#   loss   z_loss = LSE(1, 0)**2
+# softcap: False
 #
 # lowered:
 #   row values:
 #     cross_entropy = N0 - z_y
+#     z_loss = N0**2
 #   normalisers:
 #     N0 = m + log(acc0)
 #   accumulators:
 #     acc0 = sum_i exp(1*(z - m)) * 1    [online]
 #   gradient (derived by sympy):
-#     g0 = w_cross_entropy
+#     g0 = 2*N0*w_z_loss + w_cross_entropy
 #     g1 = -w_cross_entropy
 #     dL/dz_i = g0*exp(-N0 + z) + g1*is_y
 #
@@ -27,10 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-KEY = "979ea5cb17669817"
+KEY = "cd13743370a4e5a5"
 COLUMNS = ['m', 'z_y', 'acc0']
-ROW_VALUES = ['cross_entropy']
-WEIGHTS = ['w_cross_entropy']
+ROW_VALUES = ['cross_entropy', 'z_loss']
+WEIGHTS = ['w_cross_entropy', 'w_z_loss']
 TOKENS = []
 USES_LABELS = True
 USES_TEACHER = False
@@ -45,17 +47,17 @@ SEGMENTS = []
 @triton.jit
 def _logits(x, logit_scale, softcap):
     # z, the logits the formulas speak of
-    return logit_scale*softcap*(2.0 / (1.0 + tl.exp(-2.0*x/softcap)) - 1.0)
+    return logit_scale*x
 
 
 @triton.jit
 def _dlogits(x, logit_scale, softcap):
     # dz/dx, to carry dL/dz back to the raw logits
-    return logit_scale*(1.0 - (((2.0 / (1.0 + tl.exp(-2.0*x/softcap)) - 1.0)) * ((2.0 / (1.0 + tl.exp(-2.0*x/softcap)) - 1.0))))
+    return logit_scale
 
 
 @triton.jit
-def head_loss_979ea5cb17669817(
+def head_loss_cd13743370a4e5a5(
     x_ptr, x_stride, y_ptr, mask_ptr,
     w_ptr, grad_ptr, grad_stride, rows_ptr, stats_ptr,
     logit_scale, softcap, V, vocab_start, vocab_size, ignore_index,
@@ -80,7 +82,8 @@ def head_loss_979ea5cb17669817(
                 cols = start + tl.arange(0, BLOCK_V)
                 tl.store(grad_row + cols, tl.zeros([BLOCK_V], grad_ptr.dtype.element_ty), mask=cols < V)
         if ROWS:
-            tl.store(rows_ptr + row * 1 + 0, 0.0)
+            tl.store(rows_ptr + row * 2 + 0, 0.0)
+            tl.store(rows_ptr + row * 2 + 1, 0.0)
         return
     y_local = y - vocab_start
     y_here = (y_local >= 0) & (y_local < V)
@@ -113,11 +116,13 @@ def head_loss_979ea5cb17669817(
         tl.store(stats_row + 2, acc0)
 
     if ROWS:
-        tl.store(rows_ptr + row * 1 + 0, N0 - z_y)  # cross_entropy
+        tl.store(rows_ptr + row * 2 + 0, N0 - z_y)  # cross_entropy
+        tl.store(rows_ptr + row * 2 + 1, (N0 * N0))  # z_loss
 
     if GRAD:
         w_cross_entropy = tl.load(w_ptr + 0)  # weight / divisor
-        g0 = w_cross_entropy
+        w_z_loss = tl.load(w_ptr + 1)  # weight / divisor
+        g0 = 2.0*N0*w_z_loss + w_cross_entropy
         g1 = -w_cross_entropy
         # Gradient read: the rows were just read, so these loads mostly hit L2.
         for start in range(0, V, BLOCK_V):

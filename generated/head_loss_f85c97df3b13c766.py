@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-KEY = "45daa37d159ce4f2"
+KEY = "f85c97df3b13c766"
 COLUMNS = ['m', 'z_y', 'acc0']
 ROW_VALUES = ['cross_entropy']
 WEIGHTS = ['w_cross_entropy']
@@ -55,7 +55,7 @@ def _dlogits(x, logit_scale, softcap):
 
 
 @triton.jit
-def head_loss_45daa37d159ce4f2(
+def head_loss_f85c97df3b13c766(
     x_ptr, x_stride, y_ptr, mask_ptr,
     w_ptr, grad_ptr, grad_stride, rows_ptr, stats_ptr,
     logit_scale, softcap, V, vocab_start, vocab_size, ignore_index,

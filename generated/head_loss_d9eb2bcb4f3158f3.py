@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-KEY = "5a9b5aad8d606ee3"
+KEY = "d9eb2bcb4f3158f3"
 COLUMNS = ['m', 'z_y', 'acc0', 'acc1']
 ROW_VALUES = ['grpo', 'entropy', 'clip_fraction']
 WEIGHTS = ['w_grpo']
@@ -60,7 +60,7 @@ def _dlogits(x, logit_scale, softcap):
 
 
 @triton.jit
-def head_loss_5a9b5aad8d606ee3(
+def head_loss_d9eb2bcb4f3158f3(
     x_ptr, x_stride, y_ptr, mask_ptr,
     tok_advantages_ptr,
     tok_old_logprobs_ptr,
