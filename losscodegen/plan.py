@@ -87,12 +87,13 @@ class Plan:
         for sharded in (False, True):
             seq = self.launches(sharded=sharded, grad=True)
             lines.append(("sharded" if sharded else "single device") + f": {len(seq)} launch(es): "
-                         + " -> ".join(_describe(l) for l in seq))
+                         + " -> ".join(_describe(l, lw.has_exact) for l in seq))
         return "\n".join(lines)
 
 
-def _describe(launch: Launch) -> str:
-    parts = [n for n, on in (("stats", launch.stats), ("exact", launch.exact), ("rows", launch.rows),
+def _describe(launch: Launch, has_exact: bool) -> str:
+    parts = [n for n, on in (("stats", launch.stats), ("exact", launch.exact and has_exact),
+                             ("rows", launch.rows),
                              ("grad", launch.grad)) if on]
     return "[" + "+".join(parts) + "]" + (f" {launch.then}" if launch.then else "")
 

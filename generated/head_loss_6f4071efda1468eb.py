@@ -2,7 +2,7 @@
 #
 # terms (per-row formulas):
 #   loss   cross_entropy = -z_y + LSE(1, 0)
-# softcap: True
+# softcap: False
 #
 # lowered:
 #   row values:
@@ -21,13 +21,13 @@
 #   bytes per element (bf16 in, bf16 grad): 6
 #   packed per-row stats (3 fp32): m:max, z_y:sum, acc0:scaled
 #   vocab-parallel: one all-gather of the packed stats
-#   single device: 1 launch(es): [stats+exact+rows+grad]
+#   single device: 1 launch(es): [stats+rows+grad]
 #   sharded: 2 launch(es): [stats] merge -> [rows+grad]
 import torch
 import triton
 import triton.language as tl
 
-KEY = "7661fbc8bb05e595"
+KEY = "6f4071efda1468eb"
 COLUMNS = ['m', 'z_y', 'acc0']
 ROW_VALUES = ['cross_entropy']
 WEIGHTS = ['w_cross_entropy']
@@ -45,17 +45,17 @@ SEGMENTS = []
 @triton.jit
 def _logits(x, logit_scale, softcap):
     # z, the logits the formulas speak of
-    return logit_scale*softcap*(2.0 / (1.0 + tl.exp(-2.0*x/softcap)) - 1.0)
+    return logit_scale*x
 
 
 @triton.jit
 def _dlogits(x, logit_scale, softcap):
     # dz/dx, to carry dL/dz back to the raw logits
-    return logit_scale*(1.0 - (((2.0 / (1.0 + tl.exp(-2.0*x/softcap)) - 1.0)) * ((2.0 / (1.0 + tl.exp(-2.0*x/softcap)) - 1.0))))
+    return logit_scale
 
 
 @triton.jit
-def head_loss_7661fbc8bb05e595(
+def head_loss_6f4071efda1468eb(
     x_ptr, x_stride, y_ptr, mask_ptr,
     w_ptr, grad_ptr, grad_stride, rows_ptr, stats_ptr,
     logit_scale, softcap, V, vocab_start, vocab_size, ignore_index,

@@ -26,13 +26,13 @@
 #   bytes per element (bf16 in, bf16 grad): 6
 #   packed per-row stats (4 fp32): m:max, z_y:sum, acc0:scaled, acc1:scaled
 #   vocab-parallel: one all-gather of the packed stats
-#   single device: 2 launch(es): [stats+exact+rows] segments -> [grad]
+#   single device: 2 launch(es): [stats+rows] segments -> [grad]
 #   sharded: 3 launch(es): [stats] merge -> [rows] segments -> [grad]
 import torch
 import triton
 import triton.language as tl
 
-KEY = "72791e5e641b349b"
+KEY = "0ee2c2eb155a52a2"
 COLUMNS = ['m', 'z_y', 'acc0', 'acc1']
 ROW_VALUES = ['gspo_U0', 'gspo_U1', 'entropy']
 WEIGHTS = []
@@ -60,7 +60,7 @@ def _dlogits(x, logit_scale, softcap):
 
 
 @triton.jit
-def head_loss_72791e5e641b349b(
+def head_loss_0ee2c2eb155a52a2(
     x_ptr, x_stride, y_ptr, mask_ptr,
     tok_advantages_ptr,
     tok_old_logprobs_ptr,

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-KEY = "b79ef4b92a1da847"
+KEY = "502e872cc441ee75"
 COLUMNS = ['m', 'm_t', 'acc0', 'acc2', 'acc1', 'acc3', 'acc4', 'acc5']
 ROW_VALUES = ['jsd']
 WEIGHTS = ['w_jsd']
@@ -62,7 +62,7 @@ def _dlogits(x, logit_scale, softcap):
 
 
 @triton.jit
-def head_loss_b79ef4b92a1da847(
+def head_loss_502e872cc441ee75(
     x_ptr, x_stride, y_ptr, mask_ptr,
     t_ptr, t_stride,
     w_ptr, grad_ptr, grad_stride, rows_ptr, stats_ptr,
