@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from . import load as _load
+from . import symbols as S
 from .emit import emit
 from .lower import Lowered, lower
 from .plan import Plan, plan
@@ -182,7 +183,7 @@ class HeadLoss(torch.nn.Module):
         if k.USES_TEACHER:
             teacher = inputs.get("teacher_logits")
             if teacher is None:
-                raise ValueError("teacher_logits is required by " + self._needing("teacher"))
+                raise ValueError("teacher_logits is required by " + self._needing_teacher())
             if not isinstance(teacher, torch.Tensor) or teacher.shape != logits.shape:
                 raise ValueError(f"teacher_logits must have the logits' shape {tuple(logits.shape)}, "
                                  f"got {getattr(teacher, 'shape', type(teacher).__name__)}")
@@ -251,8 +252,9 @@ class HeadLoss(torch.nn.Module):
         p = Plan(_MetaLowered(self.kernel), self.softcap is not None, ())
         return p.launches(sharded=sharded, grad=grad)
 
-    def _needing(self, what: str) -> str:
-        return ", ".join(n for n, f, _ in self._bound) or what
+    def _needing_teacher(self) -> str:
+        return ", ".join(n for n, f, _ in self._bound
+                         if f.has(S.teacher_logit) or any(a.args[1] != 0 for a in f.atoms(S.LSE)))
 
     def _launch(self, launch, a):
         k = self.kernel
