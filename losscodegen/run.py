@@ -286,7 +286,9 @@ class HeadLoss(torch.nn.Module):
 
     def _segments(self, k, out_rows, valid, inputs, weights, divisor, dev, seg_coefs):
         """Per-segment means of the row quantities, the segment formula, and per-row coefficients
-        dL/du for the gradient launch -- index_add_, no host sync (unless num_segments is unknown)."""
+        dL/du for the gradient launch. One index_add_ packs every segment's row count and sums;
+        with ``segment_group`` (segments split across sequence-parallel ranks) one all-reduce of
+        that pack makes every segment whole. No host sync unless num_segments is unknown."""
         seg = inputs.get("segment_ids")
         rows = out_rows.shape[0]
         if seg is None:
@@ -294,29 +296,39 @@ class HeadLoss(torch.nn.Module):
                              f"{[n for n, _, _ in k.SEGMENTS]}")
         seg = seg.reshape(-1) if isinstance(seg, torch.Tensor) else seg
         seg = _check_rowwise("segment_ids", seg, (rows,), dev, integer=True, required=True)
+        group = inputs.get("segment_group")
         n_seg = inputs.get("num_segments")
-        if self.validate and bool((seg < 0).any()):
-            raise ValueError("segment_ids must be >= 0")
-        if n_seg is None:
-            n_seg = int(seg.max().item()) + 1 if rows else 0  # one sync; pass num_segments= to avoid it
+        if n_seg is None:  # one sync (and a MAX all-reduce over segment_group); num_segments= avoids it
+            top = seg.max() if rows else torch.tensor(-1, device=dev)
+            if group is not None:
+                _all_reduce(top, group, "max")
+            n_seg = int(top.item()) + 1
+        elif not isinstance(n_seg, int) or n_seg < 0:
+            raise ValueError(f"num_segments must be a non-negative int, got {n_seg!r}")
+        if self.validate and rows and bool(((seg < 0) | (seg >= n_seg)).any()):
+            raise ValueError(f"segment_ids must be in [0, num_segments={n_seg})")
         seg = torch.where(valid, seg, n_seg)  # invalid rows go to a spill segment that is dropped
-        count = torch.zeros(n_seg + 1, device=dev).index_add_(0, seg, valid.float())[:n_seg]
-        nonempty = count > 0
+        col = {name: i for i, name in enumerate(k.ROW_VALUES)}
+        means = sorted({u for _, us, _ in k.SEGMENTS for u in us})
+        per_row = torch.cat([valid.float()[:, None], out_rows[:, [col[u] for u in means]]], 1)
+        sums = torch.zeros(n_seg + 1, len(means) + 1, device=dev).index_add_(0, seg, per_row)[:n_seg]
+        if group is not None:
+            _all_reduce(sums, group, "sum")
+        count = sums[:, 0].clamp_min(1.0)
+        nonempty = sums[:, 0] > 0
         n_nonempty = nonempty.sum().to(torch.float32)
         div = divisor if divisor is not None else n_nonempty.clamp_min(1.0)
-        col = {name: i for i, name in enumerate(k.ROW_VALUES)}
         names = [t.name for t in self.loss_terms]
         values = {}
-        for name, means, coefs in k.SEGMENTS:
-            U = [torch.zeros(n_seg + 1, device=dev).index_add_(0, seg, out_rows[:, col[u]])[:n_seg]
-                 / count.clamp_min(1.0) for u in means]
+        for name, us, coefs in k.SEGMENTS:
+            U = [sums[:, 1 + means.index(u)] / count for u in us]
             with torch.no_grad():
                 F = getattr(k, f"{name}_segment_value")(*U)
                 dF = getattr(k, f"{name}_segment_grads")(*U)
             values[name] = torch.where(nonempty, F, 0.0).sum() / div
             w = weights[names.index(name)] / div
             for c, d in zip(coefs, dF):
-                per_seg = torch.where(nonempty, d / count.clamp_min(1.0), 0.0) * w
+                per_seg = torch.where(nonempty, d / count, 0.0) * w
                 seg_coefs[c] = torch.cat([per_seg, per_seg.new_zeros(1)])[seg].contiguous()
         return values
 
@@ -439,8 +451,12 @@ def _merge_stats(stats: torch.Tensor, merge, group, world: int) -> None:
 
 
 def _sum_exact(stats: torch.Tensor, k, group) -> None:
-    import torch.distributed as dist
     idx = [j for j, m in enumerate(k.MERGE) if m[1] == "sum" and m[0].startswith("acc")]
     part = stats[:, idx].contiguous()
-    dist.all_reduce(part, group=group)
+    _all_reduce(part, group, "sum")
     stats[:, idx] = part
+
+
+def _all_reduce(t: torch.Tensor, group, op: str) -> None:
+    import torch.distributed as dist
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)

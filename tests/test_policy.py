@@ -79,3 +79,14 @@ def test_policy_inputs_are_named_when_missing():
         lcg.HeadLoss(lcg.GSPO())(logits, labels, old_logprobs=torch.zeros(4),
                                  advantages=torch.zeros(4), segment_ids=torch.zeros(4, dtype=torch.long),
                                  reduction="none")
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(segment_ids=torch.tensor([0, -1, 1, 1])), r"segment_ids must be in \[0, num_segments=2\)"),
+    (dict(segment_ids=torch.tensor([0, 3, 1, 1]), num_segments=2), r"segment_ids must be in \[0, num_segments=2\)"),
+    (dict(segment_ids=torch.tensor([0, 0, 1, 1]), num_segments=-1), "num_segments"),
+])
+def test_bad_segments_are_named(bad, match):
+    logits, labels, _ = make_inputs(R=4, V=256)
+    with pytest.raises(ValueError, match=match):
+        lcg.HeadLoss(lcg.GSPO())(logits, labels, old_logprobs=torch.zeros(4), advantages=torch.zeros(4), **bad)

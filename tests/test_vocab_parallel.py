@@ -1,5 +1,6 @@
 """Vocab-parallel heads over gloo on the CPU: every rank gets the unsharded values and its shard of
-the gradient, with one round of collectives (two where the head has an exact read)."""
+the gradient, with one round of collectives (two where the head has an exact read). Also segment
+terms whose segments are split across sequence-parallel ranks (``segment_group``)."""
 import os
 import socket
 
@@ -20,6 +21,7 @@ def _heads():
         "jsd": (lcg.HeadLoss(lcg.JSD(beta=0.3)), {"teacher"}),
         "grpo": (lcg.HeadLoss(lcg.GRPO(kl_beta=0.04), metrics=(lcg.Entropy(), lcg.ClipFraction())),
                  {"policy"}),
+        "gspo": (lcg.HeadLoss(lcg.GSPO(), lcg.CrossEntropy(weight=0.1)), {"policy", "segments"}),
     }
 
 
@@ -38,6 +40,8 @@ def _inputs(needs, R=10, V=504):
         l = torch.log_softmax(x, -1).gather(1, y.clamp_min(0)[:, None])[:, 0]
         kw.update(old_logprobs=l + 0.3 * torch.randn(R, generator=g), ref_logprobs=l,
                   advantages=torch.randn(R, generator=g))
+    if "segments" in needs:  # segment 2 is empty; segment 3 holds only the ignored row
+        kw["segment_ids"] = torch.tensor([0, 0, 1, 3, 1, 1, 4, 4, 0, 4])[:R]
     return x, y, kw
 
 
@@ -54,6 +58,7 @@ def _worker(rank, world, port, queue):
         setattr(dist, fn, counted)
     for name, (head, needs) in _heads().items():
         queue.put((name, rank) + _compare(head, needs, rank, world, calls))
+    queue.put(("sequence_parallel", rank) + _compare_sequence_parallel(rank, world, calls))
     dist.destroy_process_group()
 
 
@@ -81,6 +86,28 @@ def _compare(head, needs, rank, world, calls):
             sharded_calls)
 
 
+def _compare_sequence_parallel(rank, world, calls):
+    """Rows split in contiguous chunks across ranks, segments spanning them: every rank gets the
+    global GSPO value and, for its rows, the unsharded gradient."""
+    for fn in calls:
+        calls[fn] = 0
+    head = lcg.HeadLoss(lcg.GSPO())
+    x, y, kw = _inputs({"policy", "segments"}, R=13)
+    kw["segment_ids"] = torch.tensor([0, 2, 2, 5, 0, 2, 6, 0, 2, 2, 5, 0, 0])  # 1, 3, 4 empty
+    rows = torch.tensor_split(torch.arange(x.shape[0]), world)[rank]
+    part = x[rows].clone().requires_grad_()
+    out = head(part, y[rows], segment_group=dist.group.WORLD,
+               **{k: v[rows] for k, v in kw.items()})
+    out.loss.backward()
+    sharded_calls = dict(calls)
+    full = x.clone().requires_grad_()
+    ref = head(full, y, **kw)
+    ref.loss.backward()
+    return (float(out.loss), float(ref.loss), {"gspo": (float(out.terms["gspo"]), float(ref.terms["gspo"]))},
+            float((part.grad - full.grad[rows]).abs().max()), float(full.grad.abs().max()),
+            sharded_calls)
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -96,11 +123,17 @@ def test_sharded_equals_unsharded(world):
     for p in procs:
         p.start()
     heads = _heads()
-    results = [queue.get(timeout=600) for _ in range(world * len(heads))]
+    results = [queue.get(timeout=600) for _ in range(world * (len(heads) + 1))]
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
     for name, rank, loss, ref_loss, values, grad_err, grad_max, calls in results:
+        if name == "sequence_parallel":
+            assert abs(loss - ref_loss) <= 1e-5 * max(1.0, abs(ref_loss)), (rank, loss, ref_loss)
+            assert grad_err <= 1e-5 * grad_max, (rank, grad_err, grad_max)
+            # num_segments unknown: a MAX all-reduce for it, then one SUM of the packed segment sums
+            assert calls == {"all_gather": 0, "all_reduce": 2}, calls
+            continue
         exact = heads[name][0].plan().lowered.has_exact
         assert abs(loss - ref_loss) <= 1e-5 * max(1.0, abs(ref_loss)), (name, rank, loss, ref_loss)
         for k, (v, r) in values.items():
