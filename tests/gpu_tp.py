@@ -1,48 +1,106 @@
 """Vocab-parallel on GPUs (not collected by pytest): `torchrun --nproc_per_node 2 tests/gpu_tp.py`.
-Each rank's loss, terms, metrics and gradient shard vs the unsharded call; then fwd+bwd timings."""
+Each rank's loss, terms, metrics and gradient shard vs the unsharded call; then fwd+bwd timings.
+
+Timings use a fixed number of iterations on every rank: a timer that picks its own repeat count
+(triton's do_bench) can pick a different one per rank, and the ranks then wait forever on each
+other's collectives."""
+import datetime
+import faulthandler
 import os
+import sys
+import time
 
 import torch
 import torch.distributed as dist
-import triton
 
 import losscodegen as lcg
 
-dist.init_process_group("nccl")
-rank, world = dist.get_rank(), dist.get_world_size()
+faulthandler.dump_traceback_later(int(os.environ.get("GPU_TP_WATCHDOG", "400")), exit=True)
+t0 = time.time()
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 torch.cuda.set_device(rank)
-R, V = 4096, 128256
+dist.init_process_group("nccl", device_id=torch.device("cuda", rank),
+                        timeout=datetime.timedelta(seconds=180))
+
+
+def log(msg):
+    print(f"[rank {rank} {time.time() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def timed(fn, iters=20, warmup=5):
+    for _ in range(warmup):
+        fn()
+    dist.barrier()
+    torch.cuda.synchronize()
+    ends = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            for _ in range(iters)]
+    for a, b in ends:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return sorted(a.elapsed_time(b) for a, b in ends)[iters // 2]
+
+
+R, V = int(os.environ.get("GPU_TP_ROWS", "4096")), int(os.environ.get("GPU_TP_VOCAB", "128256"))
 g = torch.Generator(device="cuda").manual_seed(0)
 x = (torch.randn(R, V, device="cuda", generator=g) * 2).to(torch.bfloat16)
 t = (torch.randn(R, V, device="cuda", generator=g) * 2).to(torch.bfloat16)
 y = torch.randint(0, V, (R,), device="cuda", generator=g)
 y[::7] = -100
+lp = torch.log_softmax(x.float(), -1).gather(1, y.clamp_min(0)[:, None])[:, 0]
+policy = dict(old_logprobs=lp + 0.1 * torch.randn(R, device="cuda", generator=g),
+              advantages=torch.randn(R, device="cuda", generator=g),
+              segment_ids=torch.arange(R, device="cuda") // 256, num_segments=R // 256)
 cols = slice(rank * V // world, (rank + 1) * V // world)
-heads = {"CE+z+entropy+acc": lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(weight=1e-4),
-                                          metrics=(lcg.Entropy(), lcg.TokenAccuracy())),
-         "CE+0.5FKL": lcg.HeadLoss(lcg.CrossEntropy(), lcg.ForwardKL(weight=0.5)),
-         "JSD": lcg.HeadLoss(lcg.JSD())}
-for name, head in heads.items():
+probe = torch.full((4,), float(rank), device="cuda")
+parts = [torch.empty_like(probe) for _ in range(world)]
+dist.all_gather(parts, probe)
+log(f"NCCL all_gather ok: {[p[0].item() for p in parts]}")
+heads = {"CE+z+entropy+acc": (lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(weight=1e-4),
+                                           metrics=(lcg.Entropy(), lcg.TokenAccuracy())), {}),
+         "CE+0.5FKL": (lcg.HeadLoss(lcg.CrossEntropy(), lcg.ForwardKL(weight=0.5)), {"teacher"}),
+         "JSD": (lcg.HeadLoss(lcg.JSD()), {"teacher"}),
+         "GRPO+ent+clip": (lcg.HeadLoss(lcg.GRPO(), metrics=(lcg.Entropy(), lcg.ClipFraction())),
+                           {"policy"}),
+         "GSPO": (lcg.HeadLoss(lcg.GSPO()), {"policy"})}
+rows_out = []
+for name, (head, needs) in heads.items():
+    full_kw = {"teacher_logits": t} if "teacher" in needs else {}
+    shard_kw = {"teacher_logits": t[:, cols].contiguous()} if "teacher" in needs else {}
+    if "policy" in needs:
+        full_kw.update(policy)
+        shard_kw.update(policy)
     xs = x[:, cols].contiguous().requires_grad_()
-    ts = t[:, cols].contiguous()
-    out = head(xs, y, teacher_logits=ts, process_group=dist.group.WORLD)
+    log(f"{name}: sharded call (compiles on first use)")
+    out = head(xs, y, process_group=dist.group.WORLD, **shard_kw)
     out.loss.backward()
+    torch.cuda.synchronize()
+    log(f"{name}: unsharded reference call")
     xf = x.clone().requires_grad_()
-    ref = head(xf, y, teacher_logits=t)
+    ref = head(xf, y, **full_kw)
     ref.loss.backward()
-    vals = {k: (v.item(), {**ref.terms, **ref.metrics}[k].item()) for k, v in {**out.terms, **out.metrics}.items()}
+    refs = {**ref.terms, **ref.metrics}
+    verr = max(abs(v.item() - refs[k].item()) / max(1.0, abs(refs[k].item()))
+               for k, v in {**out.terms, **out.metrics}.items())
     gerr = ((xs.grad.float() - xf.grad[:, cols].float()).norm() / xf.grad[:, cols].float().norm()).item()
+    lerr = abs(out.loss.item() - ref.loss.item()) / max(1.0, abs(ref.loss.item()))
 
     def sharded():
         xs.grad = None
-        head(xs, y, teacher_logits=ts, process_group=dist.group.WORLD).loss.backward()
+        head(xs, y, process_group=dist.group.WORLD, **shard_kw).loss.backward()
 
     def single():
         xf.grad = None
-        head(xf, y, teacher_logits=t).loss.backward()
-    ms_sharded = triton.testing.do_bench(sharded, warmup=25, rep=200, return_mode="median")
-    ms_single = triton.testing.do_bench(single, warmup=25, rep=200, return_mode="median")
-    if rank == 0:
-        print(f"{name:18s} loss {out.loss.item():.6f} vs {ref.loss.item():.6f}  grad rel err {gerr:.1e}  "
-              f"{world} ranks {ms_sharded:.3f} ms  1 rank {ms_single:.3f} ms  values {vals}", flush=True)
+        head(xf, y, **full_kw).loss.backward()
+    log(f"{name}: timing")
+    ms_sharded, ms_single = timed(sharded), timed(single)
+    rows_out.append(f"{name:18s} {lerr:9.1e} {verr:9.1e} {gerr:9.1e} {ms_sharded:9.3f} {ms_single:9.3f}")
+    del xs, xf, out, ref
+    torch.cuda.empty_cache()
+if rank == 0:
+    print(f"{world} ranks over NCCL, {R} x {V} bf16, device {torch.cuda.get_device_name()}\n"
+          f"{'head':18s} {'loss err':>9s} {'value err':>9s} {'grad err':>9s} {'ms TP':>9s} {'ms 1 GPU':>9s}")
+    print("\n".join(rows_out), flush=True)
 dist.destroy_process_group()
+faulthandler.cancel_dump_traceback_later()
