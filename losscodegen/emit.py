@@ -185,7 +185,7 @@ def emit(plan: Plan, key: str, header: str) -> KernelSource:
                             grads=[_TORCH.doprint(d) for d in seg.dformula]))
 
     ctx = dict(
-        header=header, name=name, key=key, plan=plan, lw=lw,
+        header=header, name=name, key=key, plan=plan, lw=lw, sweeps=plan.sweeps,
         transform=_TL.doprint(transform), dtransform=_TL.doprint(transform.diff(X)),
         online=online, topk_online=topk_online,
         exact=list(zip([a.name for a in exact], exact_bodies)), exact_temps=exact_temps,

@@ -37,6 +37,22 @@ class Launch:
 
 
 @dataclass(frozen=True)
+class Sweep:
+    """One pass over a row's vocabulary tiles.
+
+    Each pass runs opposite to the one before it in the same launch, so that it starts on the
+    tiles read last, which are the likeliest still in L2. The last read of a row asks L2 to drop
+    its lines first, since nothing reads them again, and streams its stores (the gradient) past L2
+    so that they do not push out the rows other programs are about to re-read."""
+
+    name: str               # "stats" | "exact" | "grad"
+    reverse: bool
+    streams: tuple[str, ...]  # "x" (logits), "t" (teacher logits)
+    evict_first: bool
+    stream_stores: bool = False
+
+
+@dataclass(frozen=True)
 class Plan:
     lowered: Lowered
     softcap: bool
@@ -65,6 +81,24 @@ class Plan:
             out.append(Launch(False, False, False, True, grad, ""))
         return tuple(out)
 
+    @property
+    def sweeps(self) -> tuple[Sweep, ...]:
+        lw = self.lowered
+        streams = ("x", "t") if lw.uses_teacher else ("x",)
+        grad_streams = ("x", "t") if lw.grad_vocab.has(sp.Symbol("t", real=True)) else ("x",)
+        return (Sweep("stats", False, streams, False),
+                Sweep("exact", True, streams, False),
+                Sweep("grad", not lw.has_exact, grad_streams, True, True))
+
+    @property
+    def tile(self) -> tuple[int, int]:
+        """(BLOCK_V, num_warps) for a large vocabulary, from measurements on an H100
+        (docs/performance.md): 32 elements a thread while the pass keeps one running sum and reads
+        only the logits; 16 when it keeps more or also reads the teacher, as registers then run out."""
+        lw = self.lowered
+        online = sum(a.online and a.domain == "vocab" for a in lw.accumulators)
+        return (32768, 32) if online <= 1 and not lw.uses_teacher else (8192, 16)
+
     def bytes_per_element(self, logit_bytes: int = 2, teacher_bytes: int = 2,
                           grad: bool = True) -> float:
         per_read = logit_bytes + (teacher_bytes if self.lowered.uses_teacher else 0)
@@ -83,7 +117,10 @@ class Plan:
                  f"packed per-row stats ({len(self.columns)} fp32): "
                  + ", ".join(f"{c.name}:{c.merge}" for c in self.columns),
                  "vocab-parallel: one all-gather of the packed stats"
-                 + (" + one all-reduce of the exact sums" if lw.has_exact else "")]
+                 + (" + one all-reduce of the exact sums" if lw.has_exact else ""),
+                 f"tiles: BLOCK_V <= {self.tile[0]}, {self.tile[1]} warps; "
+                 + ", ".join(f"{w.name} {'backward' if w.reverse else 'forward'}"
+                             for w in self.sweeps if w.name != "exact" or lw.has_exact)]
         for sharded in (False, True):
             seq = self.launches(sharded=sharded, grad=True)
             lines.append(("sharded" if sharded else "single device") + f": {len(seq)} launch(es): "

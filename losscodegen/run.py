@@ -56,6 +56,13 @@ def _block_v(V: int) -> int:
     return min(triton.next_power_of_2(V), 4096)
 
 
+def _launch_config(V: int, tile: tuple[int, int]) -> dict:
+    """The plan's tile for a large vocabulary, shrunk (with its warps) to a small one."""
+    block_v, warps = tile
+    block = min(triton.next_power_of_2(V), block_v)
+    return dict(BLOCK_V=block, num_warps=max(4, warps * block // block_v))
+
+
 class _HeadFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, head, inputs):
@@ -281,8 +288,8 @@ class HeadLoss(torch.nn.Module):
         kernel = getattr(k, f"head_loss_{k.KEY}")
         kernel[(rows,)](*args, HAS_LABELS=labels is not None, HAS_MASK=mask is not None,
                         STATS=launch.stats, EXACT=launch.exact, STORE_STATS=launch.store_stats,
-                        ROWS=launch.rows, GRAD=launch.grad, BLOCK_V=_block_v(a["V_local"]),
-                        BLOCK_K=block_k)
+                        ROWS=launch.rows, GRAD=launch.grad, BLOCK_K=block_k,
+                        **_launch_config(a["V_local"], k.TILE))
 
     def _segments(self, k, out_rows, valid, inputs, weights, divisor, dev, seg_coefs):
         """Per-segment means of the row quantities, the segment formula, and per-row coefficients

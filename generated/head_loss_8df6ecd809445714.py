@@ -28,13 +28,14 @@
 #   bytes per element (bf16 in, bf16 grad): 14
 #   packed per-row stats (8 fp32): m:max, m_t:max, acc0:scaled, acc2:scaled, acc1:sum, acc3:sum, acc4:sum, acc5:sum
 #   vocab-parallel: one all-gather of the packed stats + one all-reduce of the exact sums
+#   tiles: BLOCK_V <= 8192, 16 warps; stats forward, exact backward, grad forward
 #   single device: 1 launch(es): [stats+exact+rows+grad]
 #   sharded: 3 launch(es): [stats] merge -> [exact] sum_exact -> [rows+grad]
 import torch
 import triton
 import triton.language as tl
 
-KEY = "502e872cc441ee75"
+KEY = "8df6ecd809445714"
 COLUMNS = ['m', 'm_t', 'acc0', 'acc2', 'acc1', 'acc3', 'acc4', 'acc5']
 ROW_VALUES = ['jsd']
 WEIGHTS = ['w_jsd']
@@ -47,6 +48,8 @@ HAS_EXACT = True
 MERGE = [('m', 'max', 0.0, 0.0), ('m_t', 'max', 0.0, 0.0), ('acc0', 'scaled', 0.0, 1.0), ('acc2', 'scaled', 1.0, 0.0), ('acc1', 'sum', 0.0, 0.0), ('acc3', 'sum', 0.0, 0.0), ('acc4', 'sum', 0.0, 0.0), ('acc5', 'sum', 0.0, 0.0)]
 # segment terms: (name, row-value columns of its means, per-row gradient inputs)
 SEGMENTS = []
+# (BLOCK_V, num_warps) for a large vocabulary
+TILE = (8192, 16)
 
 
 @triton.jit
@@ -62,7 +65,7 @@ def _dlogits(x, logit_scale, softcap):
 
 
 @triton.jit
-def head_loss_502e872cc441ee75(
+def head_loss_8df6ecd809445714(
     x_ptr, x_stride, y_ptr, mask_ptr,
     t_ptr, t_stride,
     w_ptr, grad_ptr, grad_stride, rows_ptr, stats_ptr,
@@ -98,13 +101,23 @@ def head_loss_502e872cc441ee75(
         m_t = float("-inf")
         acc0 = 0.0
         acc2 = 0.0
-        for start in range(0, V, BLOCK_V):
+        # Tiles first to last, each loaded one iteration ahead so that its loads overlap the math.
+        n_blocks = tl.cdiv(V, BLOCK_V)
+        cols = tl.arange(0, BLOCK_V)
+        x_next = tl.load(x_row + cols, mask=cols < V, other=0.0)
+        t_next = tl.load(t_row + cols, mask=cols < V, other=0.0)
+        for i in range(0, n_blocks):
+            start = i * BLOCK_V
             cols = start + tl.arange(0, BLOCK_V)
             in_row = cols < V
-            z = _logits(tl.load(x_row + cols, mask=in_row, other=0.0).to(tl.float32), logit_scale, softcap)
+            x_tile = x_next
+            x_next = tl.load(x_row + cols + BLOCK_V, mask=cols + BLOCK_V < V, other=0.0)
+            t_tile = t_next
+            t_next = tl.load(t_row + cols + BLOCK_V, mask=cols + BLOCK_V < V, other=0.0)
+            z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
             block_max = tl.max(tl.where(in_row, z, float("-inf")), 0)
             m_new = tl.maximum(m, block_max)
-            t = tl.load(t_row + cols, mask=in_row, other=0.0).to(tl.float32)
+            t = t_tile.to(tl.float32)
             m_t_new = tl.maximum(m_t, tl.max(tl.where(in_row, t, float("-inf")), 0))
             s0 = tl.exp(-m_t_new + t)
             r0 = tl.exp(m_t - m_t_new)
@@ -128,11 +141,21 @@ def head_loss_502e872cc441ee75(
         acc3 = 0.0
         acc4 = 0.0
         acc5 = 0.0
-        for start in range(0, V, BLOCK_V):
+        # Tiles last to first, each loaded one iteration ahead so that its loads overlap the math.
+        n_blocks = tl.cdiv(V, BLOCK_V)
+        cols = (n_blocks - 1) * BLOCK_V + tl.arange(0, BLOCK_V)
+        x_next = tl.load(x_row + cols, mask=cols < V, other=0.0)
+        t_next = tl.load(t_row + cols, mask=cols < V, other=0.0)
+        for i in range(0, n_blocks):
+            start = (n_blocks - 1 - i) * BLOCK_V
             cols = start + tl.arange(0, BLOCK_V)
             in_row = cols < V
-            z = _logits(tl.load(x_row + cols, mask=in_row, other=0.0).to(tl.float32), logit_scale, softcap)
-            t = tl.load(t_row + cols, mask=in_row, other=0.0).to(tl.float32)
+            x_tile = x_next
+            x_next = tl.load(x_row + cols - BLOCK_V, mask=cols >= BLOCK_V, other=0.0)
+            t_tile = t_next
+            t_next = tl.load(t_row + cols - BLOCK_V, mask=cols >= BLOCK_V, other=0.0)
+            z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
+            t = t_tile.to(tl.float32)
             e0 = N0 - t
             e1 = tl.exp(-e0)
             e2 = (0.5)*e1
@@ -172,13 +195,23 @@ def head_loss_502e872cc441ee75(
         g0 = c0
         g1 = c0
         g2 = acc4*c0 + acc5*c0
-        # Gradient read: the rows were just read, so these loads mostly hit L2.
-        for start in range(0, V, BLOCK_V):
+        # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
+        # Tiles first to last, each loaded one iteration ahead so that its loads overlap the math.
+        n_blocks = tl.cdiv(V, BLOCK_V)
+        cols = tl.arange(0, BLOCK_V)
+        x_next = tl.load(x_row + cols, mask=cols < V, other=0.0, eviction_policy="evict_first")
+        t_next = tl.load(t_row + cols, mask=cols < V, other=0.0, eviction_policy="evict_first")
+        for i in range(0, n_blocks):
+            start = i * BLOCK_V
             cols = start + tl.arange(0, BLOCK_V)
             in_row = cols < V
-            x = tl.load(x_row + cols, mask=in_row, other=0.0).to(tl.float32)
+            x_tile = x_next
+            x_next = tl.load(x_row + cols + BLOCK_V, mask=cols + BLOCK_V < V, other=0.0, eviction_policy="evict_first")
+            t_tile = t_next
+            t_next = tl.load(t_row + cols + BLOCK_V, mask=cols + BLOCK_V < V, other=0.0, eviction_policy="evict_first")
+            x = x_tile.to(tl.float32)
             z = _logits(x, logit_scale, softcap)
-            t = tl.load(t_row + cols, mask=in_row, other=0.0).to(tl.float32)
+            t = t_tile.to(tl.float32)
             d0 = N1 - z
             d1 = tl.exp(-d0)
             d2 = (0.5)*tl.exp(-N0 + t)
@@ -187,4 +220,4 @@ def head_loss_502e872cc441ee75(
             d5 = (1.0 / d4)
             dz = -d1*d2*d5*g0 + d1*g2 + g1*(d1*(-d0 - tl.log(d4)) + d1*(-d3*d5 + 1.0))
             tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
-                     mask=in_row)
+                     mask=in_row, cache_modifier=".cs")

@@ -25,13 +25,14 @@
 #   bytes per element (bf16 in, bf16 grad): 6
 #   packed per-row stats (5 fp32): m:max, acc0:scaled, acc1:scaled, acc2:scaled, acc3:scaled
 #   vocab-parallel: one all-gather of the packed stats
+#   tiles: BLOCK_V <= 32768, 32 warps; stats forward, grad backward
 #   single device: 1 launch(es): [stats+rows+grad]
 #   sharded: 2 launch(es): [stats] merge -> [rows+grad]
 import torch
 import triton
 import triton.language as tl
 
-KEY = "33bf73a099bf5072"
+KEY = "30c8fddf6ed376b1"
 COLUMNS = ['m', 'acc0', 'acc1', 'acc2', 'acc3']
 ROW_VALUES = ['topk_forward_kl']
 WEIGHTS = ['w_topk_forward_kl']
@@ -44,6 +45,8 @@ HAS_EXACT = False
 MERGE = [('m', 'max', 0.0, 0.0), ('acc0', 'scaled', 0.0, 0.0), ('acc1', 'scaled', 0.0, 0.0), ('acc2', 'scaled', 0.0, 0.0), ('acc3', 'scaled', 1.0, 0.0)]
 # segment terms: (name, row-value columns of its means, per-row gradient inputs)
 SEGMENTS = []
+# (BLOCK_V, num_warps) for a large vocabulary
+TILE = (32768, 32)
 
 
 @triton.jit
@@ -59,7 +62,7 @@ def _dlogits(x, logit_scale, softcap):
 
 
 @triton.jit
-def head_loss_33bf73a099bf5072(
+def head_loss_30c8fddf6ed376b1(
     x_ptr, x_stride, y_ptr, mask_ptr,
     topk_id_ptr, topk_lp_ptr, topk_stride, K,
     w_ptr, grad_ptr, grad_stride, rows_ptr, stats_ptr,
@@ -97,10 +100,17 @@ def head_loss_33bf73a099bf5072(
         # First read: the running max and every online accumulator, rescaled when the max grows.
         m = float("-inf")
         acc3 = 0.0
-        for start in range(0, V, BLOCK_V):
+        # Tiles first to last, each loaded one iteration ahead so that its loads overlap the math.
+        n_blocks = tl.cdiv(V, BLOCK_V)
+        cols = tl.arange(0, BLOCK_V)
+        x_next = tl.load(x_row + cols, mask=cols < V, other=0.0)
+        for i in range(0, n_blocks):
+            start = i * BLOCK_V
             cols = start + tl.arange(0, BLOCK_V)
             in_row = cols < V
-            z = _logits(tl.load(x_row + cols, mask=in_row, other=0.0).to(tl.float32), logit_scale, softcap)
+            x_tile = x_next
+            x_next = tl.load(x_row + cols + BLOCK_V, mask=cols + BLOCK_V < V, other=0.0)
+            z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
             block_max = tl.max(tl.where(in_row, z, float("-inf")), 0)
             m_new = tl.maximum(m, block_max)
             s0 = tl.exp(-m_new + z)
@@ -132,15 +142,22 @@ def head_loss_33bf73a099bf5072(
         w_topk_forward_kl = tl.load(w_ptr + 0)  # weight / divisor
         g0 = w_topk_forward_kl
         g1 = acc0*w_topk_forward_kl
-        # Gradient read: the rows were just read, so these loads mostly hit L2.
-        for start in range(0, V, BLOCK_V):
+        # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
+        # Tiles last to first, each loaded one iteration ahead so that its loads overlap the math.
+        n_blocks = tl.cdiv(V, BLOCK_V)
+        cols = (n_blocks - 1) * BLOCK_V + tl.arange(0, BLOCK_V)
+        x_next = tl.load(x_row + cols, mask=cols < V, other=0.0, eviction_policy="evict_first")
+        for i in range(0, n_blocks):
+            start = (n_blocks - 1 - i) * BLOCK_V
             cols = start + tl.arange(0, BLOCK_V)
             in_row = cols < V
-            x = tl.load(x_row + cols, mask=in_row, other=0.0).to(tl.float32)
+            x_tile = x_next
+            x_next = tl.load(x_row + cols - BLOCK_V, mask=cols >= BLOCK_V, other=0.0, eviction_policy="evict_first")
+            x = x_tile.to(tl.float32)
             z = _logits(x, logit_scale, softcap)
             dz = g1*tl.exp(-N0 + z)
             tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
-                     mask=in_row)
+                     mask=in_row, cache_modifier=".cs")
         # Sparse part at the top-k ids, added after every thread's dense stores are visible.
         tl.debug_barrier()
         x_k = tl.load(x_row + topk_ids, mask=in_k, other=0.0).to(tl.float32)

@@ -26,13 +26,14 @@
 #   bytes per element (bf16 in, bf16 grad): 6
 #   packed per-row stats (4 fp32): m:max, z_y:sum, acc0:scaled, acc1:scaled
 #   vocab-parallel: one all-gather of the packed stats
+#   tiles: BLOCK_V <= 8192, 16 warps; stats forward, grad backward
 #   single device: 1 launch(es): [stats+rows+grad]
 #   sharded: 2 launch(es): [stats] merge -> [rows+grad]
 import torch
 import triton
 import triton.language as tl
 
-KEY = "6b35e3f27ce88b90"
+KEY = "c961b0932b942b1e"
 COLUMNS = ['m', 'z_y', 'acc0', 'acc1']
 ROW_VALUES = ['grpo', 'entropy', 'clip_fraction']
 WEIGHTS = ['w_grpo']
@@ -45,6 +46,8 @@ HAS_EXACT = False
 MERGE = [('m', 'max', 0.0, 0.0), ('z_y', 'sum', 0.0, 0.0), ('acc0', 'scaled', 1.0, 0.0), ('acc1', 'scaled', 1.0, 0.0)]
 # segment terms: (name, row-value columns of its means, per-row gradient inputs)
 SEGMENTS = []
+# (BLOCK_V, num_warps) for a large vocabulary
+TILE = (8192, 16)
 
 
 @triton.jit
@@ -60,7 +63,7 @@ def _dlogits(x, logit_scale, softcap):
 
 
 @triton.jit
-def head_loss_6b35e3f27ce88b90(
+def head_loss_c961b0932b942b1e(
     x_ptr, x_stride, y_ptr, mask_ptr,
     tok_advantages_ptr,
     tok_old_logprobs_ptr,
@@ -100,10 +103,17 @@ def head_loss_6b35e3f27ce88b90(
         m = float("-inf")
         acc0 = 0.0
         acc1 = 0.0
-        for start in range(0, V, BLOCK_V):
+        # Tiles first to last, each loaded one iteration ahead so that its loads overlap the math.
+        n_blocks = tl.cdiv(V, BLOCK_V)
+        cols = tl.arange(0, BLOCK_V)
+        x_next = tl.load(x_row + cols, mask=cols < V, other=0.0)
+        for i in range(0, n_blocks):
+            start = i * BLOCK_V
             cols = start + tl.arange(0, BLOCK_V)
             in_row = cols < V
-            z = _logits(tl.load(x_row + cols, mask=in_row, other=0.0).to(tl.float32), logit_scale, softcap)
+            x_tile = x_next
+            x_next = tl.load(x_row + cols + BLOCK_V, mask=cols + BLOCK_V < V, other=0.0)
+            z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
             block_max = tl.max(tl.where(in_row, z, float("-inf")), 0)
             m_new = tl.maximum(m, block_max)
             s0 = tl.exp(-m_new + z)
@@ -151,13 +161,20 @@ def head_loss_6b35e3f27ce88b90(
         c7 = (c4 & (~c5))
         g0 = w_grpo*(c1 - tl.where(c6, -c3, tok_advantages*tl.where(c7, 0.0, tl.where(c5, 0.0, -c2))) - 0.04)
         g1 = w_grpo*(-c1 - tl.where(c6, c3, tok_advantages*tl.where(c7, 0.0, tl.where(c5, 0.0, c2))) + 0.04)
-        # Gradient read: the rows were just read, so these loads mostly hit L2.
-        for start in range(0, V, BLOCK_V):
+        # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
+        # Tiles last to first, each loaded one iteration ahead so that its loads overlap the math.
+        n_blocks = tl.cdiv(V, BLOCK_V)
+        cols = (n_blocks - 1) * BLOCK_V + tl.arange(0, BLOCK_V)
+        x_next = tl.load(x_row + cols, mask=cols < V, other=0.0, eviction_policy="evict_first")
+        for i in range(0, n_blocks):
+            start = (n_blocks - 1 - i) * BLOCK_V
             cols = start + tl.arange(0, BLOCK_V)
             in_row = cols < V
-            x = tl.load(x_row + cols, mask=in_row, other=0.0).to(tl.float32)
+            x_tile = x_next
+            x_next = tl.load(x_row + cols - BLOCK_V, mask=cols >= BLOCK_V, other=0.0, eviction_policy="evict_first")
+            x = x_tile.to(tl.float32)
             z = _logits(x, logit_scale, softcap)
             is_y = tl.where(cols == y_local, 1.0, 0.0)
             dz = g0*tl.exp(-N0 + z) + g1*is_y
             tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
-                     mask=in_row)
+                     mask=in_row, cache_modifier=".cs")

@@ -25,13 +25,14 @@
 #   bytes per element (bf16 in, bf16 grad): 10
 #   packed per-row stats (6 fp32): m:max, m_t:max, acc0:scaled, acc1:scaled, acc2:scaled, acc3:scaled
 #   vocab-parallel: one all-gather of the packed stats
+#   tiles: BLOCK_V <= 8192, 16 warps; stats forward, grad backward
 #   single device: 1 launch(es): [stats+rows+grad]
 #   sharded: 2 launch(es): [stats] merge -> [rows+grad]
 import torch
 import triton
 import triton.language as tl
 
-KEY = "490e31dea63b090d"
+KEY = "6425915f78f3cae2"
 COLUMNS = ['m', 'm_t', 'acc0', 'acc1', 'acc2', 'acc3']
 ROW_VALUES = ['reverse_kl']
 WEIGHTS = ['w_reverse_kl']
@@ -44,6 +45,8 @@ HAS_EXACT = False
 MERGE = [('m', 'max', 0.0, 0.0), ('m_t', 'max', 0.0, 0.0), ('acc0', 'scaled', 1.0, 0.0), ('acc1', 'scaled', 1.0, 0.0), ('acc2', 'scaled', 1.0, 0.0), ('acc3', 'scaled', 0.0, 1.0)]
 # segment terms: (name, row-value columns of its means, per-row gradient inputs)
 SEGMENTS = []
+# (BLOCK_V, num_warps) for a large vocabulary
+TILE = (8192, 16)
 
 
 @triton.jit
@@ -59,7 +62,7 @@ def _dlogits(x, logit_scale, softcap):
 
 
 @triton.jit
-def head_loss_490e31dea63b090d(
+def head_loss_6425915f78f3cae2(
     x_ptr, x_stride, y_ptr, mask_ptr,
     t_ptr, t_stride,
     w_ptr, grad_ptr, grad_stride, rows_ptr, stats_ptr,
@@ -97,13 +100,23 @@ def head_loss_490e31dea63b090d(
         acc1 = 0.0
         acc2 = 0.0
         acc3 = 0.0
-        for start in range(0, V, BLOCK_V):
+        # Tiles first to last, each loaded one iteration ahead so that its loads overlap the math.
+        n_blocks = tl.cdiv(V, BLOCK_V)
+        cols = tl.arange(0, BLOCK_V)
+        x_next = tl.load(x_row + cols, mask=cols < V, other=0.0)
+        t_next = tl.load(t_row + cols, mask=cols < V, other=0.0)
+        for i in range(0, n_blocks):
+            start = i * BLOCK_V
             cols = start + tl.arange(0, BLOCK_V)
             in_row = cols < V
-            z = _logits(tl.load(x_row + cols, mask=in_row, other=0.0).to(tl.float32), logit_scale, softcap)
+            x_tile = x_next
+            x_next = tl.load(x_row + cols + BLOCK_V, mask=cols + BLOCK_V < V, other=0.0)
+            t_tile = t_next
+            t_next = tl.load(t_row + cols + BLOCK_V, mask=cols + BLOCK_V < V, other=0.0)
+            z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
             block_max = tl.max(tl.where(in_row, z, float("-inf")), 0)
             m_new = tl.maximum(m, block_max)
-            t = tl.load(t_row + cols, mask=in_row, other=0.0).to(tl.float32)
+            t = t_tile.to(tl.float32)
             m_t_new = tl.maximum(m_t, tl.max(tl.where(in_row, t, float("-inf")), 0))
             s0 = tl.exp(-m_new + z)
             r0 = tl.exp(m - m_new)
@@ -142,15 +155,25 @@ def head_loss_490e31dea63b090d(
         c0 = tl.exp(-N0 + m)
         g0 = w_reverse_kl
         g1 = w_reverse_kl*(N0 - N1 - acc1*c0 + acc2*c0 - 1.0)
-        # Gradient read: the rows were just read, so these loads mostly hit L2.
-        for start in range(0, V, BLOCK_V):
+        # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
+        # Tiles last to first, each loaded one iteration ahead so that its loads overlap the math.
+        n_blocks = tl.cdiv(V, BLOCK_V)
+        cols = (n_blocks - 1) * BLOCK_V + tl.arange(0, BLOCK_V)
+        x_next = tl.load(x_row + cols, mask=cols < V, other=0.0, eviction_policy="evict_first")
+        t_next = tl.load(t_row + cols, mask=cols < V, other=0.0, eviction_policy="evict_first")
+        for i in range(0, n_blocks):
+            start = (n_blocks - 1 - i) * BLOCK_V
             cols = start + tl.arange(0, BLOCK_V)
             in_row = cols < V
-            x = tl.load(x_row + cols, mask=in_row, other=0.0).to(tl.float32)
+            x_tile = x_next
+            x_next = tl.load(x_row + cols - BLOCK_V, mask=cols >= BLOCK_V, other=0.0, eviction_policy="evict_first")
+            t_tile = t_next
+            t_next = tl.load(t_row + cols - BLOCK_V, mask=cols >= BLOCK_V, other=0.0, eviction_policy="evict_first")
+            x = x_tile.to(tl.float32)
             z = _logits(x, logit_scale, softcap)
-            t = tl.load(t_row + cols, mask=in_row, other=0.0).to(tl.float32)
+            t = t_tile.to(tl.float32)
             d0 = N0 - z
             d1 = tl.exp(-d0)
             dz = d1*g1 + g0*(d1*(N1 - d0 - t) + d1)
             tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
-                     mask=in_row)
+                     mask=in_row, cache_modifier=".cs")
