@@ -26,14 +26,14 @@
 #   bytes per element (bf16 in, bf16 grad): 6
 #   packed per-row stats (4 fp32): m:max, z_y:sum, acc0:scaled, acc1:scaled
 #   vocab-parallel: one all-gather of the packed stats
-#   tiles: BLOCK_V <= 8192, 16 warps; stats forward, grad backward
+#   tiles: BLOCK_V <= 16384, 16 warps; stats forward, grad backward
 #   single device: 1 launch(es): [stats+rows+grad]
 #   sharded: 2 launch(es): [stats] merge -> [rows+grad]
 import torch
 import triton
 import triton.language as tl
 
-KEY = "c961b0932b942b1e"
+KEY = "7d0cb229117a3308"
 COLUMNS = ['m', 'z_y', 'acc0', 'acc1']
 ROW_VALUES = ['grpo', 'entropy', 'clip_fraction']
 WEIGHTS = ['w_grpo']
@@ -47,7 +47,7 @@ MERGE = [('m', 'max', 0.0, 0.0), ('z_y', 'sum', 0.0, 0.0), ('acc0', 'scaled', 1.
 # segment terms: (name, row-value columns of its means, per-row gradient inputs)
 SEGMENTS = []
 # (BLOCK_V, num_warps) for a large vocabulary
-TILE = (8192, 16)
+TILE = (16384, 16)
 
 
 @triton.jit
@@ -63,7 +63,7 @@ def _dlogits(x, logit_scale, softcap):
 
 
 @triton.jit
-def head_loss_c961b0932b942b1e(
+def head_loss_7d0cb229117a3308(
     x_ptr, x_stride, y_ptr, mask_ptr,
     tok_advantages_ptr,
     tok_old_logprobs_ptr,
