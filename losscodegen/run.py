@@ -119,6 +119,7 @@ class HeadLoss(torch.nn.Module):
         head = terms + metrics
         self._bound = tuple((t.name, bind(t, head), t in metrics) for t in head)
         self._weights = torch.tensor([t.weight for t in terms], dtype=torch.float32)
+        self._launches: dict[tuple[bool, bool], tuple] = {}
         self.spec_text = "\n".join(
             [f"{'metric' if m else 'loss'} {n} {sp.srepr(f)}" for n, f, m in self._bound]
             + [f"softcap {softcap is not None}"])
@@ -213,7 +214,7 @@ class HeadLoss(torch.nn.Module):
         if divisor is not None:
             divisor = torch.as_tensor(divisor, dtype=torch.float32, device=dev).reshape(())
         row_div = divisor if divisor is not None else n_valid.clamp_min(1.0)
-        weights = self._weights.to(dev)
+        weights = self._device_weights(dev)
         segment_terms = {name for name, _, _ in k.SEGMENTS}
         if segment_terms and reduction == "none":
             raise ValueError("reduction='none' has no per-row value for segment terms "
@@ -244,8 +245,10 @@ class HeadLoss(torch.nn.Module):
 
         names = [t.name for t in self.loss_terms + self.metric_terms]
         col = {name: i for i, name in enumerate(k.ROW_VALUES)}
-        values = torch.stack([seg_values[n] if n in seg_values else out_rows[:, col[n]].sum() / row_div
-                              for n in names])
+        values = out_rows.sum(0)[[col[n] if n in col else 0 for n in names]] / row_div
+        if seg_values:
+            values = torch.stack([seg_values[n] if n in seg_values else values[i]
+                                  for i, n in enumerate(names)])
         n_loss = len(self.loss_terms)
         if reduction == "none":
             idx = torch.tensor([col[self.loss_terms[i].name] for i in plain], device=dev)
@@ -256,8 +259,16 @@ class HeadLoss(torch.nn.Module):
         return loss, values, grad_out
 
     def plan_launches(self, *, sharded: bool, grad: bool):
-        p = Plan(_MetaLowered(self.kernel), self.softcap is not None, ())
-        return p.launches(sharded=sharded, grad=grad)
+        key = (sharded, grad)
+        if key not in self._launches:
+            p = Plan(_MetaLowered(self.kernel), self.softcap is not None, ())
+            self._launches[key] = p.launches(sharded=sharded, grad=grad)
+        return self._launches[key]
+
+    def _device_weights(self, dev: torch.device) -> torch.Tensor:
+        if self._weights.device != dev:  # copied once per device, not once per call
+            self._weights = self._weights.to(dev)
+        return self._weights
 
     def _needing_teacher(self) -> str:
         return ", ".join(n for n, f, _ in self._bound
