@@ -181,8 +181,8 @@ def emit(plan: Plan, key: str, header: str) -> KernelSource:
     seg_fns = []
     for seg in lw.segments:
         args = ", ".join(U.name for U in seg.means)
-        seg_fns.append(dict(name=seg.name, args=args, value=_TORCH.doprint(seg.formula),
-                            grads=[_TORCH.doprint(d) for d in seg.dformula]))
+        temps, (value, *grads) = _statements([seg.formula, *seg.dformula], "u", _TORCH)
+        seg_fns.append(dict(name=seg.name, args=args, temps=temps, value=value, grads=grads))
 
     ctx = dict(
         header=header, name=name, key=key, plan=plan, lw=lw, sweeps=plan.sweeps,

@@ -341,8 +341,7 @@ class HeadLoss(torch.nn.Module):
         for name, us, coefs in k.SEGMENTS:
             U = [sums[:, 1 + means.index(u)] / count for u in us]
             with torch.no_grad():
-                F = getattr(k, f"{name}_segment_value")(*U)
-                dF = getattr(k, f"{name}_segment_grads")(*U)
+                F, dF = getattr(k, f"{name}_segment")(*U)
             values[name] = torch.where(nonempty, F, 0.0).sum() / div
             w = weights[names.index(name)] / div
             for c, d in zip(coefs, dF):

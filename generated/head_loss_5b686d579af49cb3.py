@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-KEY = "7d0cb229117a3308"
+KEY = "5b686d579af49cb3"
 COLUMNS = ['m', 'z_y', 'acc0', 'acc1']
 ROW_VALUES = ['grpo', 'entropy', 'clip_fraction']
 WEIGHTS = ['w_grpo']
@@ -63,7 +63,7 @@ def _dlogits(x, logit_scale, softcap):
 
 
 @triton.jit
-def head_loss_7d0cb229117a3308(
+def head_loss_5b686d579af49cb3(
     x_ptr, x_stride, y_ptr, mask_ptr,
     tok_advantages_ptr,
     tok_old_logprobs_ptr,

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-KEY = "e0d4bb8ba541972e"
+KEY = "79d6b3a84b3487b2"
 COLUMNS = ['m', 'z_y', 'acc0', 'acc1']
 ROW_VALUES = ['grpo', 'entropy', 'clip_fraction', 'ratio_mean', 'kl_new_old']
 WEIGHTS = ['w_grpo']
@@ -67,7 +67,7 @@ def _dlogits(x, logit_scale, softcap):
 
 
 @triton.jit
-def head_loss_e0d4bb8ba541972e(
+def head_loss_79d6b3a84b3487b2(
     x_ptr, x_stride, y_ptr, mask_ptr,
     tok_advantages_ptr,
     tok_old_logprobs_ptr,

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-KEY = "2beece6df7da66d0"
+KEY = "d1a501704983b655"
 COLUMNS = ['m', 'm_t', 'z_y', 'acc0', 'acc1', 'acc2', 'acc3', 'acc4']
 ROW_VALUES = ['cross_entropy', 'forward_kl']
 WEIGHTS = ['w_cross_entropy', 'w_forward_kl']
@@ -68,7 +68,7 @@ def _dlogits(x, logit_scale, softcap):
 
 
 @triton.jit
-def head_loss_2beece6df7da66d0(
+def head_loss_d1a501704983b655(
     x_ptr, x_stride, y_ptr, mask_ptr,
     t_ptr, t_stride,
     w_ptr, grad_ptr, grad_stride, rows_ptr, stats_ptr,

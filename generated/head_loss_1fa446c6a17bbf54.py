@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-KEY = "1152748e1c2c6eec"
+KEY = "1fa446c6a17bbf54"
 COLUMNS = ['m', 'm_t', 'acc0', 'acc2', 'acc1', 'acc3', 'acc4', 'acc5']
 ROW_VALUES = ['jsd']
 WEIGHTS = ['w_jsd']
@@ -65,7 +65,7 @@ def _dlogits(x, logit_scale, softcap):
 
 
 @triton.jit
-def head_loss_1152748e1c2c6eec(
+def head_loss_1fa446c6a17bbf54(
     x_ptr, x_stride, y_ptr, mask_ptr,
     t_ptr, t_stride,
     w_ptr, grad_ptr, grad_stride, rows_ptr, stats_ptr,
