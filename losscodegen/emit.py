@@ -126,7 +126,6 @@ class TorchPrinter(_ArrayPrinter):
 
 
 _TL = TritonPrinter()
-_TORCH = TorchPrinter()
 
 
 def _statements(exprs: list[sp.Expr], prefix: str, printer=_TL) -> tuple[list[str], list[str]]:
@@ -179,10 +178,13 @@ def emit(plan: Plan, key: str, header: str) -> KernelSource:
     grad_temps, (grad_expr, topk_grad_expr) = _statements([lw.grad_vocab, lw.grad_topk], "d")
 
     seg_fns = []
+    seg_means = [U.name for seg in lw.segments for U in seg.means]
+    weight_names = [w.name for w in lw.weights]
     for seg in lw.segments:
-        args = ", ".join(U.name for U in seg.means)
-        temps, (value, *grads) = _statements([seg.formula, *seg.dformula], "u", _TORCH)
-        seg_fns.append(dict(name=seg.name, args=args, temps=temps, value=value, grads=grads))
+        temps, (value, *grads) = _statements([seg.formula, *seg.dformula], f"{seg.name}_u")
+        seg_fns.append(dict(name=seg.name, temps=temps, value=value,
+                            weight=weight_names.index(f"w_{seg.name}"),
+                            grads=[(seg_means.index(U.name), g) for U, g in zip(seg.means, grads)]))
 
     ctx = dict(
         header=header, name=name, key=key, plan=plan, lw=lw, sweeps=plan.sweeps,
@@ -203,11 +205,10 @@ def emit(plan: Plan, key: str, header: str) -> KernelSource:
         exact_columns=[a.name for a in exact + topk_exact],
         weights=[w.name for w in lw.weights if not any(w.name == f"w_{s.name}" for s in lw.segments)],
         seg_coefs=[c.name for s in lw.segments for c in s.coefs],
-        segments=seg_fns,
+        segments=seg_fns, seg_means=seg_means,
         uses_label=any(e.has(S.label) for _, e in lw.row_values),
         merge=[(c.name, c.merge, float(c.alpha), float(c.beta)) for c in plan.columns],
-        segment_meta=[(s.name, [U.name for U in s.means], [c.name for c in s.coefs])
-                      for s in lw.segments],
+        segment_meta=[s.name for s in lw.segments],
     )
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), keep_trailing_newline=True,
                              trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)

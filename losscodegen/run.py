@@ -215,7 +215,7 @@ class HeadLoss(torch.nn.Module):
             divisor = torch.as_tensor(divisor, dtype=torch.float32, device=dev).reshape(())
         row_div = divisor if divisor is not None else n_valid.clamp_min(1.0)
         weights = self._device_weights(dev)
-        segment_terms = {name for name, _, _ in k.SEGMENTS}
+        segment_terms = set(k.SEGMENTS)
         if segment_terms and reduction == "none":
             raise ValueError("reduction='none' has no per-row value for segment terms "
                              f"{sorted(segment_terms)}")
@@ -227,10 +227,10 @@ class HeadLoss(torch.nn.Module):
         out_rows = torch.empty(rows, n_values, dtype=torch.float32, device=dev)
         stats = torch.empty(rows, len(k.COLUMNS), dtype=torch.float32, device=dev)
         grad_buf = torch.empty_like(x, memory_format=torch.contiguous_format) if grad else None
-        seg_coefs: dict[str, torch.Tensor] = {}
+        seg_state: dict[str, torch.Tensor] = {}
         seg_values: dict[str, torch.Tensor] = {}
         args = dict(x=x, labels=labels, mask=mask, teacher=teacher, tokens=tokens, topk=topk,
-                    w=w_rows, grad=grad_buf, rows=out_rows, stats=stats, seg_coefs=seg_coefs,
+                    w=w_rows, grad=grad_buf, rows=out_rows, stats=stats, segments=seg_state,
                     V_local=V_local, vocab_start=rank * V_local, V=V)
         for launch in self.plan_launches(sharded=group is not None, grad=grad):
             self._launch(launch, args)
@@ -239,9 +239,9 @@ class HeadLoss(torch.nn.Module):
             elif launch.then == "sum_exact":
                 _sum_exact(stats, k, group)
             elif launch.then == "segments":
-                seg_values = self._segments(k, out_rows, valid, inputs, weights, divisor, dev, seg_coefs)
+                seg_values = self._segments(k, out_rows, valid, inputs, weights, divisor, dev, seg_state)
         if not seg_values and segment_terms:  # no gradient wanted: still the values
-            seg_values = self._segments(k, out_rows, valid, inputs, weights, divisor, dev, seg_coefs)
+            seg_values = self._segments(k, out_rows, valid, inputs, weights, divisor, dev, seg_state)
 
         names = [t.name for t in self.loss_terms + self.metric_terms]
         col = {name: i for i, name in enumerate(k.ROW_VALUES)}
@@ -291,7 +291,9 @@ class HeadLoss(torch.nn.Module):
             ids, lps = a["topk"]
             args += [ids, lps, ids.stride(0), ids.shape[1]]
             block_k = triton.next_power_of_2(ids.shape[1])
-        args += [a["seg_coefs"].get(c, dummy) for _, _, cs in k.SEGMENTS for c in cs]
+        if k.SEGMENTS:
+            seg = a["segments"]
+            args += [seg.get("ids", dummy), seg.get("coefs", dummy)]
         grad = a["grad"] if launch.grad else None
         args += [a["w"], grad if grad is not None else x, grad.stride(0) if grad is not None else 0,
                  a["rows"], a["stats"], self.logit_scale, float(self.softcap or 1.0),
@@ -302,52 +304,42 @@ class HeadLoss(torch.nn.Module):
                         ROWS=launch.rows, GRAD=launch.grad, BLOCK_K=block_k,
                         **_launch_config(a["V_local"], k.TILE))
 
-    def _segments(self, k, out_rows, valid, inputs, weights, divisor, dev, seg_coefs):
-        """Per-segment means of the row quantities, the segment formula, and per-row coefficients
-        dL/du for the gradient launch. One index_add_ packs every segment's row count and sums;
-        with ``segment_group`` (segments split across sequence-parallel ranks) one all-reduce of
-        that pack makes every segment whole. No host sync unless num_segments is unknown."""
+    def _segments(self, k, out_rows, valid, inputs, weights, divisor, dev, seg_state):
+        """Per-segment sums of the row quantities (one index_add_; with ``segment_group``, for
+        segments split across sequence-parallel ranks, one all-reduce of them), then one launch
+        of the generated segment kernel: each segment term's value, and per segment dL/du for
+        the gradient launch. No host sync unless num_segments is unknown."""
         seg = inputs.get("segment_ids")
         rows = out_rows.shape[0]
         if seg is None:
-            raise ValueError("segment_ids is required by segment term(s) "
-                             f"{[n for n, _, _ in k.SEGMENTS]}")
+            raise ValueError(f"segment_ids is required by segment term(s) {k.SEGMENTS}")
         seg = seg.reshape(-1) if isinstance(seg, torch.Tensor) else seg
         seg = _check_rowwise("segment_ids", seg, (rows,), dev, integer=True, required=True)
         group = inputs.get("segment_group")
         n_seg = inputs.get("num_segments")
         if n_seg is None:  # one sync (and a MAX all-reduce over segment_group); num_segments= avoids it
-            top = seg.max() if rows else torch.tensor(-1, device=dev)
+            top = torch.where(valid, seg, -1).max() if rows else torch.tensor(-1, device=dev)
             if group is not None:
                 _all_reduce(top, group, "max")
             n_seg = int(top.item()) + 1
         elif not isinstance(n_seg, int) or n_seg < 0:
             raise ValueError(f"num_segments must be a non-negative int, got {n_seg!r}")
-        if self.validate and rows and bool(((seg < 0) | (seg >= n_seg)).any()):
-            raise ValueError(f"segment_ids must be in [0, num_segments={n_seg})")
-        seg = torch.where(valid, seg, n_seg)  # invalid rows go to a spill segment that is dropped
+        if self.validate and rows and bool((valid & ((seg < 0) | (seg >= n_seg))).any()):
+            raise ValueError(f"segment_ids of valid rows must be in [0, num_segments={n_seg})")
         col = {name: i for i, name in enumerate(k.ROW_VALUES)}
-        means = sorted({u for _, us, _ in k.SEGMENTS for u in us})
-        per_row = torch.cat([valid.float()[:, None], out_rows[:, [col[u] for u in means]]], 1)
-        sums = torch.zeros(n_seg + 1, len(means) + 1, device=dev).index_add_(0, seg, per_row)[:n_seg]
+        per_row = torch.cat([valid.float()[:, None], out_rows[:, [col[u] for u in k.SEGMENT_MEANS]]], 1)
+        slot = torch.where(valid, seg, n_seg)  # invalid rows go to a spill segment that is dropped
+        sums = torch.zeros(n_seg + 1, per_row.shape[1], device=dev).index_add_(0, slot, per_row)
         if group is not None:
             _all_reduce(sums, group, "sum")
-        count = sums[:, 0].clamp_min(1.0)
-        nonempty = sums[:, 0] > 0
-        n_nonempty = nonempty.sum().to(torch.float32)
-        div = divisor if divisor is not None else n_nonempty.clamp_min(1.0)
-        names = [t.name for t in self.loss_terms]
-        values = {}
-        for name, us, coefs in k.SEGMENTS:
-            U = [sums[:, 1 + means.index(u)] / count for u in us]
-            with torch.no_grad():
-                F, dF = getattr(k, f"{name}_segment")(*U)
-            values[name] = torch.where(nonempty, F, 0.0).sum() / div
-            w = weights[names.index(name)] / div
-            for c, d in zip(coefs, dF):
-                per_seg = torch.where(nonempty, d / count, 0.0) * w
-                seg_coefs[c] = torch.cat([per_seg, per_seg.new_zeros(1)])[seg].contiguous()
-        return values
+        values = torch.empty(len(k.SEGMENTS), device=dev)
+        coefs = torch.empty(max(n_seg, 1), len(k.SEGMENT_MEANS), device=dev)
+        div = divisor if divisor is not None else values  # values: a placeholder, not read
+        getattr(k, f"segments_{k.KEY}")[(1,)](
+            sums, n_seg, weights, div, values, coefs,
+            HAS_DIVISOR=divisor is not None, BLOCK_S=min(triton.next_power_of_2(max(n_seg, 1)), 1024))
+        seg_state["ids"], seg_state["coefs"] = seg.contiguous(), coefs
+        return dict(zip(k.SEGMENTS, values))
 
 
 class _MetaLowered:

@@ -67,6 +67,7 @@ def test_gspo_segments(n_segments, dtype):
     head = lcg.HeadLoss(lcg.GSPO(), lcg.CrossEntropy(weight=0.1), metrics=(lcg.Entropy(),))
     check_head(head, logits, labels, segment_ids=seg, **inputs)
     check_head(head, logits, labels, segment_ids=seg, num_segments=n_segments, **inputs)
+    check_head(head, logits, labels, segment_ids=seg, num_segments=n_segments, divisor=5.0, **inputs)
 
 
 def test_policy_inputs_are_named_when_missing():
@@ -82,11 +83,24 @@ def test_policy_inputs_are_named_when_missing():
 
 
 @pytest.mark.parametrize("bad, match", [
-    (dict(segment_ids=torch.tensor([0, -1, 1, 1])), r"segment_ids must be in \[0, num_segments=2\)"),
-    (dict(segment_ids=torch.tensor([0, 3, 1, 1]), num_segments=2), r"segment_ids must be in \[0, num_segments=2\)"),
+    (dict(segment_ids=torch.tensor([0, -1, 1, 1])), r"segment_ids of valid rows must be in \[0, num_segments=2\)"),
+    (dict(segment_ids=torch.tensor([0, 3, 1, 1]), num_segments=2), r"segment_ids of valid rows must be in \[0, num_segments=2\)"),
     (dict(segment_ids=torch.tensor([0, 0, 1, 1]), num_segments=-1), "num_segments"),
 ])
 def test_bad_segments_are_named(bad, match):
     logits, labels, _ = make_inputs(R=4, V=256)
+    labels = labels.clamp_min(0)  # every row valid
     with pytest.raises(ValueError, match=match):
         lcg.HeadLoss(lcg.GSPO())(logits, labels, old_logprobs=torch.zeros(4), advantages=torch.zeros(4), **bad)
+
+
+def test_ignored_rows_may_carry_any_segment_id():
+    """Padding rows (ignored) often carry -1 or a huge id: neither is checked nor sizes the segments."""
+    logits, labels, g = make_inputs(R=6, V=256, ignored=(1, 4))
+    inputs = _policy_inputs(logits, labels, g)
+    del inputs["ref_logprobs"]
+    head = lcg.HeadLoss(lcg.GSPO())
+    seg = torch.tensor([0, -1, 0, 1, 10**9, 1])
+    out = head(logits, labels, segment_ids=seg, **inputs)
+    ref = head(logits, labels, segment_ids=torch.tensor([0, 0, 0, 1, 1, 1]), num_segments=2, **inputs)
+    assert torch.equal(out.loss, ref.loss)

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-KEY = "1fa446c6a17bbf54"
+KEY = "c329432757714d60"
 COLUMNS = ['m', 'm_t', 'acc0', 'acc2', 'acc1', 'acc3', 'acc4', 'acc5']
 ROW_VALUES = ['jsd']
 WEIGHTS = ['w_jsd']
@@ -46,8 +46,9 @@ USES_TOPK = False
 HAS_EXACT = True
 # how the packed per-row stats of vocab shards combine: (column, rule, alpha, beta)
 MERGE = [('m', 'max', 0.0, 0.0), ('m_t', 'max', 0.0, 0.0), ('acc0', 'scaled', 0.0, 1.0), ('acc2', 'scaled', 1.0, 0.0), ('acc1', 'sum', 0.0, 0.0), ('acc3', 'sum', 0.0, 0.0), ('acc4', 'sum', 0.0, 0.0), ('acc5', 'sum', 0.0, 0.0)]
-# segment terms: (name, row-value columns of its means, per-row gradient inputs)
+# segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = []
+SEGMENT_MEANS = []
 # (BLOCK_V, num_warps) for a large vocabulary
 TILE = (4096, 8)
 
@@ -65,7 +66,7 @@ def _dlogits(x, logit_scale, softcap):
 
 
 @triton.jit
-def head_loss_1fa446c6a17bbf54(
+def head_loss_c329432757714d60(
     x_ptr, x_stride, y_ptr, mask_ptr,
     t_ptr, t_stride,
     w_ptr, grad_ptr, grad_stride, rows_ptr, stats_ptr,

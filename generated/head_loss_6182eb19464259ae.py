@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-KEY = "ab8b69aeeb55cee6"
+KEY = "6182eb19464259ae"
 COLUMNS = ['m', 'z_y', 'acc0', 'acc1']
 ROW_VALUES = ['gspo_U0', 'gspo_U1', 'entropy']
 WEIGHTS = []
@@ -44,8 +44,9 @@ USES_TOPK = False
 HAS_EXACT = False
 # how the packed per-row stats of vocab shards combine: (column, rule, alpha, beta)
 MERGE = [('m', 'max', 0.0, 0.0), ('z_y', 'sum', 0.0, 0.0), ('acc0', 'scaled', 1.0, 0.0), ('acc1', 'scaled', 1.0, 0.0)]
-# segment terms: (name, row-value columns of its means, per-row gradient inputs)
-SEGMENTS = [('gspo', ['gspo_U0', 'gspo_U1'], ['gspo_U0_coef', 'gspo_U1_coef'])]
+# segment terms, and the row values whose per-segment sums they read (packed in this order)
+SEGMENTS = ['gspo']
+SEGMENT_MEANS = ['gspo_U0', 'gspo_U1']
 # (BLOCK_V, num_warps) for a large vocabulary
 TILE = (16384, 16)
 
@@ -63,12 +64,11 @@ def _dlogits(x, logit_scale, softcap):
 
 
 @triton.jit
-def head_loss_ab8b69aeeb55cee6(
+def head_loss_6182eb19464259ae(
     x_ptr, x_stride, y_ptr, mask_ptr,
     tok_advantages_ptr,
     tok_old_logprobs_ptr,
-    gspo_U0_coef_ptr,
-    gspo_U1_coef_ptr,
+    seg_ptr, seg_coef_ptr,
     w_ptr, grad_ptr, grad_stride, rows_ptr, stats_ptr,
     logit_scale, softcap, V, vocab_start, vocab_size, ignore_index,
     HAS_LABELS: tl.constexpr, HAS_MASK: tl.constexpr,
@@ -147,8 +147,10 @@ def head_loss_ab8b69aeeb55cee6(
     if GRAD:
         tok_advantages = tl.load(tok_advantages_ptr + row)
         tok_old_logprobs = tl.load(tok_old_logprobs_ptr + row)
-        gspo_U0_coef = tl.load(gspo_U0_coef_ptr + row)
-        gspo_U1_coef = tl.load(gspo_U1_coef_ptr + row)
+        # dL/du for this row's segment, from the segment kernel
+        seg = tl.load(seg_ptr + row)
+        gspo_U0_coef = tl.load(seg_coef_ptr + seg * 2 + 0)
+        gspo_U1_coef = tl.load(seg_coef_ptr + seg * 2 + 1)
         g0 = -gspo_U0_coef
         g1 = gspo_U0_coef
         # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
@@ -170,12 +172,42 @@ def head_loss_ab8b69aeeb55cee6(
                      mask=in_row, cache_modifier=".cs")
 
 
-def gspo_segment(gspo_U0, gspo_U1):
-    # the segment formula and its derivatives by each segment mean
-    u0 = torch.exp(gspo_U0)
-    u1 = gspo_U1*u0
-    u2 = (u0 >= 1.0004)
-    u3 = (u0 <= 0.9997)
-    u4 = ((u2 & (u0 > 0.9997) & (gspo_U1 >= (0.9996001599360256)*u1)) | ((~(u2 & (u0 > 0.9997))) & ((~u3) | (u3 & (gspo_U1 >= (1.000300090027008)*u1)))))
-    u5 = (u2 & (~u3))
-    return -torch.where(u1 < gspo_U1*torch.where(1.0004 < torch.where(0.9997 > u0, 0.9997, u0), 1.0004, torch.where(0.9997 > u0, 0.9997, u0)), u1, gspo_U1*torch.where(1.0004 < torch.where(0.9997 > u0, 0.9997, u0), 1.0004, torch.where(0.9997 > u0, 0.9997, u0))), (-torch.where(u4, u1, gspo_U1*torch.where(u5, 0.0, torch.where(u3, 0.0, u0))), -torch.where(u4, u0, torch.where(u5, 1.0004, torch.where(u3, 0.9997, u0))), )
+@triton.jit
+def segments_6182eb19464259ae(sums_ptr, n_seg, w_ptr, div_ptr, values_ptr, coef_ptr,
+                       HAS_DIVISOR: tl.constexpr, BLOCK_S: tl.constexpr):
+    # One program for all segments. sums_ptr: [n_seg, 3], each segment's valid-row count and then
+    # the sums of SEGMENT_MEANS over its rows, already summed over sequence-parallel ranks.
+    s = tl.arange(0, BLOCK_S)
+    if HAS_DIVISOR:
+        div = tl.load(div_ptr)
+    else:
+        # the default divisor: the number of non-empty segments
+        n_nonempty = 0.0
+        for start in range(0, n_seg, BLOCK_S):
+            idx = start + s
+            count = tl.load(sums_ptr + idx * 3, mask=idx < n_seg, other=0.0)
+            n_nonempty += tl.sum(tl.where(count > 0, 1.0, 0.0), 0)
+        div = tl.maximum(n_nonempty, 1.0)
+    gspo = 0.0
+    w_gspo = tl.load(w_ptr + 0) / div
+    for start in range(0, n_seg, BLOCK_S):
+        idx = start + s
+        in_seg = idx < n_seg
+        count = tl.load(sums_ptr + idx * 3, mask=in_seg, other=0.0)
+        nonempty = count > 0
+        inv_count = 1.0 / tl.maximum(count, 1.0)
+        gspo_U0 = tl.load(sums_ptr + idx * 3 + 1, mask=in_seg, other=0.0) * inv_count
+        gspo_U1 = tl.load(sums_ptr + idx * 3 + 2, mask=in_seg, other=0.0) * inv_count
+        gspo_u0 = tl.exp(gspo_U0)
+        gspo_u1 = gspo_U1*gspo_u0
+        gspo_u2 = (gspo_u0 >= 1.0004)
+        gspo_u3 = (gspo_u0 <= 0.9997)
+        gspo_u4 = ((gspo_u2 & (gspo_u0 > 0.9997) & (gspo_U1 >= (0.9996001599360256)*gspo_u1)) | ((~(gspo_u2 & (gspo_u0 > 0.9997))) & ((~gspo_u3) | (gspo_u3 & (gspo_U1 >= (1.000300090027008)*gspo_u1)))))
+        gspo_u5 = (gspo_u2 & (~gspo_u3))
+        gspo += tl.sum(tl.where(nonempty, -tl.where(gspo_u1 < gspo_U1*tl.where(1.0004 < tl.where(0.9997 > gspo_u0, 0.9997, gspo_u0), 1.0004, tl.where(0.9997 > gspo_u0, 0.9997, gspo_u0)), gspo_u1, gspo_U1*tl.where(1.0004 < tl.where(0.9997 > gspo_u0, 0.9997, gspo_u0), 1.0004, tl.where(0.9997 > gspo_u0, 0.9997, gspo_u0))), 0.0), 0)
+        # each row's dL/du_j: weight/divisor * dF/dU_j / count of its segment
+        tl.store(coef_ptr + idx * 2 + 0,
+                 tl.where(nonempty, (-tl.where(gspo_u4, gspo_u1, gspo_U1*tl.where(gspo_u5, 0.0, tl.where(gspo_u3, 0.0, gspo_u0)))) * inv_count * w_gspo, 0.0), mask=in_seg)
+        tl.store(coef_ptr + idx * 2 + 1,
+                 tl.where(nonempty, (-tl.where(gspo_u4, gspo_u0, tl.where(gspo_u5, 1.0004, tl.where(gspo_u3, 0.9997, gspo_u0)))) * inv_count * w_gspo, 0.0), mask=in_seg)
+    tl.store(values_ptr + 0, gspo / div)
