@@ -118,8 +118,8 @@ class HeadLoss(torch.nn.Module):
         self.validate = validate
         head = terms + metrics
         self._bound = tuple((t.name, bind(t, head), t in metrics) for t in head)
-        self._weights = torch.tensor([t.weight for t in terms], dtype=torch.float32)
         self._launches: dict[tuple[bool, bool], tuple] = {}
+        self._consts: dict[torch.device, _DeviceConsts] = {}
         self.spec_text = "\n".join(
             [f"{'metric' if m else 'loss'} {n} {sp.srepr(f)}" for n, f, m in self._bound]
             + [f"softcap {softcap is not None}"])
@@ -211,17 +211,15 @@ class HeadLoss(torch.nn.Module):
 
         divisor = inputs.get("divisor")
         reduction = inputs["reduction"]
-        if divisor is not None:
-            divisor = torch.as_tensor(divisor, dtype=torch.float32, device=dev).reshape(())
+        if isinstance(divisor, torch.Tensor):
+            divisor = divisor.to(device=dev, dtype=torch.float32).reshape(())
+        elif divisor is not None:  # a fill on the device, not a copy from the host
+            divisor = torch.full((), float(divisor), device=dev)
         row_div = divisor if divisor is not None else n_valid.clamp_min(1.0)
-        weights = self._device_weights(dev)
-        segment_terms = set(k.SEGMENTS)
-        if segment_terms and reduction == "none":
-            raise ValueError("reduction='none' has no per-row value for segment terms "
-                             f"{sorted(segment_terms)}")
-        plain = [i for i, t in enumerate(self.loss_terms) if t.name not in segment_terms]
-        scale = row_div if reduction == "mean" else torch.ones((), device=dev)
-        w_rows = weights[plain] / scale
+        c = self._device_consts(dev)
+        if k.SEGMENTS and reduction == "none":
+            raise ValueError(f"reduction='none' has no per-row value for segment terms {k.SEGMENTS}")
+        w_rows = c.row_weights / row_div if reduction == "mean" else c.row_weights
 
         n_values = len(k.ROW_VALUES)
         out_rows = torch.empty(rows, n_values, dtype=torch.float32, device=dev)
@@ -237,24 +235,22 @@ class HeadLoss(torch.nn.Module):
             if launch.then == "merge":
                 _merge_stats(stats, k.MERGE, group, world)
             elif launch.then == "sum_exact":
-                _sum_exact(stats, k, group)
+                _sum_exact(stats, c.exact_columns, group)
             elif launch.then == "segments":
-                seg_values = self._segments(k, out_rows, valid, inputs, weights, divisor, dev, seg_state)
-        if not seg_values and segment_terms:  # no gradient wanted: still the values
-            seg_values = self._segments(k, out_rows, valid, inputs, weights, divisor, dev, seg_state)
+                seg_values = self._segments(k, out_rows, valid, inputs, c, divisor, dev, seg_state)
+        if not seg_values and k.SEGMENTS:  # no gradient wanted: still the values
+            seg_values = self._segments(k, out_rows, valid, inputs, c, divisor, dev, seg_state)
 
-        names = [t.name for t in self.loss_terms + self.metric_terms]
-        col = {name: i for i, name in enumerate(k.ROW_VALUES)}
-        values = out_rows.sum(0)[[col[n] if n in col else 0 for n in names]] / row_div
+        values = out_rows.sum(0).index_select(0, c.value_columns) / row_div
         if seg_values:
+            names = [t.name for t in self.loss_terms + self.metric_terms]
             values = torch.stack([seg_values[n] if n in seg_values else values[i]
                                   for i, n in enumerate(names)])
         n_loss = len(self.loss_terms)
         if reduction == "none":
-            idx = torch.tensor([col[self.loss_terms[i].name] for i in plain], device=dev)
-            loss = (out_rows[:, idx] * weights[plain]).sum(1).reshape(rows_shape)
+            loss = (out_rows.index_select(1, c.row_term_columns) * c.row_weights).sum(1).reshape(rows_shape)
         else:
-            loss = (values[:n_loss] * weights).sum() if n_loss else values.new_zeros(())
+            loss = (values[:n_loss] * c.weights).sum() if n_loss else values.new_zeros(())
         grad_out = grad_buf.view(logits.shape) if grad else None
         return loss, values, grad_out
 
@@ -265,10 +261,10 @@ class HeadLoss(torch.nn.Module):
             self._launches[key] = p.launches(sharded=sharded, grad=grad)
         return self._launches[key]
 
-    def _device_weights(self, dev: torch.device) -> torch.Tensor:
-        if self._weights.device != dev:  # copied once per device, not once per call
-            self._weights = self._weights.to(dev)
-        return self._weights
+    def _device_consts(self, dev: torch.device) -> _DeviceConsts:
+        if dev not in self._consts:
+            self._consts[dev] = _DeviceConsts.build(self, self.kernel, dev)
+        return self._consts[dev]
 
     def _needing_teacher(self) -> str:
         return ", ".join(n for n, f, _ in self._bound
@@ -304,7 +300,7 @@ class HeadLoss(torch.nn.Module):
                         ROWS=launch.rows, GRAD=launch.grad, BLOCK_K=block_k,
                         **_launch_config(a["V_local"], k.TILE))
 
-    def _segments(self, k, out_rows, valid, inputs, weights, divisor, dev, seg_state):
+    def _segments(self, k, out_rows, valid, inputs, c, divisor, dev, seg_state):
         """Per-segment sums of the row quantities (one index_add_; with ``segment_group``, for
         segments split across sequence-parallel ranks, one all-reduce of them), then one launch
         of the generated segment kernel: each segment term's value, and per segment dL/du for
@@ -318,7 +314,7 @@ class HeadLoss(torch.nn.Module):
         group = inputs.get("segment_group")
         n_seg = inputs.get("num_segments")
         if n_seg is None:  # one sync (and a MAX all-reduce over segment_group); num_segments= avoids it
-            top = torch.where(valid, seg, -1).max() if rows else torch.tensor(-1, device=dev)
+            top = torch.where(valid, seg, -1).max() if rows else torch.full((), -1, device=dev)
             if group is not None:
                 _all_reduce(top, group, "max")
             n_seg = int(top.item()) + 1
@@ -326,8 +322,7 @@ class HeadLoss(torch.nn.Module):
             raise ValueError(f"num_segments must be a non-negative int, got {n_seg!r}")
         if self.validate and rows and bool((valid & ((seg < 0) | (seg >= n_seg))).any()):
             raise ValueError(f"segment_ids of valid rows must be in [0, num_segments={n_seg})")
-        col = {name: i for i, name in enumerate(k.ROW_VALUES)}
-        per_row = torch.cat([valid.float()[:, None], out_rows[:, [col[u] for u in k.SEGMENT_MEANS]]], 1)
+        per_row = torch.cat([valid.float()[:, None], out_rows.index_select(1, c.segment_columns)], 1)
         slot = torch.where(valid, seg, n_seg)  # invalid rows go to a spill segment that is dropped
         sums = torch.zeros(n_seg + 1, per_row.shape[1], device=dev).index_add_(0, slot, per_row)
         if group is not None:
@@ -336,10 +331,38 @@ class HeadLoss(torch.nn.Module):
         coefs = torch.empty(max(n_seg, 1), len(k.SEGMENT_MEANS), device=dev)
         div = divisor if divisor is not None else values  # values: a placeholder, not read
         getattr(k, f"segments_{k.KEY}")[(1,)](
-            sums, n_seg, weights, div, values, coefs,
+            sums, n_seg, c.weights, div, values, coefs,
             HAS_DIVISOR=divisor is not None, BLOCK_S=min(triton.next_power_of_2(max(n_seg, 1)), 1024))
         seg_state["ids"], seg_state["coefs"] = seg.contiguous(), coefs
         return dict(zip(k.SEGMENTS, values))
+
+
+@dataclass
+class _DeviceConsts:
+    """A head's constant tensors on one device, made once: indexing with Python lists would copy
+    the indices from the host on every call, and such a copy waits for the device."""
+
+    weights: torch.Tensor            # every loss term's weight
+    row_weights: torch.Tensor        # the weights of the row (not segment) loss terms
+    row_term_columns: torch.Tensor   # their columns of the per-row values
+    value_columns: torch.Tensor      # the column of each reported term (0 for a segment term)
+    segment_columns: torch.Tensor    # the columns of SEGMENT_MEANS
+    exact_columns: torch.Tensor      # the packed stats summed by the exact all-reduce
+
+    @staticmethod
+    def build(head: HeadLoss, k: ModuleType, dev: torch.device) -> _DeviceConsts:
+        col = {name: i for i, name in enumerate(k.ROW_VALUES)}
+        row_terms = [t for t in head.loss_terms if t.name not in k.SEGMENTS]
+
+        def on(values, dtype=torch.long):
+            return torch.tensor(values, dtype=dtype).to(dev)
+        return _DeviceConsts(
+            weights=on([t.weight for t in head.loss_terms], torch.float32),
+            row_weights=on([t.weight for t in row_terms], torch.float32),
+            row_term_columns=on([col[t.name] for t in row_terms]),
+            value_columns=on([col.get(t.name, 0) for t in head.loss_terms + head.metric_terms]),
+            segment_columns=on([col[u] for u in k.SEGMENT_MEANS]),
+            exact_columns=on([j for j, m in enumerate(k.MERGE) if m[1] == "sum" and m[0].startswith("acc")]))
 
 
 class _MetaLowered:
@@ -459,11 +482,10 @@ def _merge_stats(stats: torch.Tensor, merge, group, world: int) -> None:
             stats[:, j] = (col * torch.exp(shift)).sum(0)
 
 
-def _sum_exact(stats: torch.Tensor, k, group) -> None:
-    idx = [j for j, m in enumerate(k.MERGE) if m[1] == "sum" and m[0].startswith("acc")]
-    part = stats[:, idx].contiguous()
+def _sum_exact(stats: torch.Tensor, columns: torch.Tensor, group) -> None:
+    part = stats.index_select(1, columns)
     _all_reduce(part, group, "sum")
-    stats[:, idx] = part
+    stats.index_copy_(1, columns, part)
 
 
 def _all_reduce(t: torch.Tensor, group, op: str) -> None:

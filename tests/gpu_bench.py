@@ -34,6 +34,7 @@ def heads():
                                 {"teacher"}),
         "GRPO+entropy+clip": (lcg.HeadLoss(lcg.GRPO(), metrics=(lcg.Entropy(), lcg.ClipFraction())),
                               {"policy"}),
+        "GSPO (segments of 256)": (lcg.HeadLoss(lcg.GSPO()), {"policy", "segments"}),
     }
 
 
@@ -50,6 +51,10 @@ def inputs(R, V, needs, seed=0):
             l = torch.log_softmax(x.float(), -1).gather(1, y.clamp_min(0)[:, None])[:, 0]
         kw["old_logprobs"] = l + 0.3 * torch.randn(R, device="cuda", generator=g)
         kw["advantages"] = torch.randn(R, device="cuda", generator=g)
+    if "segments" in needs:
+        kw["old_logprobs"] = l + 0.001 * torch.randn(R, device="cuda", generator=g)  # inside the clip
+        kw["segment_ids"] = torch.arange(R, device="cuda") // 256
+        kw["num_segments"] = (R + 255) // 256
     return x, y, kw
 
 
@@ -62,7 +67,8 @@ def parity(R, V):
         out.loss.backward()
         torch.cuda.synchronize()
         ref_loss, ref_vals, ref_grad = head_reference(
-            [spec(t, head) for t in head.loss_terms], [spec(t, head) for t in head.metric_terms], x, y, **kw)
+            [spec(t, head) for t in head.loss_terms], [spec(t, head) for t in head.metric_terms], x, y,
+            **{k: v for k, v in kw.items() if k != "num_segments"})
         errs = {"loss": abs(out.loss.item() - ref_loss.item()) / max(abs(ref_loss.item()), 1e-12)}
         for k, v in {**out.terms, **out.metrics}.items():
             errs[k] = abs(v.item() - ref_vals[k].item()) / max(abs(ref_vals[k].item()), 1e-6)
@@ -110,8 +116,17 @@ def _compiled(name):
         clip = torch.where(v, (r < 0.8) | (r > 1.2), False).sum() / n
         return torch.where(v, per, 0).sum() / n, ent.detach(), clip.detach()
 
+    def gspo(x, y, old_logprobs, advantages, segment_ids, num_segments, **_):
+        v = (y != -100).float()
+        l = torch.log_softmax(x.float(), -1).gather(1, y.clamp_min(0)[:, None])[:, 0]
+        count = torch.zeros(num_segments, device=x.device).index_add_(0, segment_ids, v)
+        mean = lambda u: torch.zeros(num_segments, device=x.device).index_add_(0, segment_ids, u * v) / count.clamp_min(1)
+        r, a = torch.exp(mean(l - old_logprobs)), mean(advantages)
+        per = -torch.min(r * a, r.clamp(1 - 3e-4, 1 + 4e-4) * a)
+        return torch.where(count > 0, per, 0).sum() / (count > 0).sum().clamp_min(1)
+
     return torch.compile({"CE": ce, "CE+z+entropy+acc": ce_z_ent, "CE+z+0.5FKL+entropy": fkl,
-                          "GRPO+entropy+clip": grpo}[name])
+                          "GRPO+entropy+clip": grpo, "GSPO (segments of 256)": gspo}[name])
 
 
 def bench(R, V, compiled_baseline=True):
@@ -132,6 +147,16 @@ def bench(R, V, compiled_baseline=True):
             out = fn(x, y, **kw)
             (out[0] if isinstance(out, tuple) else out).backward()
 
+        ours()  # compile first: the check below is about the steady state
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")  # raises on any host sync in forward or backward
+        try:
+            ours()
+            sync_free = True
+        except RuntimeError:
+            sync_free = False
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
         t_ours = triton.testing.do_bench(ours, warmup=50, rep=300, return_mode="median")
         t_comp = compile_s = float("nan")
         if compiled_baseline:
@@ -142,7 +167,7 @@ def bench(R, V, compiled_baseline=True):
         t_ours2 = triton.testing.do_bench(ours, warmup=50, rep=300, return_mode="median")
         plan = head.plan()
         floor = plan.bytes_per_element(grad=True) * R * V / 3.0e12 * 1e3
-        rows.append(dict(head=name, ours_ms=t_ours, ours_ms_again=t_ours2, torch_compile_ms=t_comp,
+        rows.append(dict(head=name, sync_free=sync_free, ours_ms=t_ours, ours_ms_again=t_ours2, torch_compile_ms=t_comp,
                          compile_s=compile_s, bytes_per_elem=plan.bytes_per_element(), floor_ms=floor))
         del x, kw
         torch.cuda.empty_cache()
@@ -172,10 +197,10 @@ def main():
         print(f"  {r['head']:22s} ok={r['ok']}  loss {r['loss']:.1e}  grad(fro) {r['grad_rel_fro']:.1e}")
     if "bench" in result:
         print(f"\nforward+backward at {args.bench_rows} x {args.vocab} bf16, median ms:")
-        print(f"  {'head':22s} {'ours':>8s} {'again':>8s} {'compile':>8s} {'floor':>8s} B/elem")
+        print(f"  {'head':22s} {'ours':>8s} {'again':>8s} {'compile':>8s} {'floor':>8s} B/elem  no host sync")
         for r in result["bench"]:
             print(f"  {r['head']:22s} {r['ours_ms']:8.3f} {r['ours_ms_again']:8.3f} "
-                  f"{r['torch_compile_ms']:8.3f} {r['floor_ms']:8.3f} {r['bytes_per_elem']:g}")
+                  f"{r['torch_compile_ms']:8.3f} {r['floor_ms']:8.3f} {r['bytes_per_elem']:6g}  {r['sync_free']}")
 
 
 if __name__ == "__main__":
