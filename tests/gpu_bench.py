@@ -153,8 +153,9 @@ def bench(R, V, compiled_baseline=True):
         try:
             ours()
             sync_free = True
-        except RuntimeError:
+        except RuntimeError as e:
             sync_free = False
+            print(f"{name}: host sync: {str(e)[:300]}", flush=True)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         t_ours = triton.testing.do_bench(ours, warmup=50, rep=300, return_mode="median")
@@ -167,7 +168,8 @@ def bench(R, V, compiled_baseline=True):
         t_ours2 = triton.testing.do_bench(ours, warmup=50, rep=300, return_mode="median")
         plan = head.plan()
         floor = plan.bytes_per_element(grad=True) * R * V / 3.0e12 * 1e3
-        rows.append(dict(head=name, sync_free=sync_free, ours_ms=t_ours, ours_ms_again=t_ours2, torch_compile_ms=t_comp,
+        rows.append(dict(head=name, sync_free=sync_free, ours_ms=t_ours, ours_ms_again=t_ours2,
+                         torch_compile_ms=t_comp,
                          compile_s=compile_s, bytes_per_elem=plan.bytes_per_element(), floor_ms=floor))
         del x, kw
         torch.cuda.empty_cache()
