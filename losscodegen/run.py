@@ -233,7 +233,7 @@ class HeadLoss(torch.nn.Module):
         for launch in self.plan_launches(sharded=group is not None, grad=grad):
             self._launch(launch, args)
             if launch.then == "merge":
-                _merge_stats(stats, k.MERGE, group, world)
+                _merge_stats(stats, c, group, world)
             elif launch.then == "sum_exact":
                 _sum_exact(stats, c.exact_columns, group)
             elif launch.then == "segments":
@@ -348,6 +348,13 @@ class _DeviceConsts:
     value_columns: torch.Tensor      # the column of each reported term (0 for a segment term)
     segment_columns: torch.Tensor    # the columns of SEGMENT_MEANS
     exact_columns: torch.Tensor      # the packed stats summed by the exact all-reduce
+    merge_is_max: torch.Tensor       # per packed column: merged by max (else by sum, unless below)
+    merge_scaled: torch.Tensor       # the running sums, rescaled to the global maxima when merged
+    merge_alpha: torch.Tensor        # their exponents' coefficients of m and m_t
+    merge_beta: torch.Tensor
+    m_column: int
+    m_t_column: int | None
+    argmax_column: int | None
 
     @staticmethod
     def build(head: HeadLoss, k: ModuleType, dev: torch.device) -> _DeviceConsts:
@@ -356,13 +363,23 @@ class _DeviceConsts:
 
         def on(values, dtype=torch.long):
             return torch.tensor(values, dtype=dtype).to(dev)
+        rule = {name: r for name, r, _, _ in k.MERGE}
+        cols = [name for name, _, _, _ in k.MERGE]
+        scaled = [(j, a, b) for j, (_, r, a, b) in enumerate(k.MERGE) if r == "scaled"]
         return _DeviceConsts(
             weights=on([t.weight for t in head.loss_terms], torch.float32),
             row_weights=on([t.weight for t in row_terms], torch.float32),
             row_term_columns=on([col[t.name] for t in row_terms]),
             value_columns=on([col.get(t.name, 0) for t in head.loss_terms + head.metric_terms]),
             segment_columns=on([col[u] for u in k.SEGMENT_MEANS]),
-            exact_columns=on([j for j, m in enumerate(k.MERGE) if m[1] == "sum" and m[0].startswith("acc")]))
+            exact_columns=on([j for j, m in enumerate(k.MERGE) if m[1] == "sum" and m[0].startswith("acc")]),
+            merge_is_max=on([rule[n] == "max" for n in cols], torch.bool),
+            merge_scaled=on([j for j, _, _ in scaled]),
+            merge_alpha=on([a for _, a, _ in scaled], torch.float32),
+            merge_beta=on([b for _, _, b in scaled], torch.float32),
+            m_column=cols.index("m"),
+            m_t_column=cols.index("m_t") if "m_t" in rule else None,
+            argmax_column=cols.index("argmax") if "argmax" in rule else None)
 
 
 class _MetaLowered:
@@ -456,30 +473,24 @@ def _group_info(group):
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _merge_stats(stats: torch.Tensor, merge, group, world: int) -> None:
-    """One all-gather of every rank's packed stats, merged locally, column rule by column rule."""
+def _merge_stats(stats: torch.Tensor, c: _DeviceConsts, group, world: int) -> None:
+    """One all-gather of every rank's packed stats, merged locally by each column's rule, with a
+    fixed number of tensor operations whatever the number of columns."""
     import torch.distributed as dist
     gathered = [torch.empty_like(stats) for _ in range(world)]
     dist.all_gather(gathered, stats.contiguous(), group=group)
-    parts = torch.stack(gathered)
-    names = [m[0] for m in merge]
-    m_all = parts[:, :, names.index("m")]
-    m = m_all.max(0).values
-    mt_all = parts[:, :, names.index("m_t")] if "m_t" in names else None
-    mt = mt_all.max(0).values if mt_all is not None else None
-    for j, (name, rule, alpha, beta) in enumerate(merge):
-        col = parts[:, :, j]
-        if rule == "max":
-            stats[:, j] = col.max(0).values
-        elif rule == "sum":
-            stats[:, j] = col.sum(0)
-        elif rule == "argmax":  # the rank holding the first maximum
-            stats[:, j] = col.gather(0, m_all.argmax(0, keepdim=True))[0]
-        else:
-            shift = alpha * (m_all - m)
-            if beta:
-                shift = shift + beta * (mt_all - mt)
-            stats[:, j] = (col * torch.exp(shift)).sum(0)
+    parts = torch.stack(gathered)                                   # [world, rows, columns]
+    top = parts.amax(0)
+    merged = torch.where(c.merge_is_max, top, parts.sum(0))        # "max" and "sum" columns
+    # "scaled": each rank's running sum was taken relative to its own maxima; bring it to the global ones
+    shift = (parts[:, :, c.m_column] - top[:, c.m_column])[:, :, None] * c.merge_alpha
+    if c.m_t_column is not None:
+        shift = shift + (parts[:, :, c.m_t_column] - top[:, c.m_t_column])[:, :, None] * c.merge_beta
+    merged.index_copy_(1, c.merge_scaled, (parts.index_select(2, c.merge_scaled) * torch.exp(shift)).sum(0))
+    if c.argmax_column is not None:  # the rank holding the first maximum
+        owner = parts[:, :, c.m_column].argmax(0, keepdim=True)
+        merged[:, c.argmax_column] = parts[:, :, c.argmax_column].gather(0, owner)[0]
+    stats.copy_(merged)
 
 
 def _sum_exact(stats: torch.Tensor, columns: torch.Tensor, group) -> None:
