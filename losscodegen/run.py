@@ -69,6 +69,7 @@ class _HeadFunction(torch.autograd.Function):
         loss, values, grad = head._compute(logits, inputs)
         ctx.grad = grad
         ctx.mark_non_differentiable(values)
+        ctx.set_materialize_grads(False)  # no zero tensor for the values' (absent) gradient
         return loss, values
 
     @staticmethod
@@ -78,6 +79,8 @@ class _HeadFunction(torch.autograd.Function):
             raise RuntimeError("HeadLoss: backward ran twice through the same call; its gradient "
                                "buffer is consumed by the first (call the head again instead)")
         ctx.grad = None
+        if grad_loss is None:
+            return None, None, None
         g = grad_loss.to(torch.float32).reshape(-1).contiguous()
         flat = grad.view(-1, grad.shape[-1])
         _scale_rows[(flat.shape[0],)](flat, flat.stride(0), g, 0 if g.numel() == 1 else 1,
@@ -202,12 +205,12 @@ class HeadLoss(torch.nn.Module):
         topk = None
         if k.USES_TOPK:
             topk = _check_topk(inputs, rows_shape, dev)
-        valid = torch.ones(rows, dtype=torch.bool, device=dev)
-        if labels is not None:
-            valid &= labels != self.ignore_index
+        valid = labels != self.ignore_index if labels is not None else None
         if mask is not None:
-            valid &= mask
-        n_valid = valid.sum().to(torch.float32)
+            valid = mask if valid is None else valid & mask
+        if valid is None:
+            valid = torch.ones(rows, dtype=torch.bool, device=dev)
+        n_valid = valid.sum(dtype=torch.float32)
 
         divisor = inputs.get("divisor")
         reduction = inputs["reduction"]
