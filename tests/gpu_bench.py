@@ -1,6 +1,7 @@
 """GPU check and benchmark (not collected by pytest): parity at a realistic size, then timings.
 
     python tests/gpu_bench.py [--rows 4096] [--vocab 128256] [--bench-rows 8192] [--out DIR]
+                              [--no-compile] [--sweep-tiles]
 
 Parity: bf16 logits, every head's loss/terms/metrics and gradient vs the float64 reference of
 tests/reference.py (on the GPU). Timing: forward + backward (gradient written), median of
@@ -176,6 +177,34 @@ def bench(R, V, compiled_baseline=True):
     return rows
 
 
+def sweep_tiles(R, V):
+    """Each head at every (BLOCK_V, num_warps) of TILES, to check the plan's pick (Plan.tile)."""
+    from losscodegen import run
+    chosen, rows = run._launch_config, []
+    try:
+        for name, (head, needs) in heads().items():
+            head.validate = False
+            x, y, kw = inputs(R, V, needs, seed=1)
+            x.requires_grad_()
+
+            def step():
+                x.grad = None
+                head(x, y, **kw).loss.backward()
+            for block_v, warps in TILES:
+                run._launch_config = lambda V_, tile, _b=block_v, _w=warps: dict(BLOCK_V=_b, num_warps=_w)
+                ms = triton.testing.do_bench(step, warmup=20, rep=150, return_mode="median")
+                rows.append(dict(head=name, block_v=block_v, num_warps=warps, ms=ms,
+                                 planned=head.kernel.TILE == (block_v, warps)))
+            del x, kw
+            torch.cuda.empty_cache()
+    finally:
+        run._launch_config = chosen
+    return rows
+
+
+TILES = [(4096, 8), (8192, 8), (8192, 16), (16384, 16), (16384, 32), (32768, 32)]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=4096)
@@ -183,6 +212,7 @@ def main():
     ap.add_argument("--bench-rows", type=int, default=8192)
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    ap.add_argument("--sweep-tiles", action="store_true", help="also time every tile of TILES")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
@@ -192,6 +222,8 @@ def main():
         print("parity", json.dumps(r), flush=True)
     if not args.skip_bench:
         result["bench"] = bench(args.bench_rows, args.vocab, not args.no_compile)
+    if args.sweep_tiles:
+        result["tiles"] = sweep_tiles(args.bench_rows, args.vocab)
     with open(os.path.join(args.out, "gpu_bench.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(f"\nparity at {args.rows} x {args.vocab} bf16 (relative errors vs float64):")
@@ -203,6 +235,12 @@ def main():
         for r in result["bench"]:
             print(f"  {r['head']:22s} {r['ours_ms']:8.3f} {r['ours_ms_again']:8.3f} "
                   f"{r['torch_compile_ms']:8.3f} {r['floor_ms']:8.3f} {r['bytes_per_elem']:6g}  {r['sync_free']}")
+    if "tiles" in result:
+        print("\nforward+backward ms by BLOCK_V/num_warps (* the plan's tile):")
+        for name in dict.fromkeys(r["head"] for r in result["tiles"]):
+            print(f"  {name:22s} " + "  ".join(
+                f"{r['block_v']}/{r['num_warps']}{'*' if r['planned'] else ' '} {r['ms']:.3f}"
+                for r in result["tiles"] if r["head"] == name))
 
 
 if __name__ == "__main__":
