@@ -78,7 +78,6 @@ class SegmentTerm:
 
 @dataclass(frozen=True)
 class Lowered:
-    terms: tuple[tuple[str, bool], ...]          # (name, contributes gradient)
     accumulators: tuple[Accumulator, ...]
     normalizers: tuple[Normalizer, ...]
     row_values: tuple[tuple[str, sp.Expr], ...]  # per-row outputs: term values and segment quantities
@@ -341,7 +340,6 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
     if params:
         raise ValueError(f"unbound parameters {params}")
     return Lowered(
-        terms=tuple((n, not m) for n, _, m in terms),
         accumulators=accumulators,
         normalizers=normalizers,
         row_values=tuple(row_values),

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-KEY = "c329432757714d60"
+KEY = "3bfb47da74bc65a2"
 COLUMNS = ['m', 'm_t', 'acc0', 'acc2', 'acc1', 'acc3', 'acc4', 'acc5']
 ROW_VALUES = ['jsd']
 WEIGHTS = ['w_jsd']
@@ -66,7 +66,7 @@ def _dlogits(x, logit_scale, softcap):
 
 
 @triton.jit
-def head_loss_c329432757714d60(
+def head_loss_3bfb47da74bc65a2(
     x_ptr, x_stride, y_ptr, mask_ptr,
     t_ptr, t_stride,
     w_ptr, grad_ptr, grad_stride, rows_ptr, stats_ptr,
