@@ -13,8 +13,11 @@ from pathlib import Path
 
 import torch
 
-if not torch.cuda.is_available():  # no GPU: run the kernels in Triton's interpreter (set before import)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
+    # No GPU: run the kernels in Triton's interpreter. Triton reads the switch when it is imported,
+    # and `python -m losscodegen` has imported the package (and Triton) before this line: start again.
+    os.execve(sys.executable, [sys.executable, "-m", "losscodegen", *sys.argv[1:]],
+              {**os.environ, "TRITON_INTERPRET": "1"})
 
 import losscodegen  # noqa: E402
 from losscodegen import load  # noqa: E402

@@ -1,4 +1,5 @@
 """Bad input gets a clear error naming the argument; generated/ is what the generator emits."""
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -84,3 +85,13 @@ def test_manifest_heads_load_from_generated():
     head = lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss())
     assert (ROOT / "generated" / f"head_loss_{head.key}.py").exists()
     assert Path(head.kernel.__file__).parent == ROOT / "generated"
+
+
+def test_readme_demo_runs_as_a_user_starts_it(tmp_path):
+    """`python -m losscodegen demo` from a plain shell: no TRITON_INTERPRET set, a fresh cache."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["LOSSCODEGEN_CACHE"] = str(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "losscodegen", "demo"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "loss = " in done.stdout and "forward_kl" in done.stdout
