@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import losscodegen as lcg
+from losscodegen import symbols as S
 from helpers import check_head, make_inputs
 
 
@@ -104,3 +105,37 @@ def test_ignored_rows_may_carry_any_segment_id():
     out = head(logits, labels, segment_ids=seg, **inputs)
     ref = head(logits, labels, segment_ids=torch.tensor([0, 0, 0, 1, 1, 1]), num_segments=2, **inputs)
     assert torch.equal(out.loss, ref.loss)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dpo_pair_loss_declared_with_segments(dtype):
+    """docs/examples.md's DPO: a pair's chosen (sign +1) and rejected (sign -1) responses share a
+    segment; segment_mean(seg_rows * sign * (l - ref)) is the pair's reward margin."""
+    l = S.target_logit - S.lse
+    margin = S.segment_mean(S.token("seg_rows") * S.token("sign") * (l - S.token("ref")))
+    DPO = lcg.declare_term("dpo", S.log(1 + S.exp(-S.param("beta") * margin)))
+    R, beta = 30, 0.5
+    logits, labels, g = make_inputs(R=R, V=500, dtype=dtype, ignored=(0, 10, 20, 23))  # prompts
+    seg = torch.arange(R) // 10                                  # three pairs of 10 rows
+    sign = torch.where(torch.arange(R) % 10 < 5, 1.0, -1.0)     # chosen, then rejected
+    valid = labels != -100
+    seg_rows = torch.zeros(3).index_add_(0, seg, valid.float())[seg]
+    with torch.no_grad():
+        lp = torch.log_softmax(logits.double(), -1).gather(1, labels.clamp_min(0)[:, None])[:, 0]
+    ref = (lp + 0.3 * torch.randn(R, generator=g, dtype=torch.float64)).float()
+
+    x = logits.detach().double().requires_grad_()
+    l_ref = torch.log_softmax(x, -1).gather(1, labels.clamp_min(0)[:, None])[:, 0]
+    per_row = torch.where(valid, sign.double() * (l_ref - ref.double()), 0.0)
+    pair_margin = torch.zeros(3, dtype=torch.float64).index_add(0, seg, per_row)
+    expected = torch.nn.functional.softplus(-beta * pair_margin).mean()
+    expected.backward()
+
+    head = lcg.HeadLoss(DPO(beta=beta))
+    xs = logits.detach().clone().requires_grad_()
+    out = head(xs, labels, segment_ids=seg, num_segments=3, seg_rows=seg_rows, sign=sign, ref=ref)
+    out.loss.backward()
+    assert abs(out.loss.item() - expected.item()) <= 1e-5 * max(1.0, abs(expected.item()))
+    assert abs(out.terms["dpo"].item() - expected.item()) <= 1e-5 * max(1.0, abs(expected.item()))
+    err = (xs.grad.double() - x.grad).abs().max().item()  # bf16: the rounding of the stored gradient
+    assert err <= (1e-5 if dtype == torch.float32 else 8e-3) * x.grad.abs().max().item(), err
