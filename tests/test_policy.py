@@ -1,4 +1,4 @@
-"""GRPO with its metrics, and the segment mechanism (GSPO), against float64 references."""
+"""GRPO and its metrics, and segment terms (GSPO, a declared DPO), against float64 references."""
 import pytest
 import torch
 
