@@ -5,8 +5,10 @@ statements into loops, loads and stores.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import jinja2
 import sympy as sp
@@ -134,6 +136,34 @@ def _statements(exprs: list[sp.Expr], prefix: str, printer=_TL) -> tuple[list[st
     return ([f"{s} = {printer.doprint(e)}" for s, e in temps], [printer.doprint(e) for e in reduced])
 
 
+def _tile_sums(online: list[dict]) -> list[str]:
+    """Statements that sum several per-element tensors over a tile in few reductions: each run of a
+    power-of-two count of them (the binary digits of the count) is joined pairwise into one
+    ``[BLOCK_V, 2, ..., 2]`` tensor, summed over the tile once, and split back into ``<acc>_tile``."""
+    leaves = [(f"tl.where(in_row, {body}, 0.0)", acc) for group in online for acc, body in group["accs"]]
+    lines: list[str] = []
+    parts = itertools.count()
+
+    def split(tree, var: str) -> None:
+        names = [f"part{next(parts)}" if isinstance(t, tuple) else f"{t}_tile" for t in tree]
+        lines.append(f"{names[0]}, {names[1]} = tl.split({var})")
+        for t, name in zip(tree, names):
+            if isinstance(t, tuple):
+                split(t, name)
+    while leaves:
+        size = 1 << (len(leaves).bit_length() - 1)
+        run, leaves = leaves[:size], leaves[size:]
+        if len(run) == 1:
+            lines.append(f"{run[0][1]}_tile = tl.sum({run[0][0]}, 0)")
+            continue
+        while len(run) > 1:
+            run = [(f"tl.join({a}, {b})", (ta, tb)) for (a, ta), (b, tb) in zip(run[::2], run[1::2])]
+        var = f"part{next(parts)}"
+        lines.append(f"{var} = tl.sum({run[0][0]}, 0)")
+        split(run[0][1], var)
+    return lines
+
+
 @dataclass(frozen=True)
 class KernelSource:
     name: str
@@ -190,6 +220,7 @@ def emit(plan: Plan, key: str, header: str) -> KernelSource:
         header=header, name=name, key=key, plan=plan, lw=lw, sweeps=plan.sweeps,
         transform=_TL.doprint(transform), dtransform=_TL.doprint(transform.diff(X)),
         online=online, topk_online=topk_online,
+        tile_sums=_tile_sums(online) if sum(len(g["accs"]) for g in online) > 1 else [],
         exact=list(zip([a.name for a in exact], exact_bodies)), exact_temps=exact_temps,
         topk_exact=list(zip([a.name for a in topk_exact], tk_bodies)), topk_temps=tk_temps,
         normalizers=[(n.symbol.name, _TL.doprint(n.value)) for n in lw.normalizers],

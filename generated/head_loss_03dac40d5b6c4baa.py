@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-KEY = "3bfb47da74bc65a2"
+KEY = "03dac40d5b6c4baa"
 COLUMNS = ['m', 'm_t', 'acc0', 'acc2', 'acc1', 'acc3', 'acc4', 'acc5']
 ROW_VALUES = ['jsd']
 WEIGHTS = ['w_jsd']
@@ -66,7 +66,7 @@ def _dlogits(x, logit_scale, softcap):
 
 
 @triton.jit
-def head_loss_3bfb47da74bc65a2(
+def head_loss_03dac40d5b6c4baa(
     x_ptr, x_stride, y_ptr, mask_ptr,
     t_ptr, t_stride,
     w_ptr, grad_ptr, grad_stride, rows_ptr, stats_ptr,
@@ -122,10 +122,13 @@ def head_loss_3bfb47da74bc65a2(
             m_t_new = tl.maximum(m_t, tl.max(tl.where(in_row, t, float("-inf")), 0))
             s0 = tl.exp(-m_t_new + t)
             r0 = tl.exp(m_t - m_t_new)
-            acc0 = acc0 * r0 + tl.sum(tl.where(in_row, s0, 0.0), 0)
             s1 = tl.exp(-m_new + z)
             r1 = tl.exp(m - m_new)
-            acc2 = acc2 * r1 + tl.sum(tl.where(in_row, s1, 0.0), 0)
+            # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
+            part0 = tl.sum(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, s1, 0.0)), 0)
+            acc0_tile, acc2_tile = tl.split(part0)
+            acc0 = acc0 * r0 + acc0_tile
+            acc2 = acc2 * r1 + acc2_tile
             m = m_new
             m_t = m_t_new
     else:

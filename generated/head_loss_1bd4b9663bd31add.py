@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-KEY = "9ea30b47b0ac5065"
+KEY = "1bd4b9663bd31add"
 COLUMNS = ['m', 'z_y', 'acc0', 'acc1']
 ROW_VALUES = ['grpo', 'entropy', 'clip_fraction', 'ratio_mean', 'kl_new_old']
 WEIGHTS = ['w_grpo']
@@ -68,7 +68,7 @@ def _dlogits(x, logit_scale, softcap):
 
 
 @triton.jit
-def head_loss_9ea30b47b0ac5065(
+def head_loss_1bd4b9663bd31add(
     x_ptr, x_stride, y_ptr, mask_ptr,
     tok_advantages_ptr,
     tok_old_logprobs_ptr,
@@ -124,8 +124,11 @@ def head_loss_9ea30b47b0ac5065(
             m_new = tl.maximum(m, block_max)
             s0 = tl.exp(-m_new + z)
             r0 = tl.exp(m - m_new)
-            acc0 = acc0 * r0 + tl.sum(tl.where(in_row, s0*z, 0.0), 0)
-            acc1 = acc1 * r0 + tl.sum(tl.where(in_row, s0, 0.0), 0)
+            # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
+            part0 = tl.sum(tl.join(tl.where(in_row, s0*z, 0.0), tl.where(in_row, s0, 0.0)), 0)
+            acc0_tile, acc1_tile = tl.split(part0)
+            acc0 = acc0 * r0 + acc0_tile
+            acc1 = acc1 * r0 + acc1_tile
             m = m_new
         z_y = tl.where(y_here, _logits(tl.load(x_row + y_local, mask=y_here, other=0.0).to(tl.float32),
                                        logit_scale, softcap), 0.0)

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-KEY = "8db94de8aca7613d"
+KEY = "d65578ef5bbdc8d4"
 COLUMNS = ['m', 'z_y', 'acc0']
 ROW_VALUES = ['cross_entropy', 'z_loss']
 WEIGHTS = ['w_cross_entropy', 'w_z_loss']
@@ -61,7 +61,7 @@ def _dlogits(x, logit_scale, softcap):
 
 
 @triton.jit
-def head_loss_8db94de8aca7613d(
+def head_loss_d65578ef5bbdc8d4(
     x_ptr, x_stride, y_ptr, mask_ptr,
     w_ptr, grad_ptr, grad_stride, rows_ptr, stats_ptr,
     logit_scale, softcap, V, vocab_start, vocab_size, ignore_index,

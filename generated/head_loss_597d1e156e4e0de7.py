@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-KEY = "5b3e80360d3e50f5"
+KEY = "597d1e156e4e0de7"
 COLUMNS = ['m', 'z_y', 'acc0']
 ROW_VALUES = ['cross_entropy']
 WEIGHTS = ['w_cross_entropy']
@@ -59,7 +59,7 @@ def _dlogits(x, logit_scale, softcap):
 
 
 @triton.jit
-def head_loss_5b3e80360d3e50f5(
+def head_loss_597d1e156e4e0de7(
     x_ptr, x_stride, y_ptr, mask_ptr,
     w_ptr, grad_ptr, grad_stride, rows_ptr, stats_ptr,
     logit_scale, softcap, V, vocab_start, vocab_size, ignore_index,
