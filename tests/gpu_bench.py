@@ -121,7 +121,9 @@ def _compiled(name):
         v = (y != -100).float()
         l = torch.log_softmax(x.float(), -1).gather(1, y.clamp_min(0)[:, None])[:, 0]
         count = torch.zeros(num_segments, device=x.device).index_add_(0, segment_ids, v)
-        mean = lambda u: torch.zeros(num_segments, device=x.device).index_add_(0, segment_ids, u * v) / count.clamp_min(1)
+        def mean(u):
+            sums = torch.zeros(num_segments, device=x.device).index_add_(0, segment_ids, u * v)
+            return sums / count.clamp_min(1)
         r, a = torch.exp(mean(l - old_logprobs)), mean(advantages)
         per = -torch.min(r * a, r.clamp(1 - 3e-4, 1 + 4e-4) * a)
         return torch.where(count > 0, per, 0).sum() / (count > 0).sum().clamp_min(1)
@@ -234,7 +236,8 @@ def main():
         print(f"  {'head':22s} {'ours':>8s} {'again':>8s} {'compile':>8s} {'floor':>8s} B/elem  no host sync")
         for r in result["bench"]:
             print(f"  {r['head']:22s} {r['ours_ms']:8.3f} {r['ours_ms_again']:8.3f} "
-                  f"{r['torch_compile_ms']:8.3f} {r['floor_ms']:8.3f} {r['bytes_per_elem']:6g}  {r['sync_free']}")
+                  f"{r['torch_compile_ms']:8.3f} {r['floor_ms']:8.3f} {r['bytes_per_elem']:6g}  "
+                  f"{r['sync_free']}")
     if "tiles" in result:
         print("\nforward+backward ms by BLOCK_V/num_warps (* the plan's tile):")
         for name in dict.fromkeys(r["head"] for r in result["tiles"]):

@@ -83,16 +83,20 @@ def test_policy_inputs_are_named_when_missing():
                                  reduction="none")
 
 
+_OUT_OF_RANGE = r"segment_ids of valid rows must be in \[0, num_segments=2\)"
+
+
 @pytest.mark.parametrize("bad, match", [
-    (dict(segment_ids=torch.tensor([0, -1, 1, 1])), r"segment_ids of valid rows must be in \[0, num_segments=2\)"),
-    (dict(segment_ids=torch.tensor([0, 3, 1, 1]), num_segments=2), r"segment_ids of valid rows must be in \[0, num_segments=2\)"),
+    (dict(segment_ids=torch.tensor([0, -1, 1, 1])), _OUT_OF_RANGE),
+    (dict(segment_ids=torch.tensor([0, 3, 1, 1]), num_segments=2), _OUT_OF_RANGE),
     (dict(segment_ids=torch.tensor([0, 0, 1, 1]), num_segments=-1), "num_segments"),
 ])
 def test_bad_segments_are_named(bad, match):
     logits, labels, _ = make_inputs(R=4, V=256)
     labels = labels.clamp_min(0)  # every row valid
     with pytest.raises(ValueError, match=match):
-        lcg.HeadLoss(lcg.GSPO())(logits, labels, old_logprobs=torch.zeros(4), advantages=torch.zeros(4), **bad)
+        lcg.HeadLoss(lcg.GSPO())(logits, labels, old_logprobs=torch.zeros(4), advantages=torch.zeros(4),
+                                 **bad)
 
 
 def test_ignored_rows_may_carry_any_segment_id():

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-KEY = "50d3b5e255f3c507"
+KEY = "c04ca4513b749713"
 COLUMNS = ['m', 'm_t', 'acc0', 'acc1', 'acc2', 'acc3']
 ROW_VALUES = ['reverse_kl']
 WEIGHTS = ['w_reverse_kl']
@@ -63,7 +63,7 @@ def _dlogits(x, logit_scale, softcap):
 
 
 @triton.jit
-def head_loss_50d3b5e255f3c507(
+def head_loss_c04ca4513b749713(
     x_ptr, x_stride, y_ptr, mask_ptr,
     t_ptr, t_stride,
     w_ptr, grad_ptr, grad_stride, rows_ptr, stats_ptr,
@@ -101,7 +101,7 @@ def head_loss_50d3b5e255f3c507(
         acc1 = 0.0
         acc2 = 0.0
         acc3 = 0.0
-        # Tiles first to last, each loaded one iteration ahead so that its loads overlap the math.
+        # Tiles first to last, each loaded one iteration ahead (its loads overlap the math).
         n_blocks = tl.cdiv(V, BLOCK_V)
         cols = tl.arange(0, BLOCK_V)
         x_next = tl.load(x_row + cols, mask=cols < V, other=0.0)
@@ -111,9 +111,11 @@ def head_loss_50d3b5e255f3c507(
             cols = start + tl.arange(0, BLOCK_V)
             in_row = cols < V
             x_tile = x_next
-            x_next = tl.load(x_row + cols + BLOCK_V, mask=cols + BLOCK_V < V, other=0.0)
+            x_next = tl.load(x_row + cols + BLOCK_V, mask=cols + BLOCK_V < V,
+                             other=0.0)
             t_tile = t_next
-            t_next = tl.load(t_row + cols + BLOCK_V, mask=cols + BLOCK_V < V, other=0.0)
+            t_next = tl.load(t_row + cols + BLOCK_V, mask=cols + BLOCK_V < V,
+                             other=0.0)
             z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
             block_max = tl.max(tl.where(in_row, z, float("-inf")), 0)
             m_new = tl.maximum(m, block_max)
@@ -162,7 +164,7 @@ def head_loss_50d3b5e255f3c507(
         g0 = w_reverse_kl
         g1 = w_reverse_kl*(N0 - N1 - acc1*c0 + acc2*c0 - 1.0)
         # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
-        # Tiles last to first, each loaded one iteration ahead so that its loads overlap the math.
+        # Tiles last to first, each loaded one iteration ahead (its loads overlap the math).
         n_blocks = tl.cdiv(V, BLOCK_V)
         cols = (n_blocks - 1) * BLOCK_V + tl.arange(0, BLOCK_V)
         x_next = tl.load(x_row + cols, mask=cols < V, other=0.0, eviction_policy="evict_first")
@@ -172,9 +174,11 @@ def head_loss_50d3b5e255f3c507(
             cols = start + tl.arange(0, BLOCK_V)
             in_row = cols < V
             x_tile = x_next
-            x_next = tl.load(x_row + cols - BLOCK_V, mask=cols >= BLOCK_V, other=0.0, eviction_policy="evict_first")
+            x_next = tl.load(x_row + cols - BLOCK_V, mask=cols >= BLOCK_V,
+                             other=0.0, eviction_policy="evict_first")
             t_tile = t_next
-            t_next = tl.load(t_row + cols - BLOCK_V, mask=cols >= BLOCK_V, other=0.0, eviction_policy="evict_first")
+            t_next = tl.load(t_row + cols - BLOCK_V, mask=cols >= BLOCK_V,
+                             other=0.0, eviction_policy="evict_first")
             x = x_tile.to(tl.float32)
             z = _logits(x, logit_scale, softcap)
             t = t_tile.to(tl.float32)

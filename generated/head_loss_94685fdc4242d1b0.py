@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-KEY = "03dac40d5b6c4baa"
+KEY = "94685fdc4242d1b0"
 COLUMNS = ['m', 'm_t', 'acc0', 'acc2', 'acc1', 'acc3', 'acc4', 'acc5']
 ROW_VALUES = ['jsd']
 WEIGHTS = ['w_jsd']
@@ -66,7 +66,7 @@ def _dlogits(x, logit_scale, softcap):
 
 
 @triton.jit
-def head_loss_03dac40d5b6c4baa(
+def head_loss_94685fdc4242d1b0(
     x_ptr, x_stride, y_ptr, mask_ptr,
     t_ptr, t_stride,
     w_ptr, grad_ptr, grad_stride, rows_ptr, stats_ptr,
@@ -102,7 +102,7 @@ def head_loss_03dac40d5b6c4baa(
         m_t = float("-inf")
         acc0 = 0.0
         acc2 = 0.0
-        # Tiles first to last, each loaded one iteration ahead so that its loads overlap the math.
+        # Tiles first to last, each loaded one iteration ahead (its loads overlap the math).
         n_blocks = tl.cdiv(V, BLOCK_V)
         cols = tl.arange(0, BLOCK_V)
         x_next = tl.load(x_row + cols, mask=cols < V, other=0.0)
@@ -112,9 +112,11 @@ def head_loss_03dac40d5b6c4baa(
             cols = start + tl.arange(0, BLOCK_V)
             in_row = cols < V
             x_tile = x_next
-            x_next = tl.load(x_row + cols + BLOCK_V, mask=cols + BLOCK_V < V, other=0.0)
+            x_next = tl.load(x_row + cols + BLOCK_V, mask=cols + BLOCK_V < V,
+                             other=0.0)
             t_tile = t_next
-            t_next = tl.load(t_row + cols + BLOCK_V, mask=cols + BLOCK_V < V, other=0.0)
+            t_next = tl.load(t_row + cols + BLOCK_V, mask=cols + BLOCK_V < V,
+                             other=0.0)
             z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
             block_max = tl.max(tl.where(in_row, z, float("-inf")), 0)
             m_new = tl.maximum(m, block_max)
@@ -145,7 +147,7 @@ def head_loss_03dac40d5b6c4baa(
         acc3 = 0.0
         acc4 = 0.0
         acc5 = 0.0
-        # Tiles last to first, each loaded one iteration ahead so that its loads overlap the math.
+        # Tiles last to first, each loaded one iteration ahead (its loads overlap the math).
         n_blocks = tl.cdiv(V, BLOCK_V)
         cols = (n_blocks - 1) * BLOCK_V + tl.arange(0, BLOCK_V)
         x_next = tl.load(x_row + cols, mask=cols < V, other=0.0)
@@ -155,9 +157,11 @@ def head_loss_03dac40d5b6c4baa(
             cols = start + tl.arange(0, BLOCK_V)
             in_row = cols < V
             x_tile = x_next
-            x_next = tl.load(x_row + cols - BLOCK_V, mask=cols >= BLOCK_V, other=0.0)
+            x_next = tl.load(x_row + cols - BLOCK_V, mask=cols >= BLOCK_V,
+                             other=0.0)
             t_tile = t_next
-            t_next = tl.load(t_row + cols - BLOCK_V, mask=cols >= BLOCK_V, other=0.0)
+            t_next = tl.load(t_row + cols - BLOCK_V, mask=cols >= BLOCK_V,
+                             other=0.0)
             z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
             t = t_tile.to(tl.float32)
             e0 = N0 - t
@@ -200,7 +204,7 @@ def head_loss_03dac40d5b6c4baa(
         g1 = c0
         g2 = acc4*c0 + acc5*c0
         # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
-        # Tiles first to last, each loaded one iteration ahead so that its loads overlap the math.
+        # Tiles first to last, each loaded one iteration ahead (its loads overlap the math).
         n_blocks = tl.cdiv(V, BLOCK_V)
         cols = tl.arange(0, BLOCK_V)
         x_next = tl.load(x_row + cols, mask=cols < V, other=0.0, eviction_policy="evict_first")
@@ -210,9 +214,11 @@ def head_loss_03dac40d5b6c4baa(
             cols = start + tl.arange(0, BLOCK_V)
             in_row = cols < V
             x_tile = x_next
-            x_next = tl.load(x_row + cols + BLOCK_V, mask=cols + BLOCK_V < V, other=0.0, eviction_policy="evict_first")
+            x_next = tl.load(x_row + cols + BLOCK_V, mask=cols + BLOCK_V < V,
+                             other=0.0, eviction_policy="evict_first")
             t_tile = t_next
-            t_next = tl.load(t_row + cols + BLOCK_V, mask=cols + BLOCK_V < V, other=0.0, eviction_policy="evict_first")
+            t_next = tl.load(t_row + cols + BLOCK_V, mask=cols + BLOCK_V < V,
+                             other=0.0, eviction_policy="evict_first")
             x = x_tile.to(tl.float32)
             z = _logits(x, logit_scale, softcap)
             t = t_tile.to(tl.float32)
