@@ -56,9 +56,10 @@ def _block_v(V: int) -> int:
     return min(triton.next_power_of_2(V), 4096)
 
 
-def _launch_config(V: int, tile: tuple[int, int]) -> dict:
-    """The plan's tile for a large vocabulary, shrunk (with its warps) to a small one."""
-    block_v, warps = tile
+def _launch_config(V: int, tile: tuple[int, int], element_size: int = 2) -> dict:
+    """The plan's tile (chosen for 2-byte logits and a large vocabulary), with as many bytes a tile
+    for wider inputs, shrunk with its warps to a small vocabulary."""
+    block_v, warps = tile[0] * 2 // max(element_size, 2), tile[1]
     block = min(triton.next_power_of_2(V), block_v)
     return dict(BLOCK_V=block, num_warps=max(4, warps * block // block_v))
 
@@ -297,11 +298,12 @@ class HeadLoss(torch.nn.Module):
         args += [a["w"], grad if grad is not None else x, grad.stride(0) if grad is not None else 0,
                  a["rows"], a["stats"], self.logit_scale, float(self.softcap or 1.0),
                  a["V_local"], a["vocab_start"], float(a["V"]), self.ignore_index]
+        width = max(x.element_size(), a["teacher"].element_size() if k.USES_TEACHER else 0)
         kernel = getattr(k, f"head_loss_{k.KEY}")
         kernel[(rows,)](*args, HAS_LABELS=labels is not None, HAS_MASK=mask is not None,
                         STATS=launch.stats, EXACT=launch.exact, STORE_STATS=launch.store_stats,
                         ROWS=launch.rows, GRAD=launch.grad, BLOCK_K=block_k,
-                        **_launch_config(a["V_local"], k.TILE))
+                        **_launch_config(a["V_local"], k.TILE, width))
 
     def _segments(self, k, out_rows, valid, inputs, c, divisor, dev, seg_state):
         """Per-segment sums of the row quantities (one index_add_; with ``segment_group``, for
