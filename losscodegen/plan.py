@@ -92,9 +92,10 @@ class Plan:
 
     @property
     def tile(self) -> tuple[int, int]:
-        """(BLOCK_V, num_warps) for a large vocabulary, as measured best on an H100 at 128256
-        (docs/performance.md). Per-element state decides: registers run out first for a pass that
-        also streams the teacher, then for one that keeps several running sums."""
+        """(BLOCK_V, num_warps) for a large vocabulary of 2-byte logits, as measured best on an H100
+        at 128256 (docs/performance.md; the runtime keeps the tile's bytes for wider inputs).
+        Per-element state decides: registers run out first for a pass that also streams the
+        teacher, then for one that keeps several running sums."""
         lw = self.lowered
         if lw.uses_teacher:
             return (4096, 8)

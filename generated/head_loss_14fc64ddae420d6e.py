@@ -2,17 +2,19 @@
 #
 # terms (per-row formulas):
 #   loss   cross_entropy = -z_y + LSE(1, 0)
+#   loss   z_loss = LSE(1, 0)**2
 # softcap: False
 #
 # lowered:
 #   row values:
 #     cross_entropy = N0 - z_y
+#     z_loss = N0**2
 #   normalisers:
 #     N0 = m + log(acc0)
 #   accumulators:
 #     acc0 = sum_i exp(1*(z - m)) * 1    [online]
 #   gradient (derived by sympy):
-#     g0 = w_cross_entropy
+#     g0 = 2*N0*w_z_loss + w_cross_entropy
 #     g1 = -w_cross_entropy
 #     dL/dz_i = g0*exp(-N0 + z) + g1*is_y
 #
@@ -28,10 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
-KEY = "c94ccadddb593fc4"
+KEY = "14fc64ddae420d6e"
 COLUMNS = ['m', 'z_y', 'acc0']
-ROW_VALUES = ['cross_entropy']
-WEIGHTS = ['w_cross_entropy']
+ROW_VALUES = ['cross_entropy', 'z_loss']
+WEIGHTS = ['w_cross_entropy', 'w_z_loss']
 TOKENS = []
 USES_LABELS = True
 USES_TEACHER = False
@@ -59,7 +61,7 @@ def _dlogits(x, logit_scale, softcap):
 
 
 @triton.jit
-def head_loss_c94ccadddb593fc4(
+def head_loss_14fc64ddae420d6e(
     x_ptr, x_stride, y_ptr, mask_ptr,
     w_ptr, grad_ptr, grad_stride, rows_ptr, stats_ptr,
     logit_scale, softcap, V, vocab_start, vocab_size, ignore_index,
@@ -84,7 +86,8 @@ def head_loss_c94ccadddb593fc4(
                 cols = start + tl.arange(0, BLOCK_V)
                 tl.store(grad_row + cols, tl.zeros([BLOCK_V], grad_ptr.dtype.element_ty), mask=cols < V)
         if ROWS:
-            tl.store(rows_ptr + row * 1 + 0, 0.0)
+            tl.store(rows_ptr + row * 2 + 0, 0.0)
+            tl.store(rows_ptr + row * 2 + 1, 0.0)
         return
     y_local = y - vocab_start
     y_here = (y_local >= 0) & (y_local < V)
@@ -125,11 +128,13 @@ def head_loss_c94ccadddb593fc4(
         tl.store(stats_row + 2, acc0)
 
     if ROWS:
-        tl.store(rows_ptr + row * 1 + 0, N0 - z_y)  # cross_entropy
+        tl.store(rows_ptr + row * 2 + 0, N0 - z_y)  # cross_entropy
+        tl.store(rows_ptr + row * 2 + 1, (N0 * N0))  # z_loss
 
     if GRAD:
         w_cross_entropy = tl.load(w_ptr + 0)  # weight / divisor
-        g0 = w_cross_entropy
+        w_z_loss = tl.load(w_ptr + 1)  # weight / divisor
+        g0 = 2.0*N0*w_z_loss + w_cross_entropy
         g1 = -w_cross_entropy
         # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
         # Tiles last to first, each loaded one iteration ahead (its loads overlap the math).

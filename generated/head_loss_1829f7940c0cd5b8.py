@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-KEY = "00693379b8c49de9"
+KEY = "1829f7940c0cd5b8"
 COLUMNS = ['m', 'm_t', 'acc0', 'acc1', 'acc2', 'acc3']
 ROW_VALUES = ['forward_kl']
 WEIGHTS = ['w_forward_kl']
@@ -63,7 +63,7 @@ def _dlogits(x, logit_scale, softcap):
 
 
 @triton.jit
-def head_loss_00693379b8c49de9(
+def head_loss_1829f7940c0cd5b8(
     x_ptr, x_stride, y_ptr, mask_ptr,
     t_ptr, t_stride,
     w_ptr, grad_ptr, grad_stride, rows_ptr, stats_ptr,
