@@ -220,7 +220,7 @@ def emit(plan: Plan, key: str, header: str) -> KernelSource:
         header=header, name=name, key=key, plan=plan, lw=lw, sweeps=plan.sweeps,
         transform=_TL.doprint(transform), dtransform=_TL.doprint(transform.diff(X)),
         online=online, topk_online=topk_online,
-        tile_sums=_tile_sums(online) if sum(len(g["accs"]) for g in online) > 1 else [],
+        tile_sums=_tile_sums(online),
         exact=list(zip([a.name for a in exact], exact_bodies)), exact_temps=exact_temps,
         topk_exact=list(zip([a.name for a in topk_exact], tk_bodies)), topk_temps=tk_temps,
         normalizers=[(n.symbol.name, _TL.doprint(n.value)) for n in lw.normalizers],

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-KEY = "04226794d68b2544"
+KEY = "6bcfd83704bf35bf"
 COLUMNS = ['m', 'z_y', 'acc0', 'acc1']
 ROW_VALUES = ['cross_entropy']
 WEIGHTS = ['w_cross_entropy']
@@ -61,7 +61,7 @@ def _dlogits(x, logit_scale, softcap):
 
 
 @triton.jit
-def head_loss_04226794d68b2544(
+def head_loss_6bcfd83704bf35bf(
     x_ptr, x_stride, y_ptr, mask_ptr,
     w_ptr, grad_ptr, grad_stride, rows_ptr, stats_ptr,
     logit_scale, softcap, V, vocab_start, vocab_size, ignore_index,

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-KEY = "8c8a69ae7de434f0"
+KEY = "c9c26ea6b49c4a22"
 COLUMNS = ['m', 'z_y', 'acc0', 'acc1']
 ROW_VALUES = ['grpo', 'entropy', 'clip_fraction']
 WEIGHTS = ['w_grpo']
@@ -64,7 +64,7 @@ def _dlogits(x, logit_scale, softcap):
 
 
 @triton.jit
-def head_loss_8c8a69ae7de434f0(
+def head_loss_c9c26ea6b49c4a22(
     x_ptr, x_stride, y_ptr, mask_ptr,
     tok_advantages_ptr,
     tok_old_logprobs_ptr,
