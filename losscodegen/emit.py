@@ -217,7 +217,7 @@ def emit(plan: Plan, key: str, header: str) -> KernelSource:
                             grads=[(seg_means.index(U.name), g) for U, g in zip(seg.means, grads)]))
 
     ctx = dict(
-        header=header, name=name, key=key, plan=plan, lw=lw, sweeps=plan.sweeps,
+        header=header, name=name, key=key, plan=plan, lw=lw, sweeps={w.name: w for w in plan.sweeps},
         transform=_TL.doprint(transform), dtransform=_TL.doprint(transform.diff(X)),
         online=online, topk_online=topk_online,
         tile_sums=_tile_sums(online),
@@ -228,7 +228,6 @@ def emit(plan: Plan, key: str, header: str) -> KernelSource:
         coef_temps=coef_temps, coefs=list(zip([s.name for s, _ in lw.grad_coefs], coef_exprs)),
         grad_temps=grad_temps, grad_expr=grad_expr,
         topk_grad=None if lw.grad_topk == 0 else topk_grad_expr,
-        uses_t_in_grad=lw.grad_vocab.has(S.teacher_logit),
         uses_is_y=lw.grad_vocab.has(IS_Y),
         columns=[c.name for c in plan.columns],
         first_read_columns=[c.name for c in plan.columns if c.name not in {a.name for a in exact}

@@ -145,12 +145,9 @@ class _Lowering:
 
     def abstract(self, expr: sp.Expr) -> sp.Expr:
         expr = expr.replace(S.LSE, self.norm)
+        # (declare_term has already refused nested reductions)
         for fn, domain in ((S.vsum, "vocab"), (S.topk_sum, "topk")):
-            def repl(body, _domain=domain):
-                if body.has(S.vsum, S.topk_sum, S.segment_mean):
-                    raise ValueError(f"nested reductions are not supported: {body}")
-                return self.reduction(_domain, body)
-            expr = expr.replace(fn, repl)
+            expr = expr.replace(fn, lambda body, _domain=domain: self.reduction(_domain, body))
         return expr
 
     # -- reductions -> accumulators ----------------------------------------------------------------

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import sympy as sp
 
+from . import symbols as S
 from .lower import Lowered
 
 
@@ -83,11 +84,12 @@ class Plan:
 
     @property
     def sweeps(self) -> tuple[Sweep, ...]:
+        """The reads of a row in one launch, in order: stats, exact (when the head has one), grad."""
         lw = self.lowered
         streams = ("x", "t") if lw.uses_teacher else ("x",)
-        grad_streams = ("x", "t") if lw.grad_vocab.has(sp.Symbol("t", real=True)) else ("x",)
-        return (Sweep("stats", False, streams, False),
-                Sweep("exact", True, streams, False),
+        grad_streams = ("x", "t") if lw.grad_vocab.has(S.teacher_logit) else ("x",)
+        exact = (Sweep("exact", True, streams, False),) if lw.has_exact else ()
+        return (Sweep("stats", False, streams, False), *exact,
                 Sweep("grad", not lw.has_exact, grad_streams, True, True))
 
     @property
@@ -104,12 +106,11 @@ class Plan:
 
     def bytes_per_element(self, logit_bytes: int = 2, teacher_bytes: int = 2,
                           grad: bool = True) -> float:
-        per_read = logit_bytes + (teacher_bytes if self.lowered.uses_teacher else 0)
-        total = self.reads * per_read
-        if grad:
-            uses_t = self.lowered.grad_vocab.has(sp.Symbol("t", real=True))
-            total += logit_bytes + (teacher_bytes if uses_t else 0) + logit_bytes
-        return total
+        """HBM bytes per vocabulary element if no read hits L2: every sweep's streams, and the
+        gradient written."""
+        size = {"x": logit_bytes, "t": teacher_bytes}
+        reads = sum(size[s] for w in self.sweeps if grad or w.name != "grad" for s in w.streams)
+        return reads + (logit_bytes if grad else 0)
 
     def __str__(self) -> str:
         lw = self.lowered
@@ -122,8 +123,7 @@ class Plan:
                  "vocab-parallel: one all-gather of the packed stats"
                  + (" + one all-reduce of the exact sums" if lw.has_exact else ""),
                  f"tiles: BLOCK_V <= {self.tile[0]}, {self.tile[1]} warps; "
-                 + ", ".join(f"{w.name} {'backward' if w.reverse else 'forward'}"
-                             for w in self.sweeps if w.name != "exact" or lw.has_exact)]
+                 + ", ".join(f"{w.name} {'backward' if w.reverse else 'forward'}" for w in self.sweeps)]
         for sharded in (False, True):
             seq = self.launches(sharded=sharded, grad=True)
             lines.append(("sharded" if sharded else "single device") + f": {len(seq)} launch(es): "

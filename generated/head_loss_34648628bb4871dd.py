@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-KEY = "f492a43241846b86"
+KEY = "34648628bb4871dd"
 COLUMNS = ['m', 'm_t', 'acc0', 'acc2', 'acc1', 'acc3', 'acc4', 'acc5']
 ROW_VALUES = ['jsd']
 WEIGHTS = ['w_jsd']
@@ -66,7 +66,7 @@ def _dlogits(x, logit_scale, softcap):
 
 
 @triton.jit
-def head_loss_f492a43241846b86(
+def head_loss_34648628bb4871dd(
     x_ptr, x_stride, y_ptr, mask_ptr,
     t_ptr, t_stride,
     w_ptr, grad_ptr, grad_stride, rows_ptr, stats_ptr,
