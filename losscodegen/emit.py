@@ -238,7 +238,6 @@ def emit(plan: Plan, key: str, header: str) -> KernelSource:
         segments=seg_fns, seg_means=seg_means,
         uses_label=any(e.has(S.label) for _, e in lw.row_values),
         merge=[(c.name, c.merge, float(c.alpha), float(c.beta)) for c in plan.columns],
-        segment_meta=[s.name for s in lw.segments],
     )
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), keep_trailing_newline=True,
                              trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)

@@ -64,6 +64,32 @@ def test_per_token_weight_and_collision_metric():
         head(x, labels)
 
 
+@pytest.mark.parametrize("formula", [
+    S.vsum(S.Abs(S.logit - S.token("center"))) / S.vocab_size,          # online: read in the stats loop
+    S.vsum(S.softmax * S.log(1 + S.exp(S.logsoftmax - S.token("center")))),  # exact: a second read
+])
+def test_token_inside_a_reduction(formula):
+    """A per-row input used inside vsum(...) is known to every read of the row."""
+    Term = lcg.declare_term("in_vsum", formula)
+    logits, labels, g = make_inputs(R=12, V=256)
+    center = torch.randn(12, generator=g)
+    valid = labels != -100
+    x = logits.detach().clone().requires_grad_()
+    out = lcg.HeadLoss(Term())(x, labels, center=center)
+    out.loss.backward()
+    xd = logits.detach().double().requires_grad_()
+    c = center.double()[:, None]
+    if formula.has(S.Abs):
+        per_row = (xd - c).abs().mean(-1)
+    else:
+        logp = torch.log_softmax(xd, -1)
+        per_row = (logp.exp() * torch.log1p(torch.exp(logp - c))).sum(-1)
+    ref = torch.where(valid, per_row, 0.0).sum() / valid.sum()
+    ref.backward()
+    torch.testing.assert_close(out.loss.double(), ref.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x.grad.double(), xd.grad, rtol=1e-4, atol=1e-7)
+
+
 def test_collision_is_an_online_reduction_and_abs_is_too():
     for term in (Collision(), MeanAbs()):
         lw = lcg.HeadLoss(term).lowered()

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-KEY = "34648628bb4871dd"
+KEY = "110a589537b1a53a"
 COLUMNS = ['m', 'm_t', 'acc0', 'acc2', 'acc1', 'acc3', 'acc4', 'acc5']
 ROW_VALUES = ['jsd']
 WEIGHTS = ['w_jsd']
@@ -66,7 +66,7 @@ def _dlogits(x, logit_scale, softcap):
 
 
 @triton.jit
-def head_loss_34648628bb4871dd(
+def head_loss_110a589537b1a53a(
     x_ptr, x_stride, y_ptr, mask_ptr,
     t_ptr, t_stride,
     w_ptr, grad_ptr, grad_stride, rows_ptr, stats_ptr,

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-KEY = "42d02a88616e3e64"
+KEY = "db92725fc2b08a6a"
 COLUMNS = ['m', 'z_y', 'acc0', 'acc1']
 ROW_VALUES = ['grpo', 'entropy', 'clip_fraction', 'ratio_mean', 'kl_new_old']
 WEIGHTS = ['w_grpo']
@@ -68,7 +68,7 @@ def _dlogits(x, logit_scale, softcap):
 
 
 @triton.jit
-def head_loss_42d02a88616e3e64(
+def head_loss_db92725fc2b08a6a(
     x_ptr, x_stride, y_ptr, mask_ptr,
     tok_advantages_ptr,
     tok_old_logprobs_ptr,
@@ -103,6 +103,8 @@ def head_loss_42d02a88616e3e64(
         return
     y_local = y - vocab_start
     y_here = (y_local >= 0) & (y_local < V)
+    tok_advantages = tl.load(tok_advantages_ptr + row)
+    tok_old_logprobs = tl.load(tok_old_logprobs_ptr + row)
 
     if STATS:
         # First read: the running max and every online accumulator, rescaled when the max grows.
@@ -147,8 +149,6 @@ def head_loss_42d02a88616e3e64(
         tl.store(stats_row + 3, acc1)
 
     if ROWS:
-        tok_advantages = tl.load(tok_advantages_ptr + row)
-        tok_old_logprobs = tl.load(tok_old_logprobs_ptr + row)
         r0 = N0 + tok_old_logprobs - z_y
         r1 = tl.exp(-r0)
         tl.store(rows_ptr + row * 5 + 0, -tl.where(r1*tok_advantages < tok_advantages*tl.where(1.2 < tl.where(0.8 > r1, 0.8, r1), 1.2, tl.where(0.8 > r1, 0.8, r1)), r1*tok_advantages, tok_advantages*tl.where(1.2 < tl.where(0.8 > r1, 0.8, r1), 1.2, tl.where(0.8 > r1, 0.8, r1))))  # grpo
@@ -158,8 +158,6 @@ def head_loss_42d02a88616e3e64(
         tl.store(rows_ptr + row * 5 + 4, r0 + r1 - 1.0)  # kl_new_old
 
     if GRAD:
-        tok_advantages = tl.load(tok_advantages_ptr + row)
-        tok_old_logprobs = tl.load(tok_old_logprobs_ptr + row)
         w_grpo = tl.load(w_ptr + 0)  # weight / divisor
         c0 = tl.exp(-N0 - tok_old_logprobs + z_y)
         c1 = c0*tok_advantages

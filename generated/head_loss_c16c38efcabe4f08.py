@@ -2,26 +2,26 @@
 #
 # terms (per-row formulas):
 #   loss   cross_entropy = -z_y + LSE(1, 0)
-#   metric token_accuracy = Piecewise((1, Eq(argmax, label)), (0, True))
+#   loss   z_loss = LSE(1, 0)**2
 # softcap: False
 #
 # lowered:
 #   row values:
 #     cross_entropy = N0 - z_y
-#     token_accuracy = Piecewise((1, Eq(argmax, label)), (0, True))
+#     z_loss = N0**2
 #   normalisers:
 #     N0 = m + log(acc0)
 #   accumulators:
 #     acc0 = sum_i exp(1*(z - m)) * 1    [online]
 #   gradient (derived by sympy):
-#     g0 = w_cross_entropy
+#     g0 = 2*N0*w_z_loss + w_cross_entropy
 #     g1 = -w_cross_entropy
 #     dL/dz_i = g0*exp(-N0 + z) + g1*is_y
 #
 # plan:
 #   reads of the vocabulary: 1 for the loss (online stats) + 1 for the gradient
 #   bytes per element (bf16 in, bf16 grad): 6
-#   packed per-row stats (4 fp32): m:max, z_y:sum, argmax:argmax, acc0:scaled
+#   packed per-row stats (3 fp32): m:max, z_y:sum, acc0:scaled
 #   vocab-parallel: one all-gather of the packed stats
 #   tiles: BLOCK_V <= 32768, 32 warps; stats forward, grad backward
 #   single device: 1 launch(es): [stats+rows+grad]
@@ -30,17 +30,17 @@ import torch
 import triton
 import triton.language as tl
 
-KEY = "e6718a3568bbcb18"
-COLUMNS = ['m', 'z_y', 'argmax', 'acc0']
-ROW_VALUES = ['cross_entropy', 'token_accuracy']
-WEIGHTS = ['w_cross_entropy']
+KEY = "c16c38efcabe4f08"
+COLUMNS = ['m', 'z_y', 'acc0']
+ROW_VALUES = ['cross_entropy', 'z_loss']
+WEIGHTS = ['w_cross_entropy', 'w_z_loss']
 TOKENS = []
 USES_LABELS = True
 USES_TEACHER = False
 USES_TOPK = False
 HAS_EXACT = False
 # how the packed per-row stats of vocab shards combine: (column, rule, alpha, beta)
-MERGE = [('m', 'max', 0.0, 0.0), ('z_y', 'sum', 0.0, 0.0), ('argmax', 'argmax', 0.0, 0.0), ('acc0', 'scaled', 1.0, 0.0)]
+MERGE = [('m', 'max', 0.0, 0.0), ('z_y', 'sum', 0.0, 0.0), ('acc0', 'scaled', 1.0, 0.0)]
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = []
 SEGMENT_MEANS = []
@@ -61,7 +61,7 @@ def _dlogits(x, logit_scale, softcap):
 
 
 @triton.jit
-def head_loss_e6718a3568bbcb18(
+def head_loss_c16c38efcabe4f08(
     x_ptr, x_stride, y_ptr, mask_ptr,
     w_ptr, grad_ptr, grad_stride, rows_ptr, stats_ptr,
     logit_scale, softcap, V, vocab_start, vocab_size, ignore_index,
@@ -74,7 +74,7 @@ def head_loss_e6718a3568bbcb18(
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_stride
     grad_row = grad_ptr + row * grad_stride
-    stats_row = stats_ptr + row * 4
+    stats_row = stats_ptr + row * 3
     y = tl.load(y_ptr + row) if HAS_LABELS else -1
     invalid = (y == ignore_index) if HAS_LABELS else False
     if HAS_MASK:
@@ -89,14 +89,12 @@ def head_loss_e6718a3568bbcb18(
             tl.store(rows_ptr + row * 2 + 0, 0.0)
             tl.store(rows_ptr + row * 2 + 1, 0.0)
         return
-    label = y.to(tl.float32)
     y_local = y - vocab_start
     y_here = (y_local >= 0) & (y_local < V)
 
     if STATS:
         # First read: the running max and every online accumulator, rescaled when the max grows.
         m = float("-inf")
-        argmax = 0.0
         acc0 = 0.0
         # Tiles first to last, each loaded one iteration ahead (its loads overlap the math).
         n_blocks = tl.cdiv(V, BLOCK_V)
@@ -112,9 +110,6 @@ def head_loss_e6718a3568bbcb18(
             z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
             block_max = tl.max(tl.where(in_row, z, float("-inf")), 0)
             m_new = tl.maximum(m, block_max)
-            # strictly greater: the first index wins ties, like torch.argmax
-            block_arg = tl.argmax(tl.where(in_row, z, float("-inf")), 0)
-            argmax = tl.where(block_max > m, (vocab_start + start + block_arg).to(tl.float32), argmax)
             s0 = tl.exp(-m_new + z)
             r0 = tl.exp(m - m_new)
             # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
@@ -126,23 +121,22 @@ def head_loss_e6718a3568bbcb18(
     else:
         m = tl.load(stats_row + 0)
         z_y = tl.load(stats_row + 1)
-        argmax = tl.load(stats_row + 2)
-        acc0 = tl.load(stats_row + 3)
+        acc0 = tl.load(stats_row + 2)
     N0 = m + tl.log(acc0)
 
     if STORE_STATS:
         tl.store(stats_row + 0, m)
         tl.store(stats_row + 1, z_y)
-        tl.store(stats_row + 2, argmax)
-        tl.store(stats_row + 3, acc0)
+        tl.store(stats_row + 2, acc0)
 
     if ROWS:
         tl.store(rows_ptr + row * 2 + 0, N0 - z_y)  # cross_entropy
-        tl.store(rows_ptr + row * 2 + 1, tl.where((argmax == label), 1.0, 0.0))  # token_accuracy
+        tl.store(rows_ptr + row * 2 + 1, (N0 * N0))  # z_loss
 
     if GRAD:
         w_cross_entropy = tl.load(w_ptr + 0)  # weight / divisor
-        g0 = w_cross_entropy
+        w_z_loss = tl.load(w_ptr + 1)  # weight / divisor
+        g0 = 2.0*N0*w_z_loss + w_cross_entropy
         g1 = -w_cross_entropy
         # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
         # Tiles last to first, each loaded one iteration ahead (its loads overlap the math).

@@ -2,31 +2,29 @@
 #
 # terms (per-row formulas):
 #   loss   cross_entropy = -z_y + LSE(1, 0)
-#   loss   z_loss = LSE(1, 0)**2
-#   loss   forward_kl = vsum((t - z - LSE(0, 1) + LSE(1, 0))*exp(t - LSE(0, 1)))
-#   metric entropy = -vsum((z - LSE(1, 0))*exp(z - LSE(1, 0)))
+#   loss   forward_kl = vsum((t/2 - z/2 - LSE(0, 1/2) + LSE(1/2, 0))*exp(t/2 - LSE(0, 1/2)))
 # softcap: False
 #
 # lowered:
 #   row values:
 #     cross_entropy = N0 - z_y
-#     z_loss = N0**2
-#     forward_kl = N0 - N1 + acc1*exp(-N1 + m_t) - acc2*exp(-N1 + m_t)
-#     entropy = N0 - acc3*exp(-N0 + m)
+#     forward_kl = -N1 + N2 + acc1*exp(-N1 + m_t/2)/2 - acc2*exp(-N1 + m_t/2)/2
 #   normalisers:
-#     N0 = m + log(acc4)
-#     N1 = m_t + log(acc0)
+#     N0 = m + log(acc3)
+#     N1 = m_t/2 + log(acc0)
+#     N2 = m/2 + log(acc4)
 #   accumulators:
-#     acc0 = sum_i exp(1*(t - m_t)) * 1    [online]
-#     acc1 = sum_i exp(1*(t - m_t)) * t    [online]
-#     acc2 = sum_i exp(1*(t - m_t)) * z    [online]
-#     acc3 = sum_i exp(1*(z - m)) * z    [online]
-#     acc4 = sum_i exp(1*(z - m)) * 1    [online]
+#     acc0 = sum_i exp(1/2*(t - m_t)) * 1    [online]
+#     acc1 = sum_i exp(1/2*(t - m_t)) * t    [online]
+#     acc2 = sum_i exp(1/2*(t - m_t)) * z    [online]
+#     acc3 = sum_i exp(1*(z - m)) * 1    [online]
+#     acc4 = sum_i exp(1/2*(z - m)) * 1    [online]
 #   gradient (derived by sympy):
 #     g0 = w_forward_kl
-#     g1 = 2*N0*w_z_loss + w_cross_entropy + w_forward_kl
-#     g2 = -w_cross_entropy
-#     dL/dz_i = -g0*exp(-N1 + t) + g1*exp(-N0 + z) + g2*is_y
+#     g1 = w_cross_entropy
+#     g2 = w_forward_kl
+#     g3 = -w_cross_entropy
+#     dL/dz_i = -g0*exp(-N1 + t/2)/2 + g1*exp(-N0 + z) + g2*exp(-N2 + z/2)/2 + g3*is_y
 #
 # plan:
 #   reads of the vocabulary: 1 for the loss (online stats) + 1 for the gradient
@@ -40,17 +38,17 @@ import torch
 import triton
 import triton.language as tl
 
-KEY = "9128b4817fda368f"
+KEY = "350bc0fcc533be8d"
 COLUMNS = ['m', 'm_t', 'z_y', 'acc0', 'acc1', 'acc2', 'acc3', 'acc4']
-ROW_VALUES = ['cross_entropy', 'z_loss', 'forward_kl', 'entropy']
-WEIGHTS = ['w_cross_entropy', 'w_z_loss', 'w_forward_kl']
+ROW_VALUES = ['cross_entropy', 'forward_kl']
+WEIGHTS = ['w_cross_entropy', 'w_forward_kl']
 TOKENS = []
 USES_LABELS = True
 USES_TEACHER = True
 USES_TOPK = False
 HAS_EXACT = False
 # how the packed per-row stats of vocab shards combine: (column, rule, alpha, beta)
-MERGE = [('m', 'max', 0.0, 0.0), ('m_t', 'max', 0.0, 0.0), ('z_y', 'sum', 0.0, 0.0), ('acc0', 'scaled', 0.0, 1.0), ('acc1', 'scaled', 0.0, 1.0), ('acc2', 'scaled', 0.0, 1.0), ('acc3', 'scaled', 1.0, 0.0), ('acc4', 'scaled', 1.0, 0.0)]
+MERGE = [('m', 'max', 0.0, 0.0), ('m_t', 'max', 0.0, 0.0), ('z_y', 'sum', 0.0, 0.0), ('acc0', 'scaled', 0.0, 0.5), ('acc1', 'scaled', 0.0, 0.5), ('acc2', 'scaled', 0.0, 0.5), ('acc3', 'scaled', 1.0, 0.0), ('acc4', 'scaled', 0.5, 0.0)]
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = []
 SEGMENT_MEANS = []
@@ -71,7 +69,7 @@ def _dlogits(x, logit_scale, softcap):
 
 
 @triton.jit
-def head_loss_9128b4817fda368f(
+def head_loss_350bc0fcc533be8d(
     x_ptr, x_stride, y_ptr, mask_ptr,
     t_ptr, t_stride,
     w_ptr, grad_ptr, grad_stride, rows_ptr, stats_ptr,
@@ -98,10 +96,8 @@ def head_loss_9128b4817fda368f(
                 cols = start + tl.arange(0, BLOCK_V)
                 tl.store(grad_row + cols, tl.zeros([BLOCK_V], grad_ptr.dtype.element_ty), mask=cols < V)
         if ROWS:
-            tl.store(rows_ptr + row * 4 + 0, 0.0)
-            tl.store(rows_ptr + row * 4 + 1, 0.0)
-            tl.store(rows_ptr + row * 4 + 2, 0.0)
-            tl.store(rows_ptr + row * 4 + 3, 0.0)
+            tl.store(rows_ptr + row * 2 + 0, 0.0)
+            tl.store(rows_ptr + row * 2 + 1, 0.0)
         return
     y_local = y - vocab_start
     y_here = (y_local >= 0) & (y_local < V)
@@ -135,21 +131,23 @@ def head_loss_9128b4817fda368f(
             m_new = tl.maximum(m, block_max)
             t = t_tile.to(tl.float32)
             m_t_new = tl.maximum(m_t, tl.max(tl.where(in_row, t, float("-inf")), 0))
-            s0 = tl.exp(-m_t_new + t)
-            r0 = tl.exp(m_t - m_t_new)
+            s0 = tl.exp(-0.5*m_t_new + (0.5)*t)
+            r0 = tl.exp((0.5)*m_t - 0.5*m_t_new)
             s1 = tl.exp(-m_new + z)
             r1 = tl.exp(m - m_new)
+            s2 = tl.exp(-0.5*m_new + (0.5)*z)
+            r2 = tl.exp((0.5)*m - 0.5*m_new)
             # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
-            part0 = tl.sum(tl.join(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, s0*t, 0.0)), tl.join(tl.where(in_row, s0*z, 0.0), tl.where(in_row, s1*z, 0.0))), 0)
+            part0 = tl.sum(tl.join(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, s0*t, 0.0)), tl.join(tl.where(in_row, s0*z, 0.0), tl.where(in_row, s1, 0.0))), 0)
             part1, part2 = tl.split(part0)
             acc0_tile, acc1_tile = tl.split(part1)
             acc2_tile, acc3_tile = tl.split(part2)
-            acc4_tile = tl.sum(tl.where(in_row, s1, 0.0), 0)
+            acc4_tile = tl.sum(tl.where(in_row, s2, 0.0), 0)
             acc0 = acc0 * r0 + acc0_tile
             acc1 = acc1 * r0 + acc1_tile
             acc2 = acc2 * r0 + acc2_tile
             acc3 = acc3 * r1 + acc3_tile
-            acc4 = acc4 * r1 + acc4_tile
+            acc4 = acc4 * r2 + acc4_tile
             m = m_new
             m_t = m_t_new
         z_y = tl.where(y_here, _logits(tl.load(x_row + y_local, mask=y_here, other=0.0).to(tl.float32),
@@ -163,8 +161,9 @@ def head_loss_9128b4817fda368f(
         acc2 = tl.load(stats_row + 5)
         acc3 = tl.load(stats_row + 6)
         acc4 = tl.load(stats_row + 7)
-    N0 = m + tl.log(acc4)
-    N1 = m_t + tl.log(acc0)
+    N0 = m + tl.log(acc3)
+    N1 = (0.5)*m_t + tl.log(acc0)
+    N2 = (0.5)*m + tl.log(acc4)
 
     if STORE_STATS:
         tl.store(stats_row + 0, m)
@@ -177,19 +176,17 @@ def head_loss_9128b4817fda368f(
         tl.store(stats_row + 7, acc4)
 
     if ROWS:
-        r0 = tl.exp(-N1 + m_t)
-        tl.store(rows_ptr + row * 4 + 0, N0 - z_y)  # cross_entropy
-        tl.store(rows_ptr + row * 4 + 1, (N0 * N0))  # z_loss
-        tl.store(rows_ptr + row * 4 + 2, N0 - N1 + acc1*r0 - acc2*r0)  # forward_kl
-        tl.store(rows_ptr + row * 4 + 3, N0 - acc3*tl.exp(-N0 + m))  # entropy
+        r0 = tl.exp(-N1 + (0.5)*m_t)
+        tl.store(rows_ptr + row * 2 + 0, N0 - z_y)  # cross_entropy
+        tl.store(rows_ptr + row * 2 + 1, -N1 + N2 + (0.5)*acc1*r0 - 0.5*acc2*r0)  # forward_kl
 
     if GRAD:
         w_cross_entropy = tl.load(w_ptr + 0)  # weight / divisor
-        w_z_loss = tl.load(w_ptr + 1)  # weight / divisor
-        w_forward_kl = tl.load(w_ptr + 2)  # weight / divisor
+        w_forward_kl = tl.load(w_ptr + 1)  # weight / divisor
         g0 = w_forward_kl
-        g1 = 2.0*N0*w_z_loss + w_cross_entropy + w_forward_kl
-        g2 = -w_cross_entropy
+        g1 = w_cross_entropy
+        g2 = w_forward_kl
+        g3 = -w_cross_entropy
         # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
         # Tiles last to first, each loaded one iteration ahead (its loads overlap the math).
         n_blocks = tl.cdiv(V, BLOCK_V)
@@ -210,6 +207,6 @@ def head_loss_9128b4817fda368f(
             z = _logits(x, logit_scale, softcap)
             t = t_tile.to(tl.float32)
             is_y = tl.where(cols == y_local, 1.0, 0.0)
-            dz = -g0*tl.exp(-N1 + t) + g1*tl.exp(-N0 + z) + g2*is_y
+            dz = -0.5*g0*tl.exp(-N1 + (0.5)*t) + g1*tl.exp(-N0 + z) + (0.5)*g2*tl.exp(-N2 + (0.5)*z) + g3*is_y
             tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                      mask=in_row, cache_modifier=".cs")

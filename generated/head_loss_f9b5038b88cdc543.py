@@ -2,58 +2,48 @@
 #
 # terms (per-row formulas):
 #   loss   cross_entropy = -z_y + LSE(1, 0)
-#   loss   forward_kl = vsum((t/2 - z/2 - LSE(0, 1/2) + LSE(1/2, 0))*exp(t/2 - LSE(0, 1/2)))
 # softcap: False
 #
 # lowered:
 #   row values:
 #     cross_entropy = N0 - z_y
-#     forward_kl = -N1 + N2 + acc1*exp(-N1 + m_t/2)/2 - acc2*exp(-N1 + m_t/2)/2
 #   normalisers:
-#     N0 = m + log(acc3)
-#     N1 = m_t/2 + log(acc0)
-#     N2 = m/2 + log(acc4)
+#     N0 = m + log(acc0)
 #   accumulators:
-#     acc0 = sum_i exp(1/2*(t - m_t)) * 1    [online]
-#     acc1 = sum_i exp(1/2*(t - m_t)) * t    [online]
-#     acc2 = sum_i exp(1/2*(t - m_t)) * z    [online]
-#     acc3 = sum_i exp(1*(z - m)) * 1    [online]
-#     acc4 = sum_i exp(1/2*(z - m)) * 1    [online]
+#     acc0 = sum_i exp(1*(z - m)) * 1    [online]
 #   gradient (derived by sympy):
-#     g0 = w_forward_kl
-#     g1 = w_cross_entropy
-#     g2 = w_forward_kl
-#     g3 = -w_cross_entropy
-#     dL/dz_i = -g0*exp(-N1 + t/2)/2 + g1*exp(-N0 + z) + g2*exp(-N2 + z/2)/2 + g3*is_y
+#     g0 = w_cross_entropy
+#     g1 = -w_cross_entropy
+#     dL/dz_i = g0*exp(-N0 + z) + g1*is_y
 #
 # plan:
 #   reads of the vocabulary: 1 for the loss (online stats) + 1 for the gradient
-#   bytes per element (bf16 in, bf16 grad): 10
-#   packed per-row stats (8 fp32): m:max, m_t:max, z_y:sum, acc0:scaled, acc1:scaled, acc2:scaled, acc3:scaled, acc4:scaled
+#   bytes per element (bf16 in, bf16 grad): 6
+#   packed per-row stats (3 fp32): m:max, z_y:sum, acc0:scaled
 #   vocab-parallel: one all-gather of the packed stats
-#   tiles: BLOCK_V <= 4096, 8 warps; stats forward, grad backward
+#   tiles: BLOCK_V <= 32768, 32 warps; stats forward, grad backward
 #   single device: 1 launch(es): [stats+rows+grad]
 #   sharded: 2 launch(es): [stats] merge -> [rows+grad]
 import torch
 import triton
 import triton.language as tl
 
-KEY = "f783183943f5d7fe"
-COLUMNS = ['m', 'm_t', 'z_y', 'acc0', 'acc1', 'acc2', 'acc3', 'acc4']
-ROW_VALUES = ['cross_entropy', 'forward_kl']
-WEIGHTS = ['w_cross_entropy', 'w_forward_kl']
+KEY = "f9b5038b88cdc543"
+COLUMNS = ['m', 'z_y', 'acc0']
+ROW_VALUES = ['cross_entropy']
+WEIGHTS = ['w_cross_entropy']
 TOKENS = []
 USES_LABELS = True
-USES_TEACHER = True
+USES_TEACHER = False
 USES_TOPK = False
 HAS_EXACT = False
 # how the packed per-row stats of vocab shards combine: (column, rule, alpha, beta)
-MERGE = [('m', 'max', 0.0, 0.0), ('m_t', 'max', 0.0, 0.0), ('z_y', 'sum', 0.0, 0.0), ('acc0', 'scaled', 0.0, 0.5), ('acc1', 'scaled', 0.0, 0.5), ('acc2', 'scaled', 0.0, 0.5), ('acc3', 'scaled', 1.0, 0.0), ('acc4', 'scaled', 0.5, 0.0)]
+MERGE = [('m', 'max', 0.0, 0.0), ('z_y', 'sum', 0.0, 0.0), ('acc0', 'scaled', 1.0, 0.0)]
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = []
 SEGMENT_MEANS = []
 # (BLOCK_V, num_warps) for a large vocabulary
-TILE = (4096, 8)
+TILE = (32768, 32)
 
 
 @triton.jit
@@ -69,9 +59,8 @@ def _dlogits(x, logit_scale, softcap):
 
 
 @triton.jit
-def head_loss_f783183943f5d7fe(
+def head_loss_f9b5038b88cdc543(
     x_ptr, x_stride, y_ptr, mask_ptr,
-    t_ptr, t_stride,
     w_ptr, grad_ptr, grad_stride, rows_ptr, stats_ptr,
     logit_scale, softcap, V, vocab_start, vocab_size, ignore_index,
     HAS_LABELS: tl.constexpr, HAS_MASK: tl.constexpr,
@@ -82,9 +71,8 @@ def head_loss_f783183943f5d7fe(
     # One program per row (token). Reads of the row: 1 for the loss, 1 for the gradient.
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_stride
-    t_row = t_ptr + row * t_stride
     grad_row = grad_ptr + row * grad_stride
-    stats_row = stats_ptr + row * 8
+    stats_row = stats_ptr + row * 3
     y = tl.load(y_ptr + row) if HAS_LABELS else -1
     invalid = (y == ignore_index) if HAS_LABELS else False
     if HAS_MASK:
@@ -96,8 +84,7 @@ def head_loss_f783183943f5d7fe(
                 cols = start + tl.arange(0, BLOCK_V)
                 tl.store(grad_row + cols, tl.zeros([BLOCK_V], grad_ptr.dtype.element_ty), mask=cols < V)
         if ROWS:
-            tl.store(rows_ptr + row * 2 + 0, 0.0)
-            tl.store(rows_ptr + row * 2 + 1, 0.0)
+            tl.store(rows_ptr + row * 1 + 0, 0.0)
         return
     y_local = y - vocab_start
     y_here = (y_local >= 0) & (y_local < V)
@@ -105,17 +92,11 @@ def head_loss_f783183943f5d7fe(
     if STATS:
         # First read: the running max and every online accumulator, rescaled when the max grows.
         m = float("-inf")
-        m_t = float("-inf")
         acc0 = 0.0
-        acc1 = 0.0
-        acc2 = 0.0
-        acc3 = 0.0
-        acc4 = 0.0
         # Tiles first to last, each loaded one iteration ahead (its loads overlap the math).
         n_blocks = tl.cdiv(V, BLOCK_V)
         cols = tl.arange(0, BLOCK_V)
         x_next = tl.load(x_row + cols, mask=cols < V, other=0.0)
-        t_next = tl.load(t_row + cols, mask=cols < V, other=0.0)
         for i in range(0, n_blocks):
             start = i * BLOCK_V
             cols = start + tl.arange(0, BLOCK_V)
@@ -123,76 +104,40 @@ def head_loss_f783183943f5d7fe(
             x_tile = x_next
             x_next = tl.load(x_row + cols + BLOCK_V, mask=cols + BLOCK_V < V,
                              other=0.0)
-            t_tile = t_next
-            t_next = tl.load(t_row + cols + BLOCK_V, mask=cols + BLOCK_V < V,
-                             other=0.0)
             z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
             block_max = tl.max(tl.where(in_row, z, float("-inf")), 0)
             m_new = tl.maximum(m, block_max)
-            t = t_tile.to(tl.float32)
-            m_t_new = tl.maximum(m_t, tl.max(tl.where(in_row, t, float("-inf")), 0))
-            s0 = tl.exp(-0.5*m_t_new + (0.5)*t)
-            r0 = tl.exp((0.5)*m_t - 0.5*m_t_new)
-            s1 = tl.exp(-m_new + z)
-            r1 = tl.exp(m - m_new)
-            s2 = tl.exp(-0.5*m_new + (0.5)*z)
-            r2 = tl.exp((0.5)*m - 0.5*m_new)
+            s0 = tl.exp(-m_new + z)
+            r0 = tl.exp(m - m_new)
             # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
-            part0 = tl.sum(tl.join(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, s0*t, 0.0)), tl.join(tl.where(in_row, s0*z, 0.0), tl.where(in_row, s1, 0.0))), 0)
-            part1, part2 = tl.split(part0)
-            acc0_tile, acc1_tile = tl.split(part1)
-            acc2_tile, acc3_tile = tl.split(part2)
-            acc4_tile = tl.sum(tl.where(in_row, s2, 0.0), 0)
+            acc0_tile = tl.sum(tl.where(in_row, s0, 0.0), 0)
             acc0 = acc0 * r0 + acc0_tile
-            acc1 = acc1 * r0 + acc1_tile
-            acc2 = acc2 * r0 + acc2_tile
-            acc3 = acc3 * r1 + acc3_tile
-            acc4 = acc4 * r2 + acc4_tile
             m = m_new
-            m_t = m_t_new
         z_y = tl.where(y_here, _logits(tl.load(x_row + y_local, mask=y_here, other=0.0).to(tl.float32),
                                        logit_scale, softcap), 0.0)
     else:
         m = tl.load(stats_row + 0)
-        m_t = tl.load(stats_row + 1)
-        z_y = tl.load(stats_row + 2)
-        acc0 = tl.load(stats_row + 3)
-        acc1 = tl.load(stats_row + 4)
-        acc2 = tl.load(stats_row + 5)
-        acc3 = tl.load(stats_row + 6)
-        acc4 = tl.load(stats_row + 7)
-    N0 = m + tl.log(acc3)
-    N1 = (0.5)*m_t + tl.log(acc0)
-    N2 = (0.5)*m + tl.log(acc4)
+        z_y = tl.load(stats_row + 1)
+        acc0 = tl.load(stats_row + 2)
+    N0 = m + tl.log(acc0)
 
     if STORE_STATS:
         tl.store(stats_row + 0, m)
-        tl.store(stats_row + 1, m_t)
-        tl.store(stats_row + 2, z_y)
-        tl.store(stats_row + 3, acc0)
-        tl.store(stats_row + 4, acc1)
-        tl.store(stats_row + 5, acc2)
-        tl.store(stats_row + 6, acc3)
-        tl.store(stats_row + 7, acc4)
+        tl.store(stats_row + 1, z_y)
+        tl.store(stats_row + 2, acc0)
 
     if ROWS:
-        r0 = tl.exp(-N1 + (0.5)*m_t)
-        tl.store(rows_ptr + row * 2 + 0, N0 - z_y)  # cross_entropy
-        tl.store(rows_ptr + row * 2 + 1, -N1 + N2 + (0.5)*acc1*r0 - 0.5*acc2*r0)  # forward_kl
+        tl.store(rows_ptr + row * 1 + 0, N0 - z_y)  # cross_entropy
 
     if GRAD:
         w_cross_entropy = tl.load(w_ptr + 0)  # weight / divisor
-        w_forward_kl = tl.load(w_ptr + 1)  # weight / divisor
-        g0 = w_forward_kl
-        g1 = w_cross_entropy
-        g2 = w_forward_kl
-        g3 = -w_cross_entropy
+        g0 = w_cross_entropy
+        g1 = -w_cross_entropy
         # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
         # Tiles last to first, each loaded one iteration ahead (its loads overlap the math).
         n_blocks = tl.cdiv(V, BLOCK_V)
         cols = (n_blocks - 1) * BLOCK_V + tl.arange(0, BLOCK_V)
         x_next = tl.load(x_row + cols, mask=cols < V, other=0.0, eviction_policy="evict_first")
-        t_next = tl.load(t_row + cols, mask=cols < V, other=0.0, eviction_policy="evict_first")
         for i in range(0, n_blocks):
             start = (n_blocks - 1 - i) * BLOCK_V
             cols = start + tl.arange(0, BLOCK_V)
@@ -200,13 +145,9 @@ def head_loss_f783183943f5d7fe(
             x_tile = x_next
             x_next = tl.load(x_row + cols - BLOCK_V, mask=cols >= BLOCK_V,
                              other=0.0, eviction_policy="evict_first")
-            t_tile = t_next
-            t_next = tl.load(t_row + cols - BLOCK_V, mask=cols >= BLOCK_V,
-                             other=0.0, eviction_policy="evict_first")
             x = x_tile.to(tl.float32)
             z = _logits(x, logit_scale, softcap)
-            t = t_tile.to(tl.float32)
             is_y = tl.where(cols == y_local, 1.0, 0.0)
-            dz = -0.5*g0*tl.exp(-N1 + (0.5)*t) + g1*tl.exp(-N0 + z) + (0.5)*g2*tl.exp(-N2 + (0.5)*z) + g3*is_y
+            dz = g0*tl.exp(-N0 + z) + g1*is_y
             tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                      mask=in_row, cache_modifier=".cs")
