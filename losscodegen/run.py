@@ -195,7 +195,7 @@ class HeadLoss(torch.nn.Module):
         if k.USES_TEACHER:
             teacher = inputs.get("teacher_logits")
             if teacher is None:
-                raise ValueError("teacher_logits is required by " + self._needing_teacher())
+                raise ValueError("teacher_logits is required by " + self._terms_needing("teacher_logits"))
             if not isinstance(teacher, torch.Tensor) or teacher.shape != logits.shape:
                 raise ValueError(f"teacher_logits must have the logits' shape {tuple(logits.shape)}, "
                                  f"got {getattr(teacher, 'shape', type(teacher).__name__)}")
@@ -205,7 +205,12 @@ class HeadLoss(torch.nn.Module):
             teacher = _rows_view(teacher.detach(), V_local)
         topk = None
         if k.USES_TOPK:
-            topk = _check_topk(inputs, rows_shape, dev)
+            topk = _check_topk(inputs, rows_shape, dev, self._terms_needing("teacher_topk_ids"))
+        seg_ids = None
+        if k.SEGMENTS:
+            if inputs.get("segment_ids") is None:
+                raise ValueError("segment_ids is required by " + self._terms_needing("segment_ids"))
+            seg_ids = _check_rowwise("segment_ids", inputs["segment_ids"], rows_shape, dev, integer=True)
         valid = labels != self.ignore_index if labels is not None else None
         if mask is not None:
             valid = mask if valid is None else valid & mask
@@ -241,9 +246,9 @@ class HeadLoss(torch.nn.Module):
             elif launch.then == "sum_exact":
                 _sum_exact(stats, c.exact_columns, group)
             elif launch.then == "segments":
-                seg_values = self._segments(k, out_rows, valid, inputs, c, divisor, dev, seg_state)
+                seg_values = self._segments(k, out_rows, valid, seg_ids, inputs, c, divisor, dev, seg_state)
         if not seg_values and k.SEGMENTS:  # no gradient wanted: still the values
-            seg_values = self._segments(k, out_rows, valid, inputs, c, divisor, dev, seg_state)
+            seg_values = self._segments(k, out_rows, valid, seg_ids, inputs, c, divisor, dev, seg_state)
 
         values = out_rows.sum(0).index_select(0, c.value_columns) / row_div
         if seg_values:
@@ -270,9 +275,13 @@ class HeadLoss(torch.nn.Module):
             self._consts[dev] = _DeviceConsts.build(self, self.kernel, dev)
         return self._consts[dev]
 
-    def _needing_teacher(self) -> str:
-        return ", ".join(n for n, f, _ in self._bound
-                         if f.has(S.teacher_logit) or any(a.args[1] != 0 for a in f.atoms(S.LSE)))
+    def _terms_needing(self, input_name: str) -> str:
+        """The names of the head's terms that read ``input_name``, for error messages."""
+        reads = {
+            "teacher_logits": lambda f: f.has(S.teacher_logit) or any(a.args[1] != 0 for a in f.atoms(S.LSE)),
+            "teacher_topk_ids": lambda f: f.has(S.topk_sum),
+            "segment_ids": lambda f: f.has(S.segment_mean)}[input_name]
+        return ", ".join(n for n, f, _ in self._bound if reads(f))
 
     def _launch(self, launch, a):
         k = self.kernel
@@ -305,17 +314,12 @@ class HeadLoss(torch.nn.Module):
                         ROWS=launch.rows, GRAD=launch.grad, BLOCK_K=block_k,
                         **_launch_config(a["V_local"], k.TILE, width))
 
-    def _segments(self, k, out_rows, valid, inputs, c, divisor, dev, seg_state):
+    def _segments(self, k, out_rows, valid, seg, inputs, c, divisor, dev, seg_state):
         """Per-segment sums of the row quantities (one index_add_; with ``segment_group``, for
         segments split across sequence-parallel ranks, one all-reduce of them), then one launch
         of the generated segment kernel: each segment term's value, and per segment dL/du for
         the gradient launch. No host sync unless num_segments is unknown."""
-        seg = inputs.get("segment_ids")
         rows = out_rows.shape[0]
-        if seg is None:
-            raise ValueError(f"segment_ids is required by segment term(s) {k.SEGMENTS}")
-        seg = seg.reshape(-1) if isinstance(seg, torch.Tensor) else seg
-        seg = _check_rowwise("segment_ids", seg, (rows,), dev, integer=True, required=True)
         group = inputs.get("segment_group")
         n_seg = inputs.get("num_segments")
         if n_seg is None:  # one sync (and a MAX all-reduce over segment_group); num_segments= avoids it
@@ -449,11 +453,11 @@ def _check_rowwise(name, t, rows_shape, device, *, integer=False, boolean=False,
     return (t.long() if integer else t).contiguous()
 
 
-def _check_topk(inputs, rows_shape, device):
+def _check_topk(inputs, rows_shape, device, needed_by: str):
     ids, lps = inputs.get("teacher_topk_ids"), inputs.get("teacher_topk_logprobs")
     for name, t in (("teacher_topk_ids", ids), ("teacher_topk_logprobs", lps)):
         if t is None:
-            raise ValueError(f"{name} is required by topk_forward_kl")
+            raise ValueError(f"{name} is required by {needed_by}")
         if not isinstance(t, torch.Tensor) or tuple(t.shape[:-1]) != tuple(rows_shape) or t.dim() == 0:
             raise ValueError(f"{name} must have shape {tuple(rows_shape)} + (K,), got "
                              f"{tuple(getattr(t, 'shape', ()))}")

@@ -143,3 +143,10 @@ def test_dpo_pair_loss_declared_with_segments(dtype):
     assert abs(out.terms["dpo"].item() - expected.item()) <= 1e-5 * max(1.0, abs(expected.item()))
     err = (xs.grad.double() - x.grad).abs().max().item()  # bf16: the rounding of the stored gradient
     assert err <= (1e-5 if dtype == torch.float32 else 8e-3) * x.grad.abs().max().item(), err
+
+
+def test_segment_ids_must_be_shaped_like_labels():
+    logits, labels, _ = make_inputs(R=6, V=256, shape=(2, 3))
+    with pytest.raises(ValueError, match=r"segment_ids must have shape \(2, 3\)"):
+        lcg.HeadLoss(lcg.GSPO())(logits, labels, old_logprobs=torch.zeros(2, 3), advantages=torch.zeros(2, 3),
+                                 segment_ids=torch.zeros(3, 2, dtype=torch.long))
