@@ -1,6 +1,6 @@
 """losscodegen: loss terms declared as sympy formulas, compiled into one fused Triton kernel."""
 from . import symbols
-from .run import HeadLoss, HeadOutput
+from .head import HeadLoss, HeadOutput
 from .terms import (GRPO, GSPO, JSD, ClipFraction, CrossEntropy, Entropy, ForwardKL, KLNewOld,
                     LogProb, RatioMean, ReverseKL, Term, TokenAccuracy, TopKForwardKL, ZLoss,
                     declare_term)

@@ -78,6 +78,7 @@ class SegmentTerm:
 
 @dataclass(frozen=True)
 class Lowered:
+    outputs: tuple[str, ...]                     # the terms, then the metrics, as the head reports them
     accumulators: tuple[Accumulator, ...]
     normalizers: tuple[Normalizer, ...]
     row_values: tuple[tuple[str, sp.Expr], ...]  # per-row outputs: term values and segment quantities
@@ -337,6 +338,7 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
     if params:
         raise ValueError(f"unbound parameters {params}")
     return Lowered(
+        outputs=tuple(name for name, _, _ in terms),
         accumulators=accumulators,
         normalizers=normalizers,
         row_values=tuple(row_values),

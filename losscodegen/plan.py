@@ -27,15 +27,18 @@ class Column:
 
 @dataclass(frozen=True)
 class Launch:
-    """One kernel launch: which phases it runs, and what the host does after it."""
+    """One kernel launch: which phases it runs, and what the host does after it.
 
-    stats: bool        # run the first read (else load the packed statistics)
-    exact: bool        # run the exact read (else load its sums, when the head has any)
-    store_stats: bool
-    rows: bool         # write per-row values
-    grad: bool
-    then: str          # "" | "merge" (all-gather + merge the packed stats) | "sum_exact" | "segments"
+    A launch that writes row values (``rows``) also finishes them: its last program reduces every
+    row's values into the terms, the metrics and the loss."""
 
+    stats: bool = False        # run the first read
+    merge: bool = False        # merge the packed stats gathered from every vocab shard
+    exact: bool = False        # run the exact read (heads that have one)
+    store_stats: bool = False  # keep what this launch computed for a later launch
+    rows: bool = False         # write per-row values (and segment sums), then finish
+    grad: bool = False
+    then: str = ""             # "" | "gather" (all ranks' packed stats) | "sum_exact" | "segments"
 
 @dataclass(frozen=True)
 class Sweep:
@@ -57,7 +60,8 @@ class Sweep:
 class Plan:
     lowered: Lowered
     softcap: bool
-    columns: tuple[Column, ...]
+    columns: tuple[Column, ...]   # the first read's packed per-row stats, gathered across vocab shards
+    exact: tuple[str, ...]        # the exact read's sums, summed across vocab shards
 
     @property
     def reads(self) -> int:
@@ -65,22 +69,8 @@ class Plan:
         return 1 + int(self.lowered.has_exact)
 
     def launches(self, *, sharded: bool, grad: bool) -> tuple[Launch, ...]:
-        lw = self.lowered
-        segments = bool(lw.segments) and grad
-        if not sharded:
-            if not segments:
-                return (Launch(True, True, False, True, grad, ""),)
-            return (Launch(True, True, True, True, False, "segments"),
-                    Launch(False, False, False, False, True, ""))
-        out = [Launch(True, False, True, False, False, "merge")]
-        if lw.has_exact:
-            out.append(Launch(False, True, True, False, False, "sum_exact"))
-        if segments:
-            out += [Launch(False, False, False, True, False, "segments"),
-                    Launch(False, False, False, False, True, "")]
-        else:
-            out.append(Launch(False, False, False, True, grad, ""))
-        return tuple(out)
+        return launch_sequence(has_exact=self.lowered.has_exact, segments=bool(self.lowered.segments),
+                               sharded=sharded, grad=grad)
 
     @property
     def sweeps(self) -> tuple[Sweep, ...]:
@@ -119,9 +109,10 @@ class Plan:
                  + " + 1 for the gradient",
                  f"bytes per element (bf16 in, bf16 grad): {self.bytes_per_element():g}",
                  f"packed per-row stats ({len(self.columns)} fp32): "
-                 + ", ".join(f"{c.name}:{c.merge}" for c in self.columns),
+                 + ", ".join(f"{c.name}:{c.merge}" for c in self.columns)
+                 + (f"; exact sums: {', '.join(self.exact)}" if self.exact else ""),
                  "vocab-parallel: one all-gather of the packed stats"
-                 + (" + one all-reduce of the exact sums" if lw.has_exact else ""),
+                 + (" + one all-reduce of the exact sums" if self.exact else ""),
                  f"tiles: BLOCK_V <= {self.tile[0]}, {self.tile[1]} warps; "
                  + ", ".join(f"{w.name} {'backward' if w.reverse else 'forward'}" for w in self.sweeps)]
         for sharded in (False, True):
@@ -131,9 +122,31 @@ class Plan:
         return "\n".join(lines)
 
 
+def launch_sequence(*, has_exact: bool, segments: bool, sharded: bool, grad: bool) -> tuple[Launch, ...]:
+    """The launches of one call. On one device a head without segment terms is one launch; a segment
+    term needs every row's values before any gradient (rows, segments, then gradient); under vocab
+    parallelism each exchange of row statistics ends a launch."""
+    out = []
+    if sharded:
+        out.append(Launch(stats=True, store_stats=True, then="gather"))
+        if has_exact:
+            out.append(Launch(merge=True, exact=True, store_stats=True, then="sum_exact"))
+            first = {}
+        else:
+            first = dict(merge=True)
+    else:
+        first = dict(stats=True, exact=True)
+    then = "segments" if segments else ""
+    if segments and grad:
+        out += [Launch(**first, store_stats=bool(first), rows=True, then=then), Launch(grad=True)]
+    else:
+        out.append(Launch(**first, rows=True, grad=grad, then=then))
+    return tuple(out)
+
+
 def _describe(launch: Launch, has_exact: bool) -> str:
-    parts = [n for n, on in (("stats", launch.stats), ("exact", launch.exact and has_exact),
-                             ("rows", launch.rows),
+    parts = [n for n, on in (("stats", launch.stats), ("merge", launch.merge),
+                             ("exact", launch.exact and has_exact), ("rows", launch.rows),
                              ("grad", launch.grad)) if on]
     return "[" + "+".join(parts) + "]" + (f" {launch.then}" if launch.then else "")
 
@@ -149,7 +162,5 @@ def plan(lowered: Lowered, *, softcap: bool) -> Plan:
     for acc in lowered.accumulators:
         if acc.online:
             cols.append(Column(acc.name, "scaled", acc.alpha, acc.beta))
-    for acc in lowered.accumulators:
-        if not acc.online:
-            cols.append(Column(acc.name, "sum"))
-    return Plan(lowered, softcap, tuple(cols))
+    exact = tuple(acc.name for acc in lowered.accumulators if not acc.online)
+    return Plan(lowered, softcap, tuple(cols), exact)

@@ -40,7 +40,7 @@ def test_bad_inputs_name_the_argument(head):
     with pytest.raises(TypeError, match="loss_mask"):
         head(logits, labels, loss_mask=torch.ones(6))
     with pytest.raises(ValueError, match="reduction"):
-        head(logits, labels, reduction="sum")
+        head(logits, labels, reduction="max")
     with pytest.raises(TypeError, match="unexpected keyword"):
         head(logits, labels, advantagez=torch.ones(6))
 

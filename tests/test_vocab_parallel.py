@@ -1,5 +1,6 @@
 """Vocab-parallel heads over gloo on the CPU: every rank gets the unsharded values and its shard of
-the gradient, with one round of collectives (two where the head has an exact read). Also segment
+the gradient, with one all_gather_into_tensor of the packed stats (and one all-reduce more where the
+head has an exact read). Also segment
 terms whose segments are split across sequence-parallel ranks (``segment_group``)."""
 import os
 import socket
@@ -48,7 +49,7 @@ def _inputs(needs, R=10, V=504):
 def _worker(rank, world, port, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    calls = {"all_gather": 0, "all_reduce": 0}
+    calls = {"all_gather_into_tensor": 0, "all_reduce": 0}
     for fn in calls:
         original = getattr(dist, fn)
 
@@ -132,7 +133,7 @@ def test_sharded_equals_unsharded(world):
             assert abs(loss - ref_loss) <= 1e-5 * max(1.0, abs(ref_loss)), (rank, loss, ref_loss)
             assert grad_err <= 1e-5 * grad_max, (rank, grad_err, grad_max)
             # num_segments unknown: a MAX all-reduce for it, then one SUM of the packed segment sums
-            assert calls == {"all_gather": 0, "all_reduce": 2}, calls
+            assert calls == {"all_gather_into_tensor": 0, "all_reduce": 2}, calls
             continue
         exact = heads[name][0].plan().lowered.has_exact
         assert abs(loss - ref_loss) <= 1e-5 * max(1.0, abs(ref_loss)), (name, rank, loss, ref_loss)
@@ -140,4 +141,4 @@ def test_sharded_equals_unsharded(world):
             assert abs(v - r) <= 1e-5 * max(1.0, abs(r)), (name, rank, k, v, r)
         assert grad_err <= 1e-5 * grad_max, (name, rank, grad_err, grad_max)
         # one round: the packed stats; a head with an exact read adds one all-reduce
-        assert calls == {"all_gather": 1, "all_reduce": int(exact)}, (name, calls)
+        assert calls == {"all_gather_into_tensor": 1, "all_reduce": int(exact)}, (name, calls)

@@ -1,0 +1,152 @@
+"""Autograd for heads. The forward launch also writes dL/dlogits for an upstream gradient of 1;
+backward multiplies it by the real upstream gradient, on the device (``launch.scale_rows``), so no
+call waits for the host and one call supports one backward.
+
+Eager calls go through ``_HeadFunction``. Under ``torch.compile`` a call is one opaque
+``torch.library`` op, ``losscodegen::head``, with a fake implementation (the output shapes) and
+registered autograd: Dynamo traces none of our Python and Inductor never compiles the generated
+kernel. The op keeps its gradient buffer and returns a small handle to it instead, and the backward
+op ``losscodegen::head_grad`` takes the buffer back by that handle, scales it and returns it. A
+buffer saved for backward and scaled there in place would first be copied by AOTAutograd's
+functionalization: one more pass over [rows, V] on every step.
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Optional
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from . import collectives, launch
+from .inputs import Call, rows_view
+
+
+class _HeadFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, head, call):
+        loss, values, grad = launch.run(head, call, grad=True, inplace=head.inplace_backward)
+        if head.inplace_backward:
+            # The logits now hold their gradient: a node that saved them fails loudly in backward.
+            torch.autograd.graph.increment_version(logits)
+        ctx.grad, ctx.shape = grad, logits.shape
+        ctx.mark_non_differentiable(values)
+        ctx.set_materialize_grads(False)  # no zero tensor for the values' (absent) gradient
+        return loss, values
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_values):
+        grad, ctx.grad = ctx.grad, None
+        if grad is None:
+            raise RuntimeError("HeadLoss: backward ran twice through the same call; its gradient "
+                               "buffer is consumed by the first (call the head again instead)")
+        if grad_loss is None:
+            return None, None, None
+        launch.scale_rows(grad, grad_loss)
+        return grad.view(ctx.shape), None, None
+
+
+def eager(head, logits: torch.Tensor, call: Call) -> tuple[torch.Tensor, torch.Tensor]:
+    if logits.requires_grad and torch.is_grad_enabled():
+        return _HeadFunction.apply(logits, head, call)
+    loss, values, _ = launch.run(head, call, grad=False, inplace=False)
+    return loss, values
+
+
+# ---- torch.compile ---------------------------------------------------------------------------------
+_HEADS: dict[str, weakref.ref] = {}     # the op takes no module: a head is named by an id
+_head_ids = itertools.count()
+
+
+def register(head) -> str:
+    head_id = f"{head.key}/{next(_head_ids)}"
+    _HEADS[head_id] = weakref.ref(head, lambda _, i=head_id: _HEADS.pop(i, None))
+    return head_id
+
+
+def compiled(head, logits: torch.Tensor, call: Call) -> tuple[torch.Tensor, torch.Tensor]:
+    loss, values, _ = torch.ops.losscodegen.head(
+        head.head_id, logits, call.labels, call.mask, call.teacher, list(call.tokens), call.topk_ids,
+        call.topk_logprobs, call.segment_ids, call.num_segments, call.divisor, call.reduction,
+        collectives.group_name(call.group), collectives.group_name(call.segment_group),
+        logits.requires_grad and torch.is_grad_enabled())
+    return loss, values
+
+
+@torch.library.custom_op("losscodegen::head", mutates_args=())
+def _head_op(head_id: str, logits: torch.Tensor, labels: Optional[torch.Tensor],
+             loss_mask: Optional[torch.Tensor], teacher: Optional[torch.Tensor], tokens: list[torch.Tensor],
+             topk_ids: Optional[torch.Tensor], topk_logprobs: Optional[torch.Tensor],
+             segment_ids: Optional[torch.Tensor], num_segments: Optional[int], divisor: Optional[torch.Tensor],
+             reduction: str, process_group: Optional[str], segment_group: Optional[str],
+             grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    head = _HEADS[head_id]()
+    call = Call(rows_view(logits.detach(), logits.shape[-1]), tuple(logits.shape[:-1]), labels, loss_mask,
+                teacher, tuple(tokens), topk_ids, topk_logprobs, segment_ids, num_segments, divisor,
+                reduction, collectives.resolve(process_group), collectives.resolve(segment_group))
+    # Inductor may reuse the logits' memory once the op has read them: the gradient gets its own.
+    loss, values, grad_buf = launch.run(head, call, grad=grad, inplace=False)
+    return loss.clone(), values, _keep(grad_buf)  # (outputs of an op never alias each other)
+
+
+@_head_op.register_fake
+def _(head_id, logits, labels, loss_mask, teacher, tokens, topk_ids, topk_logprobs, segment_ids,
+      num_segments, divisor, reduction, process_group, segment_group, grad):
+    n_outputs = len(_HEADS[head_id]().kernel.OUTPUTS)
+    loss_shape = logits.shape[:-1] if reduction == "none" else ()
+    return (logits.new_empty(loss_shape, dtype=torch.float32),
+            logits.new_empty((n_outputs,), dtype=torch.float32), torch.empty(1, dtype=torch.int64))
+
+
+def _setup_context(ctx, inputs, output):
+    logits = inputs[1]
+    ctx.shape, ctx.dtype, ctx.device = list(logits.shape), logits.dtype, logits.device
+    ctx.save_for_backward(output[2])
+    ctx.mark_non_differentiable(output[1], output[2])
+
+
+def _backward(ctx, grad_loss, _grad_values, _grad_handle):
+    (handle,) = ctx.saved_tensors
+    grad = torch.ops.losscodegen.head_grad(handle, grad_loss, ctx.shape, ctx.dtype, ctx.device)
+    return (None, grad) + (None,) * 13
+
+
+_head_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("losscodegen::head_grad", mutates_args=())
+def _head_grad_op(handle: torch.Tensor, grad_loss: torch.Tensor, shape: list[int], dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor:
+    grad = _take(handle)
+    launch.scale_rows(grad, grad_loss)
+    return grad.view(shape)
+
+
+@_head_grad_op.register_fake
+def _(handle, grad_loss, shape, dtype, device):
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+# Gradient buffers between a compiled forward and its backward, by handle. An entry whose handle is
+# gone (its graph freed without a backward) is dropped at the next call.
+_GRADS: dict[int, tuple[StorageWeakRef, torch.Tensor]] = {}
+_handles = itertools.count()
+
+
+def _keep(grad: torch.Tensor | None) -> torch.Tensor:
+    for key in [key for key, (ref, _) in _GRADS.items() if ref.expired()]:
+        del _GRADS[key]
+    key = next(_handles) if grad is not None else -1
+    handle = torch.tensor([key])
+    if grad is not None:
+        _GRADS[key] = (StorageWeakRef(handle.untyped_storage()), grad)
+    return handle
+
+
+def _take(handle: torch.Tensor) -> torch.Tensor:
+    entry = _GRADS.pop(int(handle[0]), None)
+    if entry is None:
+        raise RuntimeError("HeadLoss: backward ran twice through the same call; its gradient buffer "
+                           "is consumed by the first (call the head again instead)")
+    return entry[1]

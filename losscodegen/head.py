@@ -1,0 +1,146 @@
+"""Stage 6, run: ``HeadLoss``, the module users call. It holds the head's terms and options, drives
+the pipeline (lower, plan, emit, load) for ``explain()`` and for its kernel, and sends each call to
+the input checks, then to autograd (eager or compiled) or to the fused linear path."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import sympy as sp
+import torch
+
+from . import autograd
+from . import load as _load
+from . import symbols as S
+from .emit import KernelSource, emit, header
+from .inputs import check_call
+from .lower import Lowered, lower
+from .plan import Launch, Plan, launch_sequence, plan
+from .terms import Term, bind
+from .validation import DeviceChecks
+
+
+@dataclass
+class HeadOutput:
+    """``loss``: fp32 scalar (per-row with ``reduction="none"``), differentiable. ``terms`` and
+    ``metrics``: detached fp32 scalars, unweighted."""
+
+    loss: torch.Tensor
+    terms: dict[str, torch.Tensor] = field(default_factory=dict)
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class HeadLoss(torch.nn.Module):
+    """Several loss terms and metrics over the same logits, computed by one generated kernel.
+
+    ``HeadLoss(*terms, metrics=(), ignore_index=-100, logit_scale=1.0, softcap=None, validate=True,
+    inplace_backward=False)``; call it with ``logits [..., V]``, ``labels [...]`` and the keyword
+    inputs the terms need (docs/api.md), or use ``head.linear(hidden, weight, labels, ...)``.
+    """
+
+    def __init__(self, *terms: Term, metrics: tuple[Term, ...] = (), ignore_index: int = -100,
+                 logit_scale: float = 1.0, softcap: float | None = None, validate: bool = True,
+                 inplace_backward: bool = False):
+        super().__init__()
+        metrics = tuple(metrics)
+        for t in terms + metrics:
+            if not isinstance(t, Term):
+                raise TypeError(f"HeadLoss takes terms such as lcg.CrossEntropy(), got {t!r} "
+                                "(did you pass the class instead of calling it?)")
+        for t in terms:
+            if t.metric_only:
+                raise ValueError(f"{t.name} is a metric only: pass it in metrics=(...)")
+        names = [t.name for t in terms + metrics]
+        if len(set(names)) != len(names):
+            raise ValueError(f"term names must be unique in a head, got {names}")
+        if not terms and not metrics:
+            raise ValueError("HeadLoss needs at least one term or metric")
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"softcap must be > 0 or None, got {softcap}")
+        if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+            raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+        self.loss_terms, self.metric_terms = terms, metrics
+        self.ignore_index, self.logit_scale, self.softcap = ignore_index, float(logit_scale), softcap
+        self.validate, self.inplace_backward = bool(validate), bool(inplace_backward)
+        head = terms + metrics
+        self._bound = tuple((t.name, bind(t, head), t in metrics) for t in head)
+        self._weights = {t.name: t.weight for t in terms}
+        self._launches: dict[tuple[bool, bool], tuple[Launch, ...]] = {}
+        self.checks = DeviceChecks()
+        self.spec_text = "\n".join(
+            [f"{'metric' if m else 'loss'} {n} {sp.srepr(f)}" for n, f, m in self._bound]
+            + [f"softcap {softcap is not None}"])
+        self.key = _load.kernel_key(self.spec_text)
+        self.head_id = autograd.register(self)
+
+    @property
+    def kernel(self) -> ModuleType:
+        """The kernel module: from a kernel folder, else the cache, else generated now (first use)."""
+        return _load.load(self.key, lambda: self.source().text)
+
+    # ---- the pipeline, for explain() and generation --------------------------------------------
+    def lowered(self) -> Lowered:
+        return lower(self._bound)
+
+    def plan(self) -> Plan:
+        return plan(self.lowered(), softcap=self.softcap is not None)
+
+    def source(self) -> KernelSource:
+        p = self.plan()
+        return emit(p, self.key, header(self._bound, p), _load.codegen_version())
+
+    def explain(self) -> str:
+        """Formulas, reductions, the derived gradient, the reads and the kernel file serving it."""
+        p = self.plan()
+        return "\n".join([
+            "terms:", *[f"  {'metric' if m else 'loss  '} {n} = {f}" for n, f, m in self._bound],
+            str(p.lowered), "plan:", *["  " + line for line in str(p).splitlines()],
+            f"kernel: {_load.module_path(self.key)}"])
+
+    # ---- calls ----------------------------------------------------------------------------------
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor | None = None, **inputs: Any) -> HeadOutput:
+        call = check_call(self, self.kernel, logits, labels, inputs)
+        run = autograd.compiled if torch.compiler.is_compiling() else autograd.eager
+        return self._output(*run(self, logits, call))
+
+    def linear(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor | None = None, *,
+               bias: torch.Tensor | None = None, teacher_hidden: torch.Tensor | None = None,
+               teacher_weight: torch.Tensor | None = None, teacher_bias: torch.Tensor | None = None,
+               chunk_rows: int | None = None, **inputs: Any) -> HeadOutput:
+        """The head on ``hidden @ weight.T + bias`` without ever holding those logits whole."""
+        from . import linear
+        return self._output(*linear.run(self, hidden, weight, labels, bias, teacher_hidden,
+                                        teacher_weight, teacher_bias, chunk_rows, inputs))
+
+    def _output(self, loss: torch.Tensor, values: torch.Tensor) -> HeadOutput:
+        per_output = dict(zip(self.kernel.OUTPUTS, values.unbind(0)))
+        return HeadOutput(loss, {t.name: per_output[t.name] for t in self.loss_terms},
+                          {t.name: per_output[t.name] for t in self.metric_terms})
+
+    # ---- what the runtime asks of a head -------------------------------------------------------
+    def launches(self, *, sharded: bool, grad: bool) -> tuple[Launch, ...]:
+        key = (sharded, grad)
+        if key not in self._launches:
+            k = self.kernel
+            self._launches[key] = launch_sequence(has_exact=k.HAS_EXACT, segments=bool(k.SEGMENTS),
+                                                  sharded=sharded, grad=grad)
+        return self._launches[key]
+
+    def weights_of(self, names: list[str]) -> list[float]:
+        return [self._weights[n] for n in names]
+
+    @property
+    def has_row_outputs(self) -> bool:
+        """Whether any term or metric is reduced over rows (segment terms are reduced by segment)."""
+        return len(self.kernel.OUTPUTS) > len(self.kernel.SEGMENTS)
+
+    def terms_reading(self, input_name: str) -> str:
+        """The names of the head's terms that read ``input_name``, for error messages."""
+        reads = {
+            "labels": lambda f: f.has(S.target_logit, S.label),
+            "teacher_logits": lambda f: f.has(S.teacher_logit) or any(a.args[1] != 0 for a in f.atoms(S.LSE)),
+            "teacher_topk_ids": lambda f: f.has(S.topk_sum),
+            "segment_ids": lambda f: f.has(S.segment_mean)}.get(input_name,
+                                                                lambda f: f.has(S.token(input_name)))
+        return ", ".join(n for n, f, _ in self._bound if reads(f))

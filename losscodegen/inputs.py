@@ -1,0 +1,185 @@
+"""Input checks: one call's arguments, checked and normalised into a ``Call``.
+
+Everything here looks at shapes, dtypes and devices only, never at values (that would wait for the
+device): values are checked by the kernel itself (see ``validation.py``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_REDUCTIONS = ("mean", "sum", "none")
+# keyword inputs every head accepts; a head's per-row tokens come on top
+STANDARD_INPUTS = ("teacher_logits", "loss_mask", "teacher_topk_ids", "teacher_topk_logprobs",
+                   "segment_ids", "num_segments", "process_group", "segment_group", "divisor",
+                   "reduction")
+# tokens of the built-in policy terms: accepted (and ignored) by heads that do not read them, so
+# that one training loop can pass them to any head
+_POLICY_TOKENS = ("advantages", "old_logprobs", "ref_logprobs")
+
+
+@dataclass
+class Call:
+    """One call's inputs, checked: per-row tensors flat over the rows, the logits (and teacher) as
+    ``[rows, V_local]`` views with unit column stride."""
+
+    x: torch.Tensor
+    shape: tuple[int, ...]                  # the rows' shape (the labels' shape)
+    labels: torch.Tensor | None             # int64 [rows]
+    mask: torch.Tensor | None               # bool [rows]
+    teacher: torch.Tensor | None            # [rows, V_local], detached
+    tokens: tuple[torch.Tensor, ...]        # fp32 [rows], in the kernel's TOKENS order
+    topk_ids: torch.Tensor | None           # int64 [rows, K]
+    topk_logprobs: torch.Tensor | None      # fp32 [rows, K]
+    segment_ids: torch.Tensor | None        # int64 [rows]
+    num_segments: int | None
+    divisor: torch.Tensor | None            # fp32 0-d on the logits' device
+    reduction: str
+    group: Any = None                       # vocab-parallel process group
+    segment_group: Any = None               # sequence-parallel group for segment terms
+
+    @property
+    def rows(self) -> int:
+        return self.x.shape[0]
+
+
+def check_call(head, kernel: ModuleType, logits: Any, labels: Any, inputs: dict[str, Any]) -> Call:
+    """Check ``head(logits, labels, **inputs)`` against what the head's kernel reads."""
+    unknown = set(inputs) - set(STANDARD_INPUTS) - set(kernel.TOKENS) - set(_POLICY_TOKENS)
+    if unknown:
+        raise TypeError(f"HeadLoss got unexpected keyword argument(s) {sorted(unknown)}")
+    reduction = inputs.get("reduction", "mean")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if kernel.SEGMENTS and reduction == "none":
+        raise ValueError(f"reduction='none' has no per-row value for segment terms {kernel.SEGMENTS}")
+    x, shape = check_logits(logits)
+    if head.inplace_backward and x.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr():
+        raise ValueError("inplace_backward=True needs logits whose rows can be viewed as [rows, V] "
+                         f"with unit column stride (got strides {logits.stride()}); pass .contiguous() "
+                         "logits")
+    dev = x.device
+    labels = check_rowwise("labels", labels, shape, dev, integer=True, required=kernel.USES_LABELS,
+                           needed_by=head.terms_reading("labels"))
+    teacher = None
+    if kernel.USES_TEACHER:
+        teacher = inputs.get("teacher_logits")
+        if teacher is None:
+            raise ValueError("teacher_logits is required by " + head.terms_reading("teacher_logits"))
+        if not isinstance(teacher, torch.Tensor) or teacher.shape != logits.shape:
+            raise ValueError(f"teacher_logits must have the logits' shape {tuple(logits.shape)}, "
+                             f"got {getattr(teacher, 'shape', type(teacher).__name__)}")
+        if teacher.dtype not in _FLOATS or teacher.device != dev:
+            raise TypeError(f"teacher_logits must be a float tensor on {dev}, got "
+                            f"{teacher.dtype} on {teacher.device}")
+        teacher = rows_view(teacher.detach(), x.shape[1])
+    topk_ids = topk_logprobs = None
+    if kernel.USES_TOPK:
+        topk_ids, topk_logprobs = check_topk(inputs, shape, dev, head.terms_reading("teacher_topk_ids"))
+    segment_ids, num_segments = None, None
+    if kernel.SEGMENTS:
+        if inputs.get("segment_ids") is None:
+            raise ValueError("segment_ids is required by " + head.terms_reading("segment_ids"))
+        segment_ids = check_rowwise("segment_ids", inputs["segment_ids"], shape, dev, integer=True)
+        num_segments = inputs.get("num_segments")
+        if num_segments is not None and (not isinstance(num_segments, int) or isinstance(num_segments, bool)
+                                         or num_segments < 0):
+            raise ValueError(f"num_segments must be a non-negative int, got {num_segments!r}")
+    return Call(
+        x=x, shape=shape, labels=labels,
+        mask=check_rowwise("loss_mask", inputs.get("loss_mask"), shape, dev, boolean=True),
+        teacher=teacher,
+        tokens=tuple(check_rowwise(name, inputs.get(name), shape, dev, required=True,
+                                   needed_by=head.terms_reading(name)).float()
+                     for name in kernel.TOKENS),
+        topk_ids=topk_ids, topk_logprobs=topk_logprobs,
+        segment_ids=segment_ids, num_segments=num_segments,
+        divisor=check_divisor(inputs.get("divisor"), reduction, dev),
+        reduction=reduction, group=inputs.get("process_group"), segment_group=inputs.get("segment_group"))
+
+
+def check_divisor(divisor: Any, reduction: str, device: torch.device) -> torch.Tensor | None:
+    if divisor is None:
+        return None
+    if reduction == "sum":
+        raise ValueError("divisor= and reduction='sum' contradict each other (sum is divisor=1)")
+    if isinstance(divisor, torch.Tensor):
+        if divisor.numel() != 1:
+            raise ValueError(f"divisor must be a number or a one-element tensor, got shape "
+                             f"{tuple(divisor.shape)}")
+        return divisor.to(device=device, dtype=torch.float32).reshape(())
+    if isinstance(divisor, bool) or not isinstance(divisor, (int, float)):
+        raise TypeError(f"divisor must be a number or a tensor, got {type(divisor).__name__}")
+    return torch.full((), float(divisor), device=device)  # a fill on the device, not a host copy
+
+
+def rows_view(t: torch.Tensor, V: int) -> torch.Tensor:
+    """[..., V] as [rows, V] with unit column stride, copying only when no such view exists."""
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    try:
+        return t.view(-1, V)
+    except RuntimeError:
+        return t.reshape(-1, V).contiguous()
+
+
+def check_logits(logits: Any, name: str = "logits") -> tuple[torch.Tensor, tuple[int, ...]]:
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(logits).__name__}")
+    if logits.dtype not in _FLOATS:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {logits.dtype}")
+    if logits.dim() < 1 or logits.shape[-1] == 0:
+        raise ValueError(f"{name} must be [..., V] with V > 0, got shape {tuple(logits.shape)}")
+    return rows_view(logits.detach(), logits.shape[-1]), tuple(logits.shape[:-1])
+
+
+def check_rowwise(name: str, t: Any, rows_shape: tuple[int, ...], device: torch.device, *,
+                  integer: bool = False, boolean: bool = False, required: bool = False,
+                  needed_by: str = "") -> torch.Tensor | None:
+    """A per-row input shaped like the labels, flattened; ``needed_by`` names the terms reading it."""
+    if t is None:
+        if required:
+            raise ValueError(f"{name} is required by {needed_by or 'this head'}")
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(rows_shape):
+        raise ValueError(f"{name} must have shape {tuple(rows_shape)} (the logits without the vocab "
+                         f"dim), got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but logits are on {device}")
+    if integer and (t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex()):
+        raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
+    if boolean and t.dtype != torch.bool:
+        raise TypeError(f"{name} must be a bool tensor, got {t.dtype}")
+    if not (integer or boolean) and not t.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a float tensor, got {t.dtype}")
+    if t.dim() != 1:
+        t = t.reshape(-1)
+    return (t.long() if integer else t).contiguous()
+
+
+def check_topk(inputs: dict[str, Any], rows_shape: tuple[int, ...], device: torch.device,
+               needed_by: str) -> tuple[torch.Tensor, torch.Tensor]:
+    ids, lps = inputs.get("teacher_topk_ids"), inputs.get("teacher_topk_logprobs")
+    for name, t in (("teacher_topk_ids", ids), ("teacher_topk_logprobs", lps)):
+        if t is None:
+            raise ValueError(f"{name} is required by {needed_by}")
+        if not isinstance(t, torch.Tensor) or tuple(t.shape[:-1]) != tuple(rows_shape) or t.dim() == 0:
+            raise ValueError(f"{name} must have shape {tuple(rows_shape)} + (K,), got "
+                             f"{tuple(getattr(t, 'shape', ()))}")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but logits are on {device}")
+    if ids.shape != lps.shape:
+        raise ValueError(f"teacher_topk_ids {tuple(ids.shape)} and teacher_topk_logprobs "
+                         f"{tuple(lps.shape)} must have the same shape")
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise TypeError(f"teacher_topk_ids must be an integer tensor, got {ids.dtype}")
+    if not lps.dtype.is_floating_point:
+        raise TypeError(f"teacher_topk_logprobs must be a float tensor, got {lps.dtype}")
+    K = ids.shape[-1]
+    return ids.reshape(-1, K).long().contiguous(), lps.reshape(-1, K).float().contiguous()

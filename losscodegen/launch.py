@@ -1,0 +1,190 @@
+"""Launching a head's kernels: the per-call workspace, the plan's launches with what the host does
+between them, and two small generic kernels (count the valid rows; scale a stored gradient by the
+upstream one).
+
+A default call on one device is: one zeroed allocation (the workspace), one small launch counting
+the valid rows (the divisor), and one launch of the head's kernel, whose last program writes the
+terms, the metrics and the loss. Nothing waits for the device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+import triton
+import triton.language as tl
+
+from . import collectives, segments
+from .plan import Launch
+
+_BLOCK_R = 256      # rows a tile when the last program reduces the rows' values
+_BLOCK_COUNT = 1024
+
+
+@triton.jit
+def _count_valid(y_ptr, mask_ptr, n_rows, ignore_index, count_ptr, count_slot, BLOCK: tl.constexpr):
+    # The valid rows, the default divisor: exact in fp32 below 2**24 rows, so any order of the
+    # programs' additions gives the same count.
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = i < n_rows
+    if y_ptr is not None:
+        live = live & (tl.load(y_ptr + i, mask=i < n_rows, other=ignore_index) != ignore_index)
+    if mask_ptr is not None:
+        live = live & (tl.load(mask_ptr + i, mask=i < n_rows, other=0) != 0)
+    tl.atomic_add(count_ptr + count_slot, tl.sum(live.to(tl.float32), 0))
+
+
+@triton.jit
+def _scale_rows(grad_ptr, grad_stride, g_ptr, g_stride, V, BLOCK_V: tl.constexpr):
+    # A gradient stored for an upstream gradient of 1, multiplied by the real one, on the device: a
+    # row is skipped entirely when it is 1, the common case, without the host ever looking at it.
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.load(g_ptr + row * g_stride)
+    if g != 1.0:
+        for start in range(0, V, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            ptr = grad_ptr + row * grad_stride + cols
+            d = tl.load(ptr, mask=cols < V, other=0.0).to(tl.float32)
+            tl.store(ptr, (d * g).to(grad_ptr.dtype.element_ty), mask=cols < V)
+
+
+def scale_rows(grad: torch.Tensor, upstream: torch.Tensor) -> None:
+    """``grad`` [rows, V] times ``upstream`` (a scalar, or one value a row), in place."""
+    g = upstream.to(torch.float32).reshape(-1).contiguous()
+    _scale_rows[(grad.shape[0],)](grad, grad.stride(0), g, 0 if g.numel() == 1 else 1, grad.shape[1],
+                                  BLOCK_V=min(triton.next_power_of_2(grad.shape[1]), 4096))
+
+
+def launch_config(V: int, tile: tuple[int, int], element_size: int = 2) -> dict:
+    """The plan's tile (chosen for 2-byte logits and a large vocabulary), with as many bytes a tile
+    for wider inputs, shrunk with its warps to a small vocabulary."""
+    block_v, warps = tile[0] * 2 // max(element_size, 2), tile[1]
+    block = min(triton.next_power_of_2(V), block_v)
+    return dict(BLOCK_V=block, num_warps=max(4, warps * block // block_v))
+
+
+@dataclass
+class Workspace:
+    """One call's fp32 scratch, zeroed: the kernel's fixed slots (each output's value, the loss, the
+    valid-row count, the finished-row count), then per-row values, per-row losses, the packed
+    stats, the exact sums and the segment sums and coefficients, at these offsets."""
+
+    t: torch.Tensor
+    n_rows: int
+    off_rows: int
+    off_loss_rows: int
+    off_stats: int
+    off_exact: int
+    off_seg_sums: int
+    off_seg_coefs: int
+    k: ModuleType
+
+    @staticmethod
+    def make(k: ModuleType, n_rows: int, *, per_row: bool, keep_stats: bool, n_seg: int,
+             device: torch.device) -> Workspace:
+        sizes = [n_rows * len(k.ROW_VALUES), n_rows if per_row else 0,
+                 n_rows * len(k.COLUMNS) if keep_stats else 0, n_rows * len(k.EXACT) if keep_stats else 0,
+                 max(n_seg, 1) * (len(k.SEGMENT_MEANS) + 1) if k.SEGMENTS else 0,
+                 max(n_seg, 1) * len(k.SEGMENT_MEANS) if k.SEGMENTS else 0]
+        offsets = [k.FIXED_SLOTS]
+        for size in sizes:
+            offsets.append(offsets[-1] + size)
+        if n_rows >= 1 << 24:
+            raise ValueError(f"a call takes fewer than 2**24 rows (its counts are exact fp32), got {n_rows}")
+        return Workspace(torch.zeros(offsets[-1], device=device), n_rows, *offsets[:-1], k)
+
+    def values(self) -> torch.Tensor:
+        return self.t[:len(self.k.OUTPUTS)]
+
+    def loss(self, call) -> torch.Tensor:
+        if call.reduction == "none":
+            return self.t[self.off_loss_rows:self.off_loss_rows + self.n_rows].view(call.shape)
+        return self.t[self.k.LOSS]
+
+    def stats(self, start: int, stop: int) -> torch.Tensor:
+        width = len(self.k.COLUMNS)
+        return self.t[self.off_stats + start * width:self.off_stats + stop * width]
+
+    def exact(self, start: int, stop: int) -> torch.Tensor:
+        width = len(self.k.EXACT)
+        return self.t[self.off_exact + start * width:self.off_exact + stop * width]
+
+    def seg_sums(self, n_seg: int) -> torch.Tensor:
+        return self.t[self.off_seg_sums:self.off_seg_sums + max(n_seg, 1) * (len(self.k.SEGMENT_MEANS) + 1)]
+
+
+class Launcher:
+    """Runs a plan's launches over the rows of one call, or over one chunk of them at a time."""
+
+    def __init__(self, head, call, *, grad: bool, flags: torch.Tensor | None):
+        k = self.k = head.kernel
+        self.head, self.call, self.flags = head, call, flags
+        self.gathered: torch.Tensor | None = None  # all ranks' packed stats, after a "gather"
+        self.world, rank = collectives.group_info(call.group)
+        self.V_local = call.x.shape[1]
+        self.vocab_start, self.vocab = rank * self.V_local, self.V_local * self.world
+        self.launches = head.launches(sharded=call.group is not None, grad=grad)
+        self.n_seg = segments.count(call, head.ignore_index) if k.SEGMENTS else 0
+        self.ws = Workspace.make(k, call.rows, per_row=call.reduction == "none",
+                                 keep_stats=len(self.launches) > 1, n_seg=self.n_seg, device=call.x.device)
+        if call.divisor is None and call.reduction != "sum" and head.has_row_outputs:
+            _count_valid[(triton.cdiv(call.rows, _BLOCK_COUNT),)](
+                call.labels, call.mask, call.rows, head.ignore_index, self.ws.t, k.COUNT,
+                BLOCK=_BLOCK_COUNT)
+
+    def run(self, launches: tuple[Launch, ...], x: torch.Tensor, teacher: torch.Tensor | None,
+            grad: torch.Tensor | None, row_offset: int = 0) -> None:
+        """``launches`` over rows ``[row_offset, row_offset + len(x))`` of the call, whose logits
+        (and teacher logits) are ``x`` (``teacher``); the gradient goes to ``grad``."""
+        for launch in launches:
+            self._launch(launch, x, teacher, grad, row_offset)
+            if launch.then == "gather":
+                n = x.shape[0]
+                gathered = torch.empty(self.world * n * len(self.k.COLUMNS), device=x.device)
+                collectives.gather(gathered, self.ws.stats(row_offset, row_offset + n), self.call.group)
+                self.gathered = gathered
+            elif launch.then == "sum_exact":
+                collectives.all_reduce(self.ws.exact(row_offset, row_offset + x.shape[0]), self.call.group)
+            elif launch.then == "segments":
+                segments.run(self.k, self.head, self.call, self.ws, self.n_seg)
+
+    def _launch(self, launch: Launch, x, teacher, grad, row_offset: int) -> None:
+        k, call, ws, head = self.k, self.call, self.ws, self.head
+        args = [x, x.stride(0), x if grad is None else grad, 0 if grad is None else grad.stride(0),
+                call.labels, call.mask]
+        if k.USES_TEACHER:
+            args += [teacher, teacher.stride(0)]
+        args += call.tokens
+        block_k = 1
+        if k.USES_TOPK:
+            args += [call.topk_ids, call.topk_logprobs, call.topk_ids.stride(0), call.topk_ids.shape[1]]
+            block_k = triton.next_power_of_2(call.topk_ids.shape[1])
+        if k.SEGMENTS:
+            args += [call.segment_ids, self.n_seg, ws.off_seg_sums, ws.off_seg_coefs]
+        args += [ws.t, ws.off_rows, ws.off_loss_rows, ws.off_stats, ws.off_exact,
+                 self.gathered if launch.merge else None, self.world, call.divisor, self.flags,
+                 *head.weights_of(k.ROW_LOSS_TERMS),
+                 row_offset, call.rows, head.logit_scale, float(head.softcap or 1.0), self.V_local,
+                 self.vocab_start, self.vocab, head.ignore_index]
+        width = max(x.element_size(), teacher.element_size() if teacher is not None else 0)
+        getattr(k, f"head_loss_{k.KEY}")[(x.shape[0],)](
+            *args, SUM=call.reduction == "sum", PER_ROW=call.reduction == "none",
+            STATS=launch.stats, MERGE=launch.merge, EXACT=launch.exact, STORE_STATS=launch.store_stats,
+            ROWS=launch.rows, GRAD=launch.grad, BLOCK_K=block_k, BLOCK_R=_BLOCK_R,
+            **launch_config(self.V_local, k.TILE, width))
+
+
+def run(head, call, *, grad: bool, inplace: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One call on whole logits: (loss, values of the outputs, gradient buffer or None). With
+    ``inplace`` the gradient buffer is the logits' own storage."""
+    device = call.x.device
+    flags = head.checks.before(device) if head.validate else None
+    launcher = Launcher(head, call, grad=grad, flags=flags)
+    grad_buf = None
+    if grad:
+        grad_buf = call.x if inplace else torch.empty_like(call.x)
+    launcher.run(launcher.launches, call.x, call.teacher, grad_buf)
+    if flags is not None:
+        head.checks.after(device, launcher.vocab, launcher.n_seg)
+    return launcher.ws.loss(call), launcher.ws.values(), grad_buf

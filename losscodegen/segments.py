@@ -1,0 +1,34 @@
+"""Segment terms (GSPO, a DPO pair loss): between the launch that writes every row's values (and
+adds them to its segment's sums) and the gradient launch, one program of the generated segment
+kernel turns the sums into each segment term's value and, per segment, dL/du for the gradient."""
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+import triton
+
+from . import collectives
+
+
+def count(call, ignore_index: int) -> int:
+    """``num_segments``, or the largest segment id of a valid row plus one. The latter waits for the
+    device (one host sync, and a MAX all-reduce over ``segment_group``): pass ``num_segments=``."""
+    if call.num_segments is not None:
+        return call.num_segments
+    seg = call.segment_ids
+    valid = call.labels != ignore_index if call.labels is not None else torch.ones_like(seg, dtype=torch.bool)
+    if call.mask is not None:
+        valid = valid & call.mask
+    top = torch.where(valid, seg, -1).max() if seg.numel() else torch.full((), -1, device=seg.device)
+    if call.segment_group is not None:
+        collectives.all_reduce(top, call.segment_group, "max")
+    return int(top.item()) + 1
+
+
+def run(kernel: ModuleType, head, call, ws, n_seg: int) -> None:
+    if call.segment_group is not None:
+        collectives.all_reduce(ws.seg_sums(n_seg), call.segment_group)
+    getattr(kernel, f"segments_{kernel.KEY}")[(1,)](
+        ws.t, ws.off_seg_sums, ws.off_seg_coefs, n_seg, call.divisor, *head.weights_of(kernel.SEGMENTS),
+        SUM=call.reduction == "sum", BLOCK_S=min(triton.next_power_of_2(max(n_seg, 1)), 1024))
