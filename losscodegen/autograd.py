@@ -65,6 +65,10 @@ def register(head) -> str:
     return head_id
 
 
+def head_of(head_id: str):
+    return _HEADS[head_id]()
+
+
 def compiled(head, logits: torch.Tensor, call: Call) -> tuple[torch.Tensor, torch.Tensor]:
     loss, values, _ = torch.ops.losscodegen.head(
         head.head_id, logits, call.labels, call.mask, call.teacher, list(call.tokens), call.topk_ids,
@@ -81,7 +85,7 @@ def _head_op(head_id: str, logits: torch.Tensor, labels: Optional[torch.Tensor],
              segment_ids: Optional[torch.Tensor], num_segments: Optional[int], divisor: Optional[torch.Tensor],
              reduction: str, process_group: Optional[str], segment_group: Optional[str],
              grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    head = _HEADS[head_id]()
+    head = head_of(head_id)
     call = Call(rows_view(logits.detach(), logits.shape[-1]), tuple(logits.shape[:-1]), labels, loss_mask,
                 teacher, tuple(tokens), topk_ids, topk_logprobs, segment_ids, num_segments, divisor,
                 reduction, collectives.resolve(process_group), collectives.resolve(segment_group))
@@ -93,7 +97,7 @@ def _head_op(head_id: str, logits: torch.Tensor, labels: Optional[torch.Tensor],
 @_head_op.register_fake
 def _(head_id, logits, labels, loss_mask, teacher, tokens, topk_ids, topk_logprobs, segment_ids,
       num_segments, divisor, reduction, process_group, segment_group, grad):
-    n_outputs = len(_HEADS[head_id]().kernel.OUTPUTS)
+    n_outputs = len(head_of(head_id).kernel.OUTPUTS)
     loss_shape = logits.shape[:-1] if reduction == "none" else ()
     return (logits.new_empty(loss_shape, dtype=torch.float32),
             logits.new_empty((n_outputs,), dtype=torch.float32), torch.empty(1, dtype=torch.int64))
@@ -102,6 +106,7 @@ def _(head_id, logits, labels, loss_mask, teacher, tokens, topk_ids, topk_logpro
 def _setup_context(ctx, inputs, output):
     logits = inputs[1]
     ctx.shape, ctx.dtype, ctx.device = list(logits.shape), logits.dtype, logits.device
+    ctx.n_tokens = len(inputs[5])
     ctx.save_for_backward(output[2])
     ctx.mark_non_differentiable(output[1], output[2])
 
@@ -109,7 +114,8 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_loss, _grad_values, _grad_handle):
     (handle,) = ctx.saved_tensors
     grad = torch.ops.losscodegen.head_grad(handle, grad_loss, ctx.shape, ctx.dtype, ctx.device)
-    return (None, grad) + (None,) * 13
+    # one entry an input, the tokens' list included
+    return (None, grad, None, None, None, [None] * ctx.n_tokens) + (None,) * 9
 
 
 _head_op.register_autograd(_backward, setup_context=_setup_context)

@@ -21,6 +21,14 @@ from .terms import Term, bind
 from .validation import DeviceChecks
 
 
+@torch.compiler.assume_constant_result
+def _kernel_of(head_id: str) -> ModuleType:
+    # torch.compile runs this once while tracing and keeps the module as a constant: finding or
+    # generating a kernel (files, sympy) is nothing Dynamo should trace.
+    head = autograd.head_of(head_id)
+    return _load.load(head.key, lambda: head.source().text)
+
+
 @dataclass
 class HeadOutput:
     """``loss``: fp32 scalar (per-row with ``reduction="none"``), differentiable. ``terms`` and
@@ -77,7 +85,7 @@ class HeadLoss(torch.nn.Module):
     @property
     def kernel(self) -> ModuleType:
         """The kernel module: from a kernel folder, else the cache, else generated now (first use)."""
-        return _load.load(self.key, lambda: self.source().text)
+        return _kernel_of(self.head_id)
 
     # ---- the pipeline, for explain() and generation --------------------------------------------
     def lowered(self) -> Lowered:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -58,13 +58,14 @@ def check_call(head, kernel: ModuleType, logits: Any, labels: Any, inputs: dict[
     if kernel.SEGMENTS and reduction == "none":
         raise ValueError(f"reduction='none' has no per-row value for segment terms {kernel.SEGMENTS}")
     x, shape = check_logits(logits)
-    if head.inplace_backward and x.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr():
+    if head.inplace_backward and not torch.compiler.is_compiling() \
+            and x.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr():
         raise ValueError("inplace_backward=True needs logits whose rows can be viewed as [rows, V] "
                          f"with unit column stride (got strides {logits.stride()}); pass .contiguous() "
                          "logits")
     dev = x.device
     labels = check_rowwise("labels", labels, shape, dev, integer=True, required=kernel.USES_LABELS,
-                           needed_by=head.terms_reading("labels"))
+                           needed_by=head.terms_reading)
     teacher = None
     if kernel.USES_TEACHER:
         teacher = inputs.get("teacher_logits")
@@ -79,7 +80,7 @@ def check_call(head, kernel: ModuleType, logits: Any, labels: Any, inputs: dict[
         teacher = rows_view(teacher.detach(), x.shape[1])
     topk_ids = topk_logprobs = None
     if kernel.USES_TOPK:
-        topk_ids, topk_logprobs = check_topk(inputs, shape, dev, head.terms_reading("teacher_topk_ids"))
+        topk_ids, topk_logprobs = check_topk(inputs, shape, dev, head.terms_reading)
     segment_ids, num_segments = None, None
     if kernel.SEGMENTS:
         if inputs.get("segment_ids") is None:
@@ -94,7 +95,7 @@ def check_call(head, kernel: ModuleType, logits: Any, labels: Any, inputs: dict[
         mask=check_rowwise("loss_mask", inputs.get("loss_mask"), shape, dev, boolean=True),
         teacher=teacher,
         tokens=tuple(check_rowwise(name, inputs.get(name), shape, dev, required=True,
-                                   needed_by=head.terms_reading(name)).float()
+                                   needed_by=head.terms_reading).float()
                      for name in kernel.TOKENS),
         topk_ids=topk_ids, topk_logprobs=topk_logprobs,
         segment_ids=segment_ids, num_segments=num_segments,
@@ -119,12 +120,7 @@ def check_divisor(divisor: Any, reduction: str, device: torch.device) -> torch.T
 
 def rows_view(t: torch.Tensor, V: int) -> torch.Tensor:
     """[..., V] as [rows, V] with unit column stride, copying only when no such view exists."""
-    if t.stride(-1) != 1:
-        t = t.contiguous()
-    try:
-        return t.view(-1, V)
-    except RuntimeError:
-        return t.reshape(-1, V).contiguous()
+    return (t if t.stride(-1) == 1 else t.contiguous()).reshape(-1, V)
 
 
 def check_logits(logits: Any, name: str = "logits") -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -139,11 +135,12 @@ def check_logits(logits: Any, name: str = "logits") -> tuple[torch.Tensor, tuple
 
 def check_rowwise(name: str, t: Any, rows_shape: tuple[int, ...], device: torch.device, *,
                   integer: bool = False, boolean: bool = False, required: bool = False,
-                  needed_by: str = "") -> torch.Tensor | None:
-    """A per-row input shaped like the labels, flattened; ``needed_by`` names the terms reading it."""
+                  needed_by: Callable[[str], str] | None = None) -> torch.Tensor | None:
+    """A per-row input shaped like the labels, flattened; ``needed_by(name)`` names the terms that
+    read it (called only for the error message)."""
     if t is None:
         if required:
-            raise ValueError(f"{name} is required by {needed_by or 'this head'}")
+            raise ValueError(f"{name} is required by {needed_by(name) if needed_by else 'this head'}")
         return None
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -164,11 +161,11 @@ def check_rowwise(name: str, t: Any, rows_shape: tuple[int, ...], device: torch.
 
 
 def check_topk(inputs: dict[str, Any], rows_shape: tuple[int, ...], device: torch.device,
-               needed_by: str) -> tuple[torch.Tensor, torch.Tensor]:
+               needed_by: Callable[[str], str]) -> tuple[torch.Tensor, torch.Tensor]:
     ids, lps = inputs.get("teacher_topk_ids"), inputs.get("teacher_topk_logprobs")
     for name, t in (("teacher_topk_ids", ids), ("teacher_topk_logprobs", lps)):
         if t is None:
-            raise ValueError(f"{name} is required by {needed_by}")
+            raise ValueError(f"{name} is required by {needed_by('teacher_topk_ids')}")
         if not isinstance(t, torch.Tensor) or tuple(t.shape[:-1]) != tuple(rows_shape) or t.dim() == 0:
             raise ValueError(f"{name} must have shape {tuple(rows_shape)} + (K,), got "
                              f"{tuple(getattr(t, 'shape', ()))}")

@@ -143,14 +143,15 @@ def head_reference(terms, metrics, logits, labels=None, *, ignore_index=-100, lo
         flat["topk_ids"] = flat.pop("teacher_topk_ids")
         flat["topk_logprobs"] = flat.pop("teacher_topk_logprobs")
     n_valid = max(int(valid.sum()), 1)
-    div = float(divisor) if divisor is not None else n_valid
+    div = float(divisor) if divisor is not None else 1.0 if reduction == "sum" else n_valid
     values, per_row_loss, loss = {}, z.new_zeros(R), z.new_zeros(())
     for name, params, weight in list(terms) + list(metrics):
         is_loss = (name, params, weight) in terms
         if name == "gspo":
             total, count = gspo_total(z, y, valid, flat["advantages"], flat["old_logprobs"],
                                       flat["segment_ids"], **params)
-            value = total / (float(divisor) if divisor is not None else max(count, 1))
+            seg_div = 1.0 if reduction == "sum" else max(count, 1)
+            value = total / (float(divisor) if divisor is not None else seg_div)
         else:
             per_row = PER_ROW[name](z, y=y, **flat, **params)
             per_row = torch.where(valid, per_row, torch.zeros_like(per_row))

@@ -1,0 +1,204 @@
+"""A head in a training step, on a GPU (not collected by pytest): `python tests/gpu_training_step.py`.
+
+Checks, each printed as a line of the table at the end (the script exits 1 if one fails):
+- the default call (validate=True) makes no host sync: fwd+bwd under set_sync_debug_mode("error");
+- a bad label makes that call's loss NaN and raises at the head's next call, naming the value;
+- a default call, forward and backward, captured in a CUDA graph and replayed equals eager;
+- inplace_backward=True lowers the peak memory of logits = hidden @ W.T -> head -> backward by
+  about the logits' size (torch.cuda.max_memory_allocated);
+- torch.compile(fullgraph=True) with Inductor: gradients equal eager, and the compiled step's time
+  beside eager's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import triton
+
+import losscodegen as lcg
+
+results: list[tuple[str, bool, str]] = []
+
+
+def check(name: str, ok: bool, detail: str = "") -> None:
+    results.append((name, bool(ok), detail))
+    print(f"{'ok  ' if ok else 'FAIL'} {name}: {detail}", flush=True)
+
+
+def heads(R, V, g):
+    """name -> (head, inputs) for every kind of input a head reads."""
+    lp = torch.randn(R, device="cuda", generator=g) - 11.0
+    policy = dict(advantages=torch.randn(R, device="cuda", generator=g), old_logprobs=lp)
+    ids = torch.randint(0, V, (R, 32), device="cuda", generator=g)
+    ids = torch.where(ids == ids.roll(1, 1), (ids + 1) % V, ids)
+    return {
+        "CE+z+ent+acc": (lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(weight=1e-4),
+                                      metrics=(lcg.Entropy(), lcg.TokenAccuracy())), {}),
+        "CE+z+0.5FKL+ent": (lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(weight=1e-4), lcg.ForwardKL(weight=0.5),
+                                         metrics=(lcg.Entropy(),)),
+                            dict(teacher_logits=torch.randn(R, V, device="cuda", generator=g).bfloat16())),
+        "GRPO+ent+clip": (lcg.HeadLoss(lcg.GRPO(), metrics=(lcg.Entropy(), lcg.ClipFraction())), policy),
+        "CE+topk": (lcg.HeadLoss(lcg.CrossEntropy(), lcg.TopKForwardKL(weight=0.5)),
+                    dict(teacher_topk_ids=ids, teacher_topk_logprobs=torch.log_softmax(
+                        torch.randn(R, 32, device="cuda", generator=g), -1))),
+        "GSPO": (lcg.HeadLoss(lcg.GSPO()), dict(policy, segment_ids=torch.arange(R, device="cuda") // 256,
+                                                num_segments=R // 256)),
+    }
+
+
+def no_host_sync(R, V, g):
+    x = torch.randn(R, V, device="cuda", generator=g).bfloat16().requires_grad_()
+    y = torch.randint(0, V, (R,), device="cuda", generator=g)
+    for name, (head, kw) in heads(R, V, g).items():
+        head(x, y, **kw).loss.backward()         # first use: generate, compile
+        torch.cuda.synchronize()
+        try:
+            for _ in range(2):                   # the second call reads the first one's flag
+                torch.cuda.set_sync_debug_mode("error")
+                x.grad = None
+                head(x, y, **kw).loss.backward()
+                torch.cuda.set_sync_debug_mode("default")
+                torch.cuda.synchronize()
+            check(f"no host sync: {name}", True)
+        except RuntimeError as e:
+            torch.cuda.set_sync_debug_mode("default")
+            check(f"no host sync: {name}", False, str(e)[:200])
+
+
+def bad_label_next_call(R, V, g):
+    head = lcg.HeadLoss(lcg.CrossEntropy(), metrics=(lcg.Entropy(),))
+    x = torch.randn(R, V, device="cuda", generator=g).bfloat16().requires_grad_()
+    y = torch.randint(0, V, (R,), device="cuda", generator=g)
+    bad = y.clone()
+    bad[5] = V + 3
+    out = head(x, bad)
+    out.loss.backward()
+    nan = bool(torch.isnan(out.loss))
+    try:
+        head(x, y)
+        check("bad label: NaN now, ValueError at the next call", False, f"no error (loss NaN: {nan})")
+    except ValueError as e:
+        check("bad label: NaN now, ValueError at the next call", nan and str(V + 3) in str(e), str(e)[:120])
+    ok = torch.isfinite(head(x, y).loss).item()
+    check("bad label: the call after the error is clean", ok)
+
+
+def cuda_graph(R, V, g):
+    for name, (head, kw) in heads(R, V, g).items():
+        x = torch.randn(R, V, device="cuda", generator=g).bfloat16().requires_grad_()
+        y = torch.randint(0, V, (R,), device="cuda", generator=g)
+        y[::9] = -100
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                x.grad = None
+                head(x, y, **kw).loss.backward()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        x.grad = None
+        with torch.cuda.graph(graph):
+            out = head(x, y, **kw)
+            out.loss.backward()
+        fresh = torch.randn(R, V, device="cuda", generator=g).bfloat16()
+        x.data.copy_(fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        replay_loss, replay_grad = out.loss.clone(), x.grad.clone()
+        ex = fresh.clone().requires_grad_()
+        ref = head(ex, y, **kw)
+        ref.loss.backward()
+        same = torch.equal(replay_loss, ref.loss) and torch.equal(replay_grad, ex.grad)
+        check(f"CUDA graph replay equals eager: {name}", same,
+              f"loss {replay_loss.item():.6f} vs {ref.loss.item():.6f}")
+        del graph, out, x, ex
+
+
+def inplace_memory(R, V, H, g):
+    hidden = (torch.randn(R, H, device="cuda", generator=g) * 0.05).bfloat16().requires_grad_()
+    weight = (torch.randn(V, H, device="cuda", generator=g) * 0.05).bfloat16().requires_grad_()
+    y = torch.randint(0, V, (R,), device="cuda", generator=g)
+    peaks, grads = {}, {}
+    for inplace in (False, True):
+        head = lcg.HeadLoss(lcg.CrossEntropy(), metrics=(lcg.Entropy(),), inplace_backward=inplace)
+
+        def step():
+            hidden.grad = weight.grad = None
+            head(hidden @ weight.t(), y).loss.backward()
+        step()
+        hidden.grad = weight.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        peaks[inplace] = (torch.cuda.max_memory_allocated() - base) / 1e9
+        grads[inplace] = (hidden.grad.clone(), weight.grad.clone())
+    logits_gb = R * V * 2 / 1e9
+    same = all(torch.equal(a, b) for a, b in zip(grads[False], grads[True]))
+    check("inplace_backward: peak memory drops by the logits' size",
+          peaks[False] - peaks[True] > 0.9 * logits_gb and same,
+          f"{R}x{H}x{V} bf16: peak above inputs {peaks[False]:.2f} GB -> {peaks[True]:.2f} GB "
+          f"(logits {logits_gb:.2f} GB), same grads {same}")
+    return dict(peak_gb=peaks[False], peak_inplace_gb=peaks[True], logits_gb=logits_gb)
+
+
+def compiled_vs_eager(R, V, g):
+    out = {}
+    for name, (head, kw) in heads(R, V, g).items():
+        x = torch.randn(R, V, device="cuda", generator=g).bfloat16().requires_grad_()
+        y = torch.randint(0, V, (R,), device="cuda", generator=g)
+
+        def step(x, y, kw):
+            o = head(x, y, **kw)
+            return o.loss, o.terms, o.metrics
+        compiled = torch.compile(step, fullgraph=True)
+        loss, _, _ = compiled(x, y, kw)
+        loss.backward()
+        g_c, x.grad = x.grad.clone(), None
+        ref = head(x, y, **kw)
+        ref.loss.backward()
+        same = torch.equal(g_c, x.grad) and torch.equal(loss, ref.loss)
+
+        def run(fn):
+            def once():
+                x.grad = None
+                fn(x, y, kw)[0].backward()
+            return triton.testing.do_bench(once, warmup=25, rep=200, return_mode="median")
+        t_eager, t_comp = run(step), run(compiled)
+        check(f"torch.compile(fullgraph) = eager: {name}", same and t_comp <= 1.05 * t_eager,
+              f"grads equal {same}; eager {t_eager:.3f} ms, compiled {t_comp:.3f} ms")
+        out[name] = dict(eager_ms=t_eager, compiled_ms=t_comp, grads_equal=same)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=4096)
+    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
+    R, V = args.rows, args.vocab
+    no_host_sync(R, V, g)
+    bad_label_next_call(R, V, g)
+    cuda_graph(R, V, g)
+    memory = inplace_memory(2 * R, V, args.hidden, g)
+    timings = compiled_vs_eager(2 * R, V, g)
+    with open(os.path.join(args.out, "gpu_training_step.json"), "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), memory=memory, compile=timings,
+                       checks=results), f, indent=1)
+    print(f"\n{sum(ok for _, ok, _ in results)}/{len(results)} checks passed")
+    for name, ok, detail in results:
+        print(f"  {'ok  ' if ok else 'FAIL'} {name:52s} {detail}")
+    sys.exit(0 if all(ok for _, ok, _ in results) else 1)
+
+
+if __name__ == "__main__":
+    main()

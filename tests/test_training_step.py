@@ -1,0 +1,153 @@
+"""A head inside a training step: torch.compile(fullgraph=True), the gradient written into the logits'
+storage, reduction="sum", and value checks that cost no host sync (on the CPU they raise at once)."""
+import pytest
+import torch
+
+import losscodegen as lcg
+from helpers import check_head, make_inputs
+
+
+def _policy(logits, labels, g):
+    with torch.no_grad():
+        lp = torch.log_softmax(logits.double(), -1).gather(-1, labels.clamp_min(0)[:, None])[:, 0].float()
+    R = logits.shape[0]
+    return dict(advantages=torch.randn(R, generator=g), old_logprobs=lp + 0.1 * torch.randn(R, generator=g))
+
+
+def _case(name, R=12, V=96):
+    """A head and every input it reads: a teacher, per-row tokens, top-k ids, segments."""
+    logits, labels, g = make_inputs(R=R, V=V, ignored=(1, 6))
+    if name == "teacher":
+        head = lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(weight=1e-2), lcg.ForwardKL(weight=0.5),
+                            metrics=(lcg.Entropy(), lcg.TokenAccuracy()))
+        return head, logits, labels, dict(teacher_logits=torch.randn(R, V, generator=g))
+    if name == "tokens":
+        head = lcg.HeadLoss(lcg.GRPO(), metrics=(lcg.Entropy(), lcg.ClipFraction()))
+        return head, logits, labels, _policy(logits, labels, g)
+    if name == "topk":
+        ids = torch.stack([torch.randperm(V, generator=g)[:5] for _ in range(R)])
+        lps = torch.log_softmax(torch.randn(R, 5, generator=g), -1)
+        head = lcg.HeadLoss(lcg.CrossEntropy(), lcg.TopKForwardKL(weight=0.3))
+        return head, logits, labels, dict(teacher_topk_ids=ids, teacher_topk_logprobs=lps)
+    head = lcg.HeadLoss(lcg.GSPO(), lcg.CrossEntropy(weight=0.1), metrics=(lcg.Entropy(),))
+    return head, logits, labels, dict(_policy(logits, labels, g), segment_ids=torch.arange(R) // 4,
+                                      num_segments=R // 4)
+
+
+@pytest.mark.parametrize("name", ["teacher", "tokens", "topk", "segments"])
+def test_compiled_fullgraph_equals_eager_without_recompiling(name):
+    head, logits, labels, inputs = _case(name)
+
+    def step(x, y, kw):
+        out = head(x, y, **kw)
+        return out.loss, out.terms, out.metrics
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    for call in range(3):
+        x = (logits + call).requires_grad_()
+        with torch._dynamo.config.patch(error_on_recompile=call > 0):
+            loss, terms, metrics = compiled(x, labels, inputs)
+        loss.backward()
+        grad, x.grad = x.grad, None
+        ref = head(x, labels, **inputs)
+        ref.loss.backward()
+        assert torch.equal(loss, ref.loss)
+        for k in ref.terms:
+            assert torch.equal(terms[k], ref.terms[k]), k
+        for k in ref.metrics:
+            assert torch.equal(metrics[k], ref.metrics[k]), k
+        assert torch.equal(grad, x.grad)
+
+
+def test_compiled_step_through_a_linear_layer():
+    """hidden -> logits -> head -> backward, compiled whole: the weight's gradient equals eager's."""
+    head = lcg.HeadLoss(lcg.CrossEntropy(), metrics=(lcg.Entropy(),))
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(10, 16, generator=g), torch.randn(80, 16, generator=g)
+    labels = torch.randint(0, 80, (10,), generator=g)
+
+    def step(w):
+        return head(hidden @ w.t(), labels).loss
+
+    w1, w2 = weight.clone().requires_grad_(), weight.clone().requires_grad_()
+    torch.compile(step, fullgraph=True, backend="aot_eager")(w1).backward()
+    step(w2).backward()
+    torch.testing.assert_close(w1.grad, w2.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["teacher", "topk", "segments"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inplace_backward_writes_the_gradient_into_the_logits(name, dtype):
+    head, logits, labels, inputs = _case(name)
+    logits = logits.to(dtype)
+    expected = logits.clone().requires_grad_()
+    head(expected, labels, **inputs).loss.backward()
+
+    inplace = lcg.HeadLoss(*head.loss_terms, metrics=head.metric_terms, inplace_backward=True)
+    raw = logits.clone().requires_grad_()
+    x = raw * 1.0                          # a non-leaf, as logits = hidden @ W.T would be
+    storage = x.data_ptr()
+    out = inplace(x, labels, **inputs)
+    assert torch.equal(x.detach(), expected.grad)   # the logits now hold dL/dlogits
+    (2.0 * out.loss).backward()
+    assert raw.grad.data_ptr() != storage and x.data_ptr() == storage
+    assert torch.equal(raw.grad, 2.0 * expected.grad)
+
+
+def test_inplace_backward_refuses_what_would_break():
+    head = lcg.HeadLoss(lcg.CrossEntropy(), inplace_backward=True)
+    logits, labels, _ = make_inputs(R=6, V=64)
+    raw = logits.clone().requires_grad_()
+    saved = torch.tanh(raw)                # TanhBackward keeps its output: these very logits
+    out = head(saved, labels)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.loss.backward()
+    strided = logits.t().contiguous().t().requires_grad_()  # column stride != 1: no in-place view
+    with pytest.raises(ValueError, match="inplace_backward"):
+        head(strided * 1.0, labels)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reduction_sum(dtype):
+    head = lcg.HeadLoss(lcg.CrossEntropy(weight=0.7), lcg.ZLoss(weight=1e-2),
+                        metrics=(lcg.Entropy(), lcg.TokenAccuracy()))
+    logits, labels, g = make_inputs(R=12, V=256, dtype=dtype, shape=(3, 4))
+    check_head(head, logits, labels, reduction="sum")
+    check_head(head, logits, labels, reduction="sum", loss_mask=torch.rand(3, 4, generator=g) > 0.3)
+    with pytest.raises(ValueError, match="divisor"):
+        head(logits, labels, reduction="sum", divisor=3.0)
+
+
+def test_reduction_sum_of_a_segment_term():
+    head, logits, labels, inputs = _case("segments")
+    check_head(head, logits, labels, reduction="sum", **inputs)
+
+
+def test_zero_valid_rows_sum_to_zero():
+    logits, labels, _ = make_inputs(R=5, V=64)
+    labels[:] = -100
+    x = logits.clone().requires_grad_()
+    out = lcg.HeadLoss(lcg.CrossEntropy(), metrics=(lcg.Entropy(),))(x, labels, reduction="sum")
+    out.loss.backward()
+    assert out.loss.item() == 0 and out.metrics["entropy"].item() == 0
+    assert torch.count_nonzero(x.grad) == 0
+
+
+def test_bad_label_raises_at_once_on_the_cpu_then_calls_go_on():
+    head = lcg.HeadLoss(lcg.CrossEntropy())
+    logits, labels, _ = make_inputs(R=6, V=64)
+    bad = labels.clone()
+    bad[4] = 70
+    with pytest.raises(ValueError, match=r"labels: values must be in \[0, 64\).*found 70"):
+        head(logits, bad)
+    assert torch.isfinite(head(logits, labels).loss)       # the flag was reset
+    loss = lcg.HeadLoss(lcg.CrossEntropy(), validate=False)(logits, bad).loss
+    assert torch.isfinite(loss)                              # unchecked, but never out of bounds
+
+
+def test_bad_segment_id_raises_and_names_the_value():
+    head, logits, labels, inputs = _case("segments")
+    inputs["segment_ids"] = inputs["segment_ids"].clone()
+    inputs["segment_ids"][2] = 7
+    with pytest.raises(ValueError, match=r"segment_ids .*num_segments=3\).*found 7"):
+        head(logits, labels, **inputs)
