@@ -13,14 +13,16 @@ from pathlib import Path
 
 import torch
 
-if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
-    # No GPU: run the kernels in Triton's interpreter. Triton reads the switch when it is imported,
-    # and `python -m losscodegen` has imported the package (and Triton) before this line: start again.
-    os.execve(sys.executable, [sys.executable, "-m", "losscodegen", *sys.argv[1:]],
-              {**os.environ, "TRITON_INTERPRET": "1"})
+import losscodegen
+from losscodegen import load
 
-import losscodegen  # noqa: E402
-from losscodegen import load  # noqa: E402
+
+def _interpreter_without_gpu() -> None:
+    """No GPU: run the kernels in Triton's interpreter. Triton reads the switch when it is imported,
+    and `python -m losscodegen` has imported the package (and Triton) already: start again."""
+    if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
+        os.execve(sys.executable, [sys.executable, "-m", "losscodegen", *sys.argv[1:]],
+                  {**os.environ, "TRITON_INTERPRET": "1"})
 
 
 def manifest_heads(manifest: Path) -> list[tuple[str, losscodegen.HeadLoss]]:
@@ -81,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("demo", help="run a real head on random logits and print what it computes")
     args = parser.parse_args(argv)
     if args.command == "demo":
+        _interpreter_without_gpu()
         demo()
     else:
         generate(args.out, args.manifest)

@@ -2,31 +2,29 @@
 #
 # terms (per-row formulas):
 #   loss   cross_entropy = -z_y + LSE(1, 0)
-#   loss   z_loss = LSE(1, 0)**2
-#   loss   forward_kl = vsum((t - z - LSE(0, 1) + LSE(1, 0))*exp(t - LSE(0, 1)))
-#   metric entropy = -vsum((z - LSE(1, 0))*exp(z - LSE(1, 0)))
+#   loss   forward_kl = vsum((t/2 - z/2 - LSE(0, 1/2) + LSE(1/2, 0))*exp(t/2 - LSE(0, 1/2)))
 # softcap: False
 #
 # lowered:
 #   row values:
 #     cross_entropy = N0 - z_y
-#     z_loss = N0**2
-#     forward_kl = N0 - N1 + acc1*exp(-N1 + m_t) - acc2*exp(-N1 + m_t)
-#     entropy = N0 - acc3*exp(-N0 + m)
+#     forward_kl = -N1 + N2 + acc1*exp(-N1 + m_t/2)/2 - acc2*exp(-N1 + m_t/2)/2
 #   normalisers:
-#     N0 = m + log(acc4)
-#     N1 = m_t + log(acc0)
+#     N0 = m + log(acc3)
+#     N1 = m_t/2 + log(acc0)
+#     N2 = m/2 + log(acc4)
 #   accumulators:
-#     acc0 = sum_i exp(1*(t - m_t)) * 1    [online]
-#     acc1 = sum_i exp(1*(t - m_t)) * t    [online]
-#     acc2 = sum_i exp(1*(t - m_t)) * z    [online]
-#     acc3 = sum_i exp(1*(z - m)) * z    [online]
-#     acc4 = sum_i exp(1*(z - m)) * 1    [online]
+#     acc0 = sum_i exp(1/2*(t - m_t)) * 1    [online]
+#     acc1 = sum_i exp(1/2*(t - m_t)) * t    [online]
+#     acc2 = sum_i exp(1/2*(t - m_t)) * z    [online]
+#     acc3 = sum_i exp(1*(z - m)) * 1    [online]
+#     acc4 = sum_i exp(1/2*(z - m)) * 1    [online]
 #   gradient (derived by sympy):
 #     g0 = w_forward_kl
-#     g1 = 2*N0*w_z_loss + w_cross_entropy + w_forward_kl
-#     g2 = -w_cross_entropy
-#     dL/dz_i = -g0*exp(-N1 + t) + g1*exp(-N0 + z) + g2*is_y
+#     g1 = w_cross_entropy
+#     g2 = w_forward_kl
+#     g3 = -w_cross_entropy
+#     dL/dz_i = -g0*exp(-N1 + t/2)/2 + g1*exp(-N0 + z) + g2*exp(-N2 + z/2)/2 + g3*is_y
 #
 # plan:
 #   reads of the vocabulary: 1 for the loss (online stats) + 1 for the gradient
@@ -40,17 +38,17 @@ import torch
 import triton
 import triton.language as tl
 
-KEY = "4b7120b2d7770cec"
+KEY = "1007053c17d054eb"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "240d8d6ea7ce"
+CODEGEN = "782696c2f03b"
 # what the head reports, in this order: its terms, then its metrics
-OUTPUTS = ['cross_entropy', 'z_loss', 'forward_kl', 'entropy']
+OUTPUTS = ['cross_entropy', 'forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
-ROW_VALUES = ['cross_entropy', 'z_loss', 'forward_kl', 'entropy']
+ROW_VALUES = ['cross_entropy', 'forward_kl']
 # the first read's packed per-row stats, and how the partial stats of vocab shards combine:
 # (column, rule, alpha, beta)
 COLUMNS = ['m', 'm_t', 'z_y', 'acc0', 'acc1', 'acc2', 'acc3', 'acc4']
-MERGE = [('m', 'max', 0.0, 0.0), ('m_t', 'max', 0.0, 0.0), ('z_y', 'sum', 0.0, 0.0), ('acc0', 'scaled', 0.0, 1.0), ('acc1', 'scaled', 0.0, 1.0), ('acc2', 'scaled', 0.0, 1.0), ('acc3', 'scaled', 1.0, 0.0), ('acc4', 'scaled', 1.0, 0.0)]
+MERGE = [('m', 'max', 0.0, 0.0), ('m_t', 'max', 0.0, 0.0), ('z_y', 'sum', 0.0, 0.0), ('acc0', 'scaled', 0.0, 0.5), ('acc1', 'scaled', 0.0, 0.5), ('acc2', 'scaled', 0.0, 0.5), ('acc3', 'scaled', 1.0, 0.0), ('acc4', 'scaled', 0.5, 0.0)]
 # sums of the exact read (summed across vocab shards)
 EXACT = []
 TOKENS = []
@@ -59,15 +57,15 @@ USES_TEACHER = True
 USES_TOPK = False
 HAS_EXACT = False
 # the loss terms whose weights the row kernel takes (the others are segment terms)
-ROW_LOSS_TERMS = ['cross_entropy', 'z_loss', 'forward_kl']
+ROW_LOSS_TERMS = ['cross_entropy', 'forward_kl']
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = []
 SEGMENT_MEANS = []
 # (BLOCK_V, num_warps) for a large vocabulary
 TILE = (4096, 8)
 # the per-call fp32 workspace: these slots, then per-row values and stats at offsets given per call
-LOSS, COUNT, DONE = 4, 5, 6
-FIXED_SLOTS = 7
+LOSS, COUNT, DONE = 2, 3, 4
+FIXED_SLOTS = 5
 
 
 @triton.jit
@@ -84,12 +82,11 @@ def _dlogits(x, logit_scale, softcap):
 
 @triton.jit(do_not_specialize=["row_offset", "n_rows", "off_rows", "off_loss_rows", "off_stats",
                                "off_exact", "vocab_start", "n_vocab"])
-def head_loss_4b7120b2d7770cec(
+def head_loss_1007053c17d054eb(
     x_ptr, x_stride, grad_ptr, grad_stride, y_ptr, mask_ptr,
     t_ptr, t_stride,
     ws_ptr, off_rows, off_loss_rows, off_stats, off_exact, gathered_ptr, world, div_ptr, flag_ptr,
     weight_cross_entropy,
-    weight_z_loss,
     weight_forward_kl,
     row_offset, n_rows, logit_scale, softcap, V, vocab_start, n_vocab, ignore_index,
     SUM: tl.constexpr, PER_ROW: tl.constexpr,
@@ -160,21 +157,23 @@ def head_loss_4b7120b2d7770cec(
                 m_new = tl.maximum(m, block_max)
                 t = t_tile.to(tl.float32)
                 m_t_new = tl.maximum(m_t, tl.max(tl.where(in_row, t, float("-inf")), 0))
-                s0 = tl.exp(-m_t_new + t)
-                r0 = tl.exp(m_t - m_t_new)
+                s0 = tl.exp(-0.5*m_t_new + (0.5)*t)
+                r0 = tl.exp((0.5)*m_t - 0.5*m_t_new)
                 s1 = tl.exp(-m_new + z)
                 r1 = tl.exp(m - m_new)
+                s2 = tl.exp(-0.5*m_new + (0.5)*z)
+                r2 = tl.exp((0.5)*m - 0.5*m_new)
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
-                part0 = tl.sum(tl.join(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, s0*t, 0.0)), tl.join(tl.where(in_row, s0*z, 0.0), tl.where(in_row, s1*z, 0.0))), 0)
+                part0 = tl.sum(tl.join(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, s0*t, 0.0)), tl.join(tl.where(in_row, s0*z, 0.0), tl.where(in_row, s1, 0.0))), 0)
                 part1, part2 = tl.split(part0)
                 acc0_tile, acc1_tile = tl.split(part1)
                 acc2_tile, acc3_tile = tl.split(part2)
-                acc4_tile = tl.sum(tl.where(in_row, s1, 0.0), 0)
+                acc4_tile = tl.sum(tl.where(in_row, s2, 0.0), 0)
                 acc0 = acc0 * r0 + acc0_tile
                 acc1 = acc1 * r0 + acc1_tile
                 acc2 = acc2 * r0 + acc2_tile
                 acc3 = acc3 * r1 + acc3_tile
-                acc4 = acc4 * r1 + acc4_tile
+                acc4 = acc4 * r2 + acc4_tile
                 m = m_new
                 m_t = m_t_new
             z_y = tl.where(y_here, _logits(tl.load(x_row + y_local, mask=y_here, other=0.0).to(tl.float32),
@@ -200,11 +199,11 @@ def head_loss_4b7120b2d7770cec(
                 m_r = tl.load(at + 0)
                 m_t_r = tl.load(at + 1)
                 z_y += tl.load(at + 2)
-                acc0 += tl.load(at + 3) * tl.exp(-m_t + m_t_r)
-                acc1 += tl.load(at + 4) * tl.exp(-m_t + m_t_r)
-                acc2 += tl.load(at + 5) * tl.exp(-m_t + m_t_r)
+                acc0 += tl.load(at + 3) * tl.exp(-0.5*m_t + (0.5)*m_t_r)
+                acc1 += tl.load(at + 4) * tl.exp(-0.5*m_t + (0.5)*m_t_r)
+                acc2 += tl.load(at + 5) * tl.exp(-0.5*m_t + (0.5)*m_t_r)
                 acc3 += tl.load(at + 6) * tl.exp(-m + m_r)
-                acc4 += tl.load(at + 7) * tl.exp(-m + m_r)
+                acc4 += tl.load(at + 7) * tl.exp(-0.5*m + (0.5)*m_r)
         else:
             m = tl.load(stats_row + 0)
             m_t = tl.load(stats_row + 1)
@@ -214,8 +213,9 @@ def head_loss_4b7120b2d7770cec(
             acc2 = tl.load(stats_row + 5)
             acc3 = tl.load(stats_row + 6)
             acc4 = tl.load(stats_row + 7)
-        N0 = m + tl.log(acc4)
-        N1 = m_t + tl.log(acc0)
+        N0 = m + tl.log(acc3)
+        N1 = (0.5)*m_t + tl.log(acc0)
+        N2 = (0.5)*m + tl.log(acc4)
 
         if STORE_STATS:
             tl.store(stats_row + 0, m)
@@ -228,17 +228,13 @@ def head_loss_4b7120b2d7770cec(
             tl.store(stats_row + 7, acc4)
 
         if ROWS:
-            r0 = tl.exp(-N1 + m_t)
+            r0 = tl.exp(-N1 + (0.5)*m_t)
             v0 = N0 - z_y  # cross_entropy
-            tl.store(ws_ptr + off_rows + grow * 4 + 0, v0)
-            v1 = (N0 * N0)  # z_loss
-            tl.store(ws_ptr + off_rows + grow * 4 + 1, v1)
-            v2 = N0 - N1 + acc1*r0 - acc2*r0  # forward_kl
-            tl.store(ws_ptr + off_rows + grow * 4 + 2, v2)
-            v3 = N0 - acc3*tl.exp(-N0 + m)  # entropy
-            tl.store(ws_ptr + off_rows + grow * 4 + 3, v3)
+            tl.store(ws_ptr + off_rows + grow * 2 + 0, v0)
+            v1 = -N1 + N2 + (0.5)*acc1*r0 - 0.5*acc2*r0  # forward_kl
+            tl.store(ws_ptr + off_rows + grow * 2 + 1, v1)
             if PER_ROW:
-                tl.store(ws_ptr + off_loss_rows + grow, weight_cross_entropy * v0 + weight_z_loss * v1 + weight_forward_kl * v2)
+                tl.store(ws_ptr + off_loss_rows + grow, weight_cross_entropy * v0 + weight_forward_kl * v1)
 
         if GRAD:
             if PER_ROW:
@@ -248,13 +244,13 @@ def head_loss_4b7120b2d7770cec(
             elif SUM:
                 grad_scale = 1.0
             else:
-                grad_scale = 1.0 / tl.maximum(tl.load(ws_ptr + COUNT), 1.0)
+                grad_scale = 1.0 / tl.maximum(tl.load(ws_ptr + 3), 1.0)  # the valid rows (COUNT)
             w_cross_entropy = weight_cross_entropy * grad_scale
-            w_z_loss = weight_z_loss * grad_scale
             w_forward_kl = weight_forward_kl * grad_scale
             g0 = w_forward_kl
-            g1 = 2.0*N0*w_z_loss + w_cross_entropy + w_forward_kl
-            g2 = -w_cross_entropy
+            g1 = w_cross_entropy
+            g2 = w_forward_kl
+            g3 = -w_cross_entropy
             # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
             # Tiles last to first, each loaded one iteration ahead (its loads overlap the math).
             n_blocks = tl.cdiv(V, BLOCK_V)
@@ -275,7 +271,7 @@ def head_loss_4b7120b2d7770cec(
                 z = _logits(x, logit_scale, softcap)
                 t = t_tile.to(tl.float32)
                 is_y = tl.where(cols == y_local, 1.0, 0.0)
-                dz = -g0*tl.exp(-N1 + t) + g1*tl.exp(-N0 + z) + g2*is_y
+                dz = -0.5*g0*tl.exp(-N1 + (0.5)*t) + g1*tl.exp(-N0 + z) + (0.5)*g2*tl.exp(-N2 + (0.5)*z) + g3*is_y
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
     else:
@@ -286,10 +282,8 @@ def head_loss_4b7120b2d7770cec(
                 tl.store(grad_row + cols, (tl.zeros([BLOCK_V], tl.float32) + fill).to(grad_ptr.dtype.element_ty),
                          mask=cols < V)
         if ROWS:
-            tl.store(ws_ptr + off_rows + grow * 4 + 0, fill)
-            tl.store(ws_ptr + off_rows + grow * 4 + 1, fill)
-            tl.store(ws_ptr + off_rows + grow * 4 + 2, fill)
-            tl.store(ws_ptr + off_rows + grow * 4 + 3, fill)
+            tl.store(ws_ptr + off_rows + grow * 2 + 0, fill)
+            tl.store(ws_ptr + off_rows + grow * 2 + 1, fill)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, fill)
 
@@ -298,28 +292,24 @@ def head_loss_4b7120b2d7770cec(
         # last one reduces every row's values in a fixed order (the same sums on every run) and
         # writes the terms, the metrics and the loss.
         tl.debug_barrier()
-        done = tl.atomic_add(ws_ptr + DONE, 1.0, sem="acq_rel")
+        done = tl.atomic_add(ws_ptr + 4, 1.0, sem="acq_rel")  # DONE
         if done == n_rows - 1:
             if div_ptr is not None:
                 value_scale = 1.0 / tl.load(div_ptr)
             elif SUM:
                 value_scale = 1.0
             else:
-                value_scale = 1.0 / tl.maximum(tl.load(ws_ptr + COUNT), 1.0)
+                value_scale = 1.0 / tl.maximum(tl.load(ws_ptr + 3), 1.0)  # the valid rows (COUNT)
             r = tl.arange(0, BLOCK_R)
-            c = tl.arange(0, 4)
-            total = tl.zeros([4], tl.float32)
+            c = tl.arange(0, 2)
+            total = tl.zeros([2], tl.float32)
             for start in range(0, n_rows, BLOCK_R):
                 idx = start + r
-                at = ws_ptr + off_rows + idx[:, None] * 4 + c[None, :]
-                total += tl.sum(tl.load(at, mask=(idx[:, None] < n_rows) & (c[None, :] < 4),
+                at = ws_ptr + off_rows + idx[:, None] * 2 + c[None, :]
+                total += tl.sum(tl.load(at, mask=(idx[:, None] < n_rows) & (c[None, :] < 2),
                                         other=0.0, cache_modifier=".cg"), 0)
             value_cross_entropy = tl.sum(tl.where(c == 0, total, 0.0), 0) * value_scale
             tl.store(ws_ptr + 0, value_cross_entropy)
-            value_z_loss = tl.sum(tl.where(c == 1, total, 0.0), 0) * value_scale
-            tl.store(ws_ptr + 1, value_z_loss)
-            value_forward_kl = tl.sum(tl.where(c == 2, total, 0.0), 0) * value_scale
-            tl.store(ws_ptr + 2, value_forward_kl)
-            value_entropy = tl.sum(tl.where(c == 3, total, 0.0), 0) * value_scale
-            tl.store(ws_ptr + 3, value_entropy)
-            tl.store(ws_ptr + LOSS, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss + weight_forward_kl * value_forward_kl)
+            value_forward_kl = tl.sum(tl.where(c == 1, total, 0.0), 0) * value_scale
+            tl.store(ws_ptr + 1, value_forward_kl)
+            tl.store(ws_ptr + 2, weight_cross_entropy * value_cross_entropy + weight_forward_kl * value_forward_kl)  # LOSS

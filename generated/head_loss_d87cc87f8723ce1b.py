@@ -3,16 +3,21 @@
 # terms (per-row formulas):
 #   loss   cross_entropy = -z_y + LSE(1, 0)
 #   loss   z_loss = LSE(1, 0)**2
+#   metric entropy = -vsum((z - LSE(1, 0))*exp(z - LSE(1, 0)))
+#   metric token_accuracy = Piecewise((1, Eq(argmax, label)), (0, True))
 # softcap: False
 #
 # lowered:
 #   row values:
 #     cross_entropy = N0 - z_y
 #     z_loss = N0**2
+#     entropy = N0 - acc0*exp(-N0 + m)
+#     token_accuracy = Piecewise((1, Eq(argmax, label)), (0, True))
 #   normalisers:
-#     N0 = m + log(acc0)
+#     N0 = m + log(acc1)
 #   accumulators:
-#     acc0 = sum_i exp(1*(z - m)) * 1    [online]
+#     acc0 = sum_i exp(1*(z - m)) * z    [online]
+#     acc1 = sum_i exp(1*(z - m)) * 1    [online]
 #   gradient (derived by sympy):
 #     g0 = 2*N0*w_z_loss + w_cross_entropy
 #     g1 = -w_cross_entropy
@@ -21,26 +26,26 @@
 # plan:
 #   reads of the vocabulary: 1 for the loss (online stats) + 1 for the gradient
 #   bytes per element (bf16 in, bf16 grad): 6
-#   packed per-row stats (3 fp32): m:max, z_y:sum, acc0:scaled
+#   packed per-row stats (5 fp32): m:max, z_y:sum, argmax:argmax, acc0:scaled, acc1:scaled
 #   vocab-parallel: one all-gather of the packed stats
-#   tiles: BLOCK_V <= 32768, 32 warps; stats forward, grad backward
+#   tiles: BLOCK_V <= 16384, 16 warps; stats forward, grad backward
 #   single device: 1 launch(es): [stats+rows+grad]
 #   sharded: 2 launch(es): [stats] gather -> [merge+rows+grad]
 import torch
 import triton
 import triton.language as tl
 
-KEY = "aca8ed7cd853483f"
+KEY = "d87cc87f8723ce1b"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "240d8d6ea7ce"
+CODEGEN = "782696c2f03b"
 # what the head reports, in this order: its terms, then its metrics
-OUTPUTS = ['cross_entropy', 'z_loss']
+OUTPUTS = ['cross_entropy', 'z_loss', 'entropy', 'token_accuracy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
-ROW_VALUES = ['cross_entropy', 'z_loss']
+ROW_VALUES = ['cross_entropy', 'z_loss', 'entropy', 'token_accuracy']
 # the first read's packed per-row stats, and how the partial stats of vocab shards combine:
 # (column, rule, alpha, beta)
-COLUMNS = ['m', 'z_y', 'acc0']
-MERGE = [('m', 'max', 0.0, 0.0), ('z_y', 'sum', 0.0, 0.0), ('acc0', 'scaled', 1.0, 0.0)]
+COLUMNS = ['m', 'z_y', 'argmax', 'acc0', 'acc1']
+MERGE = [('m', 'max', 0.0, 0.0), ('z_y', 'sum', 0.0, 0.0), ('argmax', 'argmax', 0.0, 0.0), ('acc0', 'scaled', 1.0, 0.0), ('acc1', 'scaled', 1.0, 0.0)]
 # sums of the exact read (summed across vocab shards)
 EXACT = []
 TOKENS = []
@@ -54,10 +59,10 @@ ROW_LOSS_TERMS = ['cross_entropy', 'z_loss']
 SEGMENTS = []
 SEGMENT_MEANS = []
 # (BLOCK_V, num_warps) for a large vocabulary
-TILE = (32768, 32)
+TILE = (16384, 16)
 # the per-call fp32 workspace: these slots, then per-row values and stats at offsets given per call
-LOSS, COUNT, DONE = 2, 3, 4
-FIXED_SLOTS = 5
+LOSS, COUNT, DONE = 4, 5, 6
+FIXED_SLOTS = 7
 
 
 @triton.jit
@@ -74,7 +79,7 @@ def _dlogits(x, logit_scale, softcap):
 
 @triton.jit(do_not_specialize=["row_offset", "n_rows", "off_rows", "off_loss_rows", "off_stats",
                                "off_exact", "vocab_start", "n_vocab"])
-def head_loss_aca8ed7cd853483f(
+def head_loss_d87cc87f8723ce1b(
     x_ptr, x_stride, grad_ptr, grad_stride, y_ptr, mask_ptr,
     ws_ptr, off_rows, off_loss_rows, off_stats, off_exact, gathered_ptr, world, div_ptr, flag_ptr,
     weight_cross_entropy,
@@ -93,7 +98,7 @@ def head_loss_aca8ed7cd853483f(
     grow = row_offset + row
     x_row = x_ptr + row * x_stride
     grad_row = grad_ptr + row * grad_stride
-    stats_row = ws_ptr + off_stats + grow * 3
+    stats_row = ws_ptr + off_stats + grow * 5
     y = -1
     live = True
     if y_ptr is not None:
@@ -115,13 +120,16 @@ def head_loss_aca8ed7cd853483f(
             fill = tl.where(bad, float("nan"), 0.0)
 
     if compute:
+        label = y.to(tl.float32)
         y_local = y - vocab_start
         y_here = (y_local >= 0) & (y_local < V)
 
         if STATS:
             # First read: the running max and every online accumulator, rescaled when the max grows.
             m = float("-inf")
+            argmax = 0.0
             acc0 = 0.0
+            acc1 = 0.0
             # Tiles first to last, each loaded one iteration ahead (its loads overlap the math).
             n_blocks = tl.cdiv(V, BLOCK_V)
             cols = tl.arange(0, BLOCK_V)
@@ -136,45 +144,64 @@ def head_loss_aca8ed7cd853483f(
                 z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
                 block_max = tl.max(tl.where(in_row, z, float("-inf")), 0)
                 m_new = tl.maximum(m, block_max)
+                # strictly greater: the first index wins ties, like torch.argmax
+                block_arg = tl.argmax(tl.where(in_row, z, float("-inf")), 0)
+                argmax = tl.where(block_max > m, (vocab_start + start + block_arg).to(tl.float32), argmax)
                 s0 = tl.exp(-m_new + z)
                 r0 = tl.exp(m - m_new)
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
-                acc0_tile = tl.sum(tl.where(in_row, s0, 0.0), 0)
+                part0 = tl.sum(tl.join(tl.where(in_row, s0*z, 0.0), tl.where(in_row, s0, 0.0)), 0)
+                acc0_tile, acc1_tile = tl.split(part0)
                 acc0 = acc0 * r0 + acc0_tile
+                acc1 = acc1 * r0 + acc1_tile
                 m = m_new
             z_y = tl.where(y_here, _logits(tl.load(x_row + y_local, mask=y_here, other=0.0).to(tl.float32),
                                            logit_scale, softcap), 0.0)
         elif MERGE:
-            # The packed stats of every vocab shard, all-gathered ([world, rows of this launch, 3]),
+            # The packed stats of every vocab shard, all-gathered ([world, rows of this launch, 5]),
             # merged by each column's rule: maxima first, then the sums rescaled to them.
-            part = gathered_ptr + row * 3
-            step = tl.num_programs(0).to(tl.int64) * 3
+            part = gathered_ptr + row * 5
+            step = tl.num_programs(0).to(tl.int64) * 5
             m = float("-inf")
             z_y = 0.0
+            argmax = 0.0
+            best = float("-inf")
             acc0 = 0.0
+            acc1 = 0.0
             for r in range(world):
                 m = tl.maximum(m, tl.load(part + r * step + 0))
             for r in range(world):
                 at = part + r * step
                 m_r = tl.load(at + 0)
                 z_y += tl.load(at + 1)
-                acc0 += tl.load(at + 2) * tl.exp(-m + m_r)
+                argmax = tl.where(m_r > best, tl.load(at + 2), argmax)
+                best = tl.maximum(best, m_r)
+                acc0 += tl.load(at + 3) * tl.exp(-m + m_r)
+                acc1 += tl.load(at + 4) * tl.exp(-m + m_r)
         else:
             m = tl.load(stats_row + 0)
             z_y = tl.load(stats_row + 1)
-            acc0 = tl.load(stats_row + 2)
-        N0 = m + tl.log(acc0)
+            argmax = tl.load(stats_row + 2)
+            acc0 = tl.load(stats_row + 3)
+            acc1 = tl.load(stats_row + 4)
+        N0 = m + tl.log(acc1)
 
         if STORE_STATS:
             tl.store(stats_row + 0, m)
             tl.store(stats_row + 1, z_y)
-            tl.store(stats_row + 2, acc0)
+            tl.store(stats_row + 2, argmax)
+            tl.store(stats_row + 3, acc0)
+            tl.store(stats_row + 4, acc1)
 
         if ROWS:
             v0 = N0 - z_y  # cross_entropy
-            tl.store(ws_ptr + off_rows + grow * 2 + 0, v0)
+            tl.store(ws_ptr + off_rows + grow * 4 + 0, v0)
             v1 = (N0 * N0)  # z_loss
-            tl.store(ws_ptr + off_rows + grow * 2 + 1, v1)
+            tl.store(ws_ptr + off_rows + grow * 4 + 1, v1)
+            v2 = N0 - acc0*tl.exp(-N0 + m)  # entropy
+            tl.store(ws_ptr + off_rows + grow * 4 + 2, v2)
+            v3 = tl.where((argmax == label), 1.0, 0.0)  # token_accuracy
+            tl.store(ws_ptr + off_rows + grow * 4 + 3, v3)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, weight_cross_entropy * v0 + weight_z_loss * v1)
 
@@ -186,7 +213,7 @@ def head_loss_aca8ed7cd853483f(
             elif SUM:
                 grad_scale = 1.0
             else:
-                grad_scale = 1.0 / tl.maximum(tl.load(ws_ptr + COUNT), 1.0)
+                grad_scale = 1.0 / tl.maximum(tl.load(ws_ptr + 5), 1.0)  # the valid rows (COUNT)
             w_cross_entropy = weight_cross_entropy * grad_scale
             w_z_loss = weight_z_loss * grad_scale
             g0 = 2.0*N0*w_z_loss + w_cross_entropy
@@ -217,8 +244,10 @@ def head_loss_aca8ed7cd853483f(
                 tl.store(grad_row + cols, (tl.zeros([BLOCK_V], tl.float32) + fill).to(grad_ptr.dtype.element_ty),
                          mask=cols < V)
         if ROWS:
-            tl.store(ws_ptr + off_rows + grow * 2 + 0, fill)
-            tl.store(ws_ptr + off_rows + grow * 2 + 1, fill)
+            tl.store(ws_ptr + off_rows + grow * 4 + 0, fill)
+            tl.store(ws_ptr + off_rows + grow * 4 + 1, fill)
+            tl.store(ws_ptr + off_rows + grow * 4 + 2, fill)
+            tl.store(ws_ptr + off_rows + grow * 4 + 3, fill)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, fill)
 
@@ -227,24 +256,28 @@ def head_loss_aca8ed7cd853483f(
         # last one reduces every row's values in a fixed order (the same sums on every run) and
         # writes the terms, the metrics and the loss.
         tl.debug_barrier()
-        done = tl.atomic_add(ws_ptr + DONE, 1.0, sem="acq_rel")
+        done = tl.atomic_add(ws_ptr + 6, 1.0, sem="acq_rel")  # DONE
         if done == n_rows - 1:
             if div_ptr is not None:
                 value_scale = 1.0 / tl.load(div_ptr)
             elif SUM:
                 value_scale = 1.0
             else:
-                value_scale = 1.0 / tl.maximum(tl.load(ws_ptr + COUNT), 1.0)
+                value_scale = 1.0 / tl.maximum(tl.load(ws_ptr + 5), 1.0)  # the valid rows (COUNT)
             r = tl.arange(0, BLOCK_R)
-            c = tl.arange(0, 2)
-            total = tl.zeros([2], tl.float32)
+            c = tl.arange(0, 4)
+            total = tl.zeros([4], tl.float32)
             for start in range(0, n_rows, BLOCK_R):
                 idx = start + r
-                at = ws_ptr + off_rows + idx[:, None] * 2 + c[None, :]
-                total += tl.sum(tl.load(at, mask=(idx[:, None] < n_rows) & (c[None, :] < 2),
+                at = ws_ptr + off_rows + idx[:, None] * 4 + c[None, :]
+                total += tl.sum(tl.load(at, mask=(idx[:, None] < n_rows) & (c[None, :] < 4),
                                         other=0.0, cache_modifier=".cg"), 0)
             value_cross_entropy = tl.sum(tl.where(c == 0, total, 0.0), 0) * value_scale
             tl.store(ws_ptr + 0, value_cross_entropy)
             value_z_loss = tl.sum(tl.where(c == 1, total, 0.0), 0) * value_scale
             tl.store(ws_ptr + 1, value_z_loss)
-            tl.store(ws_ptr + LOSS, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss)
+            value_entropy = tl.sum(tl.where(c == 2, total, 0.0), 0) * value_scale
+            tl.store(ws_ptr + 2, value_entropy)
+            value_token_accuracy = tl.sum(tl.where(c == 3, total, 0.0), 0) * value_scale
+            tl.store(ws_ptr + 3, value_token_accuracy)
+            tl.store(ws_ptr + 4, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss)  # LOSS

@@ -1,0 +1,68 @@
+"""Compile every kernel a head launches for an H100 (sm_90), on a machine without a GPU.
+
+Run as a script (tests/test_gpu_compile.py does) without TRITON_INTERPRET: each launch is compiled by
+Triton for sm_90 instead of being run, so what the interpreter accepts but the GPU compiler refuses
+(a non-constexpr global, a type that changes inside a loop) fails here, in CI. The heads are called
+with CPU tensors; their outputs are meaningless, since no kernel runs.
+
+    python tests/sm90_compile.py [manifest]     prints one line per compiled kernel variant
+"""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile as triton_compile, make_backend
+from triton.runtime.jit import JITFunction, create_function_from_signature
+
+TARGET = GPUTarget("cuda", 90, 32)
+BACKEND = make_backend(TARGET)
+compiled: list[str] = []
+
+
+def _compile_instead(self, *args, grid, warmup, **kwargs):
+    """JITFunction.run for a machine without a GPU: bind the arguments as Triton would, compile
+    for sm_90, launch nothing."""
+    binder = create_function_from_signature(self.signature, self.params, BACKEND)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = self._pack_args(BACKEND, kwargs, bound, specialization, options)
+    triton_compile(ASTSource(self, signature, constexprs, attrs), target=TARGET, options=options.__dict__)
+    flags = "+".join(k for k, v in kwargs.items() if v is True)
+    compiled.append(f"{self.__name__} [{flags}]")
+
+
+def main(manifest: Path) -> None:
+    JITFunction.run = _compile_instead
+    import torch.distributed as dist
+
+    import losscodegen
+    from losscodegen.__main__ import manifest_heads
+    dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
+    R, V, K = 8, 64, 4
+    x = torch.randn(R, V, requires_grad=True)
+    y = torch.randint(0, V, (R,))
+    inputs = dict(teacher_logits=torch.randn(R, V), advantages=torch.randn(R), old_logprobs=torch.randn(R),
+                  ref_logprobs=torch.randn(R), teacher_topk_ids=torch.randint(0, V, (R, K)),
+                  teacher_topk_logprobs=torch.randn(R, K), segment_ids=torch.zeros(R, dtype=torch.long),
+                  num_segments=1)
+    for line, head in manifest_heads(manifest):
+        kw = {k: v for k, v in inputs.items() if k not in ("teacher_logits",) or head.kernel.USES_TEACHER}
+        kw = {k: v for k, v in kw.items() if not k.startswith("teacher_topk") or head.kernel.USES_TOPK}
+        kw = {k: v for k, v in kw.items() if k not in ("segment_ids", "num_segments") or head.kernel.SEGMENTS}
+        head(x, y, **kw).loss.backward()                                  # one device, gradient
+        with torch.no_grad():
+            head(x, y, **kw)                                               # values only
+        head(x, y, process_group=dist.group.WORLD, **kw).loss.backward()  # vocab-parallel
+        print(f"{line}: {len(compiled)} kernels so far", flush=True)
+    dist.destroy_process_group()
+    print("\n".join(sorted(set(compiled))))
+
+
+if __name__ == "__main__":
+    os.environ.pop("TRITON_INTERPRET", None)
+    main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parent.parent / "generated" / "manifest")
