@@ -75,7 +75,7 @@ class HeadLoss(torch.nn.Module):
         self._bound = tuple((t.name, bind(t, head), t in metrics) for t in head)
         self._weights = {t.name: t.weight for t in terms}
         self._launches: dict[tuple[bool, bool], tuple[Launch, ...]] = {}
-        self.checks = DeviceChecks()
+        self.checks = DeviceChecks(ignore_index)
         self.spec_text = "\n".join(
             [f"{'metric' if m else 'loss'} {n} {sp.srepr(f)}" for n, f, m in self._bound]
             + [f"softcap {softcap is not None}"])

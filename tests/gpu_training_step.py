@@ -4,8 +4,8 @@ Checks, each printed as a line of the table at the end (the script exits 1 if on
 - the default call (validate=True) makes no host sync: fwd+bwd under set_sync_debug_mode("error");
 - a bad label makes that call's loss NaN and raises at the head's next call, naming the value;
 - a default call, forward and backward, captured in a CUDA graph and replayed equals eager;
-- inplace_backward=True lowers the peak memory of logits = hidden @ W.T -> head -> backward by
-  about the logits' size (torch.cuda.max_memory_allocated);
+- inplace_backward=True lowers the peak memory of a head's forward + backward by the logits' size
+  (torch.cuda.max_memory_allocated), also reported for logits = hidden @ W.T -> head -> backward;
 - torch.compile(fullgraph=True) with Inductor: gradients equal eager, and the compiled step's time
   beside eager's.
 """
@@ -22,6 +22,12 @@ import triton
 import losscodegen as lcg
 
 results: list[tuple[str, bool, str]] = []
+
+
+def same(a: torch.Tensor, b: torch.Tensor, exact: bool) -> bool:
+    """Equal, or for heads with segment terms (summed per segment by float atomics, in no fixed
+    order) equal up to fp32 rounding."""
+    return torch.equal(a, b) if exact else torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-7)
 
 
 def check(name: str, ok: bool, detail: str = "") -> None:
@@ -112,39 +118,52 @@ def cuda_graph(R, V, g):
         ex = fresh.clone().requires_grad_()
         ref = head(ex, y, **kw)
         ref.loss.backward()
-        same = torch.equal(replay_loss, ref.loss) and torch.equal(replay_grad, ex.grad)
-        check(f"CUDA graph replay equals eager: {name}", same,
+        exact = not head.kernel.SEGMENTS
+        ok = same(replay_loss, ref.loss, exact) and same(replay_grad, ex.grad, exact)
+        check(f"CUDA graph replay equals eager: {name}", ok,
               f"loss {replay_loss.item():.6f} vs {ref.loss.item():.6f}")
         del graph, out, x, ex
 
 
+def _peak(step) -> float:
+    """GB allocated above what was allocated before ``step`` (run once before, to warm up)."""
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 1e9
+
+
 def inplace_memory(R, V, H, g):
+    y = torch.randint(0, V, (R,), device="cuda", generator=g)
+    logits = torch.randn(R, V, device="cuda", generator=g).bfloat16()
     hidden = (torch.randn(R, H, device="cuda", generator=g) * 0.05).bfloat16().requires_grad_()
     weight = (torch.randn(V, H, device="cuda", generator=g) * 0.05).bfloat16().requires_grad_()
-    y = torch.randint(0, V, (R,), device="cuda", generator=g)
     peaks, grads = {}, {}
     for inplace in (False, True):
         head = lcg.HeadLoss(lcg.CrossEntropy(), metrics=(lcg.Entropy(),), inplace_backward=inplace)
 
-        def step():
+        def alone():  # the head on logits it may overwrite; the gradient stays in x.grad
+            x = logits.clone().requires_grad_()
+            head(x, y).loss.backward()
+            grads[inplace] = x.grad
+
+        def linear():
             hidden.grad = weight.grad = None
             head(hidden @ weight.t(), y).loss.backward()
-        step()
-        hidden.grad = weight.grad = None
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        step()
-        torch.cuda.synchronize()
-        peaks[inplace] = (torch.cuda.max_memory_allocated() - base) / 1e9
-        grads[inplace] = (hidden.grad.clone(), weight.grad.clone())
+        x_gb = R * V * 2 / 1e9      # the clone of the logits, an input here
+        peaks[inplace] = (_peak(alone) - x_gb, _peak(linear))
     logits_gb = R * V * 2 / 1e9
-    same = all(torch.equal(a, b) for a, b in zip(grads[False], grads[True]))
-    check("inplace_backward: peak memory drops by the logits' size",
-          peaks[False] - peaks[True] > 0.9 * logits_gb and same,
-          f"{R}x{H}x{V} bf16: peak above inputs {peaks[False]:.2f} GB -> {peaks[True]:.2f} GB "
-          f"(logits {logits_gb:.2f} GB), same grads {same}")
-    return dict(peak_gb=peaks[False], peak_inplace_gb=peaks[True], logits_gb=logits_gb)
+    drop = peaks[False][0] - peaks[True][0]
+    equal = torch.equal(grads[False], grads[True])
+    check("inplace_backward: peak memory drops by the logits' size", drop > 0.95 * logits_gb and equal,
+          f"{R}x{V} bf16 head fwd+bwd above its logits: {peaks[False][0]:.2f} -> {peaks[True][0]:.2f} GB "
+          f"(logits {logits_gb:.2f} GB); through hidden @ W.T (H={H}): {peaks[False][1]:.2f} -> "
+          f"{peaks[True][1]:.2f} GB; same grads {equal}")
+    return dict(head_peak_gb=peaks[False][0], head_peak_inplace_gb=peaks[True][0],
+                linear_peak_gb=peaks[False][1], linear_peak_inplace_gb=peaks[True][1], logits_gb=logits_gb)
 
 
 def compiled_vs_eager(R, V, g):
@@ -162,7 +181,8 @@ def compiled_vs_eager(R, V, g):
         g_c, x.grad = x.grad.clone(), None
         ref = head(x, y, **kw)
         ref.loss.backward()
-        same = torch.equal(g_c, x.grad) and torch.equal(loss, ref.loss)
+        exact = not head.kernel.SEGMENTS
+        equal = same(g_c, x.grad, exact) and same(loss, ref.loss, exact)
 
         def run(fn):
             def once():
@@ -170,9 +190,9 @@ def compiled_vs_eager(R, V, g):
                 fn(x, y, kw)[0].backward()
             return triton.testing.do_bench(once, warmup=25, rep=200, return_mode="median")
         t_eager, t_comp = run(step), run(compiled)
-        check(f"torch.compile(fullgraph) = eager: {name}", same and t_comp <= 1.05 * t_eager,
-              f"grads equal {same}; eager {t_eager:.3f} ms, compiled {t_comp:.3f} ms")
-        out[name] = dict(eager_ms=t_eager, compiled_ms=t_comp, grads_equal=same)
+        check(f"torch.compile(fullgraph) = eager: {name}", equal and t_comp <= 1.05 * t_eager,
+              f"grads equal {equal}; eager {t_eager:.3f} ms, compiled {t_comp:.3f} ms")
+        out[name] = dict(eager_ms=t_eager, compiled_ms=t_comp, grads_equal=equal)
     return out
 
 
