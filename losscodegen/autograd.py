@@ -86,9 +86,10 @@ def _head_op(head_id: str, logits: torch.Tensor, labels: Optional[torch.Tensor],
              reduction: str, process_group: Optional[str], segment_group: Optional[str],
              grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     head = head_of(head_id)
-    call = Call(rows_view(logits.detach(), logits.shape[-1]), tuple(logits.shape[:-1]), labels, loss_mask,
-                teacher, tuple(tokens), topk_ids, topk_logprobs, segment_ids, num_segments, divisor,
-                reduction, collectives.resolve(process_group), collectives.resolve(segment_group))
+    call = Call(tuple(logits.shape[:-1]), logits.shape[-1], logits.device,
+                rows_view(logits.detach(), logits.shape[-1]), labels, loss_mask, teacher, tuple(tokens),
+                topk_ids, topk_logprobs, segment_ids, num_segments, divisor, reduction,
+                collectives.resolve(process_group), collectives.resolve(segment_group))
     # Inductor may reuse the logits' memory once the op has read them: the gradient gets its own.
     loss, values, grad_buf = launch.run(head, call, grad=grad, inplace=False)
     return loss.clone(), values, _keep(grad_buf)  # (outputs of an op never alias each other)

@@ -43,13 +43,15 @@ class HeadLoss(torch.nn.Module):
     """Several loss terms and metrics over the same logits, computed by one generated kernel.
 
     ``HeadLoss(*terms, metrics=(), ignore_index=-100, logit_scale=1.0, softcap=None, validate=True,
-    inplace_backward=False)``; call it with ``logits [..., V]``, ``labels [...]`` and the keyword
-    inputs the terms need (docs/api.md), or use ``head.linear(hidden, weight, labels, ...)``.
+    inplace_backward=False, linear_chunk_bytes=400 MiB)``; call it with ``logits [..., V]``,
+    ``labels [...]`` and the keyword inputs the terms need (docs/api.md), or use
+    ``head.linear(hidden, weight, labels, ...)``, whose chunks of logits take at most
+    ``linear_chunk_bytes``.
     """
 
     def __init__(self, *terms: Term, metrics: tuple[Term, ...] = (), ignore_index: int = -100,
                  logit_scale: float = 1.0, softcap: float | None = None, validate: bool = True,
-                 inplace_backward: bool = False):
+                 inplace_backward: bool = False, linear_chunk_bytes: int = 400 * 2**20):
         super().__init__()
         metrics = tuple(metrics)
         for t in terms + metrics:
@@ -71,6 +73,9 @@ class HeadLoss(torch.nn.Module):
         self.loss_terms, self.metric_terms = terms, metrics
         self.ignore_index, self.logit_scale, self.softcap = ignore_index, float(logit_scale), softcap
         self.validate, self.inplace_backward = bool(validate), bool(inplace_backward)
+        if isinstance(linear_chunk_bytes, bool) or not isinstance(linear_chunk_bytes, int) or linear_chunk_bytes < 1:
+            raise ValueError(f"linear_chunk_bytes must be a positive int, got {linear_chunk_bytes!r}")
+        self.linear_chunk_bytes = linear_chunk_bytes
         head = terms + metrics
         self._bound = tuple((t.name, bind(t, head), t in metrics) for t in head)
         self._weights = {t.name: t.weight for t in terms}

@@ -5,6 +5,7 @@ device): values are checked by the kernel itself (see ``validation.py``).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable
@@ -24,11 +25,14 @@ _POLICY_TOKENS = ("advantages", "old_logprobs", "ref_logprobs")
 
 @dataclass
 class Call:
-    """One call's inputs, checked: per-row tensors flat over the rows, the logits (and teacher) as
-    ``[rows, V_local]`` views with unit column stride."""
+    """One call's inputs, checked: per-row tensors flat over the rows; the logits (and the teacher's)
+    as ``[rows, V_local]`` views with unit column stride, or None under ``head.linear`` (which
+    makes them a chunk of rows at a time)."""
 
-    x: torch.Tensor
     shape: tuple[int, ...]                  # the rows' shape (the labels' shape)
+    V_local: int                            # this rank's vocabulary columns
+    device: torch.device
+    x: torch.Tensor | None
     labels: torch.Tensor | None             # int64 [rows]
     mask: torch.Tensor | None               # bool [rows]
     teacher: torch.Tensor | None            # [rows, V_local], detached
@@ -37,35 +41,24 @@ class Call:
     topk_logprobs: torch.Tensor | None      # fp32 [rows, K]
     segment_ids: torch.Tensor | None        # int64 [rows]
     num_segments: int | None
-    divisor: torch.Tensor | None            # fp32 0-d on the logits' device
+    divisor: torch.Tensor | None            # fp32 0-d on the device
     reduction: str
     group: Any = None                       # vocab-parallel process group
     segment_group: Any = None               # sequence-parallel group for segment terms
 
     @property
     def rows(self) -> int:
-        return self.x.shape[0]
+        return math.prod(self.shape)
 
 
 def check_call(head, kernel: ModuleType, logits: Any, labels: Any, inputs: dict[str, Any]) -> Call:
     """Check ``head(logits, labels, **inputs)`` against what the head's kernel reads."""
-    unknown = set(inputs) - set(STANDARD_INPUTS) - set(kernel.TOKENS) - set(_POLICY_TOKENS)
-    if unknown:
-        raise TypeError(f"HeadLoss got unexpected keyword argument(s) {sorted(unknown)}")
-    reduction = inputs.get("reduction", "mean")
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    if kernel.SEGMENTS and reduction == "none":
-        raise ValueError(f"reduction='none' has no per-row value for segment terms {kernel.SEGMENTS}")
     x, shape = check_logits(logits)
     if head.inplace_backward and not torch.compiler.is_compiling() \
             and x.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr():
         raise ValueError("inplace_backward=True needs logits whose rows can be viewed as [rows, V] "
                          f"with unit column stride (got strides {logits.stride()}); pass .contiguous() "
                          "logits")
-    dev = x.device
-    labels = check_rowwise("labels", labels, shape, dev, integer=True, required=kernel.USES_LABELS,
-                           needed_by=head.terms_reading)
     teacher = None
     if kernel.USES_TEACHER:
         teacher = inputs.get("teacher_logits")
@@ -74,10 +67,27 @@ def check_call(head, kernel: ModuleType, logits: Any, labels: Any, inputs: dict[
         if not isinstance(teacher, torch.Tensor) or teacher.shape != logits.shape:
             raise ValueError(f"teacher_logits must have the logits' shape {tuple(logits.shape)}, "
                              f"got {getattr(teacher, 'shape', type(teacher).__name__)}")
-        if teacher.dtype not in _FLOATS or teacher.device != dev:
-            raise TypeError(f"teacher_logits must be a float tensor on {dev}, got "
+        if teacher.dtype not in _FLOATS or teacher.device != x.device:
+            raise TypeError(f"teacher_logits must be a float tensor on {x.device}, got "
                             f"{teacher.dtype} on {teacher.device}")
         teacher = rows_view(teacher.detach(), x.shape[1])
+    return check_rows(head, kernel, shape, x.shape[1], x.device, labels, inputs, x=x, teacher=teacher)
+
+
+def check_rows(head, kernel: ModuleType, shape: tuple[int, ...], V_local: int, dev: torch.device,
+               labels: Any, inputs: dict[str, Any], *, x: torch.Tensor | None = None,
+               teacher: torch.Tensor | None = None) -> Call:
+    """Every input but the logits and the teacher's: the per-row ones shaped like ``shape``."""
+    unknown = set(inputs) - set(STANDARD_INPUTS) - set(kernel.TOKENS) - set(_POLICY_TOKENS)
+    if unknown:
+        raise TypeError(f"HeadLoss got unexpected keyword argument(s) {sorted(unknown)}")
+    reduction = inputs.get("reduction", "mean")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if kernel.SEGMENTS and reduction == "none":
+        raise ValueError(f"reduction='none' has no per-row value for segment terms {kernel.SEGMENTS}")
+    labels = check_rowwise("labels", labels, shape, dev, integer=True, required=kernel.USES_LABELS,
+                           needed_by=head.terms_reading)
     topk_ids = topk_logprobs = None
     if kernel.USES_TOPK:
         topk_ids, topk_logprobs = check_topk(inputs, shape, dev, head.terms_reading)
@@ -91,7 +101,7 @@ def check_call(head, kernel: ModuleType, logits: Any, labels: Any, inputs: dict[
                                          or num_segments < 0):
             raise ValueError(f"num_segments must be a non-negative int, got {num_segments!r}")
     return Call(
-        x=x, shape=shape, labels=labels,
+        shape=shape, V_local=V_local, device=dev, x=x, labels=labels,
         mask=check_rowwise("loss_mask", inputs.get("loss_mask"), shape, dev, boolean=True),
         teacher=teacher,
         tokens=tuple(check_rowwise(name, inputs.get(name), shape, dev, required=True,

@@ -122,12 +122,12 @@ class Launcher:
         self.head, self.call, self.flags = head, call, flags
         self.gathered: torch.Tensor | None = None  # all ranks' packed stats, after a "gather"
         self.world, rank = collectives.group_info(call.group)
-        self.V_local = call.x.shape[1]
+        self.V_local = call.V_local
         self.vocab_start, self.vocab = rank * self.V_local, self.V_local * self.world
         self.launches = head.launches(sharded=call.group is not None, grad=grad)
         self.n_seg = segments.count(call, head.ignore_index) if k.SEGMENTS else 0
         self.ws = Workspace.make(k, call.rows, per_row=call.reduction == "none",
-                                 keep_stats=len(self.launches) > 1, n_seg=self.n_seg, device=call.x.device)
+                                 keep_stats=len(self.launches) > 1, n_seg=self.n_seg, device=call.device)
         if call.divisor is None and call.reduction != "sum" and head.has_row_outputs:
             _count_valid[(triton.cdiv(call.rows, _BLOCK_COUNT),)](
                 call.labels, call.mask, call.rows, head.ignore_index, self.ws.t, k.COUNT,
@@ -146,8 +146,19 @@ class Launcher:
                 self.gathered = gathered
             elif launch.then == "sum_exact":
                 collectives.all_reduce(self.ws.exact(row_offset, row_offset + x.shape[0]), self.call.group)
-            elif launch.then == "segments":
-                segments.run(self.k, self.head, self.call, self.ws, self.n_seg)
+
+    def passes(self) -> tuple[tuple[Launch, ...], tuple[Launch, ...]]:
+        """The launches before the segment step (it needs every row's values: all chunks of rows
+        go through the first part before it), and those after it."""
+        cut = next((i + 1 for i, launch in enumerate(self.launches) if launch.then == "segments"),
+                   len(self.launches))
+        return self.launches[:cut], self.launches[cut:]
+
+    def segments(self) -> None:
+        """The segment step, between the passes: the segment kernel (after summing the segments
+        over ``segment_group``)."""
+        if self.k.SEGMENTS:
+            segments.run(self.k, self.head, self.call, self.ws, self.n_seg)
 
     def _launch(self, launch: Launch, x, teacher, grad, row_offset: int) -> None:
         k, call, ws, head = self.k, self.call, self.ws, self.head
@@ -178,13 +189,16 @@ class Launcher:
 def run(head, call, *, grad: bool, inplace: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One call on whole logits: (loss, values of the outputs, gradient buffer or None). With
     ``inplace`` the gradient buffer is the logits' own storage."""
-    device = call.x.device
+    device = call.device
     flags = head.checks.before(device) if head.validate else None
     launcher = Launcher(head, call, grad=grad, flags=flags)
     grad_buf = None
     if grad:
         grad_buf = call.x if inplace else torch.empty_like(call.x)
-    launcher.run(launcher.launches, call.x, call.teacher, grad_buf)
+    first, second = launcher.passes()
+    launcher.run(first, call.x, call.teacher, grad_buf)
+    launcher.segments()
+    launcher.run(second, call.x, call.teacher, grad_buf)
     if flags is not None:
         head.checks.after(device, launcher.vocab, launcher.n_seg)
     return launcher.ws.loss(call), launcher.ws.values(), grad_buf

@@ -126,7 +126,13 @@ def head_reference(terms, metrics, logits, labels=None, *, ignore_index=-100, lo
     """``terms``/``metrics``: lists of (name, params, weight). Returns (loss, {name: value}, grad)."""
     V = logits.shape[-1]
     rows_shape = logits.shape[:-1]
-    x = logits.detach().double().reshape(-1, V).requires_grad_()
+    # logits that are part of a graph (a float64 linear layer) keep it: the backward below then
+    # also fills the gradients of what produced them
+    if logits.requires_grad:
+        x = logits.double().reshape(-1, V)
+        x.retain_grad()
+    else:
+        x = logits.detach().double().reshape(-1, V).requires_grad_()
     z = transform(x, logit_scale, softcap)
     R = z.shape[0]
     y = labels.reshape(-1) if labels is not None else torch.zeros(R, dtype=torch.long, device=z.device)

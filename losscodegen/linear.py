@@ -1,0 +1,225 @@
+"""Fused linear heads: ``head.linear(hidden, weight, labels, ...)`` is the head on
+``hidden @ weight.T + bias`` without the ``[rows, V]`` logits ever existing whole.
+
+The rows go through in chunks. For each chunk cuBLAS writes the chunk's logits (and the teacher's)
+into one buffer that every chunk reuses; the head's kernel overwrites them with dL/dlogits; two more
+products write the chunk's rows of dL/dhidden and add its share to dL/dweight (and dL/dbias). So the
+forward ends with every gradient known, and backward only scales them by the upstream gradient, as
+``head(...)`` does. Peak memory above the inputs: the gradients, plus one chunk of logits.
+
+- Segment terms need every row's values before any gradient: a first pass over the chunks writes
+  the rows' values and segment sums, the segment kernel runs, and a second pass computes each
+  chunk's logits again for its gradient (one more product of the logits' size).
+- ``reduction="none"`` has an upstream gradient per row, which must scale dL/dlogits before the
+  products that mix rows: the forward computes values only, and backward runs the chunks again.
+- Vocab-parallel: ``weight`` (and bias, teacher weight and bias) hold this rank's vocabulary rows; the
+  packed stats are exchanged once per chunk, and dL/dhidden is all-reduced over the group once.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import collectives
+from .inputs import check_logits, check_rows
+from .launch import Launcher, scale_rows
+
+_MIN_CHUNK = 256
+
+
+@dataclass
+class _Gradients:
+    hidden: torch.Tensor | None    # [rows, H]
+    weight: torch.Tensor | None    # [V_local, H]
+    bias: torch.Tensor | None      # [V_local], fp32 while accumulating
+
+
+@dataclass
+class _Fused:
+    """One call of ``head.linear``, checked: everything needed to run its chunks (twice, under
+    ``reduction="none"``)."""
+
+    head: Any
+    call: Any
+    hidden: torch.Tensor                 # [rows, H]
+    weight: torch.Tensor                 # [V_local, H]
+    bias: torch.Tensor | None
+    teacher_hidden: torch.Tensor | None  # [rows, H_t], detached
+    teacher_weight: torch.Tensor | None
+    teacher_bias: torch.Tensor | None
+    chunk: int
+
+    def run(self, *, grad: tuple[bool, bool, bool] | None, upstream: torch.Tensor | None = None):
+        """(loss, values, gradients or None). ``grad``: which of hidden, weight, bias want one;
+        ``upstream``: per-row upstream gradients to apply before the products (reduction="none")."""
+        head, call, dev = self.head, self.call, self.hidden.device
+        flags = head.checks.before(dev) if head.validate else None
+        launcher = Launcher(head, call, grad=grad is not None, flags=flags)
+        grads = self._gradients(grad) if grad is not None else None
+        buf = torch.empty(self.chunk, call.V_local, dtype=self.hidden.dtype, device=dev)
+        tbuf = None if self.teacher_hidden is None else \
+            torch.empty(self.chunk, call.V_local, dtype=self.teacher_hidden.dtype, device=dev)
+        first, second = launcher.passes()
+        for launches, last in ((first, not second), (second, True)):
+            if not launches:
+                continue
+            for start in range(0, call.rows, self.chunk):
+                stop = min(start + self.chunk, call.rows)
+                x = _affine(self.hidden[start:stop], self.weight, self.bias, buf[:stop - start])
+                t = None if tbuf is None else _affine(self.teacher_hidden[start:stop], self.teacher_weight,
+                                                      self.teacher_bias, tbuf[:stop - start])
+                with_grad = grads is not None and last
+                launcher.run(launches, x, t, x if with_grad else None, row_offset=start)
+                if with_grad:
+                    if upstream is not None:
+                        scale_rows(x, upstream[start:stop])
+                    self._add(grads, x, start, stop)
+            if launches is first:
+                launcher.segments()
+        if grads is not None:
+            if grads.hidden is not None and call.group is not None:
+                collectives.all_reduce(grads.hidden, call.group)
+            if grads.bias is not None:
+                grads.bias = grads.bias.to(self.bias.dtype)
+        if flags is not None:
+            head.checks.after(dev, launcher.vocab, launcher.n_seg)
+        return launcher.ws.loss(call), launcher.ws.values(), grads
+
+    def _gradients(self, want: tuple[bool, bool, bool]) -> _Gradients:
+        h, w, b = want
+        return _Gradients(torch.empty_like(self.hidden) if h else None,
+                          torch.empty_like(self.weight) if w else None,
+                          torch.zeros(self.weight.shape[0], device=self.weight.device) if b else None)
+
+    def _add(self, grads: _Gradients, dlogits: torch.Tensor, start: int, stop: int) -> None:
+        """A chunk's dL/dlogits into the gradients: its rows of dL/dhidden, its share of the others."""
+        if grads.hidden is not None:
+            torch.mm(dlogits, self.weight, out=grads.hidden[start:stop])
+        if grads.weight is not None:
+            if start == 0:
+                torch.mm(dlogits.t(), self.hidden[start:stop], out=grads.weight)
+            else:
+                grads.weight.addmm_(dlogits.t(), self.hidden[start:stop])
+        if grads.bias is not None:
+            grads.bias += dlogits.sum(0, dtype=torch.float32)
+
+
+def _affine(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """``h @ w.T + b`` written into ``out``."""
+    if b is None:
+        return torch.mm(h, w.t(), out=out)
+    return torch.addmm(b, h, w.t(), out=out)
+
+
+class _LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, fused):
+        want = tuple(ctx.needs_input_grad[:3])
+        ctx.fused, ctx.want, ctx.shape = fused, want, hidden.shape
+        if fused.call.reduction == "none":
+            loss, values, _ = fused.run(grad=None)
+            ctx.grads = None
+        else:
+            loss, values, ctx.grads = fused.run(grad=want)
+        ctx.mark_non_differentiable(values)
+        ctx.set_materialize_grads(False)
+        return loss, values
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_values):
+        if grad_loss is None:
+            return None, None, None, None
+        if ctx.fused.call.reduction == "none":
+            grads = ctx.fused.run(grad=ctx.want, upstream=grad_loss.reshape(-1))[2]
+        else:
+            grads, ctx.grads = ctx.grads, None
+            if grads is None:
+                raise RuntimeError("HeadLoss.linear: backward ran twice through the same call; its "
+                                   "gradients are consumed by the first (call it again instead)")
+            for g in (grads.hidden, grads.weight, grads.bias):
+                if g is not None:
+                    scale_rows(g.view(-1, g.shape[-1]), grad_loss)
+        return (None if grads.hidden is None else grads.hidden.view(ctx.shape), grads.weight, grads.bias, None)
+
+
+def run(head, hidden, weight, labels, bias, teacher_hidden, teacher_weight, teacher_bias, chunk_rows,
+        inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    fused = _check(head, hidden, weight, labels, bias, teacher_hidden, teacher_weight, teacher_bias,
+                   chunk_rows, inputs)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
+        return _LinearFunction.apply(hidden, weight, bias, fused)
+    loss, values, _ = fused.run(grad=None)
+    return loss, values
+
+
+def _check(head, hidden, weight, labels, bias, teacher_hidden, teacher_weight, teacher_bias, chunk_rows,
+           inputs) -> _Fused:
+    k = head.kernel
+    if "teacher_logits" in inputs:
+        raise TypeError("head.linear takes the teacher as teacher_hidden= and teacher_weight= "
+                        "(teacher logits are made a chunk at a time), not teacher_logits=")
+    h, shape = check_logits(hidden, "hidden")
+    w = _check_weight("weight", weight, h)
+    b = _check_bias("bias", bias, w)
+    th = tw = tb = None
+    if k.USES_TEACHER:
+        if teacher_hidden is None or teacher_weight is None:
+            raise ValueError("teacher_hidden and teacher_weight are required by "
+                             + head.terms_reading("teacher_logits"))
+        th, t_shape = check_logits(teacher_hidden, "teacher_hidden")
+        if t_shape != shape:
+            raise ValueError(f"teacher_hidden must have hidden's rows {shape}, got {t_shape}")
+        th = th.detach()
+        tw = _check_weight("teacher_weight", teacher_weight, th).detach()
+        if tw.shape[0] != w.shape[0]:
+            raise ValueError(f"teacher_weight must have weight's {w.shape[0]} vocabulary rows, got "
+                             f"{tw.shape[0]}")
+        tb = _check_bias("teacher_bias", teacher_bias, tw)
+        tb = None if tb is None else tb.detach()
+    elif teacher_hidden is not None or teacher_weight is not None:
+        raise ValueError("teacher_hidden/teacher_weight given, but no term of this head reads a teacher")
+    call = check_rows(head, k, shape, w.shape[0], h.device, labels, inputs)
+    per_row = w.shape[0] * (h.element_size() + (th.element_size() if th is not None else 0))
+    return _Fused(head, call, h, w, b, th, tw, tb, _chunk_rows(head, chunk_rows, call.rows, per_row, h.device))
+
+
+def _check_weight(name: str, weight: Any, hidden: torch.Tensor) -> torch.Tensor:
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"{name} must be a [V, H] tensor, got {getattr(weight, 'shape', type(weight).__name__)}")
+    if weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"{name} is [V, H] with H = {weight.shape[1]}, but the hidden states have "
+                         f"H = {hidden.shape[1]}")
+    if weight.dtype != hidden.dtype or weight.device != hidden.device:
+        raise TypeError(f"{name} must have the hidden states' dtype and device ({hidden.dtype} on "
+                        f"{hidden.device}), got {weight.dtype} on {weight.device}")
+    return weight
+
+
+def _check_bias(name: str, bias: Any, weight: torch.Tensor) -> torch.Tensor | None:
+    if bias is None:
+        return None
+    if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"{name} must be [V] = [{weight.shape[0]}], got "
+                         f"{tuple(getattr(bias, 'shape', ())) or type(bias).__name__}")
+    if bias.dtype != weight.dtype or bias.device != weight.device:
+        raise TypeError(f"{name} must have the weight's dtype and device ({weight.dtype} on {weight.device}), "
+                        f"got {bias.dtype} on {bias.device}")
+    return bias
+
+
+def _chunk_rows(head, chunk_rows: Any, rows: int, bytes_per_row: int, device: torch.device) -> int:
+    """``chunk_rows``, else as many rows as the chunk budget (``head.linear_chunk_bytes``, and a
+    quarter of the free device memory) holds, evened out over the chunks."""
+    if chunk_rows is not None:
+        if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
+            raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
+        return min(chunk_rows, max(rows, 1))
+    budget = head.linear_chunk_bytes
+    if device.type == "cuda":
+        budget = min(budget, torch.cuda.mem_get_info(device)[0] // 4)
+    fit = max(budget // max(bytes_per_row, 1), _MIN_CHUNK)
+    n_chunks = max(math.ceil(rows / fit), 1)
+    return max(min(math.ceil(rows / n_chunks / 16) * 16, rows), 1)
