@@ -1,11 +1,21 @@
-"""GPU check and benchmark (not collected by pytest): parity at a realistic size, then timings.
+"""The benchmark (GPU; not collected by pytest): losscodegen beside its peers, in one process.
 
-    python tests/gpu_bench.py [--rows 4096] [--vocab 128256] [--bench-rows 8192] [--out DIR]
-                              [--no-compile] [--sweep-tiles]
+    python tests/gpu_bench.py [--parity] [--logits] [--linear] [--quick] [--out DIR]
 
-Parity: bf16 logits, every head's loss/terms/metrics and gradient vs the float64 reference of
-tests/reference.py (on the GPU). Timing: forward + backward (gradient written), median of
-triton.testing.do_bench, against torch.compile of the same formulas in fp32.
+--parity  every head's loss, terms, metrics and gradient at 4096 x 128256 bf16 against the float64
+          reference of tests/reference.py.
+--logits  forward + backward on bf16 logits: CE, GRPO + entropy + clip fraction, CE + z + 0.5 FKL +
+          entropy, JSD, at 4096 x 32000, 8192 x 128256 and 4096 x 262144; losscodegen's default call
+          and validate=False, against torch eager, torch.compile and Liger (when installed).
+--linear  fused linear heads, forward + backward with the gradients of hidden and weight: CE at
+          8192 x 4096 x 128256 and 8192 x 2048 x 262144, GRPO + entropy and CE + z + 0.5 FKL (a
+          teacher weight of the same shape) at 8192 x 4096 x 128256; against torch eager,
+          torch.compile, Liger's fused linear CE and Apple's Cut Cross-Entropy (when installed).
+          Also the fused path's precision against an fp32 reference, beside the unfused bf16 one.
+
+Times are medians of triton.testing.do_bench; peak_GB is torch.cuda.max_memory_allocated above what
+was allocated before the call (inputs included there). Everything goes to DIR/perf.json as records
+{workload, shape, impl, ms, peak_GB}, and, with matplotlib, DIR/perf.png.
 """
 from __future__ import annotations
 
@@ -13,7 +23,7 @@ import argparse
 import json
 import os
 import sys
-import time
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -21,231 +31,343 @@ import triton
 
 sys.path.insert(0, os.path.dirname(__file__))
 import losscodegen as lcg  # noqa: E402
-from reference import head_reference  # noqa: E402
 from helpers import spec  # noqa: E402
+from reference import head_reference  # noqa: E402
+
+records: list[dict] = []
 
 
-def heads():
-    return {
-        "CE": (lcg.HeadLoss(lcg.CrossEntropy()), set()),
-        "CE+z+entropy+acc": (lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(weight=1e-4),
-                                          metrics=(lcg.Entropy(), lcg.TokenAccuracy())), set()),
-        "CE+z+0.5FKL+entropy": (lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(weight=1e-4),
-                                             lcg.ForwardKL(weight=0.5), metrics=(lcg.Entropy(),)),
-                                {"teacher"}),
-        "GRPO+entropy+clip": (lcg.HeadLoss(lcg.GRPO(), metrics=(lcg.Entropy(), lcg.ClipFraction())),
-                              {"policy"}),
-        "GSPO (segments of 256)": (lcg.HeadLoss(lcg.GSPO()), {"policy", "segments"}),
-    }
+def measure(fn: Callable[[], None], rep_ms: int = 300) -> tuple[float, float]:
+    """(median ms, peak GB above what was allocated before a call)."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 1e9
+    return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"), peak
 
 
-def inputs(R, V, needs, seed=0):
+def record(workload: str, shape: str, impl: str, fn: Callable[[], None], rep_ms: int = 300) -> None:
+    try:
+        ms, peak = measure(fn, rep_ms)
+    except Exception as e:  # a peer that fails or runs out of memory at a shape is reported, not fatal
+        print(f"  {workload} {shape} {impl}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+        ms = peak = float("nan")
+    records.append(dict(workload=workload, shape=shape, impl=impl, ms=ms, peak_GB=peak))
+    print(f"  {workload:28s} {shape:22s} {impl:24s} {ms:9.3f} ms {peak:7.2f} GB", flush=True)
+    torch.cuda.empty_cache()
+
+
+def optional(module: str):
+    try:
+        return __import__(module, fromlist=["_"])
+    except Exception as e:
+        print(f"({module} not available: {type(e).__name__})", flush=True)
+        return None
+
+
+# ---- the formulas in plain torch: the eager and torch.compile peers ---------------------------
+def _valid_mean(per_row, v):
+    return torch.where(v, per_row, 0).sum() / v.sum().clamp_min(1)
+
+
+def torch_ce(x, y, **_):
+    return F.cross_entropy(x.float(), y, ignore_index=-100)
+
+
+def torch_grpo(x, y, advantages, old_logprobs, **_):
+    logp = torch.log_softmax(x.float(), -1)
+    v = y != -100
+    r = torch.exp(logp.gather(1, y.clamp_min(0)[:, None])[:, 0] - old_logprobs)
+    per = -torch.min(r * advantages, r.clamp(0.8, 1.2) * advantages)
+    ent = _valid_mean(-(logp.exp() * logp).sum(-1), v)
+    clip = _valid_mean(((r < 0.8) | (r > 1.2)).float(), v)
+    return _valid_mean(per, v), ent.detach(), clip.detach()
+
+
+def torch_fkl_mix(x, y, teacher_logits, **_):
+    z = x.float()
+    v = y != -100
+    lse = torch.logsumexp(z, -1)
+    logp = z - lse[:, None]
+    logq = torch.log_softmax(teacher_logits.float(), -1)
+    ce = F.cross_entropy(z, y, ignore_index=-100)
+    kl = (logq.exp() * (logq - logp)).sum(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    return ce + 1e-4 * _valid_mean(lse ** 2, v) + 0.5 * _valid_mean(kl, v), _valid_mean(ent, v).detach()
+
+
+def torch_jsd(x, y, teacher_logits, **_):
+    logp, logq = torch.log_softmax(x.float(), -1), torch.log_softmax(teacher_logits.float(), -1)
+    logm = torch.logaddexp(logp, logq) - 0.6931471805599453
+    per = 0.5 * (logp.exp() * (logp - logm)).sum(-1) + 0.5 * (logq.exp() * (logq - logm)).sum(-1)
+    return _valid_mean(per, y != -100)
+
+
+LOGIT_WORKLOADS = {
+    "CE": (lambda: lcg.HeadLoss(lcg.CrossEntropy()), set(), torch_ce),
+    "GRPO+entropy+clip": (lambda: lcg.HeadLoss(lcg.GRPO(), metrics=(lcg.Entropy(), lcg.ClipFraction())),
+                          {"policy"}, torch_grpo),
+    "CE+z+0.5FKL+entropy": (lambda: lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(weight=1e-4),
+                                                 lcg.ForwardKL(weight=0.5), metrics=(lcg.Entropy(),)),
+                            {"teacher"}, torch_fkl_mix),
+    "JSD": (lambda: lcg.HeadLoss(lcg.JSD()), {"teacher"}, torch_jsd),
+}
+LOGIT_SHAPES = [(4096, 32000), (8192, 128256), (4096, 262144)]
+
+
+def logit_inputs(R, V, needs, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    x = (torch.randn(R, V, device="cuda", generator=g) * 2).to(torch.bfloat16)
+    x = (torch.randn(R, V, device="cuda", generator=g) * 2).bfloat16()
     y = torch.randint(0, V, (R,), device="cuda", generator=g)
     y[::7] = -100
     kw = {}
     if "teacher" in needs:
-        kw["teacher_logits"] = (torch.randn(R, V, device="cuda", generator=g) * 2).to(torch.bfloat16)
+        kw["teacher_logits"] = (torch.randn(R, V, device="cuda", generator=g) * 2).bfloat16()
     if "policy" in needs:
         with torch.no_grad():
-            l = torch.log_softmax(x.float(), -1).gather(1, y.clamp_min(0)[:, None])[:, 0]
-        kw["old_logprobs"] = l + 0.3 * torch.randn(R, device="cuda", generator=g)
+            lp = torch.log_softmax(x.float(), -1).gather(1, y.clamp_min(0)[:, None])[:, 0]
+        kw["old_logprobs"] = lp + 0.3 * torch.randn(R, device="cuda", generator=g)
         kw["advantages"] = torch.randn(R, device="cuda", generator=g)
-    if "segments" in needs:
-        kw["old_logprobs"] = l + 0.001 * torch.randn(R, device="cuda", generator=g)  # inside the clip
-        kw["segment_ids"] = torch.arange(R, device="cuda") // 256
-        kw["num_segments"] = (R + 255) // 256
     return x, y, kw
 
 
-def parity(R, V):
+def liger_logits(name, liger):
+    """Liger's function for a workload on logits, as a user would call it; None where it has none."""
+    if liger is None:
+        return None
+    if name == "CE":
+        from liger_kernel.transformers.cross_entropy import LigerCrossEntropyLoss
+        ce = LigerCrossEntropyLoss()
+        return lambda x, y, **_: ce(x, y)
+    if name == "JSD":
+        from liger_kernel.transformers.jsd import LigerJSD
+        jsd = LigerJSD(beta=0.5)
+        return lambda x, y, teacher_logits, **_: jsd(torch.log_softmax(x.float(), -1),
+                                                     torch.log_softmax(teacher_logits.float(), -1), y)
+    if name == "GRPO+entropy+clip":
+        from liger_kernel.transformers.grpo_loss import triton_grpo_loss
+
+        def grpo(x, y, advantages, old_logprobs, **_):
+            # (B, L+1, V) logits: the last row only closes the sequence, so L = R - 1 tokens are scored
+            return triton_grpo_loss(x[None], old_logprobs[None, :-1], None, y.clamp_min(0)[None, :-1],
+                                    advantages[:1], completion_mask=(y != -100)[None, :-1], temperature=1.0,
+                                    beta=0.0, eps_low=0.2, eps_high=0.2, inplace=False, reduce=True)[0]
+        return grpo
+    return None
+
+
+def bench_logits(quick: bool, liger):
+    print("\nlogits workloads, forward + backward, bf16:", flush=True)
+    shapes = LOGIT_SHAPES[1:2] if quick else LOGIT_SHAPES
+    for name, (make, needs, formula) in LOGIT_WORKLOADS.items():
+        for R, V in shapes:
+            shape = f"{R}x{V}"
+            x, y, kw = logit_inputs(R, V, needs, seed=1)
+            x.requires_grad_()
+            head = make()
+            head_noval = make()
+            head_noval.validate = False
+            compiled = torch.compile(formula)
+            impls = {"losscodegen": lambda: head(x, y, **kw).loss,
+                     "losscodegen validate=False": lambda: head_noval(x, y, **kw).loss,
+                     "torch eager": lambda: formula(x, y, **kw),
+                     "torch.compile": lambda: compiled(x, y, **kw)}
+            liger_fn = liger_logits(name, liger)
+            if liger_fn is not None:
+                impls["Liger"] = lambda: liger_fn(x, y, **kw)
+            for impl, fn in impls.items():
+                def step(fn=fn):
+                    x.grad = None
+                    out = fn()
+                    (out[0] if isinstance(out, tuple) else out).backward()
+                record(name, shape, impl, step)
+            records.append(dict(workload=name, shape=shape, impl="floor", peak_GB=0.0,
+                                ms=_floor(needs, R, V)))
+            del x, kw
+            torch.cuda.empty_cache()
+
+
+def _floor(needs, R, V, bandwidth=3.0e12):
+    """ms to read the logits (and the teacher's) once and write the gradient, at ``bandwidth``."""
+    return (6 if "teacher" in needs else 4) * R * V / bandwidth * 1e3
+
+
+# ---- fused linear heads ----------------------------------------------------------------------
+LINEAR_WORKLOADS = [("CE", 8192, 4096, 128256), ("CE", 8192, 2048, 262144),
+                    ("GRPO+entropy", 8192, 4096, 128256), ("CE+z+0.5FKL", 8192, 4096, 128256)]
+
+
+def linear_inputs(N, H, V, teacher: bool, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    hidden = (torch.randn(N, H, device="cuda", generator=g) * 0.5).bfloat16().requires_grad_()
+    weight = (torch.randn(V, H, device="cuda", generator=g) * H ** -0.5).bfloat16().requires_grad_()
+    y = torch.randint(0, V, (N,), device="cuda", generator=g)
+    y[::7] = -100
+    kw = {}
+    if teacher:
+        kw = dict(teacher_hidden=(torch.randn(N, H, device="cuda", generator=g) * 0.5).bfloat16(),
+                  teacher_weight=(torch.randn(V, H, device="cuda", generator=g) * H ** -0.5).bfloat16())
+    return hidden, weight, y, kw
+
+
+def linear_precision(N=4096, H=4096, V=128256):
+    """dL/dhidden and dL/dweight of the fused path and of the unfused bf16 path (logits in bf16, one
+    product for each gradient), each against fp32 autograd on the same inputs."""
+    hidden, weight, y, _ = linear_inputs(N, H, V, False, seed=3)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    h32, w32 = hidden.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
+    F.cross_entropy(h32 @ w32.t(), y, ignore_index=-100).backward()
+    head = lcg.HeadLoss(lcg.CrossEntropy())
+    out = {}
+    for name, run in (("losscodegen linear", lambda: head.linear(hidden, weight, y).loss),
+                      ("unfused bf16", lambda: head(hidden @ weight.t(), y).loss)):
+        hidden.grad = weight.grad = None
+        run().backward()
+        out[name] = {k: ((g.float() - r).norm() / r.norm()).item()
+                     for k, g, r in (("hidden", hidden.grad, h32.grad), ("weight", weight.grad, w32.grad))}
+    print(f"\nfused linear precision at {N}x{H}x{V} bf16 (relative Frobenius error against fp32):", flush=True)
+    for name, errs in out.items():
+        print(f"  {name:20s} dL/dhidden {errs['hidden']:.2e}  dL/dweight {errs['weight']:.2e}", flush=True)
+    return out
+
+
+def torch_linear(name):
+    def ce(h, w, y, **_):
+        return F.cross_entropy((h @ w.t()).float(), y, ignore_index=-100)
+
+    def grpo(h, w, y, advantages, old_logprobs, **_):
+        return torch_grpo(h @ w.t(), y, advantages, old_logprobs)[:2]
+
+    def fkl(h, w, y, teacher_hidden, teacher_weight, **_):
+        return torch_fkl_mix(h @ w.t(), y, (teacher_hidden @ teacher_weight.t()).detach())
+    return {"CE": ce, "GRPO+entropy": grpo, "CE+z+0.5FKL": fkl}[name]
+
+
+def bench_linear(quick: bool, liger, cce):
+    precision = linear_precision()
+    print("\nfused linear workloads, forward + backward (grads of hidden and weight), bf16:", flush=True)
+    heads = {"CE": lambda: lcg.HeadLoss(lcg.CrossEntropy()),
+             "GRPO+entropy": lambda: lcg.HeadLoss(lcg.GRPO(), metrics=(lcg.Entropy(),)),
+             "CE+z+0.5FKL": lambda: lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(weight=1e-4),
+                                                 lcg.ForwardKL(weight=0.5))}
+    for name, N, H, V in LINEAR_WORKLOADS[:1] if quick else LINEAR_WORKLOADS:
+        shape = f"{N}x{H}x{V}"
+        hidden, weight, y, kw = linear_inputs(N, H, V, "FKL" in name)
+        if name.startswith("GRPO"):
+            g = torch.Generator(device="cuda").manual_seed(5)
+            kw = dict(advantages=torch.randn(N, device="cuda", generator=g),
+                      old_logprobs=torch.randn(N, device="cuda", generator=g) - 11.0)
+        head = heads[name]()
+        formula = torch_linear(name)
+        compiled = torch.compile(formula)
+        impls = {"losscodegen": lambda: head.linear(hidden, weight, y, **kw).loss,
+                 "torch eager": lambda: formula(hidden, weight, y, **kw),
+                 "torch.compile": lambda: compiled(hidden, weight, y, **kw)}
+        if name == "CE" and liger is not None:
+            from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+            flce = LigerFusedLinearCrossEntropyLoss()
+            impls["Liger FLCE"] = lambda: flce(weight, hidden, y)
+        if name == "CE" and cce is not None:
+            impls["CCE"] = lambda: cce.linear_cross_entropy(hidden, weight, y)
+        for impl, fn in impls.items():
+            def step(fn=fn):
+                hidden.grad = weight.grad = None
+                out = fn()
+                (out[0] if isinstance(out, tuple) else out).backward()
+            record(name, shape, impl, step, rep_ms=1500)
+        hidden.grad = weight.grad = None
+        records.append(dict(workload=name, shape=shape, impl="weight.grad", ms=float("nan"),
+                            peak_GB=weight.numel() * weight.element_size() / 1e9))
+        del hidden, weight, kw
+        torch.cuda.empty_cache()
+    return precision
+
+
+# ---- parity ------------------------------------------------------------------------------------
+def parity(R=4096, V=128256):
+    heads = {"CE+z+entropy+acc": (lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(weight=1e-4),
+                                               metrics=(lcg.Entropy(), lcg.TokenAccuracy())), set()),
+             **{k: (v[0](), v[1]) for k, v in LOGIT_WORKLOADS.items()}}
     rows = []
-    for name, (head, needs) in heads().items():
-        x, y, kw = inputs(R, V, needs)
+    for name, (head, needs) in heads.items():
+        x, y, kw = logit_inputs(R, V, needs)
         xg = x.clone().requires_grad_()
         out = head(xg, y, **kw)
         out.loss.backward()
-        torch.cuda.synchronize()
-        ref_loss, ref_vals, ref_grad = head_reference(
-            [spec(t, head) for t in head.loss_terms], [spec(t, head) for t in head.metric_terms], x, y,
-            **{k: v for k, v in kw.items() if k != "num_segments"})
+        ref_loss, ref_vals, ref_grad = head_reference([spec(t, head) for t in head.loss_terms],
+                                                      [spec(t, head) for t in head.metric_terms], x, y, **kw)
         errs = {"loss": abs(out.loss.item() - ref_loss.item()) / max(abs(ref_loss.item()), 1e-12)}
         for k, v in {**out.terms, **out.metrics}.items():
             errs[k] = abs(v.item() - ref_vals[k].item()) / max(abs(ref_vals[k].item()), 1e-6)
-        g = xg.grad.double()
-        errs["grad_rel_fro"] = ((g - ref_grad).norm() / ref_grad.norm()).item()
+        errs["grad_rel_fro"] = ((xg.grad.double() - ref_grad).norm() / ref_grad.norm()).item()
         ok = all(e < 2e-3 for k, e in errs.items() if k != "grad_rel_fro") and errs["grad_rel_fro"] < 1e-2
         rows.append(dict(head=name, ok=ok, **errs))
-        del ref_grad, g, xg, out
+        print(f"  parity {name:22s} ok={ok} loss {errs['loss']:.1e} grad(fro) {errs['grad_rel_fro']:.1e}",
+              flush=True)
+        del ref_grad, xg, out
         torch.cuda.empty_cache()
     return rows
 
 
-def _compiled(name):
-    def ce_z_ent(x, y, **_):
-        z = x.float()
-        lse = torch.logsumexp(z, -1)
-        v = y != -100
-        n = v.sum().clamp_min(1)
-        ce = F.cross_entropy(z, y, ignore_index=-100, reduction="sum") / n
-        zl = torch.where(v, lse ** 2, 0).sum() / n
-        p = torch.softmax(z, -1)
-        ent = torch.where(v, lse - (p * z).sum(-1), 0).sum() / n
-        acc = torch.where(v, z.argmax(-1) == y, False).sum() / n
-        return ce + 1e-4 * zl, ent.detach(), acc.detach()
-
-    def ce(x, y, **_):
-        return F.cross_entropy(x.float(), y, ignore_index=-100)
-
-    def fkl(x, y, teacher_logits, **_):
-        loss, ent, _ = ce_z_ent(x, y)
-        v = y != -100
-        q = torch.log_softmax(teacher_logits.float(), -1)
-        kl = (q.exp() * (q - torch.log_softmax(x.float(), -1))).sum(-1)
-        return loss + 0.5 * torch.where(v, kl, 0).sum() / v.sum().clamp_min(1), ent
-
-    def grpo(x, y, old_logprobs, advantages, **_):
-        z = x.float()
-        v = y != -100
-        n = v.sum().clamp_min(1)
-        logp = torch.log_softmax(z, -1)
-        l = logp.gather(1, y.clamp_min(0)[:, None])[:, 0]
-        r = torch.exp(l - old_logprobs)
-        per = -torch.min(r * advantages, r.clamp(0.8, 1.2) * advantages)
-        ent = torch.where(v, -(logp.exp() * logp).sum(-1), 0).sum() / n
-        clip = torch.where(v, (r < 0.8) | (r > 1.2), False).sum() / n
-        return torch.where(v, per, 0).sum() / n, ent.detach(), clip.detach()
-
-    def gspo(x, y, old_logprobs, advantages, segment_ids, num_segments, **_):
-        v = (y != -100).float()
-        l = torch.log_softmax(x.float(), -1).gather(1, y.clamp_min(0)[:, None])[:, 0]
-        count = torch.zeros(num_segments, device=x.device).index_add_(0, segment_ids, v)
-        def mean(u):
-            sums = torch.zeros(num_segments, device=x.device).index_add_(0, segment_ids, u * v)
-            return sums / count.clamp_min(1)
-        r, a = torch.exp(mean(l - old_logprobs)), mean(advantages)
-        per = -torch.min(r * a, r.clamp(1 - 3e-4, 1 + 4e-4) * a)
-        return torch.where(count > 0, per, 0).sum() / (count > 0).sum().clamp_min(1)
-
-    return torch.compile({"CE": ce, "CE+z+entropy+acc": ce_z_ent, "CE+z+0.5FKL+entropy": fkl,
-                          "GRPO+entropy+clip": grpo, "GSPO (segments of 256)": gspo}[name])
-
-
-def bench(R, V, compiled_baseline=True):
-    rows = []
-    for name, (head, needs) in heads().items():
-        x, y, kw = inputs(R, V, needs, seed=1)
-        x.requires_grad_()
-
-        def ours():
-            x.grad = None
-            head(x, y, **kw).loss.backward()
-
-        fn = _compiled(name)
-
-        def compiled():
-            x.grad = None
-            out = fn(x, y, **kw)
-            (out[0] if isinstance(out, tuple) else out).backward()
-
-        ours()  # compile first: the check below is about the steady state
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")  # raises on any host sync in forward or backward
-        try:
-            ours()
-            sync_free = True
-        except RuntimeError as e:
-            sync_free = False
-            print(f"{name}: host sync: {str(e)[:300]}", flush=True)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        t_ours = triton.testing.do_bench(ours, warmup=50, rep=300, return_mode="median")
-        head.validate = False
-        t_noval = triton.testing.do_bench(ours, warmup=50, rep=300, return_mode="median")
-        head.validate = True
-        t_comp = compile_s = float("nan")
-        if compiled_baseline:
-            t0 = time.time()
-            compiled()
-            compile_s = time.time() - t0
-            t_comp = triton.testing.do_bench(compiled, warmup=50, rep=300, return_mode="median")
-        t_ours2 = triton.testing.do_bench(ours, warmup=50, rep=300, return_mode="median")
-        plan = head.plan()
-        floor = plan.bytes_per_element(grad=True) * R * V / 3.0e12 * 1e3
-        rows.append(dict(head=name, sync_free=sync_free, ours_ms=t_ours, noval_ms=t_noval, ours_ms_again=t_ours2,
-                         torch_compile_ms=t_comp,
-                         compile_s=compile_s, bytes_per_elem=plan.bytes_per_element(), floor_ms=floor))
-        del x, kw
-        torch.cuda.empty_cache()
-    return rows
-
-
-def sweep_tiles(R, V):
-    """Each head at every (BLOCK_V, num_warps) of TILES, to check the plan's pick (Plan.tile)."""
-    from losscodegen import launch as run
-    chosen, rows = run.launch_config, []
+def plot(path: str, device: str) -> None:
+    """Bars per workload and shape, one per implementation, the memory floor marked."""
     try:
-        for name, (head, needs) in heads().items():
-            head.validate = False
-            x, y, kw = inputs(R, V, needs, seed=1)
-            x.requires_grad_()
-
-            def step():
-                x.grad = None
-                head(x, y, **kw).loss.backward()
-            for block_v, warps in TILES:
-                run.launch_config = lambda V_, tile, w=2, _b=block_v, _w=warps: dict(BLOCK_V=_b, num_warps=_w)
-                ms = triton.testing.do_bench(step, warmup=20, rep=150, return_mode="median")
-                rows.append(dict(head=name, block_v=block_v, num_warps=warps, ms=ms,
-                                 planned=head.kernel.TILE == (block_v, warps)))
-            del x, kw
-            torch.cuda.empty_cache()
-    finally:
-        run.launch_config = chosen
-    return rows
-
-
-TILES = [(4096, 8), (8192, 8), (8192, 16), (16384, 16), (16384, 32), (32768, 32)]
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib not installed: no plot)")
+        return
+    groups = list(dict.fromkeys((r["workload"], r["shape"]) for r in records if r["impl"] != "weight.grad"))
+    impls = list(dict.fromkeys(r["impl"] for r in records if r["impl"] not in ("floor", "weight.grad")))
+    fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(groups)), 5))
+    width = 0.8 / max(len(impls), 1)
+    for i, impl in enumerate(impls):
+        ms = [next((r["ms"] for r in records if (r["workload"], r["shape"], r["impl"]) == (*grp, impl)),
+                   float("nan")) for grp in groups]
+        ax.bar([j + i * width for j in range(len(groups))], ms, width, label=impl)
+    for j, grp in enumerate(groups):
+        floor = next((r["ms"] for r in records if (r["workload"], r["shape"], r["impl"]) == (*grp, "floor")), None)
+        if floor:
+            ax.hlines(floor, j - width / 2, j + 0.8 - width / 2, colors="k", linestyles="dashed")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))])
+    ax.set_xticklabels([f"{w}\n{s}" for w, s in groups], fontsize=7)
+    ax.set_ylabel("ms, forward + backward (dashed: memory floor)")
+    ax.set_yscale("log")
+    ax.set_title(f"losscodegen and peers, {device}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", type=int, default=4096)
-    ap.add_argument("--vocab", type=int, default=128256)
-    ap.add_argument("--bench-rows", type=int, default=8192)
-    ap.add_argument("--skip-bench", action="store_true")
-    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
-    ap.add_argument("--sweep-tiles", action="store_true", help="also time every tile of TILES")
+    ap.add_argument("--parity", action="store_true")
+    ap.add_argument("--logits", action="store_true")
+    ap.add_argument("--linear", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="one shape per workload")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
-    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
-    result["parity"] = parity(args.rows, args.vocab)
-    for r in result["parity"]:
-        print("parity", json.dumps(r), flush=True)
-    if not args.skip_bench:
-        result["bench"] = bench(args.bench_rows, args.vocab, not args.no_compile)
-    if args.sweep_tiles:
-        result["tiles"] = sweep_tiles(args.bench_rows, args.vocab)
-    with open(os.path.join(args.out, "gpu_bench.json"), "w") as f:
+    device = torch.cuda.get_device_name()
+    print(device, "torch", torch.__version__, "triton", triton.__version__, flush=True)
+    liger, cce = optional("liger_kernel"), optional("cut_cross_entropy")
+    result = dict(device=device, torch=torch.__version__, triton=triton.__version__)
+    if args.parity:
+        result["parity"] = parity()
+    if args.logits:
+        bench_logits(args.quick, liger)
+    if args.linear:
+        result["linear_precision"] = bench_linear(args.quick, liger, cce)
+    result["records"] = records
+    with open(os.path.join(args.out, "perf.json"), "w") as f:
         json.dump(result, f, indent=1)
-    print(f"\nparity at {args.rows} x {args.vocab} bf16 (relative errors vs float64):")
-    for r in result["parity"]:
-        print(f"  {r['head']:22s} ok={r['ok']}  loss {r['loss']:.1e}  grad(fro) {r['grad_rel_fro']:.1e}")
-    if "bench" in result:
-        print(f"\nforward+backward at {args.bench_rows} x {args.vocab} bf16, median ms:")
-        print(f"  {'head':22s} {'ours':>8s} {'noval':>8s} {'again':>8s} {'compile':>8s} {'floor':>8s} B/elem  no host sync")
-        for r in result["bench"]:
-            print(f"  {r['head']:22s} {r['ours_ms']:8.3f} {r['noval_ms']:8.3f} {r['ours_ms_again']:8.3f} "
-                  f"{r['torch_compile_ms']:8.3f} {r['floor_ms']:8.3f} {r['bytes_per_elem']:6g}  "
-                  f"{r['sync_free']}")
-    if "tiles" in result:
-        print("\nforward+backward ms by BLOCK_V/num_warps (* the plan's tile):")
-        for name in dict.fromkeys(r["head"] for r in result["tiles"]):
-            print(f"  {name:22s} " + "  ".join(
-                f"{r['block_v']}/{r['num_warps']}{'*' if r['planned'] else ' '} {r['ms']:.3f}"
-                for r in result["tiles"] if r["head"] == name))
+    plot(os.path.join(args.out, "perf.png"), device)
+    print("\nworkload                     shape                  impl                            ms      GB")
+    for r in records:
+        print(f"{r['workload']:28s} {r['shape']:22s} {r['impl']:24s} {r['ms']:9.3f} {r['peak_GB']:7.2f}")
 
 
 if __name__ == "__main__":
