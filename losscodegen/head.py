@@ -80,6 +80,7 @@ class HeadLoss(torch.nn.Module):
         self._bound = tuple((t.name, bind(t, head), t in metrics) for t in head)
         self._weights = {t.name: t.weight for t in terms}
         self._launches: dict[tuple[bool, bool], tuple[Launch, ...]] = {}
+        self._kernel: ModuleType | None = None
         self.checks = DeviceChecks(ignore_index)
         self.spec_text = "\n".join(
             [f"{'metric' if m else 'loss'} {n} {sp.srepr(f)}" for n, f, m in self._bound]
@@ -90,7 +91,11 @@ class HeadLoss(torch.nn.Module):
     @property
     def kernel(self) -> ModuleType:
         """The kernel module: from a kernel folder, else the cache, else generated now (first use)."""
-        return _kernel_of(self.head_id)
+        if torch.compiler.is_compiling():
+            return _kernel_of(self.head_id)
+        if self._kernel is None:
+            self._kernel = _kernel_of(self.head_id)
+        return self._kernel
 
     # ---- the pipeline, for explain() and generation --------------------------------------------
     def lowered(self) -> Lowered:

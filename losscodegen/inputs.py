@@ -21,6 +21,7 @@ STANDARD_INPUTS = ("teacher_logits", "loss_mask", "teacher_topk_ids", "teacher_t
 # tokens of the built-in policy terms: accepted (and ignored) by heads that do not read them, so
 # that one training loop can pass them to any head
 _POLICY_TOKENS = ("advantages", "old_logprobs", "ref_logprobs")
+_ACCEPTED = frozenset(STANDARD_INPUTS + _POLICY_TOKENS)
 
 
 @dataclass
@@ -78,7 +79,7 @@ def check_rows(head, kernel: ModuleType, shape: tuple[int, ...], V_local: int, d
                labels: Any, inputs: dict[str, Any], *, x: torch.Tensor | None = None,
                teacher: torch.Tensor | None = None) -> Call:
     """Every input but the logits and the teacher's: the per-row ones shaped like ``shape``."""
-    unknown = set(inputs) - set(STANDARD_INPUTS) - set(kernel.TOKENS) - set(_POLICY_TOKENS)
+    unknown = [k for k in inputs if k not in _ACCEPTED and k not in kernel.TOKENS]
     if unknown:
         raise TypeError(f"HeadLoss got unexpected keyword argument(s) {sorted(unknown)}")
     reduction = inputs.get("reduction", "mean")

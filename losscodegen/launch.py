@@ -8,6 +8,7 @@ terms, the metrics and the loss. Nothing waits for the device.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -56,6 +57,7 @@ def scale_rows(grad: torch.Tensor, upstream: torch.Tensor) -> None:
                                   BLOCK_V=min(triton.next_power_of_2(grad.shape[1]), 4096))
 
 
+@functools.lru_cache(maxsize=None)
 def launch_config(V: int, tile: tuple[int, int], element_size: int = 2) -> dict:
     """The plan's tile (chosen for 2-byte logits and a large vocabulary), with as many bytes a tile
     for wider inputs, shrunk with its warps to a small vocabulary."""
@@ -183,7 +185,7 @@ class Launcher:
             *args, SUM=call.reduction == "sum", PER_ROW=call.reduction == "none",
             STATS=launch.stats, MERGE=launch.merge, EXACT=launch.exact, STORE_STATS=launch.store_stats,
             ROWS=launch.rows, GRAD=launch.grad, BLOCK_K=block_k, BLOCK_R=_BLOCK_R,
-            **launch_config(self.V_local, k.TILE, width))
+            **launch_config(self.V_local, tuple(k.TILE), width))
 
 
 def run(head, call, *, grad: bool, inplace: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -7,6 +7,8 @@
 --logits  forward + backward on bf16 logits: CE, GRPO + entropy + clip fraction, CE + z + 0.5 FKL +
           entropy, JSD, at 4096 x 32000, 8192 x 128256 and 4096 x 262144; losscodegen's default call
           and validate=False, against torch eager, torch.compile and Liger (when installed).
+--host    host time per forward + backward call at 512 x 4096 (the GPU work is negligible there), and
+          the torch ops and kernel launches a call issues.
 --linear  fused linear heads, forward + backward with the gradients of hidden and weight: CE at
           8192 x 4096 x 128256 and 8192 x 2048 x 262144, GRPO + entropy and CE + z + 0.5 FKL (a
           teacher weight of the same shape) at 8192 x 4096 x 128256; against torch eager,
@@ -23,6 +25,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from typing import Callable
 
 import torch
@@ -286,6 +289,50 @@ def bench_linear(quick: bool, liger, cce):
     return precision
 
 
+# ---- host work -----------------------------------------------------------------------------------
+def host_work(R=512, V=4096, calls=300):
+    """Host time per forward + backward call where the GPU work is negligible (calls queued back to
+    back, one sync at the end), and what a call issues: torch ops and kernel launches (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    heads = {"CE": (lambda: lcg.HeadLoss(lcg.CrossEntropy()), set(), {}),
+             **{k: (v[0], v[1], {}) for k, v in LOGIT_WORKLOADS.items() if k != "CE"},
+             "GSPO (num_segments=)": (lambda: lcg.HeadLoss(lcg.GSPO()), {"policy"},
+                                      dict(segment_ids=torch.arange(R, device="cuda") // 64, num_segments=R // 64))}
+    rows = []
+    print(f"\nhost work per forward + backward call at {R} x {V} bf16:", flush=True)
+    for name, (make, needs, extra) in heads.items():
+        for validate in (True, False):
+            head = make()
+            head.validate = validate
+            x, y, kw = logit_inputs(R, V, needs)
+            kw.update(extra)
+            x.requires_grad_()
+
+            def step():
+                x.grad = None
+                head(x, y, **kw).loss.backward()
+            for _ in range(20):
+                step()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                step()
+            torch.cuda.synchronize()
+            us = (time.perf_counter() - t0) / calls * 1e6
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(10):
+                    step()
+            ops = sum(1 for e in prof.events() if e.name.startswith("aten::") and
+                      (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))) / 10
+            launches = sum(1 for e in prof.events() if e.name in ("cuLaunchKernel", "cudaLaunchKernel",
+                                                                   "cuLaunchKernelEx", "cudaMemsetAsync",
+                                                                   "cudaMemcpyAsync")) / 10
+            label = name + ("" if validate else " validate=False")
+            rows.append(dict(head=label, host_us=us, torch_ops=ops, launches=launches))
+            print(f"  {label:36s} {us:7.1f} us   {ops:4.1f} torch ops   {launches:4.1f} launches/copies", flush=True)
+    return rows
+
+
 # ---- parity ------------------------------------------------------------------------------------
 def parity(R=4096, V=128256):
     heads = {"CE+z+entropy+acc": (lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(weight=1e-4),
@@ -348,6 +395,7 @@ def main():
     ap.add_argument("--parity", action="store_true")
     ap.add_argument("--logits", action="store_true")
     ap.add_argument("--linear", action="store_true")
+    ap.add_argument("--host", action="store_true")
     ap.add_argument("--quick", action="store_true", help="one shape per workload")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -357,6 +405,8 @@ def main():
     result = dict(device=device, torch=torch.__version__, triton=triton.__version__)
     if args.parity:
         result["parity"] = parity()
+    if args.host:
+        result["host"] = host_work()
     if args.logits:
         bench_logits(args.quick, liger)
     if args.linear:
