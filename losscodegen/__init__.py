@@ -1,9 +1,12 @@
 """losscodegen: loss terms declared as sympy formulas, compiled into one fused Triton kernel."""
+__version__ = "0.2.0"
+
 from . import symbols
 from .head import HeadLoss, HeadOutput
 from .terms import (GRPO, GSPO, JSD, ClipFraction, CrossEntropy, Entropy, ForwardKL, KLNewOld,
                     LogProb, RatioMean, ReverseKL, Term, TokenAccuracy, TopKForwardKL, ZLoss,
                     declare_term)
+from . import testing  # noqa: E402  (it tests HeadLoss)
 
 
 def explain(head: HeadLoss) -> str:
@@ -11,6 +14,6 @@ def explain(head: HeadLoss) -> str:
     return head.explain()
 
 
-__all__ = ["HeadLoss", "HeadOutput", "Term", "declare_term", "explain", "symbols",
+__all__ = ["HeadLoss", "HeadOutput", "Term", "declare_term", "explain", "symbols", "testing",
            "CrossEntropy", "ZLoss", "Entropy", "TokenAccuracy", "ForwardKL", "ReverseKL", "JSD",
            "TopKForwardKL", "GRPO", "GSPO", "RatioMean", "ClipFraction", "KLNewOld", "LogProb"]

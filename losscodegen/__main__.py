@@ -1,12 +1,22 @@
-"""``python -m losscodegen generate``: rewrite generated/ from generated/manifest.
-``python -m losscodegen demo``: run a real head and print its losses and its plan.
+"""The command line.
 
-The manifest holds one head per line, a Python expression over losscodegen's names, e.g.
-``HeadLoss(CrossEntropy(), ZLoss(), metrics=(Entropy(),))``; ``#`` starts a comment.
+``python -m losscodegen generate [--manifest FILE] [--out DIR] [--check]``
+    one kernel file per head of a manifest (default: the package's own, into its generated/ folder);
+    with ``--check``, compare DIR with what would be written instead, and exit 1 naming what differs.
+``python -m losscodegen check [--manifest FILE] [--device cpu|cuda]``
+    every head of a manifest against its float64 reference (losscodegen.testing.assert_parity).
+``python -m losscodegen demo``
+    a real head on random logits: its losses, gradient and plan.
+
+A manifest is Python, a line at a time: each line that is an expression is a head, e.g.
+``HeadLoss(CrossEntropy(), ZLoss(), metrics=(Entropy(),))``; other lines (``from mylosses import
+Focal``, ``Tsallis = declare_term(...)``) run first, in order, in a namespace holding losscodegen's
+public names and ``S`` (its symbols). ``#`` starts a comment.
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import sys
 from pathlib import Path
@@ -17,39 +27,78 @@ import losscodegen
 from losscodegen import load
 
 
-def _interpreter_without_gpu() -> None:
-    """No GPU: run the kernels in Triton's interpreter. Triton reads the switch when it is imported,
-    and `python -m losscodegen` has imported the package (and Triton) already: start again."""
-    if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
+def _restart_in_interpreter(needed: bool) -> None:
+    """Run the kernels in Triton's interpreter (no GPU, or --device cpu). Triton reads the switch
+    when it is imported, and `python -m losscodegen` has imported it already: start again."""
+    if needed and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         os.execve(sys.executable, [sys.executable, "-m", "losscodegen", *sys.argv[1:]],
                   {**os.environ, "TRITON_INTERPRET": "1"})
 
 
 def manifest_heads(manifest: Path) -> list[tuple[str, losscodegen.HeadLoss]]:
     namespace = {name: getattr(losscodegen, name) for name in losscodegen.__all__}
+    namespace["S"] = losscodegen.symbols
     heads = []
     for number, line in enumerate(manifest.read_text().splitlines(), 1):
         line = line.split("#", 1)[0].strip()
-        if line:
-            try:
-                heads.append((line, eval(line, {"__builtins__": {}}, namespace)))
-            except Exception as exc:
-                raise SystemExit(f"{manifest}:{number}: {exc}") from exc
+        if not line:
+            continue
+        try:
+            tree = ast.parse(line)
+            if len(tree.body) == 1 and isinstance(tree.body[0], ast.Expr):
+                head = eval(line, namespace)
+                if not isinstance(head, losscodegen.HeadLoss):
+                    raise TypeError(f"a head line must make a HeadLoss, this one makes {type(head).__name__}")
+                heads.append((line, head))
+            else:
+                exec(line, namespace)
+        except Exception as exc:
+            raise SystemExit(f"{manifest}:{number}: {type(exc).__name__}: {exc}") from exc
     return heads
 
 
-def generate(out: Path, manifest: Path) -> list[Path]:
-    """Write one kernel file per manifest head into ``out`` and remove files no head produces."""
-    written = []
+def generate(out: Path, manifest: Path, *, check: bool = False) -> int:
+    """Write (or with ``check``, compare) one kernel file per manifest head in ``out``, and remove
+    (or name) files no head produces. Returns the number of differences found by ``check``."""
+    wanted = {}
     for line, head in manifest_heads(manifest):
-        path = out / f"head_loss_{head.key}.py"
-        load.write_atomic(path, head.source().text)
-        written.append(path)
-        print(f"{path.name}  <-  {line}")
-    for stale in sorted(set(out.glob("head_loss_*.py")) - set(written)):
-        stale.unlink()
-        print(f"removed {stale.name}")
-    return written
+        wanted[load.file_name(head.key)] = (line, head.source().text)
+    differences = 0
+    for name, (line, text) in wanted.items():
+        path = out / name
+        if check:
+            if not path.exists() or path.read_text() != text:
+                differences += 1
+                print(f"{'missing' if not path.exists() else 'stale'}: {path}  <-  {line}")
+        else:
+            load.write_atomic(path, text)
+            print(f"{name}  <-  {line}")
+    for extra in sorted(set(p.name for p in out.glob("head_loss_*.py")) - set(wanted)):
+        if check:
+            differences += 1
+            print(f"not in the manifest: {out / extra}")
+        else:
+            (out / extra).unlink()
+            print(f"removed {extra}")
+    if check:
+        print(f"{out}: {'up to date' if not differences else f'{differences} file(s) differ'} "
+              f"({len(wanted)} heads in {manifest})")
+    return differences
+
+
+def check(manifest: Path, device: str) -> int:
+    """Every manifest head against its float64 reference; the number of heads that fail."""
+    from losscodegen.testing import assert_parity
+    failures = 0
+    for line, head in manifest_heads(manifest):
+        try:
+            assert_parity(head, device=device)
+            print(f"ok    {line}")
+        except AssertionError as e:
+            failures += 1
+            print(f"FAIL  {line}\n      {e}")
+    print(f"{failures} of the manifest's heads failed" if failures else "every head matches its reference")
+    return failures
 
 
 def demo() -> None:
@@ -77,17 +126,25 @@ def demo() -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m losscodegen")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="regenerate generated/ from generated/manifest")
-    gen.add_argument("--out", type=Path, default=load.GENERATED)
+    gen = sub.add_parser("generate", help="write (or --check) one kernel file per head of a manifest")
     gen.add_argument("--manifest", type=Path, default=load.GENERATED / "manifest")
+    gen.add_argument("--out", type=Path, default=None, help="default: the manifest's folder")
+    gen.add_argument("--check", action="store_true", help="compare instead of writing; exit 1 if stale")
+    chk = sub.add_parser("check", help="parity of every head of a manifest with its float64 reference")
+    chk.add_argument("--manifest", type=Path, default=load.GENERATED / "manifest")
+    chk.add_argument("--device", choices=("cpu", "cuda"), default=None)
     sub.add_parser("demo", help="run a real head on random logits and print what it computes")
     args = parser.parse_args(argv)
     if args.command == "demo":
-        _interpreter_without_gpu()
+        _restart_in_interpreter(not torch.cuda.is_available())
         demo()
-    else:
-        generate(args.out, args.manifest)
-    return 0
+        return 0
+    if args.command == "check":
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        _restart_in_interpreter(device == "cpu")
+        return int(check(args.manifest, device) > 0)
+    differences = generate(args.out or args.manifest.parent, args.manifest, check=args.check)
+    return int(differences > 0)
 
 
 if __name__ == "__main__":

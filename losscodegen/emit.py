@@ -6,8 +6,8 @@ statements into loops, loads and stores.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -15,11 +15,12 @@ import sympy as sp
 from sympy.printing.pycode import PythonCodePrinter
 
 from . import symbols as S
+from .load import TEMPLATES
 from .lower import IS_Y, M, MT
 from .plan import Plan
 
-TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 X = sp.Symbol("x", real=True)
+_LOG2E = sp.Float(1 / math.log(2))
 LOGIT_SCALE = sp.Symbol("logit_scale", positive=True)
 SOFTCAP = sp.Symbol("softcap", positive=True)
 
@@ -121,6 +122,15 @@ class _ArrayPrinter(PythonCodePrinter):
 
 class TritonPrinter(_ArrayPrinter):
     module = "tl"
+
+    def _print_exp(self, expr: sp.exp) -> str:
+        # exp(E) = exp2(E * log2(e)), the constant folded into E's coefficients: tl.exp would
+        # multiply by log2(e) itself, one instruction more per element
+        folded = sp.Add(*[term * _LOG2E for term in sp.Add.make_args(expr.args[0])])
+        return f"tl.exp2({self._print(folded)})"
+
+    def _print_log(self, expr: sp.log) -> str:
+        return f"_log({self._print(expr.args[0])})"  # defined by the template (a fast base-2 log)
 
 
 class TorchPrinter(_ArrayPrinter):

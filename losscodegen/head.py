@@ -79,7 +79,7 @@ class HeadLoss(torch.nn.Module):
         head = terms + metrics
         self._bound = tuple((t.name, bind(t, head), t in metrics) for t in head)
         self._weights = {t.name: t.weight for t in terms}
-        self._launches: dict[tuple[bool, bool], tuple[Launch, ...]] = {}
+        self._launches: dict[tuple[bool, bool, bool], tuple[Launch, ...]] = {}
         self._kernel: ModuleType | None = None
         self.checks = DeviceChecks(ignore_index)
         self.spec_text = "\n".join(
@@ -137,12 +137,12 @@ class HeadLoss(torch.nn.Module):
                           {t.name: per_output[t.name] for t in self.metric_terms})
 
     # ---- what the runtime asks of a head -------------------------------------------------------
-    def launches(self, *, sharded: bool, grad: bool) -> tuple[Launch, ...]:
-        key = (sharded, grad)
+    def launches(self, *, sharded: bool, grad: bool, split: bool) -> tuple[Launch, ...]:
+        key = (sharded, grad, split)
         if key not in self._launches:
             k = self.kernel
             self._launches[key] = launch_sequence(has_exact=k.HAS_EXACT, segments=bool(k.SEGMENTS),
-                                                  sharded=sharded, grad=grad)
+                                                  sharded=sharded, grad=grad, split=split)
         return self._launches[key]
 
     def weights_of(self, names: list[str]) -> list[float]:

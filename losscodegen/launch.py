@@ -8,7 +8,6 @@ terms, the metrics and the loss. Nothing waits for the device.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -16,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import collectives, segments
+from . import collectives, segments, tiles
 from .plan import Launch
 
 _BLOCK_R = 256      # rows a tile when the last program reduces the rows' values
@@ -55,15 +54,6 @@ def scale_rows(grad: torch.Tensor, upstream: torch.Tensor) -> None:
     g = upstream.to(torch.float32).reshape(-1).contiguous()
     _scale_rows[(grad.shape[0],)](grad, grad.stride(0), g, 0 if g.numel() == 1 else 1, grad.shape[1],
                                   BLOCK_V=min(triton.next_power_of_2(grad.shape[1]), 4096))
-
-
-@functools.lru_cache(maxsize=None)
-def launch_config(V: int, tile: tuple[int, int], element_size: int = 2) -> dict:
-    """The plan's tile (chosen for 2-byte logits and a large vocabulary), with as many bytes a tile
-    for wider inputs, shrunk with its warps to a small vocabulary."""
-    block_v, warps = tile[0] * 2 // max(element_size, 2), tile[1]
-    block = min(triton.next_power_of_2(V), block_v)
-    return dict(BLOCK_V=block, num_warps=max(4, warps * block // block_v))
 
 
 @dataclass
@@ -119,14 +109,18 @@ class Workspace:
 class Launcher:
     """Runs a plan's launches over the rows of one call, or over one chunk of them at a time."""
 
-    def __init__(self, head, call, *, grad: bool, flags: torch.Tensor | None):
+    def __init__(self, head, call, *, grad: bool, flags: torch.Tensor | None, dtype: torch.dtype,
+                 element_size: int):
+        """``dtype``: the logits'; ``element_size``: the widest of the logits and the teacher's."""
         k = self.k = head.kernel
         self.head, self.call, self.flags = head, call, flags
         self.gathered: torch.Tensor | None = None  # all ranks' packed stats, after a "gather"
         self.world, rank = collectives.group_info(call.group)
         self.V_local = call.V_local
         self.vocab_start, self.vocab = rank * self.V_local, self.V_local * self.world
-        self.launches = head.launches(sharded=call.group is not None, grad=grad)
+        self.config = tiles.choose(head, k, self.V_local, dtype, call.device)
+        self.options = self.config.launch(self.V_local, element_size)
+        self.launches = head.launches(sharded=call.group is not None, grad=grad, split=self.config.split)
         self.n_seg = segments.count(call, head.ignore_index) if k.SEGMENTS else 0
         self.ws = Workspace.make(k, call.rows, per_row=call.reduction == "none",
                                  keep_stats=len(self.launches) > 1, n_seg=self.n_seg, device=call.device)
@@ -180,12 +174,10 @@ class Launcher:
                  *head.weights_of(k.ROW_LOSS_TERMS),
                  row_offset, call.rows, head.logit_scale, float(head.softcap or 1.0), self.V_local,
                  self.vocab_start, self.vocab, head.ignore_index]
-        width = max(x.element_size(), teacher.element_size() if teacher is not None else 0)
         getattr(k, f"head_loss_{k.KEY}")[(x.shape[0],)](
             *args, SUM=call.reduction == "sum", PER_ROW=call.reduction == "none",
             STATS=launch.stats, MERGE=launch.merge, EXACT=launch.exact, STORE_STATS=launch.store_stats,
-            ROWS=launch.rows, GRAD=launch.grad, BLOCK_K=block_k, BLOCK_R=_BLOCK_R,
-            **launch_config(self.V_local, tuple(k.TILE), width))
+            ROWS=launch.rows, GRAD=launch.grad, BLOCK_K=block_k, BLOCK_R=_BLOCK_R, **self.options)
 
 
 def run(head, call, *, grad: bool, inplace: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -193,7 +185,8 @@ def run(head, call, *, grad: bool, inplace: bool) -> tuple[torch.Tensor, torch.T
     ``inplace`` the gradient buffer is the logits' own storage."""
     device = call.device
     flags = head.checks.before(device) if head.validate else None
-    launcher = Launcher(head, call, grad=grad, flags=flags)
+    width = max(call.x.element_size(), call.teacher.element_size() if call.teacher is not None else 0)
+    launcher = Launcher(head, call, grad=grad, flags=flags, dtype=call.x.dtype, element_size=width)
     grad_buf = None
     if grad:
         grad_buf = call.x if inplace else torch.empty_like(call.x)

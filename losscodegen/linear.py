@@ -57,7 +57,10 @@ class _Fused:
         ``upstream``: per-row upstream gradients to apply before the products (reduction="none")."""
         head, call, dev = self.head, self.call, self.hidden.device
         flags = head.checks.before(dev) if head.validate else None
-        launcher = Launcher(head, call, grad=grad is not None, flags=flags)
+        width = max(self.hidden.element_size(),
+                    self.teacher_hidden.element_size() if self.teacher_hidden is not None else 0)
+        launcher = Launcher(head, call, grad=grad is not None, flags=flags, dtype=self.hidden.dtype,
+                            element_size=width)
         grads = self._gradients(grad) if grad is not None else None
         buf = torch.empty(self.chunk, call.V_local, dtype=self.hidden.dtype, device=dev)
         tbuf = None if self.teacher_hidden is None else \

@@ -1,17 +1,28 @@
-"""Stage 5, load: find the kernel module for a spec in ``generated/``, else generate it into the cache.
+"""Stage 5, load: find the kernel module of a head, else generate it into the cache.
 
-A kernel's file name is a content hash of the spec (the bound formulas and the options that change
-code) and of the code generator itself (its sources, the template, the sympy version), so a file
-can never be stale: a different compiler gives a different name.
+A kernel file is named by a hash of its spec (the bound formulas and the options that change code)
+and records the code generator that wrote it (``CODEGEN``: a hash of the generator's sources, its
+template and the sympy version). Folders are searched in order:
+
+1. ``LOSSCODEGEN_KERNELS=DIR[:DIR...]``: a downstream project's build-time kernels (read-only);
+2. the kernels built into the package (``losscodegen/generated``, from the repository's generated/);
+3. the cache, ``$LOSSCODEGEN_CACHE/<CODEGEN>/`` (default under the user cache), where a head found
+   nowhere else is generated at first use.
+
+A file in 1 or 2 written by another code generator is never used: the kernel is generated into the
+cache, with one warning naming the stale file.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.resources
 import importlib.util
 import os
+import re
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 from types import ModuleType
 from typing import Callable
@@ -19,8 +30,18 @@ from typing import Callable
 import sympy as sp
 
 _PACKAGE = Path(__file__).resolve().parent
-GENERATED = _PACKAGE.parent / "generated"
 _CODEGEN_SOURCES = ("symbols.py", "terms.py", "lower.py", "plan.py", "emit.py")
+_CODEGEN_LINE = re.compile(r'^CODEGEN = "([0-9a-f]+)"$', re.M)
+
+
+def resource_dir(package: str) -> Path:
+    """A folder shipped as package data (``templates``, ``generated``), wherever the package lives:
+    the repository's folder for an editable install, site-packages for a wheel."""
+    return Path(str(importlib.resources.files(f"losscodegen.{package}")))
+
+
+TEMPLATES = resource_dir("templates")
+GENERATED = resource_dir("generated")
 
 
 @functools.lru_cache(maxsize=None)
@@ -28,12 +49,12 @@ def codegen_version() -> str:
     h = hashlib.sha256(sp.__version__.encode())
     for name in _CODEGEN_SOURCES:
         h.update((_PACKAGE / name).read_bytes())
-    h.update((_PACKAGE.parent / "templates" / "head_loss.py.j2").read_bytes())
+    h.update((TEMPLATES / "head_loss.py.j2").read_bytes())
     return h.hexdigest()[:12]
 
 
 def kernel_key(spec_text: str) -> str:
-    return hashlib.sha256(f"{codegen_version()}\n{spec_text}".encode()).hexdigest()[:16]
+    return hashlib.sha256(spec_text.encode()).hexdigest()[:16]
 
 
 def cache_dir() -> Path:
@@ -43,26 +64,65 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "losscodegen"
 
 
+def kernel_dirs() -> list[Path]:
+    """Folders of prebuilt kernels, in the order they are searched (before the cache)."""
+    extra = [Path(d) for d in os.environ.get("LOSSCODEGEN_KERNELS", "").split(os.pathsep) if d]
+    return extra + [GENERATED]
+
+
+def file_name(key: str) -> str:
+    return f"head_loss_{key}.py"
+
+
+def codegen_of(path: Path) -> str | None:
+    """The CODEGEN a kernel file records (read, not imported)."""
+    found = _CODEGEN_LINE.search(path.read_text(errors="replace"))
+    return found.group(1) if found else None
+
+
+_warned: set[Path] = set()
+
+
 def module_path(key: str) -> Path:
-    """Where the kernel for ``key`` is, or will be written (generated/ wins over the cache)."""
-    committed = GENERATED / f"head_loss_{key}.py"
-    return committed if committed.exists() else cache_dir() / f"head_loss_{key}.py"
+    """The file that serves ``key``: a current one from a kernel folder, else its place in the cache."""
+    current = codegen_version()
+    for folder in kernel_dirs():
+        path = folder / file_name(key)
+        if path.exists():
+            if codegen_of(path) == current:
+                return path
+            if path not in _warned:
+                _warned.add(path)
+                warnings.warn(f"losscodegen: {path} was written by another code generator (CODEGEN "
+                              f"{codegen_of(path)}, running {current}); generating this head into the "
+                              f"cache instead. Regenerate that folder with `python -m losscodegen generate`.",
+                              stacklevel=4)
+    return cache_dir() / current / file_name(key)
 
 
 def write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    """Write ``text`` to ``path`` so that readers see the old file or the whole new one: processes
+    writing the same file at once leave one valid file."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise RuntimeError(
+            f"losscodegen cannot write {path} ({e.strerror or e}). Kernels not built into the package "
+            f"are generated at first use into LOSSCODEGEN_CACHE (now {cache_dir()}): point it at a "
+            "writable folder, or generate the heads at build time (python -m losscodegen generate "
+            "--out DIR) and list DIR in LOSSCODEGEN_KERNELS.") from e
 
 
 _modules: dict[str, ModuleType] = {}
 
 
 def load(key: str, generate: Callable[[], str]) -> ModuleType:
-    """The kernel module for ``key``; ``generate()`` returns its source when no file has it yet."""
+    """The kernel module for ``key``; ``generate()`` returns its source when no file serves it."""
     if key in _modules:
         return _modules[key]
     path = module_path(key)

@@ -68,9 +68,16 @@ class Plan:
         """Reads of the logits per row for the loss (the gradient read not counted)."""
         return 1 + int(self.lowered.has_exact)
 
-    def launches(self, *, sharded: bool, grad: bool) -> tuple[Launch, ...]:
+    def launches(self, *, sharded: bool, grad: bool, split: bool = False) -> tuple[Launch, ...]:
         return launch_sequence(has_exact=self.lowered.has_exact, segments=bool(self.lowered.segments),
-                               sharded=sharded, grad=grad)
+                               sharded=sharded, grad=grad, split=split)
+
+    @property
+    def state(self) -> tuple[str, int, int]:
+        """What a program keeps and loads per element, which decides its best tile: the streams the
+        first read loads, its running sums, and the sums of the exact read."""
+        accs = [a for a in self.lowered.accumulators if a.domain == "vocab"]
+        return ("".join(self.sweeps[0].streams), sum(a.online for a in accs), sum(not a.online for a in accs))
 
     @property
     def sweeps(self) -> tuple[Sweep, ...]:
@@ -122,18 +129,20 @@ class Plan:
         return "\n".join(lines)
 
 
-def launch_sequence(*, has_exact: bool, segments: bool, sharded: bool, grad: bool) -> tuple[Launch, ...]:
-    """The launches of one call. On one device a head without segment terms is one launch; a segment
-    term needs every row's values before any gradient (rows, segments, then gradient); under vocab
-    parallelism each exchange of row statistics ends a launch."""
+def launch_sequence(*, has_exact: bool, segments: bool, sharded: bool, grad: bool,
+                    split: bool = False) -> tuple[Launch, ...]:
+    """The launches of one call. On one device a head without segment terms is one launch (or, if
+    measured faster, one launch a read: ``split``); a segment term needs every row's values before
+    any gradient (rows, segments, then gradient); under vocab parallelism each exchange of row
+    statistics ends a launch."""
     out = []
-    if sharded:
-        out.append(Launch(stats=True, store_stats=True, then="gather"))
+    if sharded or split:
+        out.append(Launch(stats=True, store_stats=True, then="gather" if sharded else ""))
         if has_exact:
-            out.append(Launch(merge=True, exact=True, store_stats=True, then="sum_exact"))
+            out.append(Launch(merge=sharded, exact=True, store_stats=True, then="sum_exact" if sharded else ""))
             first = {}
         else:
-            first = dict(merge=True)
+            first = dict(merge=True) if sharded else {}
     else:
         first = dict(stats=True, exact=True)
     then = "segments" if segments else ""

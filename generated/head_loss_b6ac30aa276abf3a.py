@@ -3,71 +3,84 @@
 # terms (per-row formulas):
 #   loss   cross_entropy = -z_y + LSE(1, 0)
 #   loss   z_loss = LSE(1, 0)**2
-#   loss   forward_kl = vsum((t - z - LSE(0, 1) + LSE(1, 0))*exp(t - LSE(0, 1)))
 #   metric entropy = -vsum((z - LSE(1, 0))*exp(z - LSE(1, 0)))
+#   metric token_accuracy = Piecewise((1, Eq(argmax, label)), (0, True))
 # softcap: False
 #
 # lowered:
 #   row values:
 #     cross_entropy = N0 - z_y
 #     z_loss = N0**2
-#     forward_kl = N0 - N1 + acc1*exp(-N1 + m_t) - acc2*exp(-N1 + m_t)
-#     entropy = N0 - acc3*exp(-N0 + m)
+#     entropy = N0 - acc0*exp(-N0 + m)
+#     token_accuracy = Piecewise((1, Eq(argmax, label)), (0, True))
 #   normalisers:
-#     N0 = m + log(acc4)
-#     N1 = m_t + log(acc0)
+#     N0 = m + log(acc1)
 #   accumulators:
-#     acc0 = sum_i exp(1*(t - m_t)) * 1    [online]
-#     acc1 = sum_i exp(1*(t - m_t)) * t    [online]
-#     acc2 = sum_i exp(1*(t - m_t)) * z    [online]
-#     acc3 = sum_i exp(1*(z - m)) * z    [online]
-#     acc4 = sum_i exp(1*(z - m)) * 1    [online]
+#     acc0 = sum_i exp(1*(z - m)) * z    [online]
+#     acc1 = sum_i exp(1*(z - m)) * 1    [online]
 #   gradient (derived by sympy):
-#     g0 = w_forward_kl
-#     g1 = 2*N0*w_z_loss + w_cross_entropy + w_forward_kl
-#     g2 = -w_cross_entropy
-#     dL/dz_i = -g0*exp(-N1 + t) + g1*exp(-N0 + z) + g2*is_y
+#     g0 = 2*N0*w_z_loss + w_cross_entropy
+#     g1 = -w_cross_entropy
+#     dL/dz_i = g0*exp(-N0 + z) + g1*is_y
 #
 # plan:
 #   reads of the vocabulary: 1 for the loss (online stats) + 1 for the gradient
-#   bytes per element (bf16 in, bf16 grad): 10
-#   packed per-row stats (8 fp32): m:max, m_t:max, z_y:sum, acc0:scaled, acc1:scaled, acc2:scaled, acc3:scaled, acc4:scaled
+#   bytes per element (bf16 in, bf16 grad): 6
+#   packed per-row stats (5 fp32): m:max, z_y:sum, argmax:argmax, acc0:scaled, acc1:scaled
 #   vocab-parallel: one all-gather of the packed stats
-#   tiles: BLOCK_V <= 4096, 8 warps; stats forward, grad backward
+#   tiles: BLOCK_V <= 16384, 16 warps; stats forward, grad backward
 #   single device: 1 launch(es): [stats+rows+grad]
 #   sharded: 2 launch(es): [stats] gather -> [merge+rows+grad]
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
-KEY = "7623b23cdd86c33e"
+KEY = "b6ac30aa276abf3a"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "782696c2f03b"
+CODEGEN = "1c72e8986643"
 # what the head reports, in this order: its terms, then its metrics
-OUTPUTS = ['cross_entropy', 'z_loss', 'forward_kl', 'entropy']
+OUTPUTS = ['cross_entropy', 'z_loss', 'entropy', 'token_accuracy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
-ROW_VALUES = ['cross_entropy', 'z_loss', 'forward_kl', 'entropy']
+ROW_VALUES = ['cross_entropy', 'z_loss', 'entropy', 'token_accuracy']
 # the first read's packed per-row stats, and how the partial stats of vocab shards combine:
 # (column, rule, alpha, beta)
-COLUMNS = ['m', 'm_t', 'z_y', 'acc0', 'acc1', 'acc2', 'acc3', 'acc4']
-MERGE = [('m', 'max', 0.0, 0.0), ('m_t', 'max', 0.0, 0.0), ('z_y', 'sum', 0.0, 0.0), ('acc0', 'scaled', 0.0, 1.0), ('acc1', 'scaled', 0.0, 1.0), ('acc2', 'scaled', 0.0, 1.0), ('acc3', 'scaled', 1.0, 0.0), ('acc4', 'scaled', 1.0, 0.0)]
+COLUMNS = ['m', 'z_y', 'argmax', 'acc0', 'acc1']
+MERGE = [('m', 'max', 0.0, 0.0), ('z_y', 'sum', 0.0, 0.0), ('argmax', 'argmax', 0.0, 0.0), ('acc0', 'scaled', 1.0, 0.0), ('acc1', 'scaled', 1.0, 0.0)]
 # sums of the exact read (summed across vocab shards)
 EXACT = []
 TOKENS = []
 USES_LABELS = True
-USES_TEACHER = True
+USES_TEACHER = False
 USES_TOPK = False
 HAS_EXACT = False
 # the loss terms whose weights the row kernel takes (the others are segment terms)
-ROW_LOSS_TERMS = ['cross_entropy', 'z_loss', 'forward_kl']
+ROW_LOSS_TERMS = ['cross_entropy', 'z_loss']
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = []
 SEGMENT_MEANS = []
-# (BLOCK_V, num_warps) for a large vocabulary
-TILE = (4096, 8)
+# (BLOCK_V, num_warps) for a large vocabulary by the plan's rule, and what decides the measured one:
+# the streams the first read loads, its running sums, the exact read's sums (losscodegen/tiles.py)
+TILE = (16384, 16)
+STATE = ('x', 2, 0)
 # the per-call fp32 workspace: these slots, then per-row values and stats at offsets given per call
 LOSS, COUNT, DONE = 4, 5, 6
 FIXED_SLOTS = 7
+
+
+# Triton's interpreter (CPU) lacks the GPU's approximate log instruction
+INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y"))
+
+
+@triton.jit
+def _log(x):
+    # the natural log from lg2.approx, one instruction (tl.log is a long libdevice routine)
+    if INTERPRET:
+        return tl.log(x)
+    else:
+        return libdevice.fast_logf(x)
 
 
 @triton.jit
@@ -84,13 +97,11 @@ def _dlogits(x, logit_scale, softcap):
 
 @triton.jit(do_not_specialize=["row_offset", "n_rows", "off_rows", "off_loss_rows", "off_stats",
                                "off_exact", "vocab_start", "n_vocab"])
-def head_loss_7623b23cdd86c33e(
+def head_loss_b6ac30aa276abf3a(
     x_ptr, x_stride, grad_ptr, grad_stride, y_ptr, mask_ptr,
-    t_ptr, t_stride,
     ws_ptr, off_rows, off_loss_rows, off_stats, off_exact, gathered_ptr, world, div_ptr, flag_ptr,
     weight_cross_entropy,
     weight_z_loss,
-    weight_forward_kl,
     row_offset, n_rows, logit_scale, softcap, V, vocab_start, n_vocab, ignore_index,
     SUM: tl.constexpr, PER_ROW: tl.constexpr,
     STATS: tl.constexpr, MERGE: tl.constexpr, EXACT: tl.constexpr, STORE_STATS: tl.constexpr,
@@ -104,9 +115,8 @@ def head_loss_7623b23cdd86c33e(
     row = tl.program_id(0).to(tl.int64)
     grow = row_offset + row
     x_row = x_ptr + row * x_stride
-    t_row = t_ptr + row * t_stride
     grad_row = grad_ptr + row * grad_stride
-    stats_row = ws_ptr + off_stats + grow * 8
+    stats_row = ws_ptr + off_stats + grow * 5
     y = -1
     live = True
     if y_ptr is not None:
@@ -128,23 +138,20 @@ def head_loss_7623b23cdd86c33e(
             fill = tl.where(bad, float("nan"), 0.0)
 
     if compute:
+        label = y.to(tl.float32)
         y_local = y - vocab_start
         y_here = (y_local >= 0) & (y_local < V)
 
         if STATS:
             # First read: the running max and every online accumulator, rescaled when the max grows.
             m = float("-inf")
-            m_t = float("-inf")
+            argmax = 0.0
             acc0 = 0.0
             acc1 = 0.0
-            acc2 = 0.0
-            acc3 = 0.0
-            acc4 = 0.0
             # Tiles first to last, each loaded one iteration ahead (its loads overlap the math).
             n_blocks = tl.cdiv(V, BLOCK_V)
             cols = tl.arange(0, BLOCK_V)
             x_next = tl.load(x_row + cols, mask=cols < V, other=0.0)
-            t_next = tl.load(t_row + cols, mask=cols < V, other=0.0)
             for i in range(0, n_blocks):
                 start = i * BLOCK_V
                 cols = start + tl.arange(0, BLOCK_V)
@@ -152,93 +159,69 @@ def head_loss_7623b23cdd86c33e(
                 x_tile = x_next
                 x_next = tl.load(x_row + cols + BLOCK_V, mask=cols + BLOCK_V < V,
                                  other=0.0)
-                t_tile = t_next
-                t_next = tl.load(t_row + cols + BLOCK_V, mask=cols + BLOCK_V < V,
-                                 other=0.0)
                 z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
                 block_max = tl.max(tl.where(in_row, z, float("-inf")), 0)
                 m_new = tl.maximum(m, block_max)
-                t = t_tile.to(tl.float32)
-                m_t_new = tl.maximum(m_t, tl.max(tl.where(in_row, t, float("-inf")), 0))
-                s0 = tl.exp(-m_t_new + t)
-                r0 = tl.exp(m_t - m_t_new)
-                s1 = tl.exp(-m_new + z)
-                r1 = tl.exp(m - m_new)
+                # strictly greater: the first index wins ties, like torch.argmax
+                block_arg = tl.argmax(tl.where(in_row, z, float("-inf")), 0)
+                argmax = tl.where(block_max > m, (vocab_start + start + block_arg).to(tl.float32), argmax)
+                s0 = tl.exp2(-1.4426950408889634*m_new + 1.4426950408889634*z)
+                r0 = tl.exp2(1.4426950408889634*m - 1.4426950408889634*m_new)
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
-                part0 = tl.sum(tl.join(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, s0*t, 0.0)), tl.join(tl.where(in_row, s0*z, 0.0), tl.where(in_row, s1*z, 0.0))), 0)
-                part1, part2 = tl.split(part0)
-                acc0_tile, acc1_tile = tl.split(part1)
-                acc2_tile, acc3_tile = tl.split(part2)
-                acc4_tile = tl.sum(tl.where(in_row, s1, 0.0), 0)
+                part0 = tl.sum(tl.join(tl.where(in_row, s0*z, 0.0), tl.where(in_row, s0, 0.0)), 0)
+                acc0_tile, acc1_tile = tl.split(part0)
                 acc0 = acc0 * r0 + acc0_tile
                 acc1 = acc1 * r0 + acc1_tile
-                acc2 = acc2 * r0 + acc2_tile
-                acc3 = acc3 * r1 + acc3_tile
-                acc4 = acc4 * r1 + acc4_tile
                 m = m_new
-                m_t = m_t_new
             z_y = tl.where(y_here, _logits(tl.load(x_row + y_local, mask=y_here, other=0.0).to(tl.float32),
                                            logit_scale, softcap), 0.0)
         elif MERGE:
-            # The packed stats of every vocab shard, all-gathered ([world, rows of this launch, 8]),
+            # The packed stats of every vocab shard, all-gathered ([world, rows of this launch, 5]),
             # merged by each column's rule: maxima first, then the sums rescaled to them.
-            part = gathered_ptr + row * 8
-            step = tl.num_programs(0).to(tl.int64) * 8
+            part = gathered_ptr + row * 5
+            step = tl.num_programs(0).to(tl.int64) * 5
             m = float("-inf")
-            m_t = float("-inf")
             z_y = 0.0
+            argmax = 0.0
+            best = float("-inf")
             acc0 = 0.0
             acc1 = 0.0
-            acc2 = 0.0
-            acc3 = 0.0
-            acc4 = 0.0
             for r in range(world):
                 m = tl.maximum(m, tl.load(part + r * step + 0))
-                m_t = tl.maximum(m_t, tl.load(part + r * step + 1))
             for r in range(world):
                 at = part + r * step
                 m_r = tl.load(at + 0)
-                m_t_r = tl.load(at + 1)
-                z_y += tl.load(at + 2)
-                acc0 += tl.load(at + 3) * tl.exp(-m_t + m_t_r)
-                acc1 += tl.load(at + 4) * tl.exp(-m_t + m_t_r)
-                acc2 += tl.load(at + 5) * tl.exp(-m_t + m_t_r)
-                acc3 += tl.load(at + 6) * tl.exp(-m + m_r)
-                acc4 += tl.load(at + 7) * tl.exp(-m + m_r)
+                z_y += tl.load(at + 1)
+                argmax = tl.where(m_r > best, tl.load(at + 2), argmax)
+                best = tl.maximum(best, m_r)
+                acc0 += tl.load(at + 3) * tl.exp2(-1.4426950408889634*m + 1.4426950408889634*m_r)
+                acc1 += tl.load(at + 4) * tl.exp2(-1.4426950408889634*m + 1.4426950408889634*m_r)
         else:
             m = tl.load(stats_row + 0)
-            m_t = tl.load(stats_row + 1)
-            z_y = tl.load(stats_row + 2)
+            z_y = tl.load(stats_row + 1)
+            argmax = tl.load(stats_row + 2)
             acc0 = tl.load(stats_row + 3)
             acc1 = tl.load(stats_row + 4)
-            acc2 = tl.load(stats_row + 5)
-            acc3 = tl.load(stats_row + 6)
-            acc4 = tl.load(stats_row + 7)
-        N0 = m + tl.log(acc4)
-        N1 = m_t + tl.log(acc0)
+        N0 = m + _log(acc1)
 
         if STORE_STATS:
             tl.store(stats_row + 0, m)
-            tl.store(stats_row + 1, m_t)
-            tl.store(stats_row + 2, z_y)
+            tl.store(stats_row + 1, z_y)
+            tl.store(stats_row + 2, argmax)
             tl.store(stats_row + 3, acc0)
             tl.store(stats_row + 4, acc1)
-            tl.store(stats_row + 5, acc2)
-            tl.store(stats_row + 6, acc3)
-            tl.store(stats_row + 7, acc4)
 
         if ROWS:
-            r0 = tl.exp(-N1 + m_t)
             v0 = N0 - z_y  # cross_entropy
             tl.store(ws_ptr + off_rows + grow * 4 + 0, v0)
             v1 = (N0 * N0)  # z_loss
             tl.store(ws_ptr + off_rows + grow * 4 + 1, v1)
-            v2 = N0 - N1 + acc1*r0 - acc2*r0  # forward_kl
+            v2 = N0 - acc0*tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*m)  # entropy
             tl.store(ws_ptr + off_rows + grow * 4 + 2, v2)
-            v3 = N0 - acc3*tl.exp(-N0 + m)  # entropy
+            v3 = tl.where((argmax == label), 1.0, 0.0)  # token_accuracy
             tl.store(ws_ptr + off_rows + grow * 4 + 3, v3)
             if PER_ROW:
-                tl.store(ws_ptr + off_loss_rows + grow, weight_cross_entropy * v0 + weight_z_loss * v1 + weight_forward_kl * v2)
+                tl.store(ws_ptr + off_loss_rows + grow, weight_cross_entropy * v0 + weight_z_loss * v1)
 
         if GRAD:
             if PER_ROW:
@@ -251,16 +234,13 @@ def head_loss_7623b23cdd86c33e(
                 grad_scale = 1.0 / tl.maximum(tl.load(ws_ptr + 5), 1.0)  # the valid rows (COUNT)
             w_cross_entropy = weight_cross_entropy * grad_scale
             w_z_loss = weight_z_loss * grad_scale
-            w_forward_kl = weight_forward_kl * grad_scale
-            g0 = w_forward_kl
-            g1 = 2.0*N0*w_z_loss + w_cross_entropy + w_forward_kl
-            g2 = -w_cross_entropy
+            g0 = 2.0*N0*w_z_loss + w_cross_entropy
+            g1 = -w_cross_entropy
             # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
             # Tiles last to first, each loaded one iteration ahead (its loads overlap the math).
             n_blocks = tl.cdiv(V, BLOCK_V)
             cols = (n_blocks - 1) * BLOCK_V + tl.arange(0, BLOCK_V)
             x_next = tl.load(x_row + cols, mask=cols < V, other=0.0, eviction_policy="evict_first")
-            t_next = tl.load(t_row + cols, mask=cols < V, other=0.0, eviction_policy="evict_first")
             for i in range(0, n_blocks):
                 start = (n_blocks - 1 - i) * BLOCK_V
                 cols = start + tl.arange(0, BLOCK_V)
@@ -268,14 +248,10 @@ def head_loss_7623b23cdd86c33e(
                 x_tile = x_next
                 x_next = tl.load(x_row + cols - BLOCK_V, mask=cols >= BLOCK_V,
                                  other=0.0, eviction_policy="evict_first")
-                t_tile = t_next
-                t_next = tl.load(t_row + cols - BLOCK_V, mask=cols >= BLOCK_V,
-                                 other=0.0, eviction_policy="evict_first")
                 x = x_tile.to(tl.float32)
                 z = _logits(x, logit_scale, softcap)
-                t = t_tile.to(tl.float32)
                 is_y = tl.where(cols == y_local, 1.0, 0.0)
-                dz = -g0*tl.exp(-N1 + t) + g1*tl.exp(-N0 + z) + g2*is_y
+                dz = g0*tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*z) + g1*is_y
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
     else:
@@ -318,8 +294,8 @@ def head_loss_7623b23cdd86c33e(
             tl.store(ws_ptr + 0, value_cross_entropy)
             value_z_loss = tl.sum(tl.where(c == 1, total, 0.0), 0) * value_scale
             tl.store(ws_ptr + 1, value_z_loss)
-            value_forward_kl = tl.sum(tl.where(c == 2, total, 0.0), 0) * value_scale
-            tl.store(ws_ptr + 2, value_forward_kl)
-            value_entropy = tl.sum(tl.where(c == 3, total, 0.0), 0) * value_scale
-            tl.store(ws_ptr + 3, value_entropy)
-            tl.store(ws_ptr + 4, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss + weight_forward_kl * value_forward_kl)  # LOSS
+            value_entropy = tl.sum(tl.where(c == 2, total, 0.0), 0) * value_scale
+            tl.store(ws_ptr + 2, value_entropy)
+            value_token_accuracy = tl.sum(tl.where(c == 3, total, 0.0), 0) * value_scale
+            tl.store(ws_ptr + 3, value_token_accuracy)
+            tl.store(ws_ptr + 4, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss)  # LOSS

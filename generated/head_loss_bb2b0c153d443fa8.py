@@ -29,13 +29,16 @@
 #   tiles: BLOCK_V <= 16384, 16 warps; stats forward, grad backward
 #   single device: 2 launch(es): [stats+rows] segments -> [grad]
 #   sharded: 3 launch(es): [stats] gather -> [merge+rows] segments -> [grad]
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
-KEY = "532ab8fb5a623ab2"
+KEY = "bb2b0c153d443fa8"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "782696c2f03b"
+CODEGEN = "1c72e8986643"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['gspo', 'entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -56,11 +59,26 @@ ROW_LOSS_TERMS = []
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = ['gspo']
 SEGMENT_MEANS = ['gspo_U0', 'gspo_U1']
-# (BLOCK_V, num_warps) for a large vocabulary
+# (BLOCK_V, num_warps) for a large vocabulary by the plan's rule, and what decides the measured one:
+# the streams the first read loads, its running sums, the exact read's sums (losscodegen/tiles.py)
 TILE = (16384, 16)
+STATE = ('x', 2, 0)
 # the per-call fp32 workspace: these slots, then per-row values and stats at offsets given per call
 LOSS, COUNT, DONE = 2, 3, 4
 FIXED_SLOTS = 5
+
+
+# Triton's interpreter (CPU) lacks the GPU's approximate log instruction
+INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y"))
+
+
+@triton.jit
+def _log(x):
+    # the natural log from lg2.approx, one instruction (tl.log is a long libdevice routine)
+    if INTERPRET:
+        return tl.log(x)
+    else:
+        return libdevice.fast_logf(x)
 
 
 @triton.jit
@@ -78,7 +96,7 @@ def _dlogits(x, logit_scale, softcap):
 @triton.jit(do_not_specialize=["row_offset", "n_rows", "off_rows", "off_loss_rows", "off_stats",
                                "off_exact", "vocab_start", "n_vocab", "n_seg", "off_seg_sums",
                                "off_seg_coefs"])
-def head_loss_532ab8fb5a623ab2(
+def head_loss_bb2b0c153d443fa8(
     x_ptr, x_stride, grad_ptr, grad_stride, y_ptr, mask_ptr,
     tok_advantages_ptr,
     tok_old_logprobs_ptr,
@@ -154,8 +172,8 @@ def head_loss_532ab8fb5a623ab2(
                 z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
                 block_max = tl.max(tl.where(in_row, z, float("-inf")), 0)
                 m_new = tl.maximum(m, block_max)
-                s0 = tl.exp(-m_new + z)
-                r0 = tl.exp(m - m_new)
+                s0 = tl.exp2(-1.4426950408889634*m_new + 1.4426950408889634*z)
+                r0 = tl.exp2(1.4426950408889634*m - 1.4426950408889634*m_new)
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
                 part0 = tl.sum(tl.join(tl.where(in_row, s0*z, 0.0), tl.where(in_row, s0, 0.0)), 0)
                 acc0_tile, acc1_tile = tl.split(part0)
@@ -179,14 +197,14 @@ def head_loss_532ab8fb5a623ab2(
                 at = part + r * step
                 m_r = tl.load(at + 0)
                 z_y += tl.load(at + 1)
-                acc0 += tl.load(at + 2) * tl.exp(-m + m_r)
-                acc1 += tl.load(at + 3) * tl.exp(-m + m_r)
+                acc0 += tl.load(at + 2) * tl.exp2(-1.4426950408889634*m + 1.4426950408889634*m_r)
+                acc1 += tl.load(at + 3) * tl.exp2(-1.4426950408889634*m + 1.4426950408889634*m_r)
         else:
             m = tl.load(stats_row + 0)
             z_y = tl.load(stats_row + 1)
             acc0 = tl.load(stats_row + 2)
             acc1 = tl.load(stats_row + 3)
-        N0 = m + tl.log(acc1)
+        N0 = m + _log(acc1)
 
         if STORE_STATS:
             tl.store(stats_row + 0, m)
@@ -199,7 +217,7 @@ def head_loss_532ab8fb5a623ab2(
             tl.store(ws_ptr + off_rows + grow * 3 + 0, v0)
             v1 = tok_advantages  # gspo_U1
             tl.store(ws_ptr + off_rows + grow * 3 + 1, v1)
-            v2 = N0 - acc0*tl.exp(-N0 + m)  # entropy
+            v2 = N0 - acc0*tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*m)  # entropy
             tl.store(ws_ptr + off_rows + grow * 3 + 2, v2)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, 0.0)
@@ -247,7 +265,7 @@ def head_loss_532ab8fb5a623ab2(
                 x = x_tile.to(tl.float32)
                 z = _logits(x, logit_scale, softcap)
                 is_y = tl.where(cols == y_local, 1.0, 0.0)
-                dz = g0*tl.exp(-N0 + z) + g1*is_y
+                dz = g0*tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*z) + g1*is_y
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
     else:
@@ -295,7 +313,7 @@ def head_loss_532ab8fb5a623ab2(
 
 
 @triton.jit(do_not_specialize=["n_seg", "off_seg_sums", "off_seg_coefs"])
-def segments_532ab8fb5a623ab2(ws_ptr, off_seg_sums, off_seg_coefs, n_seg, div_ptr,
+def segments_bb2b0c153d443fa8(ws_ptr, off_seg_sums, off_seg_coefs, n_seg, div_ptr,
                        weight_gspo,
                        SUM: tl.constexpr, BLOCK_S: tl.constexpr):
     # One program for all segments, after every row was added to its segment. The sums are
@@ -329,7 +347,7 @@ def segments_532ab8fb5a623ab2(ws_ptr, off_seg_sums, off_seg_coefs, n_seg, div_pt
                           mask=in_seg, other=0.0) * inv_count
         gspo_U1 = tl.load(sums_ptr + idx * 3 + 2,
                           mask=in_seg, other=0.0) * inv_count
-        gspo_u0 = tl.exp(gspo_U0)
+        gspo_u0 = tl.exp2(1.4426950408889634*gspo_U0)
         gspo_u1 = gspo_U1*gspo_u0
         gspo_u2 = (gspo_u0 >= 1.0004)
         gspo_u3 = (gspo_u0 <= 0.9997)

@@ -2,17 +2,19 @@
 #
 # terms (per-row formulas):
 #   loss   cross_entropy = -z_y + LSE(1, 0)
-# softcap: True
+#   loss   z_loss = LSE(1, 0)**2
+# softcap: False
 #
 # lowered:
 #   row values:
 #     cross_entropy = N0 - z_y
+#     z_loss = N0**2
 #   normalisers:
 #     N0 = m + log(acc0)
 #   accumulators:
 #     acc0 = sum_i exp(1*(z - m)) * 1    [online]
 #   gradient (derived by sympy):
-#     g0 = w_cross_entropy
+#     g0 = 2*N0*w_z_loss + w_cross_entropy
 #     g1 = -w_cross_entropy
 #     dL/dz_i = g0*exp(-N0 + z) + g1*is_y
 #
@@ -24,17 +26,20 @@
 #   tiles: BLOCK_V <= 32768, 32 warps; stats forward, grad backward
 #   single device: 1 launch(es): [stats+rows+grad]
 #   sharded: 2 launch(es): [stats] gather -> [merge+rows+grad]
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
-KEY = "4be5c2b60b207a71"
+KEY = "2e7b8aa488a0d8ec"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "782696c2f03b"
+CODEGEN = "1c72e8986643"
 # what the head reports, in this order: its terms, then its metrics
-OUTPUTS = ['cross_entropy']
+OUTPUTS = ['cross_entropy', 'z_loss']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
-ROW_VALUES = ['cross_entropy']
+ROW_VALUES = ['cross_entropy', 'z_loss']
 # the first read's packed per-row stats, and how the partial stats of vocab shards combine:
 # (column, rule, alpha, beta)
 COLUMNS = ['m', 'z_y', 'acc0']
@@ -47,35 +52,51 @@ USES_TEACHER = False
 USES_TOPK = False
 HAS_EXACT = False
 # the loss terms whose weights the row kernel takes (the others are segment terms)
-ROW_LOSS_TERMS = ['cross_entropy']
+ROW_LOSS_TERMS = ['cross_entropy', 'z_loss']
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = []
 SEGMENT_MEANS = []
-# (BLOCK_V, num_warps) for a large vocabulary
+# (BLOCK_V, num_warps) for a large vocabulary by the plan's rule, and what decides the measured one:
+# the streams the first read loads, its running sums, the exact read's sums (losscodegen/tiles.py)
 TILE = (32768, 32)
+STATE = ('x', 1, 0)
 # the per-call fp32 workspace: these slots, then per-row values and stats at offsets given per call
-LOSS, COUNT, DONE = 1, 2, 3
-FIXED_SLOTS = 4
+LOSS, COUNT, DONE = 2, 3, 4
+FIXED_SLOTS = 5
+
+
+# Triton's interpreter (CPU) lacks the GPU's approximate log instruction
+INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y"))
+
+
+@triton.jit
+def _log(x):
+    # the natural log from lg2.approx, one instruction (tl.log is a long libdevice routine)
+    if INTERPRET:
+        return tl.log(x)
+    else:
+        return libdevice.fast_logf(x)
 
 
 @triton.jit
 def _logits(x, logit_scale, softcap):
     # z, the logits the formulas speak of
-    return logit_scale*softcap*(2.0 / (1.0 + tl.exp(-2.0*x/softcap)) - 1.0)
+    return logit_scale*x
 
 
 @triton.jit
 def _dlogits(x, logit_scale, softcap):
     # dz/dx, to carry dL/dz back to the raw logits
-    return logit_scale*(1.0 - (((2.0 / (1.0 + tl.exp(-2.0*x/softcap)) - 1.0)) * ((2.0 / (1.0 + tl.exp(-2.0*x/softcap)) - 1.0))))
+    return logit_scale
 
 
 @triton.jit(do_not_specialize=["row_offset", "n_rows", "off_rows", "off_loss_rows", "off_stats",
                                "off_exact", "vocab_start", "n_vocab"])
-def head_loss_4be5c2b60b207a71(
+def head_loss_2e7b8aa488a0d8ec(
     x_ptr, x_stride, grad_ptr, grad_stride, y_ptr, mask_ptr,
     ws_ptr, off_rows, off_loss_rows, off_stats, off_exact, gathered_ptr, world, div_ptr, flag_ptr,
     weight_cross_entropy,
+    weight_z_loss,
     row_offset, n_rows, logit_scale, softcap, V, vocab_start, n_vocab, ignore_index,
     SUM: tl.constexpr, PER_ROW: tl.constexpr,
     STATS: tl.constexpr, MERGE: tl.constexpr, EXACT: tl.constexpr, STORE_STATS: tl.constexpr,
@@ -133,8 +154,8 @@ def head_loss_4be5c2b60b207a71(
                 z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
                 block_max = tl.max(tl.where(in_row, z, float("-inf")), 0)
                 m_new = tl.maximum(m, block_max)
-                s0 = tl.exp(-m_new + z)
-                r0 = tl.exp(m - m_new)
+                s0 = tl.exp2(-1.4426950408889634*m_new + 1.4426950408889634*z)
+                r0 = tl.exp2(1.4426950408889634*m - 1.4426950408889634*m_new)
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
                 acc0_tile = tl.sum(tl.where(in_row, s0, 0.0), 0)
                 acc0 = acc0 * r0 + acc0_tile
@@ -155,12 +176,12 @@ def head_loss_4be5c2b60b207a71(
                 at = part + r * step
                 m_r = tl.load(at + 0)
                 z_y += tl.load(at + 1)
-                acc0 += tl.load(at + 2) * tl.exp(-m + m_r)
+                acc0 += tl.load(at + 2) * tl.exp2(-1.4426950408889634*m + 1.4426950408889634*m_r)
         else:
             m = tl.load(stats_row + 0)
             z_y = tl.load(stats_row + 1)
             acc0 = tl.load(stats_row + 2)
-        N0 = m + tl.log(acc0)
+        N0 = m + _log(acc0)
 
         if STORE_STATS:
             tl.store(stats_row + 0, m)
@@ -169,9 +190,11 @@ def head_loss_4be5c2b60b207a71(
 
         if ROWS:
             v0 = N0 - z_y  # cross_entropy
-            tl.store(ws_ptr + off_rows + grow * 1 + 0, v0)
+            tl.store(ws_ptr + off_rows + grow * 2 + 0, v0)
+            v1 = (N0 * N0)  # z_loss
+            tl.store(ws_ptr + off_rows + grow * 2 + 1, v1)
             if PER_ROW:
-                tl.store(ws_ptr + off_loss_rows + grow, weight_cross_entropy * v0)
+                tl.store(ws_ptr + off_loss_rows + grow, weight_cross_entropy * v0 + weight_z_loss * v1)
 
         if GRAD:
             if PER_ROW:
@@ -181,9 +204,10 @@ def head_loss_4be5c2b60b207a71(
             elif SUM:
                 grad_scale = 1.0
             else:
-                grad_scale = 1.0 / tl.maximum(tl.load(ws_ptr + 2), 1.0)  # the valid rows (COUNT)
+                grad_scale = 1.0 / tl.maximum(tl.load(ws_ptr + 3), 1.0)  # the valid rows (COUNT)
             w_cross_entropy = weight_cross_entropy * grad_scale
-            g0 = w_cross_entropy
+            w_z_loss = weight_z_loss * grad_scale
+            g0 = 2.0*N0*w_z_loss + w_cross_entropy
             g1 = -w_cross_entropy
             # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
             # Tiles last to first, each loaded one iteration ahead (its loads overlap the math).
@@ -200,7 +224,7 @@ def head_loss_4be5c2b60b207a71(
                 x = x_tile.to(tl.float32)
                 z = _logits(x, logit_scale, softcap)
                 is_y = tl.where(cols == y_local, 1.0, 0.0)
-                dz = g0*tl.exp(-N0 + z) + g1*is_y
+                dz = g0*tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*z) + g1*is_y
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
     else:
@@ -211,7 +235,8 @@ def head_loss_4be5c2b60b207a71(
                 tl.store(grad_row + cols, (tl.zeros([BLOCK_V], tl.float32) + fill).to(grad_ptr.dtype.element_ty),
                          mask=cols < V)
         if ROWS:
-            tl.store(ws_ptr + off_rows + grow * 1 + 0, fill)
+            tl.store(ws_ptr + off_rows + grow * 2 + 0, fill)
+            tl.store(ws_ptr + off_rows + grow * 2 + 1, fill)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, fill)
 
@@ -220,22 +245,24 @@ def head_loss_4be5c2b60b207a71(
         # last one reduces every row's values in a fixed order (the same sums on every run) and
         # writes the terms, the metrics and the loss.
         tl.debug_barrier()
-        done = tl.atomic_add(ws_ptr + 3, 1.0, sem="acq_rel")  # DONE
+        done = tl.atomic_add(ws_ptr + 4, 1.0, sem="acq_rel")  # DONE
         if done == n_rows - 1:
             if div_ptr is not None:
                 value_scale = 1.0 / tl.load(div_ptr)
             elif SUM:
                 value_scale = 1.0
             else:
-                value_scale = 1.0 / tl.maximum(tl.load(ws_ptr + 2), 1.0)  # the valid rows (COUNT)
+                value_scale = 1.0 / tl.maximum(tl.load(ws_ptr + 3), 1.0)  # the valid rows (COUNT)
             r = tl.arange(0, BLOCK_R)
-            c = tl.arange(0, 1)
-            total = tl.zeros([1], tl.float32)
+            c = tl.arange(0, 2)
+            total = tl.zeros([2], tl.float32)
             for start in range(0, n_rows, BLOCK_R):
                 idx = start + r
-                at = ws_ptr + off_rows + idx[:, None] * 1 + c[None, :]
-                total += tl.sum(tl.load(at, mask=(idx[:, None] < n_rows) & (c[None, :] < 1),
+                at = ws_ptr + off_rows + idx[:, None] * 2 + c[None, :]
+                total += tl.sum(tl.load(at, mask=(idx[:, None] < n_rows) & (c[None, :] < 2),
                                         other=0.0, cache_modifier=".cg"), 0)
             value_cross_entropy = tl.sum(tl.where(c == 0, total, 0.0), 0) * value_scale
             tl.store(ws_ptr + 0, value_cross_entropy)
-            tl.store(ws_ptr + 1, weight_cross_entropy * value_cross_entropy)  # LOSS
+            value_z_loss = tl.sum(tl.where(c == 1, total, 0.0), 0) * value_scale
+            tl.store(ws_ptr + 1, value_z_loss)
+            tl.store(ws_ptr + 2, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss)  # LOSS

@@ -2,11 +2,13 @@
 #
 # terms (per-row formulas):
 #   loss   cross_entropy = -z_y + LSE(1, 0)
+#   metric token_accuracy = Piecewise((1, Eq(argmax, label)), (0, True))
 # softcap: False
 #
 # lowered:
 #   row values:
 #     cross_entropy = N0 - z_y
+#     token_accuracy = Piecewise((1, Eq(argmax, label)), (0, True))
 #   normalisers:
 #     N0 = m + log(acc0)
 #   accumulators:
@@ -19,26 +21,29 @@
 # plan:
 #   reads of the vocabulary: 1 for the loss (online stats) + 1 for the gradient
 #   bytes per element (bf16 in, bf16 grad): 6
-#   packed per-row stats (3 fp32): m:max, z_y:sum, acc0:scaled
+#   packed per-row stats (4 fp32): m:max, z_y:sum, argmax:argmax, acc0:scaled
 #   vocab-parallel: one all-gather of the packed stats
 #   tiles: BLOCK_V <= 32768, 32 warps; stats forward, grad backward
 #   single device: 1 launch(es): [stats+rows+grad]
 #   sharded: 2 launch(es): [stats] gather -> [merge+rows+grad]
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
-KEY = "d47be4fcf032aea4"
+KEY = "05a2ed77b2099870"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "782696c2f03b"
+CODEGEN = "1c72e8986643"
 # what the head reports, in this order: its terms, then its metrics
-OUTPUTS = ['cross_entropy']
+OUTPUTS = ['cross_entropy', 'token_accuracy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
-ROW_VALUES = ['cross_entropy']
+ROW_VALUES = ['cross_entropy', 'token_accuracy']
 # the first read's packed per-row stats, and how the partial stats of vocab shards combine:
 # (column, rule, alpha, beta)
-COLUMNS = ['m', 'z_y', 'acc0']
-MERGE = [('m', 'max', 0.0, 0.0), ('z_y', 'sum', 0.0, 0.0), ('acc0', 'scaled', 1.0, 0.0)]
+COLUMNS = ['m', 'z_y', 'argmax', 'acc0']
+MERGE = [('m', 'max', 0.0, 0.0), ('z_y', 'sum', 0.0, 0.0), ('argmax', 'argmax', 0.0, 0.0), ('acc0', 'scaled', 1.0, 0.0)]
 # sums of the exact read (summed across vocab shards)
 EXACT = []
 TOKENS = []
@@ -51,11 +56,26 @@ ROW_LOSS_TERMS = ['cross_entropy']
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = []
 SEGMENT_MEANS = []
-# (BLOCK_V, num_warps) for a large vocabulary
+# (BLOCK_V, num_warps) for a large vocabulary by the plan's rule, and what decides the measured one:
+# the streams the first read loads, its running sums, the exact read's sums (losscodegen/tiles.py)
 TILE = (32768, 32)
+STATE = ('x', 1, 0)
 # the per-call fp32 workspace: these slots, then per-row values and stats at offsets given per call
-LOSS, COUNT, DONE = 1, 2, 3
-FIXED_SLOTS = 4
+LOSS, COUNT, DONE = 2, 3, 4
+FIXED_SLOTS = 5
+
+
+# Triton's interpreter (CPU) lacks the GPU's approximate log instruction
+INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y"))
+
+
+@triton.jit
+def _log(x):
+    # the natural log from lg2.approx, one instruction (tl.log is a long libdevice routine)
+    if INTERPRET:
+        return tl.log(x)
+    else:
+        return libdevice.fast_logf(x)
 
 
 @triton.jit
@@ -72,7 +92,7 @@ def _dlogits(x, logit_scale, softcap):
 
 @triton.jit(do_not_specialize=["row_offset", "n_rows", "off_rows", "off_loss_rows", "off_stats",
                                "off_exact", "vocab_start", "n_vocab"])
-def head_loss_d47be4fcf032aea4(
+def head_loss_05a2ed77b2099870(
     x_ptr, x_stride, grad_ptr, grad_stride, y_ptr, mask_ptr,
     ws_ptr, off_rows, off_loss_rows, off_stats, off_exact, gathered_ptr, world, div_ptr, flag_ptr,
     weight_cross_entropy,
@@ -90,7 +110,7 @@ def head_loss_d47be4fcf032aea4(
     grow = row_offset + row
     x_row = x_ptr + row * x_stride
     grad_row = grad_ptr + row * grad_stride
-    stats_row = ws_ptr + off_stats + grow * 3
+    stats_row = ws_ptr + off_stats + grow * 4
     y = -1
     live = True
     if y_ptr is not None:
@@ -112,12 +132,14 @@ def head_loss_d47be4fcf032aea4(
             fill = tl.where(bad, float("nan"), 0.0)
 
     if compute:
+        label = y.to(tl.float32)
         y_local = y - vocab_start
         y_here = (y_local >= 0) & (y_local < V)
 
         if STATS:
             # First read: the running max and every online accumulator, rescaled when the max grows.
             m = float("-inf")
+            argmax = 0.0
             acc0 = 0.0
             # Tiles first to last, each loaded one iteration ahead (its loads overlap the math).
             n_blocks = tl.cdiv(V, BLOCK_V)
@@ -133,8 +155,11 @@ def head_loss_d47be4fcf032aea4(
                 z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
                 block_max = tl.max(tl.where(in_row, z, float("-inf")), 0)
                 m_new = tl.maximum(m, block_max)
-                s0 = tl.exp(-m_new + z)
-                r0 = tl.exp(m - m_new)
+                # strictly greater: the first index wins ties, like torch.argmax
+                block_arg = tl.argmax(tl.where(in_row, z, float("-inf")), 0)
+                argmax = tl.where(block_max > m, (vocab_start + start + block_arg).to(tl.float32), argmax)
+                s0 = tl.exp2(-1.4426950408889634*m_new + 1.4426950408889634*z)
+                r0 = tl.exp2(1.4426950408889634*m - 1.4426950408889634*m_new)
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
                 acc0_tile = tl.sum(tl.where(in_row, s0, 0.0), 0)
                 acc0 = acc0 * r0 + acc0_tile
@@ -142,12 +167,14 @@ def head_loss_d47be4fcf032aea4(
             z_y = tl.where(y_here, _logits(tl.load(x_row + y_local, mask=y_here, other=0.0).to(tl.float32),
                                            logit_scale, softcap), 0.0)
         elif MERGE:
-            # The packed stats of every vocab shard, all-gathered ([world, rows of this launch, 3]),
+            # The packed stats of every vocab shard, all-gathered ([world, rows of this launch, 4]),
             # merged by each column's rule: maxima first, then the sums rescaled to them.
-            part = gathered_ptr + row * 3
-            step = tl.num_programs(0).to(tl.int64) * 3
+            part = gathered_ptr + row * 4
+            step = tl.num_programs(0).to(tl.int64) * 4
             m = float("-inf")
             z_y = 0.0
+            argmax = 0.0
+            best = float("-inf")
             acc0 = 0.0
             for r in range(world):
                 m = tl.maximum(m, tl.load(part + r * step + 0))
@@ -155,21 +182,27 @@ def head_loss_d47be4fcf032aea4(
                 at = part + r * step
                 m_r = tl.load(at + 0)
                 z_y += tl.load(at + 1)
-                acc0 += tl.load(at + 2) * tl.exp(-m + m_r)
+                argmax = tl.where(m_r > best, tl.load(at + 2), argmax)
+                best = tl.maximum(best, m_r)
+                acc0 += tl.load(at + 3) * tl.exp2(-1.4426950408889634*m + 1.4426950408889634*m_r)
         else:
             m = tl.load(stats_row + 0)
             z_y = tl.load(stats_row + 1)
-            acc0 = tl.load(stats_row + 2)
-        N0 = m + tl.log(acc0)
+            argmax = tl.load(stats_row + 2)
+            acc0 = tl.load(stats_row + 3)
+        N0 = m + _log(acc0)
 
         if STORE_STATS:
             tl.store(stats_row + 0, m)
             tl.store(stats_row + 1, z_y)
-            tl.store(stats_row + 2, acc0)
+            tl.store(stats_row + 2, argmax)
+            tl.store(stats_row + 3, acc0)
 
         if ROWS:
             v0 = N0 - z_y  # cross_entropy
-            tl.store(ws_ptr + off_rows + grow * 1 + 0, v0)
+            tl.store(ws_ptr + off_rows + grow * 2 + 0, v0)
+            v1 = tl.where((argmax == label), 1.0, 0.0)  # token_accuracy
+            tl.store(ws_ptr + off_rows + grow * 2 + 1, v1)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, weight_cross_entropy * v0)
 
@@ -181,7 +214,7 @@ def head_loss_d47be4fcf032aea4(
             elif SUM:
                 grad_scale = 1.0
             else:
-                grad_scale = 1.0 / tl.maximum(tl.load(ws_ptr + 2), 1.0)  # the valid rows (COUNT)
+                grad_scale = 1.0 / tl.maximum(tl.load(ws_ptr + 3), 1.0)  # the valid rows (COUNT)
             w_cross_entropy = weight_cross_entropy * grad_scale
             g0 = w_cross_entropy
             g1 = -w_cross_entropy
@@ -200,7 +233,7 @@ def head_loss_d47be4fcf032aea4(
                 x = x_tile.to(tl.float32)
                 z = _logits(x, logit_scale, softcap)
                 is_y = tl.where(cols == y_local, 1.0, 0.0)
-                dz = g0*tl.exp(-N0 + z) + g1*is_y
+                dz = g0*tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*z) + g1*is_y
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
     else:
@@ -211,7 +244,8 @@ def head_loss_d47be4fcf032aea4(
                 tl.store(grad_row + cols, (tl.zeros([BLOCK_V], tl.float32) + fill).to(grad_ptr.dtype.element_ty),
                          mask=cols < V)
         if ROWS:
-            tl.store(ws_ptr + off_rows + grow * 1 + 0, fill)
+            tl.store(ws_ptr + off_rows + grow * 2 + 0, fill)
+            tl.store(ws_ptr + off_rows + grow * 2 + 1, fill)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, fill)
 
@@ -220,22 +254,24 @@ def head_loss_d47be4fcf032aea4(
         # last one reduces every row's values in a fixed order (the same sums on every run) and
         # writes the terms, the metrics and the loss.
         tl.debug_barrier()
-        done = tl.atomic_add(ws_ptr + 3, 1.0, sem="acq_rel")  # DONE
+        done = tl.atomic_add(ws_ptr + 4, 1.0, sem="acq_rel")  # DONE
         if done == n_rows - 1:
             if div_ptr is not None:
                 value_scale = 1.0 / tl.load(div_ptr)
             elif SUM:
                 value_scale = 1.0
             else:
-                value_scale = 1.0 / tl.maximum(tl.load(ws_ptr + 2), 1.0)  # the valid rows (COUNT)
+                value_scale = 1.0 / tl.maximum(tl.load(ws_ptr + 3), 1.0)  # the valid rows (COUNT)
             r = tl.arange(0, BLOCK_R)
-            c = tl.arange(0, 1)
-            total = tl.zeros([1], tl.float32)
+            c = tl.arange(0, 2)
+            total = tl.zeros([2], tl.float32)
             for start in range(0, n_rows, BLOCK_R):
                 idx = start + r
-                at = ws_ptr + off_rows + idx[:, None] * 1 + c[None, :]
-                total += tl.sum(tl.load(at, mask=(idx[:, None] < n_rows) & (c[None, :] < 1),
+                at = ws_ptr + off_rows + idx[:, None] * 2 + c[None, :]
+                total += tl.sum(tl.load(at, mask=(idx[:, None] < n_rows) & (c[None, :] < 2),
                                         other=0.0, cache_modifier=".cg"), 0)
             value_cross_entropy = tl.sum(tl.where(c == 0, total, 0.0), 0) * value_scale
             tl.store(ws_ptr + 0, value_cross_entropy)
-            tl.store(ws_ptr + 1, weight_cross_entropy * value_cross_entropy)  # LOSS
+            value_token_accuracy = tl.sum(tl.where(c == 1, total, 0.0), 0) * value_scale
+            tl.store(ws_ptr + 1, value_token_accuracy)
+            tl.store(ws_ptr + 2, weight_cross_entropy * value_cross_entropy)  # LOSS

@@ -1,0 +1,1 @@
+"""Kernels generated at build time from ./manifest (package data: losscodegen.generated)."""

@@ -1,0 +1,204 @@
+"""Parity tests for your own heads: ``assert_parity(head)`` and the float64 ``reference(head)``.
+
+The reference evaluates the head's declared formulas directly in float64 torch: each formula is
+printed by the torch printer, with ``lse_at(T)`` as a logsumexp, ``vsum`` a sum over the
+vocabulary, ``topk_sum`` a gather and a sum, ``segment_mean`` a mean over a segment's valid rows;
+the terms are reduced as the head's contract says (divisor, weights, metrics), and the gradient is
+taken by ``torch.autograd``. Nothing of the compiler takes part (no lowering, planning, emitted
+code or sympy derivative), so it checks all of them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import sympy as sp
+import torch
+
+from . import symbols as S
+from .emit import TorchPrinter
+from .head import HeadLoss
+
+__all__ = ["reference", "assert_parity", "random_inputs", "TOLERANCES"]
+
+# (values: relative and absolute; gradient: error over the largest |gradient|) per logits dtype.
+# A bf16 gradient is stored in bf16 (2**-8 relative), values are accumulated in fp32 either way.
+TOLERANCES = {torch.float32: (1e-4, 1e-5, 2e-4), torch.bfloat16: (2e-3, 2e-3, 1e-2),
+              torch.float16: (2e-3, 2e-3, 5e-3)}
+
+
+class _Printer(TorchPrinter):
+    """Formulas over whole rows: element symbols are [rows, V] (or [rows, K]) tensors, row
+    symbols [rows, 1], reductions keep the row dimension."""
+
+    def _print_LSE(self, expr) -> str:
+        alpha, beta = expr.args
+        return f"torch.logsumexp({self._print(alpha * S.logit + beta * S.teacher_logit)}, -1, keepdim=True)"
+
+    def _print_vsum(self, expr) -> str:
+        return f"(({self._print(expr.args[0])}) + 0 * z).sum(-1, keepdim=True)"
+
+    def _print_topk_sum(self, expr) -> str:
+        return f"(({self._print(expr.args[0])}) + 0 * z_k).sum(-1, keepdim=True)"
+
+
+_PRINT = _Printer()
+
+
+def _evaluate(expr: sp.Expr, namespace: dict[str, Any]) -> torch.Tensor:
+    return eval(_PRINT.doprint(expr), {"torch": torch}, namespace)
+
+
+@dataclass
+class Reference:
+    """``ref(logits, labels, **inputs) -> (loss, {name: value}, dL/dlogits)``, all float64."""
+
+    head: HeadLoss
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor | None = None, **inputs: Any):
+        head = self.head
+        V = logits.shape[-1]
+        shape = logits.shape[:-1]
+        x = logits.detach().double().reshape(-1, V).requires_grad_()
+        z = x if head.softcap is None else head.softcap * torch.tanh(x / head.softcap)
+        z = z * head.logit_scale
+        R = z.shape[0]
+        y = labels.reshape(-1) if labels is not None else torch.zeros(R, dtype=torch.long, device=z.device)
+        valid = torch.ones(R, dtype=torch.bool, device=z.device)
+        if labels is not None:
+            valid &= y != head.ignore_index
+        if inputs.get("loss_mask") is not None:
+            valid &= inputs["loss_mask"].reshape(-1)
+        yc = y.clamp(0, V - 1)[:, None]
+        ns = {"z": z, "z_y": z.gather(1, yc), "label": y[:, None].double(), "vocab_size": float(V),
+              "argmax": z.argmax(-1, keepdim=True).double()}
+        if inputs.get("teacher_logits") is not None:
+            ns["t"] = inputs["teacher_logits"].detach().double().reshape(R, V)
+        if inputs.get("teacher_topk_ids") is not None:
+            ids = inputs["teacher_topk_ids"].reshape(R, -1)
+            ns["z_k"] = z.gather(1, ids)
+            ns["l_k"] = inputs["teacher_topk_logprobs"].double().reshape(R, -1)
+        for name, value in inputs.items():
+            if isinstance(value, torch.Tensor) and name not in _STANDARD:
+                ns[S.TOKEN_PREFIX + name] = value.double().reshape(R, 1)
+        divisor, reduction = inputs.get("divisor"), inputs.get("reduction", "mean")
+        n_valid = float(valid.sum().clamp_min(1))
+        div = float(divisor) if divisor is not None else 1.0 if reduction == "sum" else n_valid
+        values, per_row_loss, loss = {}, z.new_zeros(R), z.new_zeros(())
+        for name, formula, is_metric in head._bound:
+            weight = 0.0 if is_metric else head._weights[name]
+            if formula.has(S.segment_mean):
+                value = _segment_term(formula, ns, valid, inputs["segment_ids"].reshape(-1), divisor, reduction)
+            else:
+                per_row = torch.as_tensor(_evaluate(formula, ns), dtype=torch.float64).expand(R, 1)[:, 0]
+                per_row = torch.where(valid, per_row, torch.zeros_like(per_row))
+                value = per_row.sum() / div
+                per_row_loss = per_row_loss + weight * per_row
+            values[name] = value.detach()
+            loss = loss + weight * value
+        out = per_row_loss.reshape(shape) if reduction == "none" else loss
+        if out.requires_grad:
+            (out.sum() if reduction == "none" else out).backward()
+        grad = x.grad if x.grad is not None else torch.zeros_like(x)
+        return out.detach(), values, grad.reshape(logits.shape)
+
+
+_STANDARD = ("teacher_logits", "loss_mask", "teacher_topk_ids", "teacher_topk_logprobs", "segment_ids",
+             "num_segments", "divisor", "reduction", "process_group", "segment_group")
+
+
+def _segment_term(formula, ns, valid, seg, divisor, reduction) -> torch.Tensor:
+    """A term of segment means: each mean over its segment's valid rows, the formula per non-empty
+    segment, summed and divided (by the non-empty segments by default)."""
+    ids = sorted(set(seg[valid].tolist()))
+    means = {}
+    for k, mean in enumerate(formula.atoms(S.segment_mean)):
+        u = torch.as_tensor(_evaluate(mean.args[0], ns), dtype=torch.float64).expand(seg.shape[0], 1)[:, 0]
+        per_seg = torch.stack([u[(seg == s) & valid].mean() for s in ids]) if ids else u.new_zeros(0)
+        means[mean] = sp.Symbol(f"segment_mean_{k}", real=True)
+        ns[means[mean].name] = per_seg
+    total = torch.as_tensor(_evaluate(formula.xreplace(means), ns), dtype=torch.float64).sum()
+    div = float(divisor) if divisor is not None else 1.0 if reduction == "sum" else max(len(ids), 1)
+    return total / div
+
+
+def reference(head: HeadLoss) -> Reference:
+    """The head's declared formulas in float64 torch, for parity tests (see the module's doc)."""
+    return Reference(head)
+
+
+def random_inputs(head: HeadLoss, rows: int = 24, vocab: int = 500, dtype: torch.dtype = torch.float32,
+                  device: Any = "cpu", seed: int = 0, **given: Any) -> tuple[torch.Tensor, Any, dict]:
+    """``(logits, labels, inputs)`` for everything the head reads: ignored rows, a loss_mask,
+    teacher logits, per-row tokens (a ``*logprobs`` token near the logits' own log-probability),
+    top-k ids and log-probs, segments. ``given`` inputs are used as they are."""
+    k = head.kernel
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(rows, vocab, generator=g) * 2).to(dtype)
+    labels = given.pop("labels", None)
+    if labels is None and k.USES_LABELS:
+        labels = torch.randint(0, vocab, (rows,), generator=g)
+        labels[torch.rand(rows, generator=g) < 0.15] = head.ignore_index
+    inputs = {"loss_mask": torch.rand(rows, generator=g) > 0.1}
+    if k.USES_TEACHER:
+        inputs["teacher_logits"] = (torch.randn(rows, vocab, generator=g) * 2 + 0.5 * logits.float()).to(dtype)
+    if k.USES_TOPK:
+        K = min(8, vocab)
+        inputs["teacher_topk_ids"] = torch.stack([torch.randperm(vocab, generator=g)[:K] for _ in range(rows)])
+        inputs["teacher_topk_logprobs"] = torch.log_softmax(torch.randn(rows, K + 2, generator=g), -1)[:, :K]
+    logp = torch.log_softmax(logits.double(), -1).gather(
+        1, (labels if labels is not None else torch.zeros(rows, dtype=torch.long)).clamp(0, vocab - 1)[:, None])[:, 0]
+    for name in k.TOKENS:
+        noise = torch.randn(rows, generator=g, dtype=torch.float64)
+        inputs[name] = (logp + 0.2 * noise if name.endswith("logprobs") else noise).float()
+    if k.SEGMENTS:
+        n_seg = max(rows // 6, 1)
+        inputs["segment_ids"] = torch.sort(torch.randint(0, n_seg, (rows,), generator=g)).values
+        inputs["num_segments"] = n_seg
+    inputs.update(given)
+    on = {name: (v.to(device) if isinstance(v, torch.Tensor) else v) for name, v in inputs.items()}
+    return logits.to(device), (labels.to(device) if labels is not None else None), on
+
+
+def _worst(got: torch.Tensor, want: torch.Tensor) -> tuple[float, tuple[int, ...], float, float]:
+    """(largest |got - want|, where, got there, want there); NaN counts as the worst."""
+    got, want = got.detach().double().cpu().reshape(want.shape), want.double().cpu()
+    err = (got - want).abs().nan_to_num(float("inf"))
+    if err.dim() == 0:
+        return float(err), (), float(got), float(want)
+    at = tuple(int(i) for i in torch.unravel_index(err.argmax(), err.shape))
+    return float(err[at]), at, float(got[at]), float(want[at])
+
+
+def assert_parity(head: HeadLoss, rows: int = 24, vocab: int = 500,
+                  dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16), device: Any = None,
+                  seed: int = 0, **inputs: Any) -> None:
+    """Run ``head`` on random inputs (``inputs`` given are used as they are) in each dtype, on the
+    GPU when there is one, and compare its loss, terms, metrics and gradient with ``reference(head)``.
+    Raises ``AssertionError`` naming the term (or the gradient), the worst element and the tolerance."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    ref = reference(head)
+    for dtype in dtypes:
+        logits, labels, kw = random_inputs(head, rows, vocab, dtype, device, seed, **inputs)
+        rtol, atol, grad_tol = TOLERANCES[dtype]
+        x = logits.clone().requires_grad_()
+        out = head(x, labels, **kw)
+        if head.loss_terms:
+            out.loss.sum().backward()
+        ref_kw = {name: (v.cpu() if isinstance(v, torch.Tensor) else v) for name, v in kw.items()}
+        want_loss, want, want_grad = ref(logits.cpu(), None if labels is None else labels.cpu(), **ref_kw)
+        where = f"({dtype}, {rows} x {vocab}, seed {seed})"
+        for name, got, expected in [("loss", out.loss, want_loss)] + [
+                (n, v, want[n]) for n, v in {**out.terms, **out.metrics}.items()]:
+            err, at, got_at, want_at = _worst(got, expected)
+            bound = atol + rtol * float(expected.abs().max())
+            if not err <= bound:
+                raise AssertionError(f"{name} {where}{' at ' + str(at) if at else ''}: {got_at:.6g} against "
+                                     f"the float64 reference {want_at:.6g}, error {err:.3g} > {bound:.3g}")
+        if head.loss_terms:
+            err, at, got_at, want_at = _worst(x.grad, want_grad)
+            bound = grad_tol * float(want_grad.abs().max()) + 1e-9
+            if not err <= bound:
+                raise AssertionError(f"gradient {where} at {at}: {got_at:.6g} against the float64 "
+                                     f"reference {want_at:.6g}, error {err:.3g} > {bound:.3g} "
+                                     f"({grad_tol:g} of the largest |gradient|)")
