@@ -133,31 +133,33 @@ def random_inputs(head: HeadLoss, rows: int = 24, vocab: int = 500, dtype: torch
     teacher logits, per-row tokens (a ``*logprobs`` token near the logits' own log-probability),
     top-k ids and log-probs, segments. ``given`` inputs are used as they are."""
     k = head.kernel
-    g = torch.Generator().manual_seed(seed)
-    logits = (torch.randn(rows, vocab, generator=g) * 2).to(dtype)
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=g, device=device, dtype=dtype)
+    logits = (randn(rows, vocab) * 2).to(dtype)
     labels = given.pop("labels", None)
     if labels is None and k.USES_LABELS:
-        labels = torch.randint(0, vocab, (rows,), generator=g)
-        labels[torch.rand(rows, generator=g) < 0.15] = head.ignore_index
-    inputs = {"loss_mask": torch.rand(rows, generator=g) > 0.1}
+        labels = torch.randint(0, vocab, (rows,), generator=g, device=device)
+        labels[torch.rand(rows, generator=g, device=device) < 0.15] = head.ignore_index
+    inputs = {"loss_mask": torch.rand(rows, generator=g, device=device) > 0.1}
     if k.USES_TEACHER:
-        inputs["teacher_logits"] = (torch.randn(rows, vocab, generator=g) * 2 + 0.5 * logits.float()).to(dtype)
+        inputs["teacher_logits"] = (randn(rows, vocab) * 2 + 0.5 * logits.float()).to(dtype)
     if k.USES_TOPK:
         K = min(8, vocab)
-        inputs["teacher_topk_ids"] = torch.stack([torch.randperm(vocab, generator=g)[:K] for _ in range(rows)])
-        inputs["teacher_topk_logprobs"] = torch.log_softmax(torch.randn(rows, K + 2, generator=g), -1)[:, :K]
-    logp = torch.log_softmax(logits.double(), -1).gather(
-        1, (labels if labels is not None else torch.zeros(rows, dtype=torch.long)).clamp(0, vocab - 1)[:, None])[:, 0]
+        inputs["teacher_topk_ids"] = torch.rand(rows, vocab, generator=g, device=device).argsort(-1)[:, :K]
+        inputs["teacher_topk_logprobs"] = torch.log_softmax(randn(rows, K + 2), -1)[:, :K]
+    target = (labels if labels is not None else torch.zeros(rows, dtype=torch.long, device=device))
+    logp = torch.log_softmax(logits.double(), -1).gather(1, target.clamp(0, vocab - 1)[:, None])[:, 0]
     for name in k.TOKENS:
-        noise = torch.randn(rows, generator=g, dtype=torch.float64)
+        noise = randn(rows, dtype=torch.float64)
         inputs[name] = (logp + 0.2 * noise if name.endswith("logprobs") else noise).float()
     if k.SEGMENTS:
         n_seg = max(rows // 6, 1)
-        inputs["segment_ids"] = torch.sort(torch.randint(0, n_seg, (rows,), generator=g)).values
+        inputs["segment_ids"] = torch.sort(torch.randint(0, n_seg, (rows,), generator=g, device=device)).values
         inputs["num_segments"] = n_seg
     inputs.update(given)
-    on = {name: (v.to(device) if isinstance(v, torch.Tensor) else v) for name, v in inputs.items()}
-    return logits.to(device), (labels.to(device) if labels is not None else None), on
+    return logits, labels, inputs
 
 
 def _worst(got: torch.Tensor, want: torch.Tensor) -> tuple[float, tuple[int, ...], float, float]:

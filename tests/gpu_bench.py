@@ -7,6 +7,7 @@
 --logits  forward + backward on bf16 logits: CE, GRPO + entropy + clip fraction, CE + z + 0.5 FKL +
           entropy, JSD, at 4096 x 32000, 8192 x 128256 and 4096 x 262144; losscodegen's default call
           and validate=False, against torch eager, torch.compile and Liger (when installed).
+--tune    measure the tile table shipped as losscodegen/tiles.json (OUT/tiles.json).
 --host    host time per forward + backward call at 512 x 4096 (the GPU work is negligible there), and
           the torch ops and kernel launches a call issues.
 --linear  fused linear heads, forward + backward with the gradients of hidden and weight: CE at
@@ -289,6 +290,37 @@ def bench_linear(quick: bool, liger, cce):
     return precision
 
 
+# ---- tiles ---------------------------------------------------------------------------------------
+def tune(out_dir: str, vocabs=(32000, 64128, 128256, 262144)):
+    """The table shipped as losscodegen/tiles.json: tiles.measure for each plan state among the
+    manifest's and the benchmark's heads, at the benchmark's vocabularies and at 64128 (128256 on two
+    vocab-parallel ranks), bf16."""
+    from pathlib import Path
+
+    from losscodegen import tiles
+    from losscodegen.__main__ import manifest_heads
+    from losscodegen.load import GENERATED
+    heads = [h for _, h in manifest_heads(Path(GENERATED) / "manifest")]
+    heads += [make() for make, _, _ in LOGIT_WORKLOADS.values()]
+    table, device = {}, torch.device("cuda")
+    print("\ntiles, measured (BLOCK_V, warps, split) by plan state and vocabulary:", flush=True)
+    for head in heads:
+        for V in vocabs:
+            name = tiles.key(device, head.kernel, V, 2)
+            if name in table:
+                continue
+            t0 = time.time()
+            best = tiles.measure(head, V, torch.bfloat16, device)
+            table[name] = [best.block_v, best.num_warps, best.split]
+            print(f"  {name:60s} {table[name]}  (rule {tuple(head.kernel.TILE)}; {time.time() - t0:.0f} s)",
+                  flush=True)
+            torch.cuda.empty_cache()
+    with open(os.path.join(out_dir, "tiles.json"), "w") as f:
+        json.dump(table, f, indent=1, sort_keys=True)
+        f.write("\n")
+    return table
+
+
 # ---- host work -----------------------------------------------------------------------------------
 def host_work(R=512, V=4096, calls=300):
     """Host time per forward + backward call where the GPU work is negligible (calls queued back to
@@ -330,6 +362,16 @@ def host_work(R=512, V=4096, calls=300):
             label = name + ("" if validate else " validate=False")
             rows.append(dict(head=label, host_us=us, torch_ops=ops, launches=launches))
             print(f"  {label:36s} {us:7.1f} us   {ops:4.1f} torch ops   {launches:4.1f} launches/copies", flush=True)
+            if name == "CE" and validate:
+                import cProfile
+                import pstats
+                prof = cProfile.Profile()
+                prof.enable()
+                for _ in range(calls):
+                    step()
+                prof.disable()
+                torch.cuda.synchronize()
+                pstats.Stats(prof).sort_stats("tottime").print_stats(14)
     return rows
 
 
@@ -396,6 +438,7 @@ def main():
     ap.add_argument("--logits", action="store_true")
     ap.add_argument("--linear", action="store_true")
     ap.add_argument("--host", action="store_true")
+    ap.add_argument("--tune", action="store_true", help="measure the tile table (OUT/tiles.json)")
     ap.add_argument("--quick", action="store_true", help="one shape per workload")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -405,6 +448,8 @@ def main():
     result = dict(device=device, torch=torch.__version__, triton=triton.__version__)
     if args.parity:
         result["parity"] = parity()
+    if args.tune:
+        result["tiles"] = tune(args.out)
     if args.host:
         result["host"] = host_work()
     if args.logits:

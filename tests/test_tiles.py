@@ -1,0 +1,42 @@
+"""Launch configurations: a call split into a launch a read computes what one launch does; the tile
+keeps its bytes for wider logits and shrinks to a small vocabulary; measurements are kept."""
+import json
+
+import pytest
+
+import losscodegen as lcg
+from losscodegen import tiles
+from losscodegen.testing import assert_parity
+
+
+@pytest.mark.parametrize("head", [
+    lcg.HeadLoss(lcg.JSD(beta=0.3)),
+    lcg.HeadLoss(lcg.CrossEntropy(), lcg.ForwardKL(weight=0.5), metrics=(lcg.Entropy(), lcg.TokenAccuracy())),
+    lcg.HeadLoss(lcg.GSPO(), lcg.CrossEntropy(weight=0.1)),
+], ids=["jsd", "ce_fkl", "gspo"])
+def test_split_launches_compute_what_one_launch_does(head, monkeypatch):
+    monkeypatch.setattr(tiles, "_forced", tiles.Config(4096, 8, split=True))
+    assert len(head.launches(sharded=False, grad=True, split=True)) > 1
+    assert_parity(head, rows=14, vocab=300)
+
+
+def test_tile_bytes_and_small_vocabularies():
+    config = tiles.Config(16384, 16)
+    assert config.launch(128256, 2) == dict(BLOCK_V=16384, num_warps=16)
+    assert config.launch(128256, 4) == dict(BLOCK_V=8192, num_warps=16)      # same bytes, fp32
+    assert config.launch(3000, 2) == dict(BLOCK_V=4096, num_warps=4)         # shrunk with its warps
+    head = lcg.HeadLoss(lcg.JSD())
+    assert {c.split for c in tiles.candidates(head.kernel, 128256)} == {False, True}
+    assert max(c.block_v for c in tiles.candidates(head.kernel, 5000)) == 8192
+
+
+def test_measurements_are_kept_beside_the_kernel_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOSSCODEGEN_CACHE", str(tmp_path))
+    monkeypatch.setattr(tiles, "SHIPPED", tmp_path / "shipped.json")
+    (tmp_path / "shipped.json").write_text(json.dumps({"gpu|x/1/0|131072|2": [32768, 32, False],
+                                                       "gpu|xt/2/4|131072|2": [4096, 8, False]}))
+    table = tiles._Table()
+    assert table.get("gpu|x/1/0|131072|2") == tiles.Config(32768, 32, False)
+    table.put("gpu|xt/2/4|131072|2", tiles.Config(8192, 16, True))
+    assert json.loads((tmp_path / "tiles.json").read_text()) == {"gpu|xt/2/4|131072|2": [8192, 16, True]}
+    assert tiles._Table().get("gpu|xt/2/4|131072|2") == tiles.Config(8192, 16, True)  # the user's win
