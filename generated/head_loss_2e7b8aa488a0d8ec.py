@@ -35,7 +35,7 @@ from triton.language.extra import libdevice
 
 KEY = "2e7b8aa488a0d8ec"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "1c72e8986643"
+CODEGEN = "82d83ba7c20d"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -124,11 +124,10 @@ def head_loss_2e7b8aa488a0d8ec(
     if flag_ptr is not None:
         if y_ptr is not None:
             # A label outside the vocabulary: the row's values and gradient are NaN, and the flag
-            # tells the host which value it was.
+            # buffer tells the host which value it was.
             bad = live & ((y < 0) | (y >= n_vocab))
             if bad:
-                tl.store(flag_ptr + 1, y)
-                tl.store(flag_ptr, 1)
+                tl.store(flag_ptr, y)
             compute = live & ~bad
             fill = tl.where(bad, float("nan"), 0.0)
 

@@ -37,7 +37,12 @@ _CODEGEN_LINE = re.compile(r'^CODEGEN = "([0-9a-f]+)"$', re.M)
 def resource_dir(package: str) -> Path:
     """A folder shipped as package data (``templates``, ``generated``), wherever the package lives:
     the repository's folder for an editable install, site-packages for a wheel."""
-    return Path(str(importlib.resources.files(f"losscodegen.{package}")))
+    try:
+        return Path(str(importlib.resources.files(f"losscodegen.{package}")))
+    except ModuleNotFoundError as e:
+        raise ImportError(f"losscodegen.{package} is not installed: losscodegen carries its templates and "
+                          "prebuilt kernels as package data, so install it (pip install ., or -e .) "
+                          "rather than putting its folder on sys.path") from e
 
 
 TEMPLATES = resource_dir("templates")
