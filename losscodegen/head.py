@@ -10,7 +10,7 @@ from typing import Any
 import sympy as sp
 import torch
 
-from . import autograd
+from . import autograd, tiles
 from . import load as _load
 from . import symbols as S
 from .emit import KernelSource, emit, header
@@ -81,6 +81,7 @@ class HeadLoss(torch.nn.Module):
         self._weights = {t.name: t.weight for t in terms}
         self._launches: dict[tuple[bool, bool, bool], tuple[Launch, ...]] = {}
         self._kernel: ModuleType | None = None
+        self._configs: dict[tuple, tuple[tiles.Config, dict]] = {}
         self.checks = DeviceChecks(ignore_index)
         self.spec_text = "\n".join(
             [f"{'metric' if m else 'loss'} {n} {sp.srepr(f)}" for n, f, m in self._bound]
@@ -144,6 +145,18 @@ class HeadLoss(torch.nn.Module):
             self._launches[key] = launch_sequence(has_exact=k.HAS_EXACT, segments=bool(k.SEGMENTS),
                                                   sharded=sharded, grad=grad, split=split)
         return self._launches[key]
+
+    def launch_config(self, V: int, dtype: torch.dtype, element_size: int,
+                      device: torch.device) -> tuple[tiles.Config, dict]:
+        """The tile configuration of a call (losscodegen/tiles.py) and its kernel options, kept per
+        vocabulary, width and device once chosen."""
+        key = (V, dtype, element_size, device)
+        if key not in self._configs:
+            config = tiles.choose(self, self.kernel, V, dtype, device)
+            if tiles.forced() is not None:
+                return config, config.launch(V, element_size)
+            self._configs[key] = config, config.launch(V, element_size)
+        return self._configs[key]
 
     def weights_of(self, names: list[str]) -> list[float]:
         return [self._weights[n] for n in names]

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import collectives, segments, tiles
+from . import collectives, segments
 from .plan import Launch
 
 _BLOCK_R = 256      # rows a tile when the last program reduces the rows' values
@@ -118,8 +118,7 @@ class Launcher:
         self.world, rank = collectives.group_info(call.group)
         self.V_local = call.V_local
         self.vocab_start, self.vocab = rank * self.V_local, self.V_local * self.world
-        self.config = tiles.choose(head, k, self.V_local, dtype, call.device)
-        self.options = self.config.launch(self.V_local, element_size)
+        self.config, self.options = head.launch_config(self.V_local, dtype, element_size, call.device)
         self.launches = head.launches(sharded=call.group is not None, grad=grad, split=self.config.split)
         self.n_seg = segments.count(call, head.ignore_index) if k.SEGMENTS else 0
         self.ws = Workspace.make(k, call.rows, per_row=call.reduction == "none",

@@ -28,6 +28,7 @@ from .inputs import check_logits, check_rows
 from .launch import Launcher, scale_rows
 
 _MIN_CHUNK = 256
+_TILE_ROWS = 128
 
 
 @dataclass
@@ -214,8 +215,9 @@ def _check_bias(name: str, bias: Any, weight: torch.Tensor) -> torch.Tensor | No
 
 
 def _chunk_rows(head, chunk_rows: Any, rows: int, bytes_per_row: int, device: torch.device) -> int:
-    """``chunk_rows``, else as many rows as the chunk budget (``head.linear_chunk_bytes``, and a
-    quarter of the free device memory) holds, evened out over the chunks."""
+    """``chunk_rows``, else the fewest chunks that the chunk budget (``head.linear_chunk_bytes``, and a
+    quarter of the free device memory) allows, of equal rows rounded up to a multiple of 128 (the
+    products' tiles: a ragged chunk wastes a tile row of the three products)."""
     if chunk_rows is not None:
         if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
             raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
@@ -223,6 +225,6 @@ def _chunk_rows(head, chunk_rows: Any, rows: int, bytes_per_row: int, device: to
     budget = head.linear_chunk_bytes
     if device.type == "cuda":
         budget = min(budget, torch.cuda.mem_get_info(device)[0] // 4)
-    fit = max(budget // max(bytes_per_row, 1), _MIN_CHUNK)
+    fit = max(budget // max(bytes_per_row, 1) // _TILE_ROWS * _TILE_ROWS, _MIN_CHUNK)
     n_chunks = max(math.ceil(rows / fit), 1)
-    return max(min(math.ceil(rows / n_chunks / 16) * 16, rows), 1)
+    return max(min(math.ceil(rows / n_chunks / _TILE_ROWS) * _TILE_ROWS, fit, rows), 1)

@@ -83,6 +83,11 @@ TABLE = _Table()
 _forced: Config | None = None   # set while measuring
 
 
+def forced() -> Config | None:
+    """The configuration being measured, which every call takes meanwhile (and nobody keeps)."""
+    return _forced
+
+
 def choose(head, k: ModuleType, V: int, dtype: torch.dtype, device: torch.device) -> Config:
     """The configuration for a call of ``head`` over V vocabulary columns a rank of ``dtype`` logits."""
     if _forced is not None:

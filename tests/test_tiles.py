@@ -15,7 +15,7 @@ from losscodegen.testing import assert_parity
     lcg.HeadLoss(lcg.GSPO(), lcg.CrossEntropy(weight=0.1)),
 ], ids=["jsd", "ce_fkl", "gspo"])
 def test_split_launches_compute_what_one_launch_does(head, monkeypatch):
-    monkeypatch.setattr(tiles, "_forced", tiles.Config(4096, 8, split=True))
+    monkeypatch.setattr(tiles, "_forced", tiles.Config(4096, 8, split=True))  # as while measuring
     assert len(head.launches(sharded=False, grad=True, split=True)) > 1
     assert_parity(head, rows=14, vocab=300)
 
