@@ -1,11 +1,13 @@
-"""Vocab-parallel on GPUs (not collected by pytest): `torchrun --nproc_per_node 2 tests/gpu_tp.py`.
-Each rank's loss, terms, metrics and gradient shard vs the unsharded call; then fwd+bwd timings.
+"""Vocab-parallel on GPUs (not collected by pytest): `torchrun --nproc_per_node N tests/gpu_tp.py`.
+Each rank's loss, terms, metrics and gradient shard vs the unsharded call; then the default call's
+time (forward + backward) on N ranks beside the unsharded call on one GPU.
 
 Timings use a fixed number of iterations on every rank: a timer that picks its own repeat count
 (triton's do_bench) can pick a different one per rank, and the ranks then wait forever on each
-other's collectives."""
+other's collectives. GPU_TP_ROWS / GPU_TP_VOCAB set the shape (default 8192 x 128256)."""
 import datetime
 import faulthandler
+import json
 import os
 import sys
 import time
@@ -15,7 +17,7 @@ import torch.distributed as dist
 
 import losscodegen as lcg
 
-faulthandler.dump_traceback_later(int(os.environ.get("GPU_TP_WATCHDOG", "400")), exit=True)
+faulthandler.dump_traceback_later(int(os.environ.get("GPU_TP_WATCHDOG", "500")), exit=True)
 t0 = time.time()
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 torch.cuda.set_device(rank)
@@ -27,7 +29,7 @@ def log(msg):
     print(f"[rank {rank} {time.time() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
-def timed(fn, iters=20, warmup=5):
+def timed(fn, iters=30, warmup=5):
     for _ in range(warmup):
         fn()
     dist.barrier()
@@ -42,7 +44,7 @@ def timed(fn, iters=20, warmup=5):
     return sorted(a.elapsed_time(b) for a, b in ends)[iters // 2]
 
 
-R, V = int(os.environ.get("GPU_TP_ROWS", "4096")), int(os.environ.get("GPU_TP_VOCAB", "128256"))
+R, V = int(os.environ.get("GPU_TP_ROWS", "8192")), int(os.environ.get("GPU_TP_VOCAB", "128256"))
 g = torch.Generator(device="cuda").manual_seed(0)
 x = (torch.randn(R, V, device="cuda", generator=g) * 2).to(torch.bfloat16)
 t = (torch.randn(R, V, device="cuda", generator=g) * 2).to(torch.bfloat16)
@@ -50,28 +52,24 @@ y = torch.randint(0, V, (R,), device="cuda", generator=g)
 y[::7] = -100
 lp = torch.log_softmax(x.float(), -1).gather(1, y.clamp_min(0)[:, None])[:, 0]
 policy = dict(old_logprobs=lp + 0.1 * torch.randn(R, device="cuda", generator=g),
-              advantages=torch.randn(R, device="cuda", generator=g),
-              segment_ids=torch.arange(R, device="cuda") // 256, num_segments=R // 256)
+              advantages=torch.randn(R, device="cuda", generator=g))
 cols = slice(rank * V // world, (rank + 1) * V // world)
-probe = torch.full((4,), float(rank), device="cuda")
-parts = [torch.empty_like(probe) for _ in range(world)]
-dist.all_gather(parts, probe)
-log(f"NCCL all_gather ok: {[p[0].item() for p in parts]}")
-heads = {"CE+z+entropy+acc": (lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(weight=1e-4),
+heads = {"CE": (lcg.HeadLoss(lcg.CrossEntropy()), {}),
+         "CE+z+entropy+acc": (lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(weight=1e-4),
                                            metrics=(lcg.Entropy(), lcg.TokenAccuracy())), {}),
-         "CE+0.5FKL": (lcg.HeadLoss(lcg.CrossEntropy(), lcg.ForwardKL(weight=0.5)), {"teacher"}),
+         "CE+z+0.5FKL+entropy": (lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(weight=1e-4), lcg.ForwardKL(weight=0.5),
+                                              metrics=(lcg.Entropy(),)), {"teacher"}),
          "JSD": (lcg.HeadLoss(lcg.JSD()), {"teacher"}),
-         "GRPO+ent+clip": (lcg.HeadLoss(lcg.GRPO(), metrics=(lcg.Entropy(), lcg.ClipFraction())),
-                           {"policy"}),
-         "GSPO": (lcg.HeadLoss(lcg.GSPO()), {"policy"})}
-rows_out = []
+         "GRPO+entropy+clip": (lcg.HeadLoss(lcg.GRPO(), metrics=(lcg.Entropy(), lcg.ClipFraction())), policy),
+         "GSPO": (lcg.HeadLoss(lcg.GSPO()), dict(policy, segment_ids=torch.arange(R, device="cuda") // 256,
+                                                 num_segments=R // 256))}
+rows_out, records = [], []
 for name, (head, needs) in heads.items():
-    head.validate = False  # the hot path: no label-range check, so no host sync
     full_kw = {"teacher_logits": t} if "teacher" in needs else {}
     shard_kw = {"teacher_logits": t[:, cols].contiguous()} if "teacher" in needs else {}
-    if "policy" in needs:
-        full_kw.update(policy)
-        shard_kw.update(policy)
+    if isinstance(needs, dict):
+        full_kw.update(needs)
+        shard_kw.update(needs)
     xs = x[:, cols].contiguous().requires_grad_()
     log(f"{name}: sharded call (compiles on first use)")
     out = head(xs, y, process_group=dist.group.WORLD, **shard_kw)
@@ -96,12 +94,19 @@ for name, (head, needs) in heads.items():
         head(xf, y, **full_kw).loss.backward()
     log(f"{name}: timing")
     ms_sharded, ms_single = timed(sharded), timed(single)
-    rows_out.append(f"{name:18s} {lerr:9.1e} {verr:9.1e} {gerr:9.1e} {ms_sharded:9.3f} {ms_single:9.3f}")
+    rows_out.append(f"{name:22s} {lerr:9.1e} {verr:9.1e} {gerr:9.1e} {ms_sharded:9.3f} {ms_single:9.3f} "
+                    f"{ms_sharded / ms_single:7.2f}x")
+    records.append(dict(head=name, world=world, shape=f"{R}x{V}", loss_err=lerr, value_err=verr, grad_err=gerr,
+                        ms_sharded=ms_sharded, ms_single_gpu=ms_single))
     del xs, xf, out, ref
     torch.cuda.empty_cache()
 if rank == 0:
-    print(f"{world} ranks over NCCL, {R} x {V} bf16, device {torch.cuda.get_device_name()}\n"
-          f"{'head':18s} {'loss err':>9s} {'value err':>9s} {'grad err':>9s} {'ms TP':>9s} {'ms 1 GPU':>9s}")
+    print(f"{world} ranks over NCCL, {R} x {V} bf16, default call, device {torch.cuda.get_device_name()}\n"
+          f"{'head':22s} {'loss err':>9s} {'value err':>9s} {'grad err':>9s} {'ms TP':>9s} {'ms 1 GPU':>9s}"
+          f" {'ratio':>8s}")
     print("\n".join(rows_out), flush=True)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], f"tp{world}.json"), "w") as f:
+            json.dump(records, f, indent=1)
 dist.destroy_process_group()
 faulthandler.cancel_dump_traceback_later()
