@@ -38,7 +38,7 @@ from triton.language.extra import libdevice
 
 KEY = "bb2b0c153d443fa8"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "82d83ba7c20d"
+CODEGEN = "6e32189bd001"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['gspo', 'entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -125,7 +125,6 @@ def head_loss_bb2b0c153d443fa8(
     if mask_ptr is not None:
         live = live & (tl.load(mask_ptr + grow) != 0)
     compute = live
-    fill = 0.0
     if flag_ptr is not None:
         if y_ptr is not None:
             # A label outside the vocabulary: the row's values and gradient are NaN, and the flag
@@ -134,16 +133,15 @@ def head_loss_bb2b0c153d443fa8(
             if bad:
                 tl.store(flag_ptr, y)
             compute = live & ~bad
-            fill = tl.where(bad, float("nan"), 0.0)
     if ROWS:
         seg = tl.load(seg_ptr + grow)
         in_seg = (seg >= 0) & (seg < n_seg)
-        seg_fill = fill
+        seg_fill = 0.0
         if flag_ptr is not None:
             # A valid row whose segment id is out of range: its segment's values are NaN.
             if live & ~in_seg:
                 tl.store(flag_ptr + 1, seg)
-            seg_fill = tl.where(live & ~in_seg, float("nan"), fill)
+            seg_fill = tl.where(live & ~in_seg, float("nan"), 0.0)
 
     if compute:
         y_local = y - vocab_start
@@ -268,6 +266,14 @@ def head_loss_bb2b0c153d443fa8(
                          mask=in_row, cache_modifier=".cs")
     else:
         # An ignored row adds nothing (zero gradient, zero values); a row with a bad label adds NaN.
+        # (Worked out here, not kept from above: a value alive through the whole row costs
+        # registers, which the widest tiles have none of.)
+        fill = 0.0
+        if flag_ptr is not None:
+            if y_ptr is not None:
+                fill = tl.where(y != ignore_index, float("nan"), 0.0)
+                if mask_ptr is not None:
+                    fill = tl.where(tl.load(mask_ptr + grow) != 0, fill, 0.0)
         if GRAD:
             for start in range(0, V, BLOCK_V):
                 cols = start + tl.arange(0, BLOCK_V)

@@ -33,7 +33,7 @@ from triton.language.extra import libdevice
 
 KEY = "c642f27271603bf7"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "82d83ba7c20d"
+CODEGEN = "6e32189bd001"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -117,7 +117,6 @@ def head_loss_c642f27271603bf7(
     if mask_ptr is not None:
         live = live & (tl.load(mask_ptr + grow) != 0)
     compute = live
-    fill = 0.0
     if flag_ptr is not None:
         if y_ptr is not None:
             # A label outside the vocabulary: the row's values and gradient are NaN, and the flag
@@ -126,7 +125,6 @@ def head_loss_c642f27271603bf7(
             if bad:
                 tl.store(flag_ptr, y)
             compute = live & ~bad
-            fill = tl.where(bad, float("nan"), 0.0)
 
     if compute:
         y_local = y - vocab_start
@@ -222,6 +220,14 @@ def head_loss_c642f27271603bf7(
                          mask=in_row, cache_modifier=".cs")
     else:
         # An ignored row adds nothing (zero gradient, zero values); a row with a bad label adds NaN.
+        # (Worked out here, not kept from above: a value alive through the whole row costs
+        # registers, which the widest tiles have none of.)
+        fill = 0.0
+        if flag_ptr is not None:
+            if y_ptr is not None:
+                fill = tl.where(y != ignore_index, float("nan"), 0.0)
+                if mask_ptr is not None:
+                    fill = tl.where(tl.load(mask_ptr + grow) != 0, fill, 0.0)
         if GRAD:
             for start in range(0, V, BLOCK_V):
                 cols = start + tl.arange(0, BLOCK_V)

@@ -182,12 +182,26 @@ def bench_logits(quick: bool, liger):
             liger_fn = liger_logits(name, liger)
             if liger_fn is not None:
                 impls["Liger"] = lambda: liger_fn(x, y, **kw)
+            steps = {}
             for impl, fn in impls.items():
                 def step(fn=fn):
                     x.grad = None
                     out = fn()
                     (out[0] if isinstance(out, tuple) else out).backward()
+                steps[impl] = step
                 record(name, shape, impl, step)
+            # The default call and validate=False again, in alternating rounds: the machine drifts
+            # between two measurements by as much as the difference sought.
+            ours = [r for r in records[-len(impls):] if r["impl"].startswith("losscodegen")]
+            samples = {r["impl"]: [r["ms"]] for r in ours}
+            for _ in range(3):
+                for impl in samples:
+                    samples[impl].append(triton.testing.do_bench(steps[impl], warmup=10, rep=200,
+                                                                 return_mode="median"))
+            for r in ours:
+                r["ms"] = sorted(samples[r["impl"]])[len(samples[r["impl"]]) // 2]
+                print(f"  {name:28s} {shape:22s} {r['impl']:24s} {r['ms']:9.3f} ms (median of 4, alternating)",
+                      flush=True)
             records.append(dict(workload=name, shape=shape, impl="floor", peak_GB=0.0,
                                 ms=_floor(needs, R, V)))
             del x, kw
