@@ -17,8 +17,9 @@
           Also the fused path's precision against an fp32 reference, beside the unfused bf16 one.
 
 Times are medians of triton.testing.do_bench; peak_GB is torch.cuda.max_memory_allocated above what
-was allocated before the call (inputs included there). Everything goes to DIR/perf.json as records
-{workload, shape, impl, ms, peak_GB}, and, with matplotlib, DIR/perf.png.
+was allocated before the call (inputs included there). Everything goes to DIR/<device>.json (default
+DIR: docs/perf) as records {workload, shape, impl, ms, peak_GB}, and, with matplotlib (the `bench`
+extra), a bar chart DIR/<device>.png.
 """
 from __future__ import annotations
 
@@ -454,7 +455,7 @@ def main():
     ap.add_argument("--host", action="store_true")
     ap.add_argument("--tune", action="store_true", help="measure the tile table (OUT/tiles.json)")
     ap.add_argument("--quick", action="store_true", help="one shape per workload")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "perf"))
     args = ap.parse_args()
     device = torch.cuda.get_device_name()
     print(device, "torch", torch.__version__, "triton", triton.__version__, flush=True)
@@ -471,9 +472,11 @@ def main():
     if args.linear:
         result["linear_precision"] = bench_linear(args.quick, liger, cce)
     result["records"] = records
-    with open(os.path.join(args.out, "perf.json"), "w") as f:
+    name = "-".join(device.split())
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=1)
-    plot(os.path.join(args.out, "perf.png"), device)
+    plot(os.path.join(args.out, f"{name}.png"), device)
     print("\nworkload                     shape                  impl                            ms      GB")
     for r in records:
         print(f"{r['workload']:28s} {r['shape']:22s} {r['impl']:24s} {r['ms']:9.3f} {r['peak_GB']:7.2f}")

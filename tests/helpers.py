@@ -23,7 +23,7 @@ def make_inputs(R=24, V=500, dtype=torch.float32, *, ignored=(1, 5), scale=2.0, 
 
 def spec(term, head):
     """(name, params, weight) for the reference; ClipFraction's eps come from the head's GRPO term,
-    0.2 without one (CONTRACT.md)."""
+    0.2 without one (docs/api.md)."""
     grpo = next((dict(t.params) for t in head.loss_terms if t.name == "grpo"), {})
     params = {k: (grpo.get(k, 0.2) if isinstance(v, lcg.terms.FromTerm) else v) for k, v in term.params}
     return term.name, params, term.weight

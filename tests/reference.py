@@ -1,4 +1,4 @@
-"""Independent float64 references, written from CONTRACT.md's formulas (not from losscodegen).
+"""Independent float64 references, written from the formulas of docs/api.md (not from losscodegen).
 
 Each function takes float64 student logits ``z`` [R, V] (already softcapped/scaled) and returns the
 per-row value [R]; ``head_reference`` reduces them as the contract says and autograd gives the
