@@ -17,7 +17,6 @@ forward ends with every gradient known, and backward only scales them by the ups
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 

@@ -15,7 +15,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile as triton_compile, make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
@@ -40,7 +39,6 @@ def main(manifest: Path) -> None:
     JITFunction.run = _compile_instead
     import torch.distributed as dist
 
-    import losscodegen
     from losscodegen.__main__ import manifest_heads
     dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
     R, V, K = 8, 64, 4

@@ -88,7 +88,8 @@ def _check(head, hidden, weight, bias, labels, inputs, *, chunk_rows=None, reduc
     for name, value in {**out.terms, **out.metrics}.items():
         torch.testing.assert_close(value.double(), ref_values[name], rtol=value_tol, atol=value_tol,
                                    msg=lambda m, n=name: f"{n}: {m}")
-    for name, got, want in (("hidden", h.grad, ref_h), ("weight", w.grad, ref_w), ("bias", None if b is None else b.grad, ref_b)):
+    grads = (("hidden", h.grad, ref_h), ("weight", w.grad, ref_w), ("bias", None if b is None else b.grad, ref_b))
+    for name, got, want in grads:
         if want is None:
             continue
         assert got.dtype == hidden.dtype and got.shape == want.shape, name
