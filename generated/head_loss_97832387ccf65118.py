@@ -36,22 +36,19 @@
 #   sharded: 2 launch(es): [stats] gather -> [merge+rows+grad]
 import os
 
-import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
 KEY = "97832387ccf65118"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "144bafed78cc"
+CODEGEN = "858b4a0f53a1"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
 ROW_VALUES = ['cross_entropy', 'forward_kl']
-# the first read's packed per-row stats, and how the partial stats of vocab shards combine:
-# (column, rule, alpha, beta)
+# the first read's packed per-row stats (the header's plan gives how vocab shards' stats merge)
 COLUMNS = ['m', 'm_t', 'z_y', 'acc0', 'acc1', 'acc2', 'acc3', 'acc4']
-MERGE = [('m', 'max', 0.0, 0.0), ('m_t', 'max', 0.0, 0.0), ('z_y', 'sum', 0.0, 0.0), ('acc0', 'scaled', 0.0, 0.5), ('acc1', 'scaled', 0.0, 0.5), ('acc2', 'scaled', 0.0, 0.5), ('acc3', 'scaled', 1.0, 0.0), ('acc4', 'scaled', 0.5, 0.0)]
 # sums of the exact read (summed across vocab shards)
 EXACT = []
 TOKENS = []

@@ -31,22 +31,19 @@
 #   sharded: 3 launch(es): [stats] gather -> [merge+rows] segments -> [grad]
 import os
 
-import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
 KEY = "bb2b0c153d443fa8"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "144bafed78cc"
+CODEGEN = "858b4a0f53a1"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['gspo', 'entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
 ROW_VALUES = ['gspo_U0', 'gspo_U1', 'entropy']
-# the first read's packed per-row stats, and how the partial stats of vocab shards combine:
-# (column, rule, alpha, beta)
+# the first read's packed per-row stats (the header's plan gives how vocab shards' stats merge)
 COLUMNS = ['m', 'z_y', 'acc0', 'acc1']
-MERGE = [('m', 'max', 0.0, 0.0), ('z_y', 'sum', 0.0, 0.0), ('acc0', 'scaled', 1.0, 0.0), ('acc1', 'scaled', 1.0, 0.0)]
 # sums of the exact read (summed across vocab shards)
 EXACT = []
 TOKENS = ['advantages', 'old_logprobs']

@@ -22,6 +22,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from . import collectives, launch
 from .inputs import Call, rows_view
 
+BACKWARD_TWICE = ("backward ran twice through the same call; its gradients are consumed by the first "
+                  "(call the head again instead)")
+
 
 class _HeadFunction(torch.autograd.Function):
     @staticmethod
@@ -39,8 +42,7 @@ class _HeadFunction(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_values):
         grad, ctx.grad = ctx.grad, None
         if grad is None:
-            raise RuntimeError("HeadLoss: backward ran twice through the same call; its gradient "
-                               "buffer is consumed by the first (call the head again instead)")
+            raise RuntimeError(f"HeadLoss: {BACKWARD_TWICE}")
         if grad_loss is None:
             return None, None, None
         launch.scale_rows(grad, grad_loss)
@@ -154,6 +156,5 @@ def _keep(grad: torch.Tensor | None) -> torch.Tensor:
 def _take(handle: torch.Tensor) -> torch.Tensor:
     entry = _GRADS.pop(int(handle[0]), None)
     if entry is None:
-        raise RuntimeError("HeadLoss: backward ran twice through the same call; its gradient buffer "
-                           "is consumed by the first (call the head again instead)")
+        raise RuntimeError(f"HeadLoss: {BACKWARD_TWICE}")
     return entry[1]

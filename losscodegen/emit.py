@@ -284,7 +284,6 @@ def emit(plan: Plan, key: str, header: str, codegen: str) -> KernelSource:
         topk_grad=None if lw.grad_topk == 0 else topk_grad_expr,
         uses_is_y=lw.grad_vocab.has(IS_Y),
         columns=[c.name for c in plan.columns], exact_columns=list(plan.exact),
-        merge_rules=[(c.name, c.merge, float(c.alpha), float(c.beta)) for c in plan.columns],
         merge=_merge(plan),
         row_loss_terms=row_loss_terms,
         per_row_loss=" + ".join(f"weight_{n} * v{row_names.index(n)}" for n in row_loss_terms) or "0.0",

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from . import collectives
+from .autograd import BACKWARD_TWICE
 from .inputs import check_logits, check_rows
 from .launch import Launcher, scale_rows
 
@@ -140,8 +141,7 @@ class _LinearFunction(torch.autograd.Function):
         else:
             grads, ctx.grads = ctx.grads, None
             if grads is None:
-                raise RuntimeError("HeadLoss.linear: backward ran twice through the same call; its "
-                                   "gradients are consumed by the first (call it again instead)")
+                raise RuntimeError(f"HeadLoss.linear: {BACKWARD_TWICE}")
             for g in (grads.hidden, grads.weight, grads.bias):
                 if g is not None:
                     scale_rows(g.view(-1, g.shape[-1]), grad_loss)

@@ -21,6 +21,17 @@ def make_inputs(R=24, V=500, dtype=torch.float32, *, ignored=(1, 5), scale=2.0, 
     return logits, labels, g
 
 
+def policy_inputs(logits, labels, g, spread=0.4):
+    """old/ref log-probs near the current ones, so that ratios fall inside and on both clip sides;
+    advantages of both signs."""
+    with torch.no_grad():
+        l = torch.log_softmax(logits.double(), -1).gather(-1, labels.clamp_min(0)[:, None])[:, 0]
+    R = logits.shape[0]
+    old = (l + torch.randn(R, generator=g, dtype=torch.float64) * spread).float()
+    ref = (l + torch.randn(R, generator=g, dtype=torch.float64) * 0.1).float()
+    return dict(advantages=torch.randn(R, generator=g), old_logprobs=old, ref_logprobs=ref)
+
+
 def spec(term, head):
     """(name, params, weight) for the reference; ClipFraction's eps come from the head's GRPO term,
     0.2 without one (docs/api.md)."""

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import losscodegen as lcg
-from helpers import spec
+from helpers import policy_inputs, spec
 from reference import head_reference
 
 H, V = 16, 72
@@ -36,22 +36,15 @@ def _case(name, R=13, dtype=torch.float32, shape=None, seed=0):
                       teacher_bias=torch.randn(V, generator=g).to(dtype))
     elif name == "grpo":
         head = lcg.HeadLoss(lcg.GRPO(kl_beta=0.04), metrics=(lcg.ClipFraction(), lcg.Entropy()))
-        with torch.no_grad():
-            z = hidden.double() @ weight.double().t() + bias.double()
-            lp = torch.log_softmax(z, -1).gather(1, labels.clamp_min(0)[:, None])[:, 0].float()
-        inputs = dict(advantages=torch.randn(R, generator=g), old_logprobs=lp + 0.2 * torch.randn(R, generator=g),
-                      ref_logprobs=lp + 0.1 * torch.randn(R, generator=g))
+        inputs = policy_inputs(hidden.double() @ weight.double().t() + bias.double(), labels, g, spread=0.2)
     elif name == "topk":
         head = lcg.HeadLoss(lcg.CrossEntropy(), lcg.TopKForwardKL(weight=0.3))
         inputs = dict(teacher_topk_ids=torch.stack([torch.randperm(V, generator=g)[:5] for _ in range(R)]),
                       teacher_topk_logprobs=torch.log_softmax(torch.randn(R, 5, generator=g), -1))
     else:  # segments
         head = lcg.HeadLoss(lcg.GSPO(), lcg.CrossEntropy(weight=0.1))
-        with torch.no_grad():
-            z = hidden.double() @ weight.double().t() + bias.double()
-            lp = torch.log_softmax(z, -1).gather(1, labels.clamp_min(0)[:, None])[:, 0].float()
-        inputs = dict(advantages=torch.randn(R, generator=g), old_logprobs=lp + 1e-3 * torch.randn(R, generator=g),
-                      segment_ids=torch.arange(R) // 4, num_segments=(R + 3) // 4)
+        inputs = policy_inputs(hidden.double() @ weight.double().t() + bias.double(), labels, g, spread=1e-3)
+        inputs.update(segment_ids=torch.arange(R) // 4, num_segments=(R + 3) // 4)
     if shape is not None:
         hidden, labels = hidden.reshape(*shape, H), labels.reshape(shape)
         inputs = {k: (v.reshape(*shape, *v.shape[1:]) if isinstance(v, torch.Tensor) and v.shape[0] == R

@@ -4,18 +4,7 @@ import torch
 
 import losscodegen as lcg
 from losscodegen import symbols as S
-from helpers import check_head, make_inputs
-
-
-def _policy_inputs(logits, labels, g, spread=0.4):
-    """old/ref log-probs near the current ones, so that ratios fall inside and on both clip sides."""
-    with torch.no_grad():
-        l = torch.log_softmax(logits.double(), -1).gather(-1, labels.clamp_min(0)[:, None])[:, 0]
-    R = logits.shape[0]
-    old = (l + torch.randn(R, generator=g, dtype=torch.float64) * spread).float()
-    ref = (l + torch.randn(R, generator=g, dtype=torch.float64) * 0.1).float()
-    adv = torch.randn(R, generator=g)  # both signs
-    return dict(advantages=adv, old_logprobs=old, ref_logprobs=ref)
+from helpers import check_head, make_inputs, policy_inputs
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -23,7 +12,7 @@ def _policy_inputs(logits, labels, g, spread=0.4):
 @pytest.mark.parametrize("kl_beta", [0.0, 0.04])
 def test_grpo_with_metrics(eps_low, eps_high, kl_beta, dtype):
     logits, labels, g = make_inputs(R=32, V=500, dtype=dtype)
-    inputs = _policy_inputs(logits, labels, g)
+    inputs = policy_inputs(logits, labels, g)
     head = lcg.HeadLoss(lcg.GRPO(eps_low=eps_low, eps_high=eps_high, kl_beta=kl_beta),
                         metrics=(lcg.Entropy(), lcg.ClipFraction(), lcg.RatioMean(), lcg.KLNewOld(),
                                  lcg.LogProb()))
@@ -35,7 +24,7 @@ def test_grpo_with_metrics(eps_low, eps_high, kl_beta, dtype):
 
 def test_grpo_zero_gradient_where_clipped():
     logits, labels, g = make_inputs(R=8, V=256, ignored=())
-    inputs = _policy_inputs(logits, labels, g, spread=0.0)
+    inputs = policy_inputs(logits, labels, g, spread=0.0)
     inputs["old_logprobs"] = inputs["old_logprobs"] - 1.0  # r = e: clipped above
     inputs["advantages"] = torch.ones(8)                   # positive advantage: no gradient
     x = logits.clone().requires_grad_()
@@ -49,7 +38,7 @@ def test_grpo_zero_gradient_where_clipped():
 
 def test_clip_fraction_default_eps_without_grpo():
     logits, labels, g = make_inputs(R=32, V=256)
-    inputs = _policy_inputs(logits, labels, g)
+    inputs = policy_inputs(logits, labels, g)
     inputs.pop("ref_logprobs"), inputs.pop("advantages")
     check_head(lcg.HeadLoss(lcg.CrossEntropy(), metrics=(lcg.ClipFraction(),)), logits, labels, **inputs)
 
@@ -59,7 +48,7 @@ def test_clip_fraction_default_eps_without_grpo():
 def test_gspo_segments(n_segments, dtype):
     R = 33
     logits, labels, g = make_inputs(R=R, V=500, dtype=dtype, ignored=(0, 7, 8))
-    inputs = _policy_inputs(logits, labels, g, spread=0.002)
+    inputs = policy_inputs(logits, labels, g, spread=0.002)
     inputs.pop("ref_logprobs")
     seg = torch.sort(torch.randint(0, n_segments, (R,), generator=g)).values
     if n_segments == 11:
@@ -102,7 +91,7 @@ def test_bad_segments_are_named(bad, match):
 def test_ignored_rows_may_carry_any_segment_id():
     """Padding rows (ignored) often carry -1 or a huge id: neither is checked nor sizes the segments."""
     logits, labels, g = make_inputs(R=6, V=256, ignored=(1, 4))
-    inputs = _policy_inputs(logits, labels, g)
+    inputs = policy_inputs(logits, labels, g)
     del inputs["ref_logprobs"]
     head = lcg.HeadLoss(lcg.GSPO())
     seg = torch.tensor([0, -1, 0, 1, 10**9, 1])

@@ -4,14 +4,7 @@ import pytest
 import torch
 
 import losscodegen as lcg
-from helpers import check_head, make_inputs
-
-
-def _policy(logits, labels, g):
-    with torch.no_grad():
-        lp = torch.log_softmax(logits.double(), -1).gather(-1, labels.clamp_min(0)[:, None])[:, 0].float()
-    R = logits.shape[0]
-    return dict(advantages=torch.randn(R, generator=g), old_logprobs=lp + 0.1 * torch.randn(R, generator=g))
+from helpers import check_head, make_inputs, policy_inputs
 
 
 def _case(name, R=12, V=96):
@@ -23,14 +16,14 @@ def _case(name, R=12, V=96):
         return head, logits, labels, dict(teacher_logits=torch.randn(R, V, generator=g))
     if name == "tokens":
         head = lcg.HeadLoss(lcg.GRPO(), metrics=(lcg.Entropy(), lcg.ClipFraction()))
-        return head, logits, labels, _policy(logits, labels, g)
+        return head, logits, labels, policy_inputs(logits, labels, g, spread=0.1)
     if name == "topk":
         ids = torch.stack([torch.randperm(V, generator=g)[:5] for _ in range(R)])
         lps = torch.log_softmax(torch.randn(R, 5, generator=g), -1)
         head = lcg.HeadLoss(lcg.CrossEntropy(), lcg.TopKForwardKL(weight=0.3))
         return head, logits, labels, dict(teacher_topk_ids=ids, teacher_topk_logprobs=lps)
     head = lcg.HeadLoss(lcg.GSPO(), lcg.CrossEntropy(weight=0.1), metrics=(lcg.Entropy(),))
-    return head, logits, labels, dict(_policy(logits, labels, g), segment_ids=torch.arange(R) // 4,
+    return head, logits, labels, dict(policy_inputs(logits, labels, g, spread=0.1), segment_ids=torch.arange(R) // 4,
                                       num_segments=R // 4)
 
 
