@@ -46,7 +46,7 @@ class _HeadFunction(torch.autograd.Function):
         if grad_loss is None:
             return None, None, None
         launch.scale_rows(grad, grad_loss)
-        return grad.view(ctx.shape), None, None
+        return (grad if grad.shape == ctx.shape else grad.view(ctx.shape)), None, None
 
 
 def eager(head, logits: torch.Tensor, call: Call) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,7 +89,7 @@ def _head_op(head_id: str, logits: torch.Tensor, labels: Optional[torch.Tensor],
              grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     head = head_of(head_id)
     call = Call(tuple(logits.shape[:-1]), logits.shape[-1], logits.device,
-                rows_view(logits.detach(), logits.shape[-1]), labels, loss_mask, teacher, tuple(tokens),
+                rows_view(logits, logits.shape[-1]), labels, loss_mask, teacher, tuple(tokens),
                 topk_ids, topk_logprobs, segment_ids, num_segments, divisor, reduction,
                 collectives.resolve(process_group), collectives.resolve(segment_group))
     # Inductor may reuse the logits' memory once the op has read them: the gradient gets its own.

@@ -10,7 +10,7 @@ from typing import Any
 import sympy as sp
 import torch
 
-from . import autograd, tiles
+from . import autograd
 from . import load as _load
 from . import symbols as S
 from .emit import KernelSource, emit, header
@@ -79,9 +79,10 @@ class HeadLoss(torch.nn.Module):
         head = terms + metrics
         self._bound = tuple((t.name, bind(t, head), t in metrics) for t in head)
         self._weights = {t.name: t.weight for t in terms}
-        self._launches: dict[tuple[bool, bool, bool], tuple[Launch, ...]] = {}
         self._kernel: ModuleType | None = None
-        self._configs: dict[tuple, tuple[tiles.Config, dict]] = {}
+        self._row_weights: tuple[float, ...] | None = None
+        self.softcap_arg = float(softcap or 1.0)   # what the kernel takes (unused without softcap)
+        self.layouts: dict[tuple, Any] = {}        # launch.py's per-signature layouts
         self.checks = DeviceChecks(ignore_index)
         self.spec_text = "\n".join(
             [f"{'metric' if m else 'loss'} {n} {sp.srepr(f)}" for n, f, m in self._bound]
@@ -139,27 +140,19 @@ class HeadLoss(torch.nn.Module):
 
     # ---- what the runtime asks of a head -------------------------------------------------------
     def launches(self, *, sharded: bool, grad: bool, split: bool) -> tuple[Launch, ...]:
-        key = (sharded, grad, split)
-        if key not in self._launches:
-            k = self.kernel
-            self._launches[key] = launch_sequence(has_exact=k.HAS_EXACT, segments=bool(k.SEGMENTS),
-                                                  sharded=sharded, grad=grad, split=split)
-        return self._launches[key]
-
-    def launch_config(self, V: int, dtype: torch.dtype, element_size: int,
-                      device: torch.device) -> tuple[tiles.Config, dict]:
-        """The tile configuration of a call (losscodegen/tiles.py) and its kernel options, kept per
-        vocabulary, width and device once chosen."""
-        key = (V, dtype, element_size, device)
-        if key not in self._configs:
-            config = tiles.choose(self, self.kernel, V, dtype, device)
-            if tiles.forced() is not None:
-                return config, config.launch(V, element_size)
-            self._configs[key] = config, config.launch(V, element_size)
-        return self._configs[key]
+        k = self.kernel
+        return launch_sequence(has_exact=k.HAS_EXACT, segments=bool(k.SEGMENTS), sharded=sharded,
+                               grad=grad, split=split)
 
     def weights_of(self, names: list[str]) -> list[float]:
         return [self._weights[n] for n in names]
+
+    @property
+    def row_weights(self) -> tuple[float, ...]:
+        """The weights the row kernel takes, in its order."""
+        if self._row_weights is None:
+            self._row_weights = tuple(self.weights_of(self.kernel.ROW_LOSS_TERMS))
+        return self._row_weights
 
     @property
     def has_row_outputs(self) -> bool:

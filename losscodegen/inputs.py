@@ -36,7 +36,7 @@ class Call:
     x: torch.Tensor | None
     labels: torch.Tensor | None             # int64 [rows]
     mask: torch.Tensor | None               # bool [rows]
-    teacher: torch.Tensor | None            # [rows, V_local], detached
+    teacher: torch.Tensor | None            # [rows, V_local], read by the kernel only
     tokens: tuple[torch.Tensor, ...]        # fp32 [rows], in the kernel's TOKENS order
     topk_ids: torch.Tensor | None           # int64 [rows, K]
     topk_logprobs: torch.Tensor | None      # fp32 [rows, K]
@@ -71,7 +71,7 @@ def check_call(head, kernel: ModuleType, logits: Any, labels: Any, inputs: dict[
         if teacher.dtype not in _FLOATS or teacher.device != x.device:
             raise TypeError(f"teacher_logits must be a float tensor on {x.device}, got "
                             f"{teacher.dtype} on {teacher.device}")
-        teacher = rows_view(teacher.detach(), x.shape[1])
+        teacher = rows_view(teacher, x.shape[1])
     return check_rows(head, kernel, shape, x.shape[1], x.device, labels, inputs, x=x, teacher=teacher)
 
 
@@ -130,7 +130,11 @@ def check_divisor(divisor: Any, reduction: str, device: torch.device) -> torch.T
 
 
 def rows_view(t: torch.Tensor, V: int) -> torch.Tensor:
-    """[..., V] as [rows, V] with unit column stride, copying only when no such view exists."""
+    """[..., V] as [rows, V] with unit column stride, copying only when no such view exists (and
+    without a torch op when ``t`` is one already: this runs on every call)."""
+    if t.dim() == 2 and t.stride(1) == 1:
+        return t
+    t = t.detach()
     return (t if t.stride(-1) == 1 else t.contiguous()).reshape(-1, V)
 
 
@@ -141,7 +145,7 @@ def check_logits(logits: Any, name: str = "logits") -> tuple[torch.Tensor, tuple
         raise TypeError(f"{name} must be float32, bfloat16 or float16, got {logits.dtype}")
     if logits.dim() < 1 or logits.shape[-1] == 0:
         raise ValueError(f"{name} must be [..., V] with V > 0, got shape {tuple(logits.shape)}")
-    return rows_view(logits.detach(), logits.shape[-1]), tuple(logits.shape[:-1])
+    return rows_view(logits, logits.shape[-1]), tuple(logits.shape[:-1])
 
 
 def check_rowwise(name: str, t: Any, rows_shape: tuple[int, ...], device: torch.device, *,
@@ -168,7 +172,9 @@ def check_rowwise(name: str, t: Any, rows_shape: tuple[int, ...], device: torch.
         raise TypeError(f"{name} must be a float tensor, got {t.dtype}")
     if t.dim() != 1:
         t = t.reshape(-1)
-    return (t.long() if integer else t).contiguous()
+    if integer and t.dtype != torch.int64:
+        t = t.long()
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def check_topk(inputs: dict[str, Any], rows_shape: tuple[int, ...], device: torch.device,

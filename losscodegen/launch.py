@@ -4,7 +4,8 @@ upstream one).
 
 A default call on one device is: one zeroed allocation (the workspace), one small launch counting
 the valid rows (the divisor), and one launch of the head's kernel, whose last program writes the
-terms, the metrics and the loss. Nothing waits for the device.
+terms, the metrics and the loss. Nothing waits for the device. What a call's shapes decide (tiles,
+launches, the workspace's layout) is worked out once per signature and kept by the head.
 """
 from __future__ import annotations
 
@@ -15,11 +16,16 @@ import torch
 import triton
 import triton.language as tl
 
-from . import collectives, segments
+from . import collectives, segments, tiles
 from .plan import Launch
 
 _BLOCK_R = 256      # rows a tile when the last program reduces the rows' values
 _BLOCK_COUNT = 1024
+
+
+def _pow2(n: int) -> int:
+    """The least power of two >= n (``triton.next_power_of_2`` costs microseconds a call)."""
+    return 1 << max(n - 1, 0).bit_length()
 
 
 @triton.jit
@@ -51,16 +57,57 @@ def _scale_rows(grad_ptr, grad_stride, g_ptr, g_stride, V, BLOCK_V: tl.constexpr
 
 def scale_rows(grad: torch.Tensor, upstream: torch.Tensor) -> None:
     """``grad`` [rows, V] times ``upstream`` (a scalar, or one value a row), in place."""
-    g = upstream.to(torch.float32).reshape(-1).contiguous()
+    g = upstream if upstream.dtype == torch.float32 else upstream.float()
+    if g.dim() > 1 or not g.is_contiguous():
+        g = g.reshape(-1).contiguous()
     _scale_rows[(grad.shape[0],)](grad, grad.stride(0), g, 0 if g.numel() == 1 else 1, grad.shape[1],
-                                  BLOCK_V=min(triton.next_power_of_2(grad.shape[1]), 4096))
+                                  BLOCK_V=min(_pow2(grad.shape[1]), 4096))
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What the shapes of a call decide, worked out at its signature's first call and kept by the
+    head: the vocabulary a rank holds, the tiles, the launches, and the workspace's layout."""
+
+    world: int
+    vocab_start: int
+    vocab: int
+    options: dict                  # the tile's kernel options
+    launches: tuple[Launch, ...]
+    cut: int                       # launches[:cut] run before the segment step
+    offsets: tuple[int, ...]       # off_rows, off_loss_rows, off_stats, off_exact, off_seg_sums, off_seg_coefs
+    size: int                      # the workspace's fp32 elements
+    count: bool                    # whether a launch counts the valid rows (the default divisor)
+    block_k: int                   # the top-k tile
+
+
+def _layout(head, call, *, grad: bool, n_seg: int, dtype: torch.dtype, element_size: int) -> _Layout:
+    k = head.kernel
+    world, rank = collectives.group_info(call.group)
+    config = tiles.choose(head, k, call.V_local, dtype, call.device)
+    launches = head.launches(sharded=call.group is not None, grad=grad, split=config.split)
+    n_rows, keep_stats = call.rows, len(launches) > 1
+    if n_rows >= 1 << 24:
+        raise ValueError(f"a call takes fewer than 2**24 rows (its counts are exact fp32), got {n_rows}")
+    sizes = [n_rows * len(k.ROW_VALUES), n_rows if call.reduction == "none" else 0,
+             n_rows * len(k.COLUMNS) if keep_stats else 0, n_rows * len(k.EXACT) if keep_stats else 0,
+             max(n_seg, 1) * (len(k.SEGMENT_MEANS) + 1) if k.SEGMENTS else 0,
+             max(n_seg, 1) * len(k.SEGMENT_MEANS) if k.SEGMENTS else 0]
+    offsets = [k.FIXED_SLOTS]
+    for size in sizes:
+        offsets.append(offsets[-1] + size)
+    cut = next((i + 1 for i, launch in enumerate(launches) if launch.then == "segments"), len(launches))
+    return _Layout(world, rank * call.V_local, call.V_local * world, config.launch(call.V_local, element_size),
+                   launches, cut, tuple(offsets[:-1]), offsets[-1],
+                   call.divisor is None and call.reduction != "sum" and head.has_row_outputs,
+                   _pow2(call.topk_ids.shape[1]) if k.USES_TOPK else 1)
 
 
 @dataclass
 class Workspace:
     """One call's fp32 scratch, zeroed: the kernel's fixed slots (each output's value, the loss, the
     valid-row count, the finished-row count), then per-row values, per-row losses, the packed
-    stats, the exact sums and the segment sums and coefficients, at these offsets."""
+    stats, the exact sums and the segment sums and coefficients, at the layout's offsets."""
 
     t: torch.Tensor
     n_rows: int
@@ -72,27 +119,13 @@ class Workspace:
     off_seg_coefs: int
     k: ModuleType
 
-    @staticmethod
-    def make(k: ModuleType, n_rows: int, *, per_row: bool, keep_stats: bool, n_seg: int,
-             device: torch.device) -> Workspace:
-        sizes = [n_rows * len(k.ROW_VALUES), n_rows if per_row else 0,
-                 n_rows * len(k.COLUMNS) if keep_stats else 0, n_rows * len(k.EXACT) if keep_stats else 0,
-                 max(n_seg, 1) * (len(k.SEGMENT_MEANS) + 1) if k.SEGMENTS else 0,
-                 max(n_seg, 1) * len(k.SEGMENT_MEANS) if k.SEGMENTS else 0]
-        offsets = [k.FIXED_SLOTS]
-        for size in sizes:
-            offsets.append(offsets[-1] + size)
-        if n_rows >= 1 << 24:
-            raise ValueError(f"a call takes fewer than 2**24 rows (its counts are exact fp32), got {n_rows}")
-        return Workspace(torch.zeros(offsets[-1], device=device), n_rows, *offsets[:-1], k)
-
     def values(self) -> torch.Tensor:
-        return self.t[:len(self.k.OUTPUTS)]
+        return self.t.narrow(0, 0, len(self.k.OUTPUTS))
 
     def loss(self, call) -> torch.Tensor:
         if call.reduction == "none":
             return self.t[self.off_loss_rows:self.off_loss_rows + self.n_rows].view(call.shape)
-        return self.t[self.k.LOSS]
+        return self.t.select(0, self.k.LOSS)
 
     def stats(self, start: int, stop: int) -> torch.Tensor:
         width = len(self.k.COLUMNS)
@@ -115,16 +148,18 @@ class Launcher:
         k = self.k = head.kernel
         self.head, self.call, self.flags = head, call, flags
         self.gathered: torch.Tensor | None = None  # all ranks' packed stats, after a "gather"
-        self.world, rank = collectives.group_info(call.group)
-        self.V_local = call.V_local
-        self.vocab_start, self.vocab = rank * self.V_local, self.V_local * self.world
-        self.config, self.options = head.launch_config(self.V_local, dtype, element_size, call.device)
-        self.launches = head.launches(sharded=call.group is not None, grad=grad, split=self.config.split)
         self.n_seg = segments.count(call, head.ignore_index) if k.SEGMENTS else 0
-        self.ws = Workspace.make(k, call.rows, per_row=call.reduction == "none",
-                                 keep_stats=len(self.launches) > 1, n_seg=self.n_seg, device=call.device)
-        if call.divisor is None and call.reduction != "sum" and head.has_row_outputs:
-            _count_valid[(triton.cdiv(call.rows, _BLOCK_COUNT),)](
+        key = (call.rows, call.V_local, dtype, element_size, call.device, call.reduction, call.group, grad,
+               self.n_seg, call.divisor is None, call.topk_ids.shape[1] if k.USES_TOPK else 0)
+        layout = head.layouts.get(key)
+        if layout is None:
+            layout = _layout(head, call, grad=grad, n_seg=self.n_seg, dtype=dtype, element_size=element_size)
+            if tiles.forced() is None:       # (a configuration being measured is nobody's to keep)
+                head.layouts[key] = layout
+        self.layout, self.vocab = layout, layout.vocab
+        self.ws = Workspace(torch.zeros(layout.size, device=call.device), call.rows, *layout.offsets, k)
+        if layout.count:
+            _count_valid[(-(-call.rows // _BLOCK_COUNT),)](
                 call.labels, call.mask, call.rows, head.ignore_index, self.ws.t, k.COUNT,
                 BLOCK=_BLOCK_COUNT)
 
@@ -136,7 +171,7 @@ class Launcher:
             self._launch(launch, x, teacher, grad, row_offset)
             if launch.then == "gather":
                 n = x.shape[0]
-                gathered = torch.empty(self.world * n * len(self.k.COLUMNS), device=x.device)
+                gathered = torch.empty(self.layout.world * n * len(self.k.COLUMNS), device=x.device)
                 collectives.gather(gathered, self.ws.stats(row_offset, row_offset + n), self.call.group)
                 self.gathered = gathered
             elif launch.then == "sum_exact":
@@ -145,9 +180,8 @@ class Launcher:
     def passes(self) -> tuple[tuple[Launch, ...], tuple[Launch, ...]]:
         """The launches before the segment step (it needs every row's values: all chunks of rows
         go through the first part before it), and those after it."""
-        cut = next((i + 1 for i, launch in enumerate(self.launches) if launch.then == "segments"),
-                   len(self.launches))
-        return self.launches[:cut], self.launches[cut:]
+        launches, cut = self.layout.launches, self.layout.cut
+        return launches[:cut], launches[cut:]
 
     def segments(self) -> None:
         """The segment step, between the passes: the segment kernel (after summing the segments
@@ -156,27 +190,24 @@ class Launcher:
             segments.run(self.k, self.head, self.call, self.ws, self.n_seg)
 
     def _launch(self, launch: Launch, x, teacher, grad, row_offset: int) -> None:
-        k, call, ws, head = self.k, self.call, self.ws, self.head
+        k, call, ws, head, layout = self.k, self.call, self.ws, self.head, self.layout
         args = [x, x.stride(0), x if grad is None else grad, 0 if grad is None else grad.stride(0),
                 call.labels, call.mask]
         if k.USES_TEACHER:
             args += [teacher, teacher.stride(0)]
         args += call.tokens
-        block_k = 1
         if k.USES_TOPK:
             args += [call.topk_ids, call.topk_logprobs, call.topk_ids.stride(0), call.topk_ids.shape[1]]
-            block_k = triton.next_power_of_2(call.topk_ids.shape[1])
         if k.SEGMENTS:
             args += [call.segment_ids, self.n_seg, ws.off_seg_sums, ws.off_seg_coefs]
         args += [ws.t, ws.off_rows, ws.off_loss_rows, ws.off_stats, ws.off_exact,
-                 self.gathered if launch.merge else None, self.world, call.divisor, self.flags,
-                 *head.weights_of(k.ROW_LOSS_TERMS),
-                 row_offset, call.rows, head.logit_scale, float(head.softcap or 1.0), self.V_local,
-                 self.vocab_start, self.vocab, head.ignore_index]
+                 self.gathered if launch.merge else None, layout.world, call.divisor, self.flags,
+                 *head.row_weights, row_offset, call.rows, head.logit_scale, head.softcap_arg,
+                 call.V_local, layout.vocab_start, layout.vocab, head.ignore_index]
         getattr(k, f"head_loss_{k.KEY}")[(x.shape[0],)](
             *args, SUM=call.reduction == "sum", PER_ROW=call.reduction == "none",
             STATS=launch.stats, MERGE=launch.merge, EXACT=launch.exact, STORE_STATS=launch.store_stats,
-            ROWS=launch.rows, GRAD=launch.grad, BLOCK_K=block_k, BLOCK_R=_BLOCK_R, **self.options)
+            ROWS=launch.rows, GRAD=launch.grad, BLOCK_K=layout.block_k, BLOCK_R=_BLOCK_R, **layout.options)
 
 
 def run(head, call, *, grad: bool, inplace: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
