@@ -39,7 +39,7 @@ from triton.language.extra import libdevice
 
 KEY = "b98938e854923f1a"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "858b4a0f53a1"
+CODEGEN = "6a4dc9f583ee"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['jsd']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -67,7 +67,7 @@ LOSS, COUNT, DONE = 1, 2, 3
 FIXED_SLOTS = 4
 
 
-# Triton's interpreter (CPU) lacks the GPU's approximate log instruction
+# Triton's interpreter (CPU) lacks the GPU's approximate log and reciprocal instructions
 INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y"))
 
 
@@ -78,6 +78,15 @@ def _log(x):
         return tl.log(x)
     else:
         return libdevice.fast_logf(x)
+
+
+@triton.jit
+def _rcp(x):
+    # 1/x from rcp.approx (2 ulp; the IEEE division is a long routine)
+    if INTERPRET:
+        return 1.0 / x
+    else:
+        return libdevice.fast_dividef(1.0, x)
 
 
 @triton.jit
@@ -229,7 +238,7 @@ def head_loss_b98938e854923f1a(
                 e5 = e2 + (0.5)*e4
                 e6 = _log(e5)
                 e7 = e4*(-e3 - e6)
-                e8 = (1.0 / e5)
+                e8 = _rcp(e5)
                 part0 = tl.sum(tl.join(tl.join(tl.where(in_row, e1*(-e0 - e6), 0.0), tl.where(in_row, e7, 0.0)), tl.join(tl.where(in_row, e2*e4*e8, 0.0), tl.where(in_row, e4*((0.5)*e4*e8 - 1.0) - e7, 0.0))), 0)
                 part1, part2 = tl.split(part0)
                 acc1_tile, acc3_tile = tl.split(part1)
@@ -299,7 +308,7 @@ def head_loss_b98938e854923f1a(
                 d2 = (0.5)*tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*t)
                 d3 = (0.5)*d1
                 d4 = d2 + d3
-                d5 = (1.0 / d4)
+                d5 = _rcp(d4)
                 dz = -d1*d2*d5*g0 + d1*g2 + g1*(d1*(-d0 - _log(d4)) + d1*(-d3*d5 + 1.0))
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")

@@ -32,7 +32,7 @@ from triton.language.extra import libdevice
 
 KEY = "dfdadf8e6cb4b92c"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "858b4a0f53a1"
+CODEGEN = "6a4dc9f583ee"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -60,7 +60,7 @@ LOSS, COUNT, DONE = 1, 2, 3
 FIXED_SLOTS = 4
 
 
-# Triton's interpreter (CPU) lacks the GPU's approximate log instruction
+# Triton's interpreter (CPU) lacks the GPU's approximate log and reciprocal instructions
 INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y"))
 
 
@@ -71,6 +71,15 @@ def _log(x):
         return tl.log(x)
     else:
         return libdevice.fast_logf(x)
+
+
+@triton.jit
+def _rcp(x):
+    # 1/x from rcp.approx (2 ulp; the IEEE division is a long routine)
+    if INTERPRET:
+        return 1.0 / x
+    else:
+        return libdevice.fast_dividef(1.0, x)
 
 
 @triton.jit

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Optional
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -80,13 +79,21 @@ def compiled(head, logits: torch.Tensor, call: Call) -> tuple[torch.Tensor, torc
     return loss, values
 
 
-@torch.library.custom_op("losscodegen::head", mutates_args=())
-def _head_op(head_id: str, logits: torch.Tensor, labels: Optional[torch.Tensor],
-             loss_mask: Optional[torch.Tensor], teacher: Optional[torch.Tensor], tokens: list[torch.Tensor],
-             topk_ids: Optional[torch.Tensor], topk_logprobs: Optional[torch.Tensor],
-             segment_ids: Optional[torch.Tensor], num_segments: Optional[int], divisor: Optional[torch.Tensor],
-             reduction: str, process_group: Optional[str], segment_group: Optional[str],
-             grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+# The ops are defined with a schema and a plain kernel, not with ``torch.library.custom_op``: its
+# kernel wrapper cost about 0.35 ms a call on an H100 machine (measured), more than the call itself.
+_LIB = torch.library.Library("losscodegen", "DEF")
+_LIB.define("head(str head_id, Tensor logits, Tensor? labels, Tensor? loss_mask, Tensor? teacher, "
+            "Tensor[] tokens, Tensor? topk_ids, Tensor? topk_logprobs, Tensor? segment_ids, "
+            "int? num_segments, Tensor? divisor, str reduction, str? process_group, str? segment_group, "
+            "bool grad) -> (Tensor, Tensor, Tensor)")
+_LIB.define("head_grad(Tensor handle, Tensor grad_loss, int[] shape, ScalarType dtype, Device device) -> Tensor")
+
+
+def _head_op(head_id: str, logits: torch.Tensor, labels: torch.Tensor | None, loss_mask: torch.Tensor | None,
+             teacher: torch.Tensor | None, tokens: list[torch.Tensor], topk_ids: torch.Tensor | None,
+             topk_logprobs: torch.Tensor | None, segment_ids: torch.Tensor | None, num_segments: int | None,
+             divisor: torch.Tensor | None, reduction: str, process_group: str | None,
+             segment_group: str | None, grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     head = head_of(head_id)
     call = Call(tuple(logits.shape[:-1]), logits.shape[-1], logits.device,
                 rows_view(logits, logits.shape[-1]), labels, loss_mask, teacher, tuple(tokens),
@@ -97,9 +104,8 @@ def _head_op(head_id: str, logits: torch.Tensor, labels: Optional[torch.Tensor],
     return loss.clone(), values, _keep(grad_buf)  # (outputs of an op never alias each other)
 
 
-@_head_op.register_fake
-def _(head_id, logits, labels, loss_mask, teacher, tokens, topk_ids, topk_logprobs, segment_ids,
-      num_segments, divisor, reduction, process_group, segment_group, grad):
+def _head_fake(head_id, logits, labels, loss_mask, teacher, tokens, topk_ids, topk_logprobs, segment_ids,
+               num_segments, divisor, reduction, process_group, segment_group, grad):
     n_outputs = len(head_of(head_id).kernel.OUTPUTS)
     loss_shape = logits.shape[:-1] if reduction == "none" else ()
     return (logits.new_empty(loss_shape, dtype=torch.float32),
@@ -121,10 +127,6 @@ def _backward(ctx, grad_loss, _grad_values, _grad_handle):
     return (None, grad, None, None, None, [None] * ctx.n_tokens) + (None,) * 9
 
 
-_head_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-@torch.library.custom_op("losscodegen::head_grad", mutates_args=())
 def _head_grad_op(handle: torch.Tensor, grad_loss: torch.Tensor, shape: list[int], dtype: torch.dtype,
                   device: torch.device) -> torch.Tensor:
     grad = _take(handle)
@@ -132,9 +134,15 @@ def _head_grad_op(handle: torch.Tensor, grad_loss: torch.Tensor, shape: list[int
     return grad.view(shape)
 
 
-@_head_grad_op.register_fake
-def _(handle, grad_loss, shape, dtype, device):
+def _head_grad_fake(handle, grad_loss, shape, dtype, device):
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+_LIB.impl("head", _head_op, "CompositeExplicitAutograd")
+_LIB.impl("head_grad", _head_grad_op, "CompositeExplicitAutograd")
+torch.library.register_fake("losscodegen::head", _head_fake, lib=_LIB)
+torch.library.register_fake("losscodegen::head_grad", _head_grad_fake, lib=_LIB)
+torch.library.register_autograd("losscodegen::head", _backward, setup_context=_setup_context, lib=_LIB)
 
 
 # Gradient buffers between a compiled forward and its backward, by handle. An entry whose handle is

@@ -131,6 +131,12 @@ class TritonPrinter(_ArrayPrinter):
     def _print_log(self, expr: sp.log) -> str:
         return f"_log({self._print(expr.args[0])})"  # defined by the template (a fast base-2 log)
 
+    def _print_Pow(self, expr: sp.Pow, rational: bool = False) -> str:
+        base, e = expr.args
+        if e.is_Integer and int(e) < 0:
+            return f"_rcp({self._print(base ** (-e))})"  # defined by the template (a fast reciprocal)
+        return super()._print_Pow(expr, rational)
+
 
 class TorchPrinter(_ArrayPrinter):
     module = "torch"

@@ -61,7 +61,7 @@ class HeadLoss(torch.nn.Module):
         for t in terms:
             if t.metric_only:
                 raise ValueError(f"{t.name} is a metric only: pass it in metrics=(...)")
-        names = [t.name for t in terms + metrics]
+        names = self._names = [t.name for t in terms + metrics]
         if len(set(names)) != len(names):
             raise ValueError(f"term names must be unique in a head, got {names}")
         if not terms and not metrics:
@@ -134,9 +134,10 @@ class HeadLoss(torch.nn.Module):
                                         teacher_weight, teacher_bias, chunk_rows, inputs))
 
     def _output(self, loss: torch.Tensor, values: torch.Tensor) -> HeadOutput:
-        per_output = dict(zip(self.kernel.OUTPUTS, values.unbind(0)))
-        return HeadOutput(loss, {t.name: per_output[t.name] for t in self.loss_terms},
-                          {t.name: per_output[t.name] for t in self.metric_terms})
+        per_output = values.unbind(0)   # the kernel's OUTPUTS: the terms, then the metrics
+        n = len(self.loss_terms)
+        return HeadOutput(loss, dict(zip(self._names[:n], per_output[:n])),
+                          dict(zip(self._names[n:], per_output[n:])))
 
     # ---- what the runtime asks of a head -------------------------------------------------------
     def launches(self, *, sharded: bool, grad: bool, split: bool) -> tuple[Launch, ...]:

@@ -106,7 +106,7 @@ def check_rows(head, kernel: ModuleType, shape: tuple[int, ...], V_local: int, d
         mask=check_rowwise("loss_mask", inputs.get("loss_mask"), shape, dev, boolean=True),
         teacher=teacher,
         tokens=tuple(check_rowwise(name, inputs.get(name), shape, dev, required=True,
-                                   needed_by=head.terms_reading).float()
+                                   needed_by=head.terms_reading)
                      for name in kernel.TOKENS),
         topk_ids=topk_ids, topk_logprobs=topk_logprobs,
         segment_ids=segment_ids, num_segments=num_segments,
@@ -151,8 +151,9 @@ def check_logits(logits: Any, name: str = "logits") -> tuple[torch.Tensor, tuple
 def check_rowwise(name: str, t: Any, rows_shape: tuple[int, ...], device: torch.device, *,
                   integer: bool = False, boolean: bool = False, required: bool = False,
                   needed_by: Callable[[str], str] | None = None) -> torch.Tensor | None:
-    """A per-row input shaped like the labels, flattened; ``needed_by(name)`` names the terms that
-    read it (called only for the error message)."""
+    """A per-row input shaped like the labels, flat and contiguous: int64 (``integer``), bool
+    (``boolean``) or fp32; ``needed_by(name)`` names the terms that read it (called only for the
+    error message)."""
     if t is None:
         if required:
             raise ValueError(f"{name} is required by {needed_by(name) if needed_by else 'this head'}")
@@ -172,8 +173,9 @@ def check_rowwise(name: str, t: Any, rows_shape: tuple[int, ...], device: torch.
         raise TypeError(f"{name} must be a float tensor, got {t.dtype}")
     if t.dim() != 1:
         t = t.reshape(-1)
-    if integer and t.dtype != torch.int64:
-        t = t.long()
+    want = torch.int64 if integer else torch.bool if boolean else torch.float32
+    if t.dtype != want:
+        t = t.to(want)
     return t if t.is_contiguous() else t.contiguous()
 
 
