@@ -31,6 +31,7 @@
 #   tiles: BLOCK_V <= 4096, 8 warps; stats forward, exact backward, grad forward
 #   single device: 1 launch(es): [stats+exact+rows+grad]
 #   sharded: 3 launch(es): [stats] gather -> [merge+exact] sum_exact -> [rows+grad]
+#   sharded, in-kernel exchange: 3 launch(es): [stats] gather -> [merge+exact] sum_exact -> [rows+grad]
 import os
 
 import triton
@@ -39,7 +40,7 @@ from triton.language.extra import libdevice
 
 KEY = "b98938e854923f1a"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "6a4dc9f583ee"
+CODEGEN = "16403d739c72"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['jsd']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -101,23 +102,25 @@ def _dlogits(x, logit_scale, softcap):
     return logit_scale
 
 
-@triton.jit(do_not_specialize=["row_offset", "n_rows", "off_rows", "off_loss_rows", "off_stats",
+@triton.jit(do_not_specialize=["row_offset", "n_rows", "epoch", "off_rows", "off_loss_rows", "off_stats",
                                "off_exact", "vocab_start", "n_vocab"])
 def head_loss_b98938e854923f1a(
     x_ptr, x_stride, grad_ptr, grad_stride, y_ptr, mask_ptr,
     t_ptr, t_stride,
-    ws_ptr, off_rows, off_loss_rows, off_stats, off_exact, gathered_ptr, world, div_ptr, flag_ptr,
+    ws_ptr, off_rows, off_loss_rows, off_stats, off_exact, gathered_ptr, world, peers_ptr, epoch, div_ptr,
+    flag_ptr,
     weight_jsd,
     row_offset, n_rows, logit_scale, softcap, V, vocab_start, n_vocab, ignore_index,
     SUM: tl.constexpr, PER_ROW: tl.constexpr,
-    STATS: tl.constexpr, MERGE: tl.constexpr, EXACT: tl.constexpr, STORE_STATS: tl.constexpr,
+    STATS: tl.constexpr, EXCHANGE: tl.constexpr, MERGE: tl.constexpr, EXACT: tl.constexpr,
+    STORE_STATS: tl.constexpr,
     ROWS: tl.constexpr, GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     # One program per row (token) of this launch. x, the teacher and the gradient hold the launch's
     # rows; per-row inputs and outputs are indexed among all the call's rows (row_offset + row).
     # Optional inputs come as None: no labels, no loss_mask, no divisor (divide by the valid rows),
-    # no flag_ptr (validate=False).
+    # no flag_ptr (validate=False), no peers_ptr (no in-kernel exchange).
     row = tl.program_id(0).to(tl.int64)
     grow = row_offset + row
     x_row = x_ptr + row * x_stride
@@ -181,8 +184,31 @@ def head_loss_b98938e854923f1a(
                 acc2 = acc2 * r1 + acc2_tile
                 m = m_new
                 m_t = m_t_new
-        elif MERGE:
-            # The packed stats of every vocab shard, all-gathered ([world, rows of this launch, 4]),
+            if EXCHANGE:
+                # Every vocab shard's packed stats without leaving the kernel: this row's go to slot
+                # [rank, row] of every rank's exchange buffer (peer GPU memory, mapped), then a flag
+                # there says so (release: the stats are visible before it); the row waits for every
+                # rank's flag in its own buffer. Flags hold the call's number: nothing is reset.
+                n_launch = tl.num_programs(0).to(tl.int64)
+                rank = vocab_start // V
+                for r in range(world):
+                    at = tl.load(peers_ptr + r).to(tl.pointer_type(tl.float32)) + (rank * n_launch + row) * 4
+                    tl.store(at + 0, m)
+                    tl.store(at + 1, m_t)
+                    tl.store(at + 2, acc0)
+                    tl.store(at + 3, acc2)
+                tl.debug_barrier()
+                for r in range(world):
+                    flags = tl.load(peers_ptr + r).to(tl.pointer_type(tl.int32)) + world * n_launch * 4
+                    tl.atomic_xchg(flags + rank * n_launch + row, epoch, sem="release", scope="sys")
+                own = tl.load(peers_ptr + rank).to(tl.pointer_type(tl.int32)) + world * n_launch * 4
+                for r in range(world):
+                    seen = tl.atomic_add(own + r * n_launch + row, 0, sem="acquire", scope="sys")
+                    while seen != epoch:
+                        seen = tl.atomic_add(own + r * n_launch + row, 0, sem="acquire", scope="sys")
+                tl.debug_barrier()
+        if MERGE:
+            # The packed stats of every vocab shard, gathered ([world, rows of this launch, 4]),
             # merged by each column's rule: maxima first, then the sums rescaled to them.
             part = gathered_ptr + row * 4
             step = tl.num_programs(0).to(tl.int64) * 4
@@ -199,7 +225,7 @@ def head_loss_b98938e854923f1a(
                 m_t_r = tl.load(at + 1)
                 acc0 += tl.load(at + 2) * tl.exp2(-1.4426950408889634*m_t + 1.4426950408889634*m_t_r)
                 acc2 += tl.load(at + 3) * tl.exp2(-1.4426950408889634*m + 1.4426950408889634*m_r)
-        else:
+        elif not STATS:
             m = tl.load(stats_row + 0)
             m_t = tl.load(stats_row + 1)
             acc0 = tl.load(stats_row + 2)

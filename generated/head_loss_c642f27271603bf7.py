@@ -24,6 +24,7 @@
 #   tiles: BLOCK_V <= 32768, 32 warps; stats forward, grad backward
 #   single device: 1 launch(es): [stats+rows+grad]
 #   sharded: 2 launch(es): [stats] gather -> [merge+rows+grad]
+#   sharded, in-kernel exchange: 1 launch(es): [stats+exchange+merge+rows+grad]
 import os
 
 import triton
@@ -32,7 +33,7 @@ from triton.language.extra import libdevice
 
 KEY = "c642f27271603bf7"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "6a4dc9f583ee"
+CODEGEN = "16403d739c72"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -94,22 +95,24 @@ def _dlogits(x, logit_scale, softcap):
     return logit_scale*(1.0 - (((2.0 / (1.0 + tl.exp(-2.0*x/softcap)) - 1.0)) * ((2.0 / (1.0 + tl.exp(-2.0*x/softcap)) - 1.0))))
 
 
-@triton.jit(do_not_specialize=["row_offset", "n_rows", "off_rows", "off_loss_rows", "off_stats",
+@triton.jit(do_not_specialize=["row_offset", "n_rows", "epoch", "off_rows", "off_loss_rows", "off_stats",
                                "off_exact", "vocab_start", "n_vocab"])
 def head_loss_c642f27271603bf7(
     x_ptr, x_stride, grad_ptr, grad_stride, y_ptr, mask_ptr,
-    ws_ptr, off_rows, off_loss_rows, off_stats, off_exact, gathered_ptr, world, div_ptr, flag_ptr,
+    ws_ptr, off_rows, off_loss_rows, off_stats, off_exact, gathered_ptr, world, peers_ptr, epoch, div_ptr,
+    flag_ptr,
     weight_cross_entropy,
     row_offset, n_rows, logit_scale, softcap, V, vocab_start, n_vocab, ignore_index,
     SUM: tl.constexpr, PER_ROW: tl.constexpr,
-    STATS: tl.constexpr, MERGE: tl.constexpr, EXACT: tl.constexpr, STORE_STATS: tl.constexpr,
+    STATS: tl.constexpr, EXCHANGE: tl.constexpr, MERGE: tl.constexpr, EXACT: tl.constexpr,
+    STORE_STATS: tl.constexpr,
     ROWS: tl.constexpr, GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     # One program per row (token) of this launch. x, the teacher and the gradient hold the launch's
     # rows; per-row inputs and outputs are indexed among all the call's rows (row_offset + row).
     # Optional inputs come as None: no labels, no loss_mask, no divisor (divide by the valid rows),
-    # no flag_ptr (validate=False).
+    # no flag_ptr (validate=False), no peers_ptr (no in-kernel exchange).
     row = tl.program_id(0).to(tl.int64)
     grow = row_offset + row
     x_row = x_ptr + row * x_stride
@@ -162,8 +165,30 @@ def head_loss_c642f27271603bf7(
                 m = m_new
             z_y = tl.where(y_here, _logits(tl.load(x_row + y_local, mask=y_here, other=0.0).to(tl.float32),
                                            logit_scale, softcap), 0.0)
-        elif MERGE:
-            # The packed stats of every vocab shard, all-gathered ([world, rows of this launch, 3]),
+            if EXCHANGE:
+                # Every vocab shard's packed stats without leaving the kernel: this row's go to slot
+                # [rank, row] of every rank's exchange buffer (peer GPU memory, mapped), then a flag
+                # there says so (release: the stats are visible before it); the row waits for every
+                # rank's flag in its own buffer. Flags hold the call's number: nothing is reset.
+                n_launch = tl.num_programs(0).to(tl.int64)
+                rank = vocab_start // V
+                for r in range(world):
+                    at = tl.load(peers_ptr + r).to(tl.pointer_type(tl.float32)) + (rank * n_launch + row) * 3
+                    tl.store(at + 0, m)
+                    tl.store(at + 1, z_y)
+                    tl.store(at + 2, acc0)
+                tl.debug_barrier()
+                for r in range(world):
+                    flags = tl.load(peers_ptr + r).to(tl.pointer_type(tl.int32)) + world * n_launch * 3
+                    tl.atomic_xchg(flags + rank * n_launch + row, epoch, sem="release", scope="sys")
+                own = tl.load(peers_ptr + rank).to(tl.pointer_type(tl.int32)) + world * n_launch * 3
+                for r in range(world):
+                    seen = tl.atomic_add(own + r * n_launch + row, 0, sem="acquire", scope="sys")
+                    while seen != epoch:
+                        seen = tl.atomic_add(own + r * n_launch + row, 0, sem="acquire", scope="sys")
+                tl.debug_barrier()
+        if MERGE:
+            # The packed stats of every vocab shard, gathered ([world, rows of this launch, 3]),
             # merged by each column's rule: maxima first, then the sums rescaled to them.
             part = gathered_ptr + row * 3
             step = tl.num_programs(0).to(tl.int64) * 3
@@ -177,7 +202,7 @@ def head_loss_c642f27271603bf7(
                 m_r = tl.load(at + 0)
                 z_y += tl.load(at + 1)
                 acc0 += tl.load(at + 2) * tl.exp2(-1.4426950408889634*m + 1.4426950408889634*m_r)
-        else:
+        elif not STATS:
             m = tl.load(stats_row + 0)
             z_y = tl.load(stats_row + 1)
             acc0 = tl.load(stats_row + 2)

@@ -140,10 +140,10 @@ class HeadLoss(torch.nn.Module):
                           dict(zip(self._names[n:], per_output[n:])))
 
     # ---- what the runtime asks of a head -------------------------------------------------------
-    def launches(self, *, sharded: bool, grad: bool, split: bool) -> tuple[Launch, ...]:
+    def launches(self, *, sharded: bool, grad: bool, split: bool, exchange: bool = False) -> tuple[Launch, ...]:
         k = self.kernel
         return launch_sequence(has_exact=k.HAS_EXACT, segments=bool(k.SEGMENTS), sharded=sharded,
-                               grad=grad, split=split)
+                               grad=grad, split=split, exchange=exchange)
 
     def weights_of(self, names: list[str]) -> list[float]:
         return [self._weights[n] for n in names]

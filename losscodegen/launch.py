@@ -81,11 +81,12 @@ class _Layout:
     block_k: int                   # the top-k tile
 
 
-def _layout(head, call, *, grad: bool, n_seg: int, dtype: torch.dtype, element_size: int) -> _Layout:
+def _layout(head, call, *, grad: bool, n_seg: int, dtype: torch.dtype, element_size: int,
+            exchange: bool) -> _Layout:
     k = head.kernel
     world, rank = collectives.group_info(call.group)
     config = tiles.choose(head, k, call.V_local, dtype, call.device)
-    launches = head.launches(sharded=call.group is not None, grad=grad, split=config.split)
+    launches = head.launches(sharded=call.group is not None, grad=grad, split=config.split, exchange=exchange)
     n_rows, keep_stats = call.rows, len(launches) > 1
     if n_rows >= 1 << 24:
         raise ValueError(f"a call takes fewer than 2**24 rows (its counts are exact fp32), got {n_rows}")
@@ -149,11 +150,14 @@ class Launcher:
         self.head, self.call, self.flags = head, call, flags
         self.gathered: torch.Tensor | None = None  # all ranks' packed stats, after a "gather"
         self.n_seg = segments.count(call, head.ignore_index) if k.SEGMENTS else 0
+        self.exchange = None if k.HAS_EXACT else collectives.exchange(call.group, call.device)
         key = (call.rows, call.V_local, dtype, element_size, call.device, call.reduction, call.group, grad,
-               self.n_seg, call.divisor is None, call.topk_ids.shape[1] if k.USES_TOPK else 0)
+               self.n_seg, call.divisor is None, call.topk_ids.shape[1] if k.USES_TOPK else 0,
+               self.exchange is not None)
         layout = head.layouts.get(key)
         if layout is None:
-            layout = _layout(head, call, grad=grad, n_seg=self.n_seg, dtype=dtype, element_size=element_size)
+            layout = _layout(head, call, grad=grad, n_seg=self.n_seg, dtype=dtype, element_size=element_size,
+                             exchange=self.exchange is not None)
             if tiles.forced() is None:       # (a configuration being measured is nobody's to keep)
                 head.layouts[key] = layout
         self.layout, self.vocab = layout, layout.vocab
@@ -200,13 +204,17 @@ class Launcher:
             args += [call.topk_ids, call.topk_logprobs, call.topk_ids.stride(0), call.topk_ids.shape[1]]
         if k.SEGMENTS:
             args += [call.segment_ids, self.n_seg, ws.off_seg_sums, ws.off_seg_coefs]
-        args += [ws.t, ws.off_rows, ws.off_loss_rows, ws.off_stats, ws.off_exact,
-                 self.gathered if launch.merge else None, layout.world, call.divisor, self.flags,
+        gathered, peers, epoch = (self.gathered if launch.merge else None), None, 0
+        if launch.exchange:
+            gathered, peers, epoch = self.exchange.next(x.shape[0], len(k.COLUMNS))
+        args += [ws.t, ws.off_rows, ws.off_loss_rows, ws.off_stats, ws.off_exact, gathered, layout.world, peers,
+                 epoch, call.divisor, self.flags,
                  *head.row_weights, row_offset, call.rows, head.logit_scale, head.softcap_arg,
                  call.V_local, layout.vocab_start, layout.vocab, head.ignore_index]
         getattr(k, f"head_loss_{k.KEY}")[(x.shape[0],)](
             *args, SUM=call.reduction == "sum", PER_ROW=call.reduction == "none",
-            STATS=launch.stats, MERGE=launch.merge, EXACT=launch.exact, STORE_STATS=launch.store_stats,
+            STATS=launch.stats, EXCHANGE=launch.exchange, MERGE=launch.merge, EXACT=launch.exact,
+            STORE_STATS=launch.store_stats,
             ROWS=launch.rows, GRAD=launch.grad, BLOCK_K=layout.block_k, BLOCK_R=_BLOCK_R, **layout.options)
 
 

@@ -33,6 +33,7 @@ class Launch:
     row's values into the terms, the metrics and the loss."""
 
     stats: bool = False        # run the first read
+    exchange: bool = False     # send the packed stats to every vocab shard in-kernel, and wait for theirs
     merge: bool = False        # merge the packed stats gathered from every vocab shard
     exact: bool = False        # run the exact read (heads that have one)
     store_stats: bool = False  # keep what this launch computed for a later launch
@@ -68,9 +69,10 @@ class Plan:
         """Reads of the logits per row for the loss (the gradient read not counted)."""
         return 1 + int(self.lowered.has_exact)
 
-    def launches(self, *, sharded: bool, grad: bool, split: bool = False) -> tuple[Launch, ...]:
+    def launches(self, *, sharded: bool, grad: bool, split: bool = False,
+                 exchange: bool = False) -> tuple[Launch, ...]:
         return launch_sequence(has_exact=self.lowered.has_exact, segments=bool(self.lowered.segments),
-                               sharded=sharded, grad=grad, split=split)
+                               sharded=sharded, grad=grad, split=split, exchange=exchange)
 
     @property
     def state(self) -> tuple[str, int, int]:
@@ -122,21 +124,24 @@ class Plan:
                  + (" + one all-reduce of the exact sums" if self.exact else ""),
                  f"tiles: BLOCK_V <= {self.tile[0]}, {self.tile[1]} warps; "
                  + ", ".join(f"{w.name} {'backward' if w.reverse else 'forward'}" for w in self.sweeps)]
-        for sharded in (False, True):
-            seq = self.launches(sharded=sharded, grad=True)
-            lines.append(("sharded" if sharded else "single device") + f": {len(seq)} launch(es): "
-                         + " -> ".join(_describe(l, lw.has_exact) for l in seq))
+        for label, kw in (("single device", {}), ("sharded", dict(sharded=True)),
+                          ("sharded, in-kernel exchange", dict(sharded=True, exchange=True))):
+            seq = self.launches(grad=True, **{"sharded": False, **kw})
+            lines.append(f"{label}: {len(seq)} launch(es): " + " -> ".join(_describe(l, lw.has_exact) for l in seq))
         return "\n".join(lines)
 
 
 def launch_sequence(*, has_exact: bool, segments: bool, sharded: bool, grad: bool,
-                    split: bool = False) -> tuple[Launch, ...]:
+                    split: bool = False, exchange: bool = False) -> tuple[Launch, ...]:
     """The launches of one call. On one device a head without segment terms is one launch (or, if
     measured faster, one launch a read: ``split``); a segment term needs every row's values before
     any gradient (rows, segments, then gradient); under vocab parallelism each exchange of row
-    statistics ends a launch."""
+    statistics ends a launch, unless the shards exchange them in-kernel (``exchange``: GPUs that map
+    each other's memory), which keeps a head without an exact read in one launch."""
     out = []
-    if sharded or split:
+    if sharded and exchange and not has_exact:
+        first = dict(stats=True, exchange=True, merge=True)
+    elif sharded or split:
         out.append(Launch(stats=True, store_stats=True, then="gather" if sharded else ""))
         if has_exact:
             out.append(Launch(merge=sharded, exact=True, store_stats=True, then="sum_exact" if sharded else ""))
@@ -154,7 +159,7 @@ def launch_sequence(*, has_exact: bool, segments: bool, sharded: bool, grad: boo
 
 
 def _describe(launch: Launch, has_exact: bool) -> str:
-    parts = [n for n, on in (("stats", launch.stats), ("merge", launch.merge),
+    parts = [n for n, on in (("stats", launch.stats), ("exchange", launch.exchange), ("merge", launch.merge),
                              ("exact", launch.exact and has_exact), ("rows", launch.rows),
                              ("grad", launch.grad)) if on]
     return "[" + "+".join(parts) + "]" + (f" {launch.then}" if launch.then else "")

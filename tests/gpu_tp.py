@@ -1,10 +1,12 @@
 """Vocab-parallel on GPUs (not collected by pytest): `torchrun --nproc_per_node N tests/gpu_tp.py`.
 Each rank's loss, terms, metrics and gradient shard vs the unsharded call; then the default call's
-time (forward + backward) on N ranks beside the unsharded call on one GPU.
+time (forward + backward) on N ranks beside the unsharded call on one GPU, with the packed stats
+exchanged in-kernel (the default where the GPUs map each other's memory) and by an all-gather.
 
 Timings use a fixed number of iterations on every rank: a timer that picks its own repeat count
 (triton's do_bench) can pick a different one per rank, and the ranks then wait forever on each
 other's collectives. GPU_TP_ROWS / GPU_TP_VOCAB set the shape (default 8192 x 128256)."""
+import contextlib
 import datetime
 import faulthandler
 import json
@@ -16,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import losscodegen as lcg
+from losscodegen import collectives
 
 faulthandler.dump_traceback_later(int(os.environ.get("GPU_TP_WATCHDOG", "500")), exit=True)
 t0 = time.time()
@@ -63,6 +66,17 @@ heads = {"CE": (lcg.HeadLoss(lcg.CrossEntropy()), {}),
          "GRPO+entropy+clip": (lcg.HeadLoss(lcg.GRPO(), metrics=(lcg.Entropy(), lcg.ClipFraction())), policy),
          "GSPO": (lcg.HeadLoss(lcg.GSPO()), dict(policy, segment_ids=torch.arange(R, device="cuda") // 256,
                                                  num_segments=R // 256))}
+@contextlib.contextmanager
+def all_gather_path():
+    """The stats exchanged by an all-gather between two launches, not in-kernel."""
+    real = collectives.exchange
+    collectives.exchange = lambda group, device: None
+    try:
+        yield
+    finally:
+        collectives.exchange = real
+
+
 rows_out, records = [], []
 for name, (head, needs) in heads.items():
     full_kw = {"teacher_logits": t} if "teacher" in needs else {}
@@ -70,20 +84,12 @@ for name, (head, needs) in heads.items():
     if isinstance(needs, dict):
         full_kw.update(needs)
         shard_kw.update(needs)
-    xs = x[:, cols].contiguous().requires_grad_()
-    log(f"{name}: sharded call (compiles on first use)")
-    out = head(xs, y, process_group=dist.group.WORLD, **shard_kw)
-    out.loss.backward()
-    torch.cuda.synchronize()
-    log(f"{name}: unsharded reference call")
+    log(f"{name}: unsharded reference call (compiles on first use)")
     xf = x.clone().requires_grad_()
     ref = head(xf, y, **full_kw)
     ref.loss.backward()
     refs = {**ref.terms, **ref.metrics}
-    verr = max(abs(v.item() - refs[k].item()) / max(1.0, abs(refs[k].item()))
-               for k, v in {**out.terms, **out.metrics}.items())
-    gerr = ((xs.grad.float() - xf.grad[:, cols].float()).norm() / xf.grad[:, cols].float().norm()).item()
-    lerr = abs(out.loss.item() - ref.loss.item()) / max(1.0, abs(ref.loss.item()))
+    xs = x[:, cols].contiguous().requires_grad_()
 
     def sharded():
         xs.grad = None
@@ -92,17 +98,30 @@ for name, (head, needs) in heads.items():
     def single():
         xf.grad = None
         head(xf, y, **full_kw).loss.backward()
-    log(f"{name}: timing")
-    ms_sharded, ms_single = timed(sharded), timed(single)
-    rows_out.append(f"{name:22s} {lerr:9.1e} {verr:9.1e} {gerr:9.1e} {ms_sharded:9.3f} {ms_single:9.3f} "
-                    f"{ms_sharded / ms_single:7.2f}x")
-    records.append(dict(head=name, world=world, shape=f"{R}x{V}", loss_err=lerr, value_err=verr, grad_err=gerr,
-                        ms_sharded=ms_sharded, ms_single_gpu=ms_single))
+    ms_single = timed(single)
+    for path in ("in-kernel", "all-gather"):
+        with (all_gather_path() if path == "all-gather" else contextlib.nullcontext()):
+            log(f"{name}, {path}: sharded call")
+            xs.grad = None
+            out = head(xs, y, process_group=dist.group.WORLD, **shard_kw)
+            out.loss.backward()
+            torch.cuda.synchronize()
+            verr = max(abs(v.item() - refs[k].item()) / max(1.0, abs(refs[k].item()))
+                       for k, v in {**out.terms, **out.metrics}.items())
+            gerr = ((xs.grad.float() - xf.grad[:, cols].float()).norm() / xf.grad[:, cols].float().norm()).item()
+            lerr = abs(out.loss.item() - ref.loss.item()) / max(1.0, abs(ref.loss.item()))
+            log(f"{name}, {path}: timing")
+            ms_sharded = timed(sharded)
+        rows_out.append(f"{name:22s} {path:10s} {lerr:9.1e} {verr:9.1e} {gerr:9.1e} {ms_sharded:9.3f} "
+                        f"{ms_single:9.3f} {ms_sharded / ms_single:7.2f}x")
+        records.append(dict(head=name, exchange=path, world=world, shape=f"{R}x{V}", loss_err=lerr,
+                            value_err=verr, grad_err=gerr, ms_sharded=ms_sharded, ms_single_gpu=ms_single))
     del xs, xf, out, ref
     torch.cuda.empty_cache()
 if rank == 0:
     print(f"{world} ranks over NCCL, {R} x {V} bf16, default call, device {torch.cuda.get_device_name()}\n"
-          f"{'head':22s} {'loss err':>9s} {'value err':>9s} {'grad err':>9s} {'ms TP':>9s} {'ms 1 GPU':>9s}"
+          f"{'head':22s} {'exchange':10s} {'loss err':>9s} {'value err':>9s} {'grad err':>9s} {'ms TP':>9s} "
+          f"{'ms 1 GPU':>9s}"
           f" {'ratio':>8s}")
     print("\n".join(rows_out), flush=True)
     if os.environ.get("OUT"):

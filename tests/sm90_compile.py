@@ -9,6 +9,7 @@ with CPU tensors; their outputs are meaningless, since no kernel runs.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -35,6 +36,24 @@ def _compile_instead(self, *args, grid, warmup, **kwargs):
     compiled.append(f"{self.__name__} [{flags}]")
 
 
+class _FakeExchange:
+    """Stands in for symmetric memory (which needs GPUs): the launch is compiled, never run."""
+
+    def next(self, rows, columns):
+        return torch.zeros(rows * (columns + 1)), torch.zeros(1, dtype=torch.int64), 1
+
+
+@contextlib.contextmanager
+def _exchanging():
+    from losscodegen import collectives
+    real = collectives.exchange
+    collectives.exchange = lambda group, device: _FakeExchange()
+    try:
+        yield
+    finally:
+        collectives.exchange = real
+
+
 def main(manifest: Path) -> None:
     JITFunction.run = _compile_instead
     import torch.distributed as dist
@@ -56,6 +75,8 @@ def main(manifest: Path) -> None:
         with torch.no_grad():
             head(x, y, **kw)                                               # values only
         head(x, y, process_group=dist.group.WORLD, **kw).loss.backward()  # vocab-parallel
+        with _exchanging():
+            head(x, y, process_group=dist.group.WORLD, **kw).loss.backward()  # ... exchanging in-kernel
         print(f"{line}: {len(compiled)} kernels so far", flush=True)
     dist.destroy_process_group()
     print("\n".join(sorted(set(compiled))))
