@@ -85,7 +85,7 @@ def _layout(head, call, *, grad: bool, n_seg: int, dtype: torch.dtype, element_s
             exchange: bool) -> _Layout:
     k = head.kernel
     world, rank = collectives.group_info(call.group)
-    config = tiles.choose(head, k, call.V_local, dtype, call.device)
+    config = tiles.choose(head, k, call.V_local, dtype, call.device, sharded=call.group is not None)
     launches = head.launches(sharded=call.group is not None, grad=grad, split=config.split, exchange=exchange)
     n_rows, keep_stats = call.rows, len(launches) > 1
     if n_rows >= 1 << 24:
@@ -150,7 +150,9 @@ class Launcher:
         self.head, self.call, self.flags = head, call, flags
         self.gathered: torch.Tensor | None = None  # all ranks' packed stats, after a "gather"
         self.n_seg = segments.count(call, head.ignore_index) if k.SEGMENTS else 0
-        self.exchange = None if k.HAS_EXACT else collectives.exchange(call.group, call.device)
+        # (an exact read or segment terms read every row again after the exchange anyway: for them the
+        # all-gather between launches measured as fast or faster)
+        self.exchange = None if k.HAS_EXACT or k.SEGMENTS else collectives.exchange(call.group, call.device)
         key = (call.rows, call.V_local, dtype, element_size, call.device, call.reduction, call.group, grad,
                self.n_seg, call.divisor is None, call.topk_ids.shape[1] if k.USES_TOPK else 0,
                self.exchange is not None)

@@ -186,7 +186,8 @@ def _check(head, hidden, weight, labels, bias, teacher_hidden, teacher_weight, t
         raise ValueError("teacher_hidden/teacher_weight given, but no term of this head reads a teacher")
     call = check_rows(head, k, shape, w.shape[0], h.device, labels, inputs)
     per_row = w.shape[0] * (h.element_size() + (th.element_size() if th is not None else 0))
-    return _Fused(head, call, h, w, b, th, tw, tb, _chunk_rows(head, chunk_rows, call.rows, per_row, h.device))
+    return _Fused(head, call, h, w, b, th, tw, tb,
+                  _chunk_rows(head, chunk_rows, call.rows, per_row, h.device, call.group is not None))
 
 
 def _check_weight(name: str, weight: Any, hidden: torch.Tensor) -> torch.Tensor:
@@ -213,7 +214,8 @@ def _check_bias(name: str, bias: Any, weight: torch.Tensor) -> torch.Tensor | No
     return bias
 
 
-def _chunk_rows(head, chunk_rows: Any, rows: int, bytes_per_row: int, device: torch.device) -> int:
+def _chunk_rows(head, chunk_rows: Any, rows: int, bytes_per_row: int, device: torch.device,
+                sharded: bool) -> int:
     """``chunk_rows``, else the most rows that the chunk budget (``head.linear_chunk_bytes``, and a
     quarter of the free device memory) holds, in a multiple of 256 rows: the three products of a
     chunk run fastest on whole tiles (measured on an H100: 1536-row chunks beat 1408-row ones by 4%)."""
@@ -222,7 +224,9 @@ def _chunk_rows(head, chunk_rows: Any, rows: int, bytes_per_row: int, device: to
             raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
         return min(chunk_rows, max(rows, 1))
     budget = head.linear_chunk_bytes
-    if device.type == "cuda":
+    if device.type == "cuda" and not sharded:
+        # (not when vocab-parallel: free memory differs between ranks, and every rank must run the
+        # same chunks, each exchanging its stats)
         budget = min(budget, torch.cuda.mem_get_info(device)[0] // 4)
     fit = max(budget // max(bytes_per_row, 1) // _TILE_ROWS * _TILE_ROWS, _MIN_CHUNK)
     return max(min(fit, rows), 1)

@@ -142,3 +142,22 @@ def test_sharded_equals_unsharded(world):
         assert grad_err <= 1e-5 * grad_max, (name, rank, grad_err, grad_max)
         # one round: the packed stats; a head with an exact read adds one all-reduce
         assert calls == {"all_gather_into_tensor": 1, "all_reduce": int(exact)}, (name, calls)
+
+
+def test_in_kernel_exchange_keeps_one_launch_where_it_applies():
+    """Where the GPUs of a group map each other's memory, the packed stats go from kernel to kernel:
+    a head without an exact read or segment terms is one launch. An exact read or segment terms read
+    every row again after the exchange anyway, and keep the all-gather between launches."""
+    from losscodegen.plan import launch_sequence
+    (one,) = launch_sequence(has_exact=False, segments=False, sharded=True, grad=True, exchange=True)
+    assert one.stats and one.exchange and one.merge and one.rows and one.grad and not one.then
+    for kw in (dict(has_exact=True, segments=False), dict(has_exact=False, segments=True)):
+        seq = launch_sequence(**kw, sharded=True, grad=True, exchange=True)
+        assert seq == launch_sequence(**kw, sharded=True, grad=True)
+        assert not any(launch.exchange for launch in seq)
+
+
+def test_no_in_kernel_exchange_off_the_gpu():
+    from losscodegen import collectives
+    assert collectives.exchange(None, torch.device("cpu")) is None
+    assert collectives.exchange(object(), torch.device("cpu")) is None
