@@ -162,7 +162,7 @@ def _keep(grad: torch.Tensor | None) -> torch.Tensor:
 
 
 def _take(handle: torch.Tensor) -> torch.Tensor:
-    entry = _GRADS.pop(int(handle[0]), None)
+    entry = _GRADS.pop(handle.item(), None)
     if entry is None:
         raise RuntimeError(f"HeadLoss: {BACKWARD_TWICE}")
     return entry[1]

@@ -98,17 +98,18 @@ def exchange(group: Any, device: torch.device) -> Exchange | None:
 
 
 def _can_exchange(group: Any, device: torch.device) -> bool:
-    """Every rank of ``group`` on this host (GPUs of one host map each other's memory through
-    symmetric memory; across hosts the all-gather stays). Decided once a group, alike on every rank."""
-    if os.environ.get("LOSSCODEGEN_EXCHANGE", "1") == "0":
-        return False
-    try:
-        from torch.distributed import _symmetric_memory  # noqa: F401  (an older torch has none)
-    except ImportError:
-        return False
+    """Every rank of ``group`` on one host (its GPUs map each other's memory through symmetric
+    memory; across hosts the all-gather stays), with symmetric memory in its torch and
+    ``LOSSCODEGEN_EXCHANGE`` not 0. Decided once a group, by all ranks together, so alike on every
+    rank (one taking the other path would wait forever)."""
     import socket
 
     import torch.distributed as dist
-    hosts: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)
-    return len(set(hosts)) == 1
+    try:
+        from torch.distributed import _symmetric_memory  # noqa: F401  (an older torch has none)
+        able = os.environ.get("LOSSCODEGEN_EXCHANGE", "1") != "0"
+    except ImportError:
+        able = False
+    ranks: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(ranks, (socket.gethostname(), able), group=group)
+    return len({host for host, _ in ranks}) == 1 and all(ok for _, ok in ranks)
