@@ -45,7 +45,10 @@ class _HeadFunction(torch.autograd.Function):
         if grad_loss is None:
             return None, None, None
         launch.scale_rows(grad, grad_loss)
-        return (grad if grad.shape == ctx.shape else grad.view(ctx.shape)), None, None
+        # A view even of the same shape: a new tensor over the buffer, which AccumulateGrad keeps as
+        # .grad without a copy (under inplace_backward the buffer is the logits themselves, and
+        # returning them would be copied: measured, peak memory +2.1 GB at 8192 x 128256).
+        return grad.view(ctx.shape), None, None
 
 
 def eager(head, logits: torch.Tensor, call: Call) -> tuple[torch.Tensor, torch.Tensor]:

@@ -102,6 +102,11 @@ def test_inplace_backward_writes_the_gradient_into_the_logits(name, dtype):
     assert raw.grad.data_ptr() != storage and x.data_ptr() == storage
     assert torch.equal(raw.grad, 2.0 * expected.grad)
 
+    leaf = logits.clone().requires_grad_()   # a leaf: its .grad is its own storage, not a copy of it
+    inplace(leaf, labels, **inputs).loss.backward()
+    assert leaf.grad.data_ptr() == leaf.data_ptr()
+    assert torch.equal(leaf.grad, expected.grad)
+
 
 def test_inplace_backward_refuses_what_would_break():
     head = lcg.HeadLoss(lcg.CrossEntropy(), inplace_backward=True)
