@@ -82,8 +82,8 @@ def compiled(head, logits: torch.Tensor, call: Call) -> tuple[torch.Tensor, torc
     return loss, values
 
 
-# The ops are defined with a schema and a plain kernel, not with ``torch.library.custom_op``: its
-# kernel wrapper cost about 0.35 ms a call on an H100 machine (measured), more than the call itself.
+# The ops are defined with a schema and a plain kernel, not with ``torch.library.custom_op``, whose
+# Python wrapper runs on every call (an aliasing check, a dynamo shim): docs/decisions.md.
 _LIB = torch.library.Library("losscodegen", "DEF")
 _LIB.define("head(str head_id, Tensor logits, Tensor? labels, Tensor? loss_mask, Tensor? teacher, "
             "Tensor[] tokens, Tensor? topk_ids, Tensor? topk_logprobs, Tensor? segment_ids, "
