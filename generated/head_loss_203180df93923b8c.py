@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "203180df93923b8c"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "688254553623"
+CODEGEN = "dd3fd8b0caae"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss', 'forward_kl', 'entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -207,7 +207,7 @@ def head_loss_203180df93923b8c(
                 # Every vocab shard's packed stats without leaving the kernel: this row's go to slot
                 # [rank, row] of every rank's exchange buffer (peer GPU memory, mapped), then a flag
                 # there says so (release: the stats are visible before it); the row waits for every
-                # rank's flag in its own buffer. Flags hold the call's number: nothing is reset.
+                # rank's flag in its own buffer. Flags hold the launch's number: nothing is reset.
                 n_launch = tl.num_programs(0).to(tl.int64)
                 rank = vocab_start // V
                 for r in range(world):
@@ -222,9 +222,9 @@ def head_loss_203180df93923b8c(
                     tl.store(at + 7, acc4)
                 tl.debug_barrier()
                 for r in range(world):
-                    flags = tl.load(peers_ptr + r).to(tl.pointer_type(tl.int32)) + world * n_launch * 8
+                    flags = tl.load(peers_ptr + world + r).to(tl.pointer_type(tl.int32)) + world
                     tl.atomic_xchg(flags + rank * n_launch + row, epoch, sem="release", scope="sys")
-                own = tl.load(peers_ptr + rank).to(tl.pointer_type(tl.int32)) + world * n_launch * 8
+                own = tl.load(peers_ptr + world + rank).to(tl.pointer_type(tl.int32)) + world
                 for r in range(world):
                     seen = tl.atomic_add(own + r * n_launch + row, 0, sem="acquire", scope="sys")
                     while seen != epoch:
@@ -351,6 +351,21 @@ def head_loss_203180df93923b8c(
             tl.store(ws_ptr + off_rows + grow * 4 + 3, fill)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, fill)
+
+    if EXCHANGE:
+        if row == 0:
+            # The launch's own flags, exchanged whatever its rows (all of them may be ignored), after
+            # program 0's row (its registers are free by now): once a rank has finished this launch,
+            # every rank has started it, so finished the one before.
+            rank = vocab_start // V
+            for r in range(world):
+                flags = tl.load(peers_ptr + world + r).to(tl.pointer_type(tl.int32))
+                tl.atomic_xchg(flags + rank, epoch, sem="release", scope="sys")
+            own = tl.load(peers_ptr + world + rank).to(tl.pointer_type(tl.int32))
+            for r in range(world):
+                seen = tl.atomic_add(own + r, 0, sem="acquire", scope="sys")
+                while seen != epoch:
+                    seen = tl.atomic_add(own + r, 0, sem="acquire", scope="sys")
 
     if ROWS:
         # Rows finish in any order. Each program counts itself done once its values are stored; the

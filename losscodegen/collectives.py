@@ -46,40 +46,49 @@ class Exchange:
     launch and its rows are still in L2 for the gradient. (The all-gather between two launches
     reads every row from HBM a second time.)
 
-    One buffer per group, in two halves that calls alternate between: a rank starts writing call
-    k + 1 into a peer's half only after every rank has started call k, so nobody still reads it.
-    Each half holds [world, rows, columns] fp32 stats, then [world, rows] int32 flags; a flag holds
-    the number of the call that wrote it, so nothing is reset between calls."""
+    One buffer per group, in two halves that launches alternate between. Each half holds int32 flags
+    first, [world] for the launch then [world, rows] for its rows, then [world, rows, columns] fp32
+    stats; a flag only ever holds the number of the launch that wrote it, so nothing is reset. Every
+    launch's program 0 exchanges a launch flag with every rank, whatever its rows: a rank that has
+    finished launch k + 1 knows every rank started it, so finished launch k, whose half launch k + 2
+    then reuses."""
 
     def __init__(self, group: Any, device: torch.device) -> None:
         self.group, self.device = group, device
-        self.calls = 0
-        self.capacity = 0            # fp32 elements of one half
-        self._keep: list = []        # every buffer made: a peer's kernel may still write to an old one
+        self.world = group_info(group)[0]
+        self.launches = 0
+        self.rows = self.columns = 0  # what a half holds
+        self._keep: list = []         # every buffer made: a peer's kernel may still write to an old one
         self.buffer: torch.Tensor | None = None
         self.peers: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def next(self, rows: int, columns: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """For one launch over ``rows`` rows: (this rank's half, as the gathered stats; the peers'
-        addresses of that half; the call's number)."""
-        world = group_info(self.group)[0]
-        need = world * rows * (columns + 1)
-        if need > self.capacity:
-            self._grow(max(need, 2 * self.capacity))
-        self.calls += 1
-        half = self.calls % 2
-        return self.buffer.narrow(0, half * self.capacity, self.capacity), self.peers[half], self.calls
+        """For one launch over ``rows`` rows: (this rank's stats in the launch's half, for the merge;
+        every rank's addresses of that half's stats then of its flags; the launch's number)."""
+        if rows > self.rows or columns > self.columns:
+            self._grow(max(rows, 2 * self.rows), max(columns, self.columns))
+        self.launches += 1
+        half = self.launches % 2
+        flags = self.world * (1 + self.rows)
+        half_size = flags + self.world * self.rows * self.columns
+        return (self.buffer.narrow(0, half * half_size + flags, self.world * rows * columns), self.peers[half],
+                self.launches)
 
-    def _grow(self, capacity: int) -> None:
+    def _grow(self, rows: int, columns: int) -> None:
         from torch.distributed import _symmetric_memory as symm_mem
-        buffer = symm_mem.empty(2 * capacity, dtype=torch.float32, device=self.device)
-        buffer.zero_()                  # no stale flag may equal a call's number
+        flags = self.world * (1 + rows)
+        half_size = flags + self.world * rows * columns
+        buffer = symm_mem.empty(2 * half_size, dtype=torch.float32, device=self.device)
+        buffer.zero_()                  # no flag may hold a launch's number before that launch
         torch.cuda.synchronize(self.device)
-        handle = symm_mem.rendezvous(buffer, self.group)   # collective: every rank grows at this call
+        handle = symm_mem.rendezvous(buffer, self.group)   # collective: every rank grows at this launch
         self._keep.append((buffer, handle))
-        self.buffer, self.capacity = buffer, capacity
-        self.peers = tuple(torch.tensor([p + half * capacity * 4 for p in handle.buffer_ptrs], dtype=torch.int64,
-                                        device=self.device) for half in (0, 1))
+        self.buffer, self.rows, self.columns = buffer, rows, columns
+        self.peers = tuple(
+            torch.tensor([p + 4 * (half * half_size + flags) for p in handle.buffer_ptrs]
+                         + [p + 4 * half * half_size for p in handle.buffer_ptrs], dtype=torch.int64,
+                         device=self.device)
+            for half in (0, 1))
 
 
 _EXCHANGES: dict[tuple, Exchange | None] = {}
@@ -88,7 +97,7 @@ _EXCHANGES: dict[tuple, Exchange | None] = {}
 def exchange(group: Any, device: torch.device) -> Exchange | None:
     """The group's in-kernel exchange, or None where there is none (not CUDA, GPUs that do not map
     each other's memory, ``LOSSCODEGEN_EXCHANGE=0``); never inside a CUDA graph capture, whose
-    replays would repeat a call's number."""
+    replays would repeat a launch's number."""
     if group is None or device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return None
     key = (group, device)
@@ -99,17 +108,29 @@ def exchange(group: Any, device: torch.device) -> Exchange | None:
 
 def _can_exchange(group: Any, device: torch.device) -> bool:
     """Every rank of ``group`` on one host (its GPUs map each other's memory through symmetric
-    memory; across hosts the all-gather stays), with symmetric memory in its torch and
-    ``LOSSCODEGEN_EXCHANGE`` not 0. Decided once a group, by all ranks together, so alike on every
-    rank (one taking the other path would wait forever)."""
+    memory; across hosts the all-gather stays), able to make a symmetric buffer with its peers (a
+    trial one), and ``LOSSCODEGEN_EXCHANGE`` not 0. Decided once a group, by all ranks together, so
+    alike on every rank (one taking the other path would leave the rest waiting)."""
     import socket
+    import warnings
+    import zlib
 
     import torch.distributed as dist
-    try:
-        from torch.distributed import _symmetric_memory  # noqa: F401  (an older torch has none)
-        able = os.environ.get("LOSSCODEGEN_EXCHANGE", "1") != "0"
-    except ImportError:
-        able = False
-    ranks: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(ranks, (socket.gethostname(), able), group=group)
-    return len({host for host, _ in ranks}) == 1 and all(ok for _, ok in ranks)
+    able = os.environ.get("LOSSCODEGEN_EXCHANGE", "1") != "0"
+    if able:
+        try:
+            from torch.distributed import _symmetric_memory as symm_mem
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")     # (deprecated where it is no longer needed)
+                if hasattr(symm_mem, "enable_symm_mem_for_group"):
+                    symm_mem.enable_symm_mem_for_group(group.group_name)
+            trial = symm_mem.empty(1, dtype=torch.float32, device=device)
+            symm_mem.rendezvous(trial, group)
+        except Exception:   # an older torch, GPUs without peer access: the all-gather it is
+            able = False
+    mine = torch.tensor([zlib.crc32(socket.gethostname().encode()), int(able)], dtype=torch.int64,
+                        device=device)
+    every = torch.empty(group_info(group)[0] * 2, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(every, mine, group=group)
+    hosts, ok = every.view(-1, 2).unbind(1)
+    return bool((hosts == hosts[0]).all() and ok.all())

@@ -5,7 +5,7 @@ upstream one).
 A default call on one device is: one zeroed allocation (the workspace), one small launch counting
 the valid rows (the divisor), and one launch of the head's kernel, whose last program writes the
 terms, the metrics and the loss. Nothing waits for the device. What a call's shapes decide (tiles,
-launches, the workspace's layout) is worked out once per signature and kept by the head.
+launches) is worked out once per signature and kept by the head.
 """
 from __future__ import annotations
 
@@ -66,8 +66,9 @@ def scale_rows(grad: torch.Tensor, upstream: torch.Tensor) -> None:
 
 @dataclass(frozen=True)
 class _Layout:
-    """What the shapes of a call decide, worked out at its signature's first call and kept by the
-    head: the vocabulary a rank holds, the tiles, the launches, and the workspace's layout."""
+    """What a call's signature decides (not its row count: a training run may bring a new one every
+    step), worked out at its first call and kept by the head: the vocabulary a rank holds, the tiles
+    and the launches."""
 
     world: int
     vocab_start: int
@@ -75,40 +76,40 @@ class _Layout:
     options: dict                  # the tile's kernel options
     launches: tuple[Launch, ...]
     cut: int                       # launches[:cut] run before the segment step
-    offsets: tuple[int, ...]       # off_rows, off_loss_rows, off_stats, off_exact, off_seg_sums, off_seg_coefs
-    size: int                      # the workspace's fp32 elements
     count: bool                    # whether a launch counts the valid rows (the default divisor)
     block_k: int                   # the top-k tile
 
 
-def _layout(head, call, *, grad: bool, n_seg: int, dtype: torch.dtype, element_size: int,
-            exchange: bool) -> _Layout:
+def _layout(head, call, *, grad: bool, dtype: torch.dtype, element_size: int, exchange: bool) -> _Layout:
     k = head.kernel
     world, rank = collectives.group_info(call.group)
     config = tiles.choose(head, k, call.V_local, dtype, call.device, sharded=call.group is not None)
     launches = head.launches(sharded=call.group is not None, grad=grad, split=config.split, exchange=exchange)
-    n_rows, keep_stats = call.rows, len(launches) > 1
+    cut = next((i + 1 for i, launch in enumerate(launches) if launch.then == "segments"), len(launches))
+    return _Layout(world, rank * call.V_local, call.V_local * world, config.launch(call.V_local, element_size),
+                   launches, cut, call.divisor is None and call.reduction != "sum" and head.has_row_outputs,
+                   _pow2(call.topk_ids.shape[1]) if k.USES_TOPK else 1)
+
+
+def _offsets(k: ModuleType, n_rows: int, *, per_row: bool, keep_stats: bool, n_seg: int) -> list[int]:
+    """The workspace's offsets (see ``Workspace``), then its size."""
     if n_rows >= 1 << 24:
         raise ValueError(f"a call takes fewer than 2**24 rows (its counts are exact fp32), got {n_rows}")
-    sizes = [n_rows * len(k.ROW_VALUES), n_rows if call.reduction == "none" else 0,
+    sizes = [n_rows * len(k.ROW_VALUES), n_rows if per_row else 0,
              n_rows * len(k.COLUMNS) if keep_stats else 0, n_rows * len(k.EXACT) if keep_stats else 0,
              max(n_seg, 1) * (len(k.SEGMENT_MEANS) + 1) if k.SEGMENTS else 0,
              max(n_seg, 1) * len(k.SEGMENT_MEANS) if k.SEGMENTS else 0]
     offsets = [k.FIXED_SLOTS]
     for size in sizes:
         offsets.append(offsets[-1] + size)
-    cut = next((i + 1 for i, launch in enumerate(launches) if launch.then == "segments"), len(launches))
-    return _Layout(world, rank * call.V_local, call.V_local * world, config.launch(call.V_local, element_size),
-                   launches, cut, tuple(offsets[:-1]), offsets[-1],
-                   call.divisor is None and call.reduction != "sum" and head.has_row_outputs,
-                   _pow2(call.topk_ids.shape[1]) if k.USES_TOPK else 1)
+    return offsets
 
 
 @dataclass
 class Workspace:
     """One call's fp32 scratch, zeroed: the kernel's fixed slots (each output's value, the loss, the
     valid-row count, the finished-row count), then per-row values, per-row losses, the packed
-    stats, the exact sums and the segment sums and coefficients, at the layout's offsets."""
+    stats, the exact sums and the segment sums and coefficients, at these offsets."""
 
     t: torch.Tensor
     n_rows: int
@@ -153,17 +154,18 @@ class Launcher:
         # (an exact read or segment terms read every row again after the exchange anyway: for them the
         # all-gather between launches measured as fast or faster)
         self.exchange = None if k.HAS_EXACT or k.SEGMENTS else collectives.exchange(call.group, call.device)
-        key = (call.rows, call.V_local, dtype, element_size, call.device, call.reduction, call.group, grad,
-               self.n_seg, call.divisor is None, call.topk_ids.shape[1] if k.USES_TOPK else 0,
-               self.exchange is not None)
+        key = (call.V_local, dtype, element_size, call.device, call.reduction, call.group, grad,
+               call.divisor is None, call.topk_ids.shape[1] if k.USES_TOPK else 0, self.exchange is not None)
         layout = head.layouts.get(key)
         if layout is None:
-            layout = _layout(head, call, grad=grad, n_seg=self.n_seg, dtype=dtype, element_size=element_size,
+            layout = _layout(head, call, grad=grad, dtype=dtype, element_size=element_size,
                              exchange=self.exchange is not None)
             if tiles.forced() is None:       # (a configuration being measured is nobody's to keep)
                 head.layouts[key] = layout
         self.layout, self.vocab = layout, layout.vocab
-        self.ws = Workspace(torch.zeros(layout.size, device=call.device), call.rows, *layout.offsets, k)
+        *offsets, size = _offsets(k, call.rows, per_row=call.reduction == "none",
+                                  keep_stats=len(layout.launches) > 1, n_seg=self.n_seg)
+        self.ws = Workspace(torch.zeros(size, device=call.device), call.rows, *offsets, k)
         if layout.count:
             _count_valid[(-(-call.rows // _BLOCK_COUNT),)](
                 call.labels, call.mask, call.rows, head.ignore_index, self.ws.t, k.COUNT,

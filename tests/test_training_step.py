@@ -165,3 +165,30 @@ def test_bad_segment_id_raises_and_names_the_value():
     inputs["segment_ids"][2] = 7
     with pytest.raises(ValueError, match=r"segment_ids .*num_segments=3\).*found 7"):
         head(logits, labels, **inputs)
+
+
+def test_one_head_across_changing_calls_equals_a_fresh_head_each_time():
+    """A head keeps what a call's signature decides: calls that change the row count, the reduction,
+    the mask, the divisor or the teacher's dtype must each equal a fresh head's call exactly."""
+    head = lcg.HeadLoss(lcg.CrossEntropy(), lcg.ForwardKL(weight=0.5), metrics=(lcg.Entropy(),))
+    g = torch.Generator().manual_seed(1)
+    calls = [(12, {}), (7, dict(reduction="sum")), (12, dict(reduction="none")), (5, dict(divisor=3.0)),
+             (12, dict(loss_mask=True)), (7, dict(teacher_dtype=torch.bfloat16)), (12, {})]
+    for rows, kw in calls:
+        logits, labels = torch.randn(rows, 40, generator=g), torch.randint(0, 40, (rows,), generator=g)
+        labels[1] = -100
+        inputs = dict(teacher_logits=torch.randn(rows, 40, generator=g).to(kw.pop("teacher_dtype", torch.float32)))
+        if kw.pop("loss_mask", False):
+            inputs["loss_mask"] = torch.arange(rows) % 3 != 0
+        inputs.update(kw)
+        fresh = lcg.HeadLoss(*head.loss_terms, metrics=head.metric_terms)
+        outs = []
+        for h in (head, fresh):
+            x = logits.clone().requires_grad_()
+            out = h(x, labels, **inputs)
+            out.loss.sum().backward()
+            outs.append((out.loss, out.terms, out.metrics, x.grad))
+        (loss, terms, metrics, grad), (loss_f, terms_f, metrics_f, grad_f) = outs
+        assert torch.equal(loss, loss_f) and torch.equal(grad, grad_f), (rows, kw)
+        assert all(torch.equal(terms[n], terms_f[n]) for n in terms)
+        assert all(torch.equal(metrics[n], metrics_f[n]) for n in metrics)
