@@ -124,9 +124,9 @@ class Plan:
                  + (" + one all-reduce of the exact sums" if self.exact else ""),
                  f"tiles: BLOCK_V <= {self.tile[0]}, {self.tile[1]} warps; "
                  + ", ".join(f"{w.name} {'backward' if w.reverse else 'forward'}" for w in self.sweeps)]
-        for label, kw in (("single device", {}), ("sharded", dict(sharded=True)),
-                          ("sharded, in-kernel exchange", dict(sharded=True, exchange=True))):
-            seq = self.launches(grad=True, **{"sharded": False, **kw})
+        for label, sharded, exchange in (("single device", False, False), ("sharded", True, False),
+                                         ("sharded, in-kernel exchange", True, True)):
+            seq = self.launches(sharded=sharded, grad=True, exchange=exchange)
             lines.append(f"{label}: {len(seq)} launch(es): " + " -> ".join(_describe(l, lw.has_exact) for l in seq))
         return "\n".join(lines)
 
