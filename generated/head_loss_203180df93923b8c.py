@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "203180df93923b8c"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "e1aedb0b5595"
+CODEGEN = "6f83a2387d06"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss', 'forward_kl', 'entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -93,6 +93,22 @@ def _rcp(x):
         return 1.0 / x
     else:
         return libdevice.fast_dividef(1.0, x)
+
+
+@triton.jit
+def _handshake(peers_ptr, world, rank, at, stride, epoch):
+    # Flag [rank * stride + at] of every rank's exchange flags set to the launch's number (release:
+    # what this program stored before is visible first), then a wait until flag [r * stride + at] of
+    # this rank's own flags holds it for every rank r (acquire). peers_ptr holds every rank's stats
+    # address, then every rank's flags address.
+    for r in range(world):
+        flags = tl.load(peers_ptr + world + r).to(tl.pointer_type(tl.int32))
+        tl.atomic_xchg(flags + rank * stride + at, epoch, sem="release", scope="sys")
+    own = tl.load(peers_ptr + world + rank).to(tl.pointer_type(tl.int32))
+    for r in range(world):
+        seen = tl.atomic_add(own + r * stride + at, 0, sem="acquire", scope="sys")
+        while seen != epoch:
+            seen = tl.atomic_add(own + r * stride + at, 0, sem="acquire", scope="sys")
 
 
 @triton.jit
@@ -221,14 +237,7 @@ def head_loss_203180df93923b8c(
                     tl.store(at + 6, acc3)
                     tl.store(at + 7, acc4)
                 tl.debug_barrier()
-                for r in range(world):
-                    flags = tl.load(peers_ptr + world + r).to(tl.pointer_type(tl.int32)) + world
-                    tl.atomic_xchg(flags + rank * n_launch + row, epoch, sem="release", scope="sys")
-                own = tl.load(peers_ptr + world + rank).to(tl.pointer_type(tl.int32)) + world
-                for r in range(world):
-                    seen = tl.atomic_add(own + r * n_launch + row, 0, sem="acquire", scope="sys")
-                    while seen != epoch:
-                        seen = tl.atomic_add(own + r * n_launch + row, 0, sem="acquire", scope="sys")
+                _handshake(peers_ptr, world, rank, world + row, n_launch, epoch)  # (row flags follow the launch flags)
                 tl.debug_barrier()
         if MERGE:
             # The packed stats of every vocab shard, gathered ([world, rows of this launch, 8]),
@@ -357,15 +366,7 @@ def head_loss_203180df93923b8c(
             # The launch's own flags, exchanged whatever its rows (all of them may be ignored), after
             # program 0's row (its registers are free by now): once a rank has finished this launch,
             # every rank has started it, so finished the one before.
-            rank = vocab_start // V
-            for r in range(world):
-                flags = tl.load(peers_ptr + world + r).to(tl.pointer_type(tl.int32))
-                tl.atomic_xchg(flags + rank, epoch, sem="release", scope="sys")
-            own = tl.load(peers_ptr + world + rank).to(tl.pointer_type(tl.int32))
-            for r in range(world):
-                seen = tl.atomic_add(own + r, 0, sem="acquire", scope="sys")
-                while seen != epoch:
-                    seen = tl.atomic_add(own + r, 0, sem="acquire", scope="sys")
+            _handshake(peers_ptr, world, vocab_start // V, 0, 1, epoch)
 
     if ROWS:
         # Rows finish in any order. Each program counts itself done once its values are stored; the

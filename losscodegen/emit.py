@@ -17,6 +17,7 @@ from . import symbols as S
 from .load import TEMPLATES
 from .lower import IS_Y, M, MT
 from .plan import Plan
+from .tiles import pow2
 
 X = sp.Symbol("x", real=True)
 _LOG2E = sp.Float(1 / math.log(2))
@@ -284,7 +285,7 @@ def emit(plan: Plan, key: str, header: str, codegen: str) -> KernelSource:
         topk_exact=list(zip([a.name for a in topk_exact], tk_bodies)), topk_temps=tk_temps,
         normalizers=[(n.symbol.name, _TL.doprint(n.value)) for n in lw.normalizers],
         row_temps=row_temps, rows=list(zip(row_names, row_exprs)),
-        rows_p2=1 << max(len(row_names) - 1, 0).bit_length(),
+        rows_p2=pow2(len(row_names)),
         coef_temps=coef_temps, coefs=list(zip([s.name for s, _ in lw.grad_coefs], coef_exprs)),
         grad_temps=grad_temps, grad_expr=grad_expr,
         topk_grad=None if lw.grad_topk == 0 else topk_grad_expr,

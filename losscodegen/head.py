@@ -81,7 +81,6 @@ class HeadLoss(torch.nn.Module):
         self._weights = {t.name: t.weight for t in terms}
         self._kernel: ModuleType | None = None
         self._row_weights: tuple[float, ...] | None = None
-        self.softcap_arg = float(softcap or 1.0)   # what the kernel takes (unused without softcap)
         self.layouts: dict[tuple, Any] = {}        # launch.py's per-signature layouts
         self.checks = DeviceChecks(ignore_index)
         self.spec_text = "\n".join(

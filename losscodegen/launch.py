@@ -23,11 +23,6 @@ _BLOCK_R = 256      # rows a tile when the last program reduces the rows' values
 _BLOCK_COUNT = 1024
 
 
-def _pow2(n: int) -> int:
-    """The least power of two >= n (``triton.next_power_of_2`` costs microseconds a call)."""
-    return 1 << max(n - 1, 0).bit_length()
-
-
 @triton.jit
 def _count_valid(y_ptr, mask_ptr, n_rows, ignore_index, count_ptr, count_slot, BLOCK: tl.constexpr):
     # The valid rows, the default divisor: exact in fp32 below 2**24 rows, so any order of the
@@ -61,7 +56,7 @@ def scale_rows(grad: torch.Tensor, upstream: torch.Tensor) -> None:
     if g.dim() > 1 or not g.is_contiguous():
         g = g.reshape(-1).contiguous()
     _scale_rows[(grad.shape[0],)](grad, grad.stride(0), g, 0 if g.numel() == 1 else 1, grad.shape[1],
-                                  BLOCK_V=min(_pow2(grad.shape[1]), 4096))
+                                  BLOCK_V=min(tiles.pow2(grad.shape[1]), 4096))
 
 
 @dataclass(frozen=True)
@@ -88,7 +83,7 @@ def _layout(head, call, *, grad: bool, dtype: torch.dtype, element_size: int, ex
     cut = next((i + 1 for i, launch in enumerate(launches) if launch.then == "segments"), len(launches))
     return _Layout(world, rank * call.V_local, call.V_local * world, config.launch(call.V_local, element_size),
                    launches, cut, call.divisor is None and call.reduction != "sum" and head.has_row_outputs,
-                   _pow2(call.topk_ids.shape[1]) if k.USES_TOPK else 1)
+                   tiles.pow2(call.topk_ids.shape[1]) if k.USES_TOPK else 1)
 
 
 def _offsets(k: ModuleType, n_rows: int, *, per_row: bool, keep_stats: bool, n_seg: int) -> list[int]:
@@ -213,7 +208,7 @@ class Launcher:
             gathered, peers, epoch = self.exchange.next(x.shape[0], len(k.COLUMNS))
         args += [ws.t, ws.off_rows, ws.off_loss_rows, ws.off_stats, ws.off_exact, gathered, layout.world, peers,
                  epoch, call.divisor, self.flags,
-                 *head.row_weights, row_offset, call.rows, head.logit_scale, head.softcap_arg,
+                 *head.row_weights, row_offset, call.rows, head.logit_scale, float(head.softcap or 1.0),
                  call.V_local, layout.vocab_start, layout.vocab, head.ignore_index]
         getattr(k, f"head_loss_{k.KEY}")[(x.shape[0],)](
             *args, SUM=call.reduction == "sum", PER_ROW=call.reduction == "none",

@@ -6,9 +6,8 @@ from __future__ import annotations
 from types import ModuleType
 
 import torch
-import triton
 
-from . import collectives
+from . import collectives, tiles
 
 
 def count(call, ignore_index: int) -> int:
@@ -31,4 +30,4 @@ def run(kernel: ModuleType, head, call, ws, n_seg: int) -> None:
         collectives.all_reduce(ws.seg_sums(n_seg), call.segment_group)
     getattr(kernel, f"segments_{kernel.KEY}")[(1,)](
         ws.t, ws.off_seg_sums, ws.off_seg_coefs, n_seg, call.divisor, *head.weights_of(kernel.SEGMENTS),
-        SUM=call.reduction == "sum", BLOCK_S=min(triton.next_power_of_2(max(n_seg, 1)), 1024))
+        SUM=call.reduction == "sum", BLOCK_S=min(tiles.pow2(n_seg), 1024))

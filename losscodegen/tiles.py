@@ -28,9 +28,15 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
-import triton
 
 from . import load
+
+
+def pow2(n: int) -> int:
+    """The least power of two >= n (``triton.next_power_of_2`` costs microseconds a call, on the hot
+    path of a call)."""
+    return 1 << max(n - 1, 0).bit_length()
+
 
 CANDIDATES = ((4096, 8), (8192, 8), (8192, 16), (16384, 16), (16384, 32), (32768, 32))
 SHARDED = (4096, 8)
@@ -48,13 +54,13 @@ class Config:
         """Kernel options for a vocabulary of V (per rank) and logits of ``element_size`` bytes: the
         tile keeps its bytes for wider logits, and shrinks with its warps to a small vocabulary."""
         block_v = self.block_v * 2 // max(element_size, 2)
-        block = min(triton.next_power_of_2(V), block_v)
+        block = min(pow2(V), block_v)
         return dict(BLOCK_V=block, num_warps=max(4, self.num_warps * block // block_v))
 
 
 def key(device: torch.device, k: ModuleType, V: int, element_size: int) -> str:
     streams, online, exact = k.STATE
-    bucket = max(triton.next_power_of_2(V), 4096)
+    bucket = max(pow2(V), 4096)
     return f"{torch.cuda.get_device_name(device)}|{streams}/{online}/{exact}|{bucket}|{element_size}"
 
 
@@ -118,7 +124,7 @@ def choose(head, k: ModuleType, V: int, dtype: torch.dtype, device: torch.device
 def candidates(k: ModuleType, V: int) -> list[Config]:
     """The configurations worth timing for a vocabulary of V: tiles no wider than it needs, each
     also split into a launch a read where the head has an exact read."""
-    top = max(triton.next_power_of_2(V), CANDIDATES[0][0])
+    top = max(pow2(V), CANDIDATES[0][0])
     tiles = [t for t in CANDIDATES if t[0] <= top]
     return [Config(b, w, split) for b, w in tiles for split in ((False, True) if k.HAS_EXACT else (False,))]
 
