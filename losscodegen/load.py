@@ -94,12 +94,13 @@ def module_path(key: str) -> Path:
     for folder in kernel_dirs():
         path = folder / file_name(key)
         if path.exists():
-            if codegen_of(path) == current:
+            found = codegen_of(path)
+            if found == current:
                 return path
             if path not in _warned:
                 _warned.add(path)
                 warnings.warn(f"losscodegen: {path} was written by another code generator (CODEGEN "
-                              f"{codegen_of(path)}, running {current}); generating this head into the "
+                              f"{found}, running {current}); generating this head into the "
                               f"cache instead. Regenerate that folder with `python -m losscodegen generate`.",
                               stacklevel=4)
     return cache_dir() / current / file_name(key)

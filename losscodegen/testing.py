@@ -18,6 +18,7 @@ import torch
 from . import symbols as S
 from .emit import TorchPrinter
 from .head import HeadLoss
+from .inputs import STANDARD_INPUTS
 
 __all__ = ["reference", "assert_parity", "random_inputs", "TOLERANCES"]
 
@@ -79,7 +80,7 @@ class Reference:
             ns["z_k"] = z.gather(1, ids)
             ns["l_k"] = inputs["teacher_topk_logprobs"].double().reshape(R, -1)
         for name, value in inputs.items():
-            if isinstance(value, torch.Tensor) and name not in _STANDARD:
+            if isinstance(value, torch.Tensor) and name not in STANDARD_INPUTS:
                 ns[S.TOKEN_PREFIX + name] = value.double().reshape(R, 1)
         divisor, reduction = inputs.get("divisor"), inputs.get("reduction", "mean")
         n_valid = float(valid.sum().clamp_min(1))
@@ -101,10 +102,6 @@ class Reference:
             (out.sum() if reduction == "none" else out).backward()
         grad = x.grad if x.grad is not None else torch.zeros_like(x)
         return out.detach(), values, grad.reshape(logits.shape)
-
-
-_STANDARD = ("teacher_logits", "loss_mask", "teacher_topk_ids", "teacher_topk_logprobs", "segment_ids",
-             "num_segments", "divisor", "reduction", "process_group", "segment_group")
 
 
 def _segment_term(formula, ns, valid, seg, divisor, reduction) -> torch.Tensor:

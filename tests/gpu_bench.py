@@ -42,15 +42,20 @@ from reference import head_reference  # noqa: E402
 records: list[dict] = []
 
 
-def measure(fn: Callable[[], None], rep_ms: int = 300) -> tuple[float, float]:
-    """(median ms, peak GB above what was allocated before a call)."""
+def peak_gb(fn: Callable[[], None]) -> float:
+    """GB allocated above what was allocated before a call of ``fn`` (run once before, to warm up)."""
     fn()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     fn()
     torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - base) / 1e9
+    return (torch.cuda.max_memory_allocated() - base) / 1e9
+
+
+def measure(fn: Callable[[], None], rep_ms: int = 300) -> tuple[float, float]:
+    """(median ms, peak GB above what was allocated before a call)."""
+    peak = peak_gb(fn)
     return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"), peak
 
 
@@ -322,12 +327,10 @@ def tune(out_dir: str, vocabs=(32000, 64128, 128256, 262144)):
     """The table shipped as losscodegen/tiles.json: tiles.measure for each plan state among the
     manifest's and the benchmark's heads, at the benchmark's vocabularies and at 64128 (128256 on two
     vocab-parallel ranks), bf16, on 8192 rows (as a training step has)."""
-    from pathlib import Path
-
     from losscodegen import tiles
     from losscodegen.__main__ import manifest_heads
     from losscodegen.load import GENERATED
-    heads = [h for _, h in manifest_heads(Path(GENERATED) / "manifest")]
+    heads = [h for _, h in manifest_heads(GENERATED / "manifest")]
     heads += [make() for make, _, _ in LOGIT_WORKLOADS.values()]
     table, device = {}, torch.device("cuda")
     print("\ntiles, measured (BLOCK_V, warps, split) by plan state and vocabulary:", flush=True)
@@ -353,8 +356,7 @@ def host_work(R=512, V=4096, calls=300):
     """Host time per forward + backward call where the GPU work is negligible (calls queued back to
     back, one sync at the end), and what a call issues: torch ops and kernel launches (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
-    heads = {"CE": (lambda: lcg.HeadLoss(lcg.CrossEntropy()), set(), {}),
-             **{k: (v[0], v[1], {}) for k, v in LOGIT_WORKLOADS.items() if k != "CE"},
+    heads = {**{k: (v[0], v[1], {}) for k, v in LOGIT_WORKLOADS.items()},
              "GSPO (num_segments=)": (lambda: lcg.HeadLoss(lcg.GSPO()), {"policy"},
                                       dict(segment_ids=torch.arange(R, device="cuda") // 64, num_segments=R // 64))}
     rows = []

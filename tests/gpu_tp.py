@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import time
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -66,17 +67,6 @@ heads = {"CE": (lcg.HeadLoss(lcg.CrossEntropy()), {}),
          "GRPO+entropy+clip": (lcg.HeadLoss(lcg.GRPO(), metrics=(lcg.Entropy(), lcg.ClipFraction())), policy),
          "GSPO": (lcg.HeadLoss(lcg.GSPO()), dict(policy, segment_ids=torch.arange(R, device="cuda") // 256,
                                                  num_segments=R // 256))}
-@contextlib.contextmanager
-def all_gather_path():
-    """The stats exchanged by an all-gather between two launches, not in-kernel."""
-    real = collectives.exchange
-    collectives.exchange = lambda group, device: None
-    try:
-        yield
-    finally:
-        collectives.exchange = real
-
-
 rows_out, records = [], []
 for name, (head, needs) in heads.items():
     full_kw = {"teacher_logits": t} if "teacher" in needs else {}
@@ -100,7 +90,9 @@ for name, (head, needs) in heads.items():
         head(xf, y, **full_kw).loss.backward()
     ms_single = timed(single)
     for path in ("in-kernel", "all-gather"):
-        with (all_gather_path() if path == "all-gather" else contextlib.nullcontext()):
+        # "all-gather": the stats exchanged between two launches, not in-kernel
+        with (mock.patch.object(collectives, "exchange", lambda group, device: None) if path == "all-gather"
+              else contextlib.nullcontext()):
             log(f"{name}, {path}: sharded call")
             xs.grad = None
             out = head(xs, y, process_group=dist.group.WORLD, **shard_kw)

@@ -20,6 +20,7 @@ import torch
 import triton
 
 import losscodegen as lcg
+from gpu_bench import peak_gb
 
 results: list[tuple[str, bool, str]] = []
 
@@ -125,22 +126,12 @@ def cuda_graph(R, V, g):
         del graph, out, x, ex
 
 
-def _peak(step) -> float:
-    """GB allocated above what was allocated before ``step`` (run once before, to warm up)."""
-    step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 1e9
-
-
 def inplace_memory(R, V, H, g):
     y = torch.randint(0, V, (R,), device="cuda", generator=g)
     logits = torch.randn(R, V, device="cuda", generator=g).bfloat16()
     hidden = (torch.randn(R, H, device="cuda", generator=g) * 0.05).bfloat16().requires_grad_()
     weight = (torch.randn(V, H, device="cuda", generator=g) * 0.05).bfloat16().requires_grad_()
+    logits_gb = R * V * 2 / 1e9
     peaks, grads = {}, {}
     for inplace in (False, True):
         head = lcg.HeadLoss(lcg.CrossEntropy(), metrics=(lcg.Entropy(),), inplace_backward=inplace)
@@ -153,9 +144,7 @@ def inplace_memory(R, V, H, g):
         def linear():
             hidden.grad = weight.grad = None
             head(hidden @ weight.t(), y).loss.backward()
-        x_gb = R * V * 2 / 1e9      # the clone of the logits, an input here
-        peaks[inplace] = (_peak(alone) - x_gb, _peak(linear))
-    logits_gb = R * V * 2 / 1e9
+        peaks[inplace] = (peak_gb(alone) - logits_gb, peak_gb(linear))  # (alone's clone is an input)
     drop = peaks[False][0] - peaks[True][0]
     equal = torch.equal(grads[False], grads[True])
     check("inplace_backward: peak memory drops by the logits' size", drop > 0.95 * logits_gb and equal,

@@ -1,7 +1,10 @@
 """Run a head and its float64 reference on the same random inputs and compare."""
 from __future__ import annotations
 
+import socket
+
 import torch
+import torch.multiprocessing as mp
 
 import losscodegen as lcg
 from reference import head_reference
@@ -30,6 +33,30 @@ def policy_inputs(logits, labels, g, spread=0.4):
     old = (l + torch.randn(R, generator=g, dtype=torch.float64) * spread).float()
     ref = (l + torch.randn(R, generator=g, dtype=torch.float64) * 0.1).float()
     return dict(advantages=torch.randn(R, generator=g), old_logprobs=old, ref_logprobs=ref)
+
+
+def topk_inputs(R, V, K, g):
+    """A teacher's top-K: K distinct ids a row, and log-probs."""
+    ids = torch.stack([torch.randperm(V, generator=g)[:K] for _ in range(R)])
+    return dict(teacher_topk_ids=ids, teacher_topk_logprobs=torch.log_softmax(torch.randn(R, K, generator=g), -1))
+
+
+def run_ranks(worker, world: int, n_results: int) -> list:
+    """``worker(rank, world, port, queue)`` in ``world`` spawned processes (gloo over a free local
+    port); the ``n_results`` items they put on the queue."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, world, port, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=600) for _ in range(n_results)]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    return results
 
 
 def spec(term, head):

@@ -9,11 +9,11 @@ with CPU tensors; their outputs are meaningless, since no kernel runs.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import tempfile
 from pathlib import Path
+from unittest import mock
 
 import torch
 from triton.backends.compiler import GPUTarget
@@ -40,42 +40,25 @@ class _FakeExchange:
     """Stands in for symmetric memory (which needs GPUs): the launch is compiled, never run."""
 
     def next(self, rows, columns):
-        return torch.zeros(rows * (columns + 1)), torch.zeros(1, dtype=torch.int64), 1
-
-
-@contextlib.contextmanager
-def _exchanging():
-    from losscodegen import collectives
-    real = collectives.exchange
-    collectives.exchange = lambda group, device: _FakeExchange()
-    try:
-        yield
-    finally:
-        collectives.exchange = real
+        return torch.zeros(rows * columns), torch.zeros(2, dtype=torch.int64), 1
 
 
 def main(manifest: Path) -> None:
     JITFunction.run = _compile_instead
     import torch.distributed as dist
 
+    from losscodegen import collectives
     from losscodegen.__main__ import manifest_heads
+    from losscodegen.testing import random_inputs
     dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
-    R, V, K = 8, 64, 4
-    x = torch.randn(R, V, requires_grad=True)
-    y = torch.randint(0, V, (R,))
-    inputs = dict(teacher_logits=torch.randn(R, V), advantages=torch.randn(R), old_logprobs=torch.randn(R),
-                  ref_logprobs=torch.randn(R), teacher_topk_ids=torch.randint(0, V, (R, K)),
-                  teacher_topk_logprobs=torch.randn(R, K), segment_ids=torch.zeros(R, dtype=torch.long),
-                  num_segments=1)
     for line, head in manifest_heads(manifest):
-        kw = {k: v for k, v in inputs.items() if k not in ("teacher_logits",) or head.kernel.USES_TEACHER}
-        kw = {k: v for k, v in kw.items() if not k.startswith("teacher_topk") or head.kernel.USES_TOPK}
-        kw = {k: v for k, v in kw.items() if k not in ("segment_ids", "num_segments") or head.kernel.SEGMENTS}
+        logits, y, kw = random_inputs(head, rows=8, vocab=64)
+        x = logits.requires_grad_()
         head(x, y, **kw).loss.backward()                                  # one device, gradient
         with torch.no_grad():
             head(x, y, **kw)                                               # values only
         head(x, y, process_group=dist.group.WORLD, **kw).loss.backward()  # vocab-parallel
-        with _exchanging():
+        with mock.patch.object(collectives, "exchange", lambda group, device: _FakeExchange()):
             head(x, y, process_group=dist.group.WORLD, **kw).loss.backward()  # ... exchanging in-kernel
         print(f"{line}: {len(compiled)} kernels so far", flush=True)
     dist.destroy_process_group()

@@ -2,23 +2,21 @@
 unfused formula (logits = hidden @ weight.T + bias, then the head's reference), for the gradients of
 hidden, weight and bias; chunkings, bias, 3-D hidden, reduction="none", segments, vocab-parallel."""
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import losscodegen as lcg
-from helpers import policy_inputs, spec
+from helpers import policy_inputs, run_ranks, spec, topk_inputs
 from reference import head_reference
 
 H, V = 16, 72
 
 
-def _case(name, R=13, dtype=torch.float32, shape=None, seed=0):
+def _case(name, R=13, dtype=torch.float32, shape=None):
     """(head, hidden, weight, bias, labels, inputs) with ignored rows and every input the head reads."""
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(0)
     hidden = (torch.randn(R, H, generator=g)).to(dtype)
     weight = (torch.randn(V, H, generator=g) * 0.5).to(dtype)
     bias = (torch.randn(V, generator=g) * 0.5).to(dtype)
@@ -39,8 +37,7 @@ def _case(name, R=13, dtype=torch.float32, shape=None, seed=0):
         inputs = policy_inputs(hidden.double() @ weight.double().t() + bias.double(), labels, g, spread=0.2)
     elif name == "topk":
         head = lcg.HeadLoss(lcg.CrossEntropy(), lcg.TopKForwardKL(weight=0.3))
-        inputs = dict(teacher_topk_ids=torch.stack([torch.randperm(V, generator=g)[:5] for _ in range(R)]),
-                      teacher_topk_logprobs=torch.log_softmax(torch.randn(R, 5, generator=g), -1))
+        inputs = topk_inputs(R, V, 5, g)
     else:  # segments
         head = lcg.HeadLoss(lcg.GSPO(), lcg.CrossEntropy(weight=0.1))
         inputs = policy_inputs(hidden.double() @ weight.double().t() + bias.double(), labels, g, spread=1e-3)
@@ -153,7 +150,7 @@ def _worker(rank, world, port, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     for name in ("ce", "fkl", "grpo", "topk"):
-        head, hidden, weight, bias, labels, inputs = _case(name, seed=rank * 0)
+        head, hidden, weight, bias, labels, inputs = _case(name)
         rows = slice(rank * V // world, (rank + 1) * V // world)
         shard = {k: (v[rows] if k in ("teacher_weight", "teacher_bias") else v) for k, v in inputs.items()}
         h, w, b = hidden.clone().requires_grad_(), weight[rows].clone().requires_grad_(), \
@@ -171,18 +168,7 @@ def _worker(rank, world, port, queue):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_vocab_parallel_linear(world):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = [queue.get(timeout=600) for _ in range(world * 4)]
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    results = run_ranks(_worker, world, world * 4)
     for name, rank, loss, ref_loss, value_err, h_err, w_err, b_err in results:
         assert abs(loss - ref_loss) <= 1e-5 * max(1.0, abs(ref_loss)), (name, rank, loss, ref_loss)
         assert value_err <= 1e-5, (name, rank, value_err)

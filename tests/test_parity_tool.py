@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import losscodegen as lcg
-from helpers import make_inputs, spec
+from helpers import make_inputs, spec, topk_inputs
 from losscodegen import symbols as S
 from losscodegen.testing import assert_parity, reference
 from reference import head_reference
@@ -93,8 +93,7 @@ def test_the_reference_agrees_with_the_hand_written_one(case):
         inputs.update(advantages=torch.randn(20, generator=g), old_logprobs=torch.randn(20, generator=g) - 4,
                       ref_logprobs=torch.randn(20, generator=g) - 4)
     if "topk" in needs:
-        inputs.update(teacher_topk_ids=torch.stack([torch.randperm(96, generator=g)[:6] for _ in range(20)]),
-                      teacher_topk_logprobs=torch.log_softmax(torch.randn(20, 6, generator=g), -1))
+        inputs.update(topk_inputs(20, 96, 6, g))
     if "segments" in needs:
         inputs["segment_ids"] = torch.arange(20) // 6
     for reduction in ("mean", "sum"):

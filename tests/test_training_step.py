@@ -5,7 +5,7 @@ import torch
 
 import losscodegen as lcg
 from losscodegen.inputs import check_call
-from helpers import check_head, make_inputs, policy_inputs
+from helpers import check_head, make_inputs, policy_inputs, topk_inputs
 
 
 def _case(name, R=12, V=96):
@@ -19,10 +19,9 @@ def _case(name, R=12, V=96):
         head = lcg.HeadLoss(lcg.GRPO(), metrics=(lcg.Entropy(), lcg.ClipFraction()))
         return head, logits, labels, policy_inputs(logits, labels, g, spread=0.1)
     if name == "topk":
-        ids = torch.stack([torch.randperm(V, generator=g)[:5] for _ in range(R)])
-        lps = torch.log_softmax(torch.randn(R, 5, generator=g), -1)
+        inputs = topk_inputs(R, V, 5, g)
         head = lcg.HeadLoss(lcg.CrossEntropy(), lcg.TopKForwardKL(weight=0.3))
-        return head, logits, labels, dict(teacher_topk_ids=ids, teacher_topk_logprobs=lps)
+        return head, logits, labels, inputs
     head = lcg.HeadLoss(lcg.GSPO(), lcg.CrossEntropy(weight=0.1), metrics=(lcg.Entropy(),))
     return head, logits, labels, dict(policy_inputs(logits, labels, g, spread=0.1), segment_ids=torch.arange(R) // 4,
                                       num_segments=R // 4)

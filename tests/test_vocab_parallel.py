@@ -3,14 +3,13 @@ the gradient, with one all_gather_into_tensor of the packed stats (and one all-r
 head has an exact read). Also segment
 terms whose segments are split across sequence-parallel ranks (``segment_group``)."""
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import losscodegen as lcg
+from helpers import run_ranks, topk_inputs
 
 
 def _heads():
@@ -35,8 +34,7 @@ def _inputs(needs, R=10, V=504):
     if "teacher" in needs:
         kw["teacher_logits"] = torch.randn(R, V, generator=g) * 2
     if "topk" in needs:
-        kw["teacher_topk_ids"] = torch.stack([torch.randperm(V, generator=g)[:6] for _ in range(R)])
-        kw["teacher_topk_logprobs"] = torch.log_softmax(torch.randn(R, 6, generator=g), -1)
+        kw.update(topk_inputs(R, V, 6, g))
     if "policy" in needs:
         l = torch.log_softmax(x, -1).gather(1, y.clamp_min(0)[:, None])[:, 0]
         kw.update(old_logprobs=l + 0.3 * torch.randn(R, generator=g), ref_logprobs=l,
@@ -109,25 +107,10 @@ def _compare_sequence_parallel(rank, world, calls):
             sharded_calls)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("world", [2, 3])
 def test_sharded_equals_unsharded(world):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
     heads = _heads()
-    results = [queue.get(timeout=600) for _ in range(world * (len(heads) + 1))]
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    results = run_ranks(_worker, world, world * (len(heads) + 1))
     for name, rank, loss, ref_loss, values, grad_err, grad_max, calls in results:
         if name == "sequence_parallel":
             assert abs(loss - ref_loss) <= 1e-5 * max(1.0, abs(ref_loss)), (rank, loss, ref_loss)
