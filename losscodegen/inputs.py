@@ -5,6 +5,7 @@ device): values are checked by the kernel itself (see ``validation.py``).
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from types import ModuleType
@@ -47,7 +48,7 @@ class Call:
     group: Any = None                       # vocab-parallel process group
     segment_group: Any = None               # sequence-parallel group for segment terms
 
-    @property
+    @functools.cached_property
     def rows(self) -> int:
         return math.prod(self.shape)
 

@@ -1,11 +1,11 @@
 """Launching a head's kernels: the per-call workspace, the plan's launches with what the host does
-between them, and two small generic kernels (count the valid rows; scale a stored gradient by the
-upstream one).
+between them, and two small generic kernels (a prologue that zeroes the workspace's accumulators and
+counts the valid rows; scale a stored gradient by the upstream one).
 
-A default call on one device is: one zeroed allocation (the workspace), one small launch counting
-the valid rows (the divisor), and one launch of the head's kernel, whose last program writes the
-terms, the metrics and the loss. Nothing waits for the device. What a call's shapes decide (tiles,
-launches) is worked out once per signature and kept by the head.
+A default call on one device is: one allocation (the workspace), the one-program prologue, and one
+launch of the head's kernel, whose last program writes the terms, the metrics and the loss. Nothing
+waits for the device. What a call's shapes decide (tiles, launches, each launch's compiled kernel:
+``dispatch.py``) is worked out once per signature and kept by the head.
 """
 from __future__ import annotations
 
@@ -17,23 +17,33 @@ import triton
 import triton.language as tl
 
 from . import collectives, segments, tiles
+from .dispatch import Kernel
 from .plan import Launch
 
 _BLOCK_R = 256      # rows a tile when the last program reduces the rows' values
-_BLOCK_COUNT = 1024
+_BLOCK_PROLOGUE = 4096
 
 
 @triton.jit
-def _count_valid(y_ptr, mask_ptr, n_rows, ignore_index, count_ptr, count_slot, BLOCK: tl.constexpr):
-    # The valid rows, the default divisor: exact in fp32 below 2**24 rows, so any order of the
-    # programs' additions gives the same count.
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    live = i < n_rows
-    if y_ptr is not None:
-        live = live & (tl.load(y_ptr + i, mask=i < n_rows, other=ignore_index) != ignore_index)
-    if mask_ptr is not None:
-        live = live & (tl.load(mask_ptr + i, mask=i < n_rows, other=0) != 0)
-    tl.atomic_add(count_ptr + count_slot, tl.sum(live.to(tl.float32), 0))
+def _prologue(ws_ptr, n_zero, y_ptr, mask_ptr, n_rows, ignore_index, count_slot, COUNT: tl.constexpr,
+              BLOCK: tl.constexpr):
+    # One program, before the head's kernel: zeroes what the kernel accumulates into (its first
+    # n_zero slots), then counts the valid rows, the default divisor, into its slot. (Stored, not
+    # added: exact in fp32 below 2**24 rows.)
+    i = tl.arange(0, BLOCK)
+    for start in range(0, n_zero, BLOCK):
+        tl.store(ws_ptr + start + i, tl.zeros([BLOCK], tl.float32), mask=start + i < n_zero)
+    if COUNT:
+        total = 0.0
+        for start in range(0, n_rows, BLOCK):
+            live = start + i < n_rows
+            if y_ptr is not None:
+                live = live & (tl.load(y_ptr + start + i, mask=start + i < n_rows, other=ignore_index) != ignore_index)
+            if mask_ptr is not None:
+                live = live & (tl.load(mask_ptr + start + i, mask=start + i < n_rows, other=0) != 0)
+            total += tl.sum(live.to(tl.float32), 0)
+        tl.debug_barrier()  # (after every thread's zeros)
+        tl.store(ws_ptr + count_slot, total)
 
 
 @triton.jit
@@ -50,29 +60,35 @@ def _scale_rows(grad_ptr, grad_stride, g_ptr, g_stride, V, BLOCK_V: tl.constexpr
             tl.store(ptr, (d * g).to(grad_ptr.dtype.element_ty), mask=cols < V)
 
 
+_PROLOGUES = {count: Kernel(_prologue, COUNT=count, BLOCK=_BLOCK_PROLOGUE, num_warps=8) for count in (False, True)}
+_SCALES: dict[int, Kernel] = {}     # by BLOCK_V
+
+
 def scale_rows(grad: torch.Tensor, upstream: torch.Tensor) -> None:
     """``grad`` [rows, V] times ``upstream`` (a scalar, or one value a row), in place."""
     g = upstream if upstream.dtype == torch.float32 else upstream.float()
     if g.dim() > 1 or not g.is_contiguous():
         g = g.reshape(-1).contiguous()
-    _scale_rows[(grad.shape[0],)](grad, grad.stride(0), g, 0 if g.numel() == 1 else 1, grad.shape[1],
-                                  BLOCK_V=min(tiles.pow2(grad.shape[1]), 4096))
+    block = min(tiles.pow2(grad.shape[1]), 4096)
+    kernel = _SCALES.get(block)
+    if kernel is None:
+        kernel = _SCALES[block] = Kernel(_scale_rows, BLOCK_V=block)
+    kernel(grad.shape[0], grad, grad.stride(0), g, 0 if g.numel() == 1 else 1, grad.shape[1])
 
 
 @dataclass(frozen=True)
 class _Layout:
     """What a call's signature decides (not its row count: a training run may bring a new one every
     step), worked out at its first call and kept by the head: the vocabulary a rank holds, the tiles
-    and the launches."""
+    and the launches, each with its kernel (and what that compiled)."""
 
     world: int
     vocab_start: int
     vocab: int
-    options: dict                  # the tile's kernel options
     launches: tuple[Launch, ...]
+    kernels: tuple[Kernel, ...]    # the head's kernel with each launch's constexprs
     cut: int                       # launches[:cut] run before the segment step
     count: bool                    # whether a launch counts the valid rows (the default divisor)
-    block_k: int                   # the top-k tile
 
 
 def _layout(head, call, *, grad: bool, dtype: torch.dtype, element_size: int, exchange: bool) -> _Layout:
@@ -81,30 +97,45 @@ def _layout(head, call, *, grad: bool, dtype: torch.dtype, element_size: int, ex
     config = tiles.choose(head, k, call.V_local, dtype, call.device, sharded=call.group is not None)
     launches = head.launches(sharded=call.group is not None, grad=grad, split=config.split, exchange=exchange)
     cut = next((i + 1 for i, launch in enumerate(launches) if launch.then == "segments"), len(launches))
-    return _Layout(world, rank * call.V_local, call.V_local * world, config.launch(call.V_local, element_size),
-                   launches, cut, call.divisor is None and call.reduction != "sum" and head.has_row_outputs,
-                   tiles.pow2(call.topk_ids.shape[1]) if k.USES_TOPK else 1)
+    fn = getattr(k, f"head_loss_{k.KEY}")
+    options = config.launch(call.V_local, element_size)
+    block_k = tiles.pow2(call.topk_ids.shape[1]) if k.USES_TOPK else 1
+    kernels = tuple(Kernel(fn, SUM=call.reduction == "sum", PER_ROW=call.reduction == "none",
+                           STATS=launch.stats, EXCHANGE=launch.exchange, MERGE=launch.merge,
+                           EXACT=launch.exact, STORE_STATS=launch.store_stats, ROWS=launch.rows,
+                           GRAD=launch.grad, BLOCK_K=block_k, BLOCK_R=_BLOCK_R, **options)
+                    for launch in launches)
+    return _Layout(world, rank * call.V_local, call.V_local * world, launches, kernels, cut,
+                   call.divisor is None and call.reduction != "sum" and head.has_row_outputs)
 
 
 def _offsets(k: ModuleType, n_rows: int, *, per_row: bool, keep_stats: bool, n_seg: int) -> list[int]:
-    """The workspace's offsets (see ``Workspace``), then its size."""
+    """The workspace's offsets in ``Workspace``'s order, where its zeroed part ends, and its size."""
     if n_rows >= 1 << 24:
         raise ValueError(f"a call takes fewer than 2**24 rows (its counts are exact fp32), got {n_rows}")
+    zeroed = k.FIXED_SLOTS + (max(n_seg, 1) * (len(k.SEGMENT_MEANS) + 1) if k.SEGMENTS else 0)
     sizes = [n_rows * len(k.ROW_VALUES), n_rows if per_row else 0,
              n_rows * len(k.COLUMNS) if keep_stats else 0, n_rows * len(k.EXACT) if keep_stats else 0,
-             max(n_seg, 1) * (len(k.SEGMENT_MEANS) + 1) if k.SEGMENTS else 0,
              max(n_seg, 1) * len(k.SEGMENT_MEANS) if k.SEGMENTS else 0]
-    offsets = [k.FIXED_SLOTS]
+    offsets = [zeroed]
     for size in sizes:
         offsets.append(offsets[-1] + size)
-    return offsets
+    rows, loss_rows, stats, exact, seg_coefs, size = offsets
+    return [rows, loss_rows, stats, exact, k.FIXED_SLOTS, seg_coefs, zeroed, size]
+
+
+def workspace(size: int, device: torch.device) -> torch.Tensor:
+    """A workspace's memory, left as it comes (tests fill it with NaN, to show nothing reads it
+    before writing it)."""
+    return torch.empty(size, device=device)
 
 
 @dataclass
 class Workspace:
-    """One call's fp32 scratch, zeroed: the kernel's fixed slots (each output's value, the loss, the
-    valid-row count, the finished-row count), then per-row values, per-row losses, the packed
-    stats, the exact sums and the segment sums and coefficients, at these offsets."""
+    """One call's fp32 scratch: the kernel's fixed slots (each output's value, the loss, the
+    valid-row count, the finished-row count) and the segment sums, which the prologue zeroes; then
+    per-row values, per-row losses, the packed stats, the exact sums and the segment coefficients,
+    each written before it is read."""
 
     t: torch.Tensor
     n_rows: int
@@ -158,20 +189,18 @@ class Launcher:
             if tiles.forced() is None:       # (a configuration being measured is nobody's to keep)
                 head.layouts[key] = layout
         self.layout, self.vocab = layout, layout.vocab
-        *offsets, size = _offsets(k, call.rows, per_row=call.reduction == "none",
-                                  keep_stats=len(layout.launches) > 1, n_seg=self.n_seg)
-        self.ws = Workspace(torch.zeros(size, device=call.device), call.rows, *offsets, k)
-        if layout.count:
-            _count_valid[(-(-call.rows // _BLOCK_COUNT),)](
-                call.labels, call.mask, call.rows, head.ignore_index, self.ws.t, k.COUNT,
-                BLOCK=_BLOCK_COUNT)
+        *offsets, zeroed, size = _offsets(k, call.rows, per_row=call.reduction == "none",
+                                          keep_stats=len(layout.launches) > 1, n_seg=self.n_seg)
+        self.ws = Workspace(workspace(size, call.device), call.rows, *offsets, k)
+        _PROLOGUES[layout.count](1, self.ws.t, zeroed, call.labels, call.mask, call.rows, head.ignore_index,
+                                 k.COUNT)
 
-    def run(self, launches: tuple[Launch, ...], x: torch.Tensor, teacher: torch.Tensor | None,
+    def run(self, launches: tuple[tuple[Launch, Kernel], ...], x: torch.Tensor, teacher: torch.Tensor | None,
             grad: torch.Tensor | None, row_offset: int = 0) -> None:
-        """``launches`` over rows ``[row_offset, row_offset + len(x))`` of the call, whose logits
-        (and teacher logits) are ``x`` (``teacher``); the gradient goes to ``grad``."""
-        for launch in launches:
-            self._launch(launch, x, teacher, grad, row_offset)
+        """``launches`` (from ``passes``) over rows ``[row_offset, row_offset + len(x))`` of the call,
+        whose logits (and teacher logits) are ``x`` (``teacher``); the gradient goes to ``grad``."""
+        for launch, kernel in launches:
+            self._launch(launch, kernel, x, teacher, grad, row_offset)
             if launch.then == "gather":
                 n = x.shape[0]
                 gathered = torch.empty(self.layout.world * n * len(self.k.COLUMNS), device=x.device)
@@ -180,11 +209,11 @@ class Launcher:
             elif launch.then == "sum_exact":
                 collectives.all_reduce(self.ws.exact(row_offset, row_offset + x.shape[0]), self.call.group)
 
-    def passes(self) -> tuple[tuple[Launch, ...], tuple[Launch, ...]]:
-        """The launches before the segment step (it needs every row's values: all chunks of rows
-        go through the first part before it), and those after it."""
-        launches, cut = self.layout.launches, self.layout.cut
-        return launches[:cut], launches[cut:]
+    def passes(self) -> tuple[tuple[tuple[Launch, Kernel], ...], tuple[tuple[Launch, Kernel], ...]]:
+        """The launches (each with its kernel) before the segment step (it needs every row's
+        values: all chunks of rows go through the first part before it), and those after it."""
+        steps, cut = tuple(zip(self.layout.launches, self.layout.kernels)), self.layout.cut
+        return steps[:cut], steps[cut:]
 
     def segments(self) -> None:
         """The segment step, between the passes: the segment kernel (after summing the segments
@@ -192,7 +221,7 @@ class Launcher:
         if self.k.SEGMENTS:
             segments.run(self.k, self.head, self.call, self.ws, self.n_seg)
 
-    def _launch(self, launch: Launch, x, teacher, grad, row_offset: int) -> None:
+    def _launch(self, launch: Launch, kernel: Kernel, x, teacher, grad, row_offset: int) -> None:
         k, call, ws, head, layout = self.k, self.call, self.ws, self.head, self.layout
         args = [x, x.stride(0), x if grad is None else grad, 0 if grad is None else grad.stride(0),
                 call.labels, call.mask]
@@ -210,11 +239,7 @@ class Launcher:
                  epoch, call.divisor, self.flags,
                  *head.row_weights, row_offset, call.rows, head.logit_scale, float(head.softcap or 1.0),
                  call.V_local, layout.vocab_start, layout.vocab, head.ignore_index]
-        getattr(k, f"head_loss_{k.KEY}")[(x.shape[0],)](
-            *args, SUM=call.reduction == "sum", PER_ROW=call.reduction == "none",
-            STATS=launch.stats, EXCHANGE=launch.exchange, MERGE=launch.merge, EXACT=launch.exact,
-            STORE_STATS=launch.store_stats,
-            ROWS=launch.rows, GRAD=launch.grad, BLOCK_K=layout.block_k, BLOCK_R=_BLOCK_R, **layout.options)
+        kernel(x.shape[0], *args)
 
 
 def run(head, call, *, grad: bool, inplace: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

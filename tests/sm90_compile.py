@@ -45,6 +45,9 @@ class _FakeExchange:
 
 def main(manifest: Path) -> None:
     JITFunction.run = _compile_instead
+    from losscodegen import dispatch
+    # every launch through the JIT (its direct path needs a compiled kernel and a GPU)
+    dispatch.Kernel.__call__ = lambda self, grid, *args: self.fn[(grid,)](*args, **self.constexprs)
     import torch.distributed as dist
 
     from losscodegen import collectives
