@@ -40,7 +40,7 @@ from triton.language.extra import libdevice
 
 KEY = "b98938e854923f1a"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "6f83a2387d06"
+CODEGEN = "bd01d4086398"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['jsd']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -123,10 +123,11 @@ def _dlogits(x, logit_scale, softcap):
 def head_loss_b98938e854923f1a(
     x_ptr, x_stride, grad_ptr, grad_stride, y_ptr, mask_ptr,
     t_ptr, t_stride,
-    ws_ptr, off_rows, off_loss_rows, off_stats, off_exact, gathered_ptr, world, peers_ptr, epoch, div_ptr,
-    flag_ptr,
+    ws_ptr, off_rows, off_loss_rows, off_stats, off_exact, gathered_ptr, peers_ptr, epoch, div_ptr, flag_ptr,
+    row_offset, n_rows,
+    world,
     weight_jsd,
-    row_offset, n_rows, logit_scale, softcap, V, vocab_start, n_vocab, ignore_index,
+    logit_scale, softcap, V, vocab_start, n_vocab, ignore_index,
     SUM: tl.constexpr, PER_ROW: tl.constexpr,
     STATS: tl.constexpr, EXCHANGE: tl.constexpr, MERGE: tl.constexpr, EXACT: tl.constexpr,
     STORE_STATS: tl.constexpr,
@@ -136,7 +137,8 @@ def head_loss_b98938e854923f1a(
     # One program per row (token) of this launch. x, the teacher and the gradient hold the launch's
     # rows; per-row inputs and outputs are indexed among all the call's rows (row_offset + row).
     # Optional inputs come as None: no labels, no loss_mask, no divisor (divide by the valid rows),
-    # no flag_ptr (validate=False), no peers_ptr (no in-kernel exchange).
+    # no flag_ptr (validate=False), no peers_ptr (no in-kernel exchange). The arguments from world
+    # on are the same at every launch of a head on one vocab shard.
     row = tl.program_id(0).to(tl.int64)
     grow = row_offset + row
     x_row = x_ptr + row * x_stride

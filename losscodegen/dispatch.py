@@ -33,24 +33,29 @@ def _spec(arg: Any) -> Any:
 
 
 class Kernel:
-    """A jitted kernel with fixed constexprs and launch options, launched over a 1-D grid with its
-    other arguments given by position (the constexprs must be its last parameters)."""
+    """A jitted kernel launched over a 1-D grid: its last parameters are the constexprs (and launch
+    options) given here by name; before them, the ``fixed`` values, the same at every launch (not
+    part of the key); before those, the arguments of each launch, by position."""
 
-    def __init__(self, fn: JITFunction, **constexprs: Any) -> None:
-        self.fn, self.constexprs = fn, constexprs
+    def __init__(self, fn: JITFunction, *fixed: Any, **constexprs: Any) -> None:
+        self.fn, self.fixed, self.constexprs = fn, fixed, constexprs
         self._compiled: dict[tuple, Any] = {}
         self._direct = isinstance(fn, JITFunction)    # (not under the interpreter)
         if self._direct:
             names = fn.arg_names
-            self._positional = len(names) - sum(n in constexprs for n in names)
-            tail = names[self._positional:]
-            if any(n not in constexprs for n in tail):
+            n_const = sum(n in constexprs for n in names)
+            if any(n not in constexprs for n in names[len(names) - n_const:]):
                 raise TypeError(f"{fn.__name__}: constexprs {sorted(constexprs)} must be its last parameters")
-            self._tail = tuple(constexprs[n] for n in tail)
+            self._positional = len(names) - n_const - len(fixed)
+            self._tail = fixed + tuple(constexprs[n] for n in names[len(names) - n_const:])
+
+    def jit(self, grid: int, *args: Any) -> Any:
+        """A launch through Triton's JIT (which compiles, or finds, the kernel it returns)."""
+        return self.fn[(grid,)](*args, *self.fixed, **self.constexprs)
 
     def __call__(self, grid: int, *args: Any) -> None:
         if not self._direct:
-            self.fn[(grid,)](*args, **self.constexprs)
+            self.jit(grid, *args)
             return
         driver = triton.runtime.driver.active
         device = driver.get_current_device()
@@ -60,12 +65,12 @@ class Kernel:
             if len(args) != self._positional:
                 raise TypeError(f"{self.fn.__name__} takes {self._positional} arguments before its "
                                 f"constexprs, got {len(args)}")
-            kernel = self.fn[(grid,)](*args, **self.constexprs)
+            kernel = self.jit(grid, *args)
             # (a Triton whose compiled kernel has no launcher of this form launches through the JIT)
             self._compiled[key] = kernel if hasattr(kernel, "packed_metadata") else False
             return
         if kernel is False:
-            self.fn[(grid,)](*args, **self.constexprs)
+            self.jit(grid, *args)
             return
         stream = driver.get_current_stream(device)
         args += self._tail

@@ -83,10 +83,9 @@ class _Layout:
     and the launches, each with its kernel (and what that compiled)."""
 
     world: int
-    vocab_start: int
     vocab: int
     launches: tuple[Launch, ...]
-    kernels: tuple[Kernel, ...]    # the head's kernel with each launch's constexprs
+    kernels: tuple[Kernel, ...]    # the head's kernel for each launch (its constexprs, the fixed arguments)
     cut: int                       # launches[:cut] run before the segment step
     count: bool                    # whether a launch counts the valid rows (the default divisor)
 
@@ -100,12 +99,14 @@ def _layout(head, call, *, grad: bool, dtype: torch.dtype, element_size: int, ex
     fn = getattr(k, f"head_loss_{k.KEY}")
     options = config.launch(call.V_local, element_size)
     block_k = tiles.pow2(call.topk_ids.shape[1]) if k.USES_TOPK else 1
-    kernels = tuple(Kernel(fn, SUM=call.reduction == "sum", PER_ROW=call.reduction == "none",
+    fixed = (world, *head.row_weights, head.logit_scale, float(head.softcap or 1.0), call.V_local,
+             rank * call.V_local, call.V_local * world, head.ignore_index)
+    kernels = tuple(Kernel(fn, *fixed, SUM=call.reduction == "sum", PER_ROW=call.reduction == "none",
                            STATS=launch.stats, EXCHANGE=launch.exchange, MERGE=launch.merge,
                            EXACT=launch.exact, STORE_STATS=launch.store_stats, ROWS=launch.rows,
                            GRAD=launch.grad, BLOCK_K=block_k, BLOCK_R=_BLOCK_R, **options)
                     for launch in launches)
-    return _Layout(world, rank * call.V_local, call.V_local * world, launches, kernels, cut,
+    return _Layout(world, call.V_local * world, launches, kernels, cut,
                    call.divisor is None and call.reduction != "sum" and head.has_row_outputs)
 
 
@@ -181,7 +182,8 @@ class Launcher:
         # all-gather between launches measured as fast or faster)
         self.exchange = None if k.HAS_EXACT or k.SEGMENTS else collectives.exchange(call.group, call.device)
         key = (call.V_local, dtype, element_size, call.device, call.reduction, call.group, grad,
-               call.divisor is None, call.topk_ids.shape[1] if k.USES_TOPK else 0, self.exchange is not None)
+               call.divisor is None, call.topk_ids.shape[1] if k.USES_TOPK else 0, self.exchange is not None,
+               head.logit_scale, head.softcap, head.ignore_index)   # (the kernels hold these three)
         layout = head.layouts.get(key)
         if layout is None:
             layout = _layout(head, call, grad=grad, dtype=dtype, element_size=element_size,
@@ -235,10 +237,8 @@ class Launcher:
         gathered, peers, epoch = (self.gathered if launch.merge else None), None, 0
         if launch.exchange:
             gathered, peers, epoch = self.exchange.next(x.shape[0], len(k.COLUMNS))
-        args += [ws.t, ws.off_rows, ws.off_loss_rows, ws.off_stats, ws.off_exact, gathered, layout.world, peers,
-                 epoch, call.divisor, self.flags,
-                 *head.row_weights, row_offset, call.rows, head.logit_scale, float(head.softcap or 1.0),
-                 call.V_local, layout.vocab_start, layout.vocab, head.ignore_index]
+        args += [ws.t, ws.off_rows, ws.off_loss_rows, ws.off_stats, ws.off_exact, gathered, peers, epoch,
+                 call.divisor, self.flags, row_offset, call.rows]
         kernel(x.shape[0], *args)
 
 
