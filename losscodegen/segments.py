@@ -8,6 +8,7 @@ from types import ModuleType
 import torch
 
 from . import collectives, tiles
+from .dispatch import Kernel
 
 
 def count(call, ignore_index: int) -> int:
@@ -25,9 +26,16 @@ def count(call, ignore_index: int) -> int:
     return int(top.item()) + 1
 
 
+_KERNELS: dict[tuple, Kernel] = {}     # a head's segment kernel, by its weights and constexprs
+
+
 def run(kernel: ModuleType, head, call, ws, n_seg: int) -> None:
     if call.segment_group is not None:
         collectives.all_reduce(ws.seg_sums(n_seg), call.segment_group)
-    getattr(kernel, f"segments_{kernel.KEY}")[(1,)](
-        ws.t, ws.off_seg_sums, ws.off_seg_coefs, n_seg, call.divisor, *head.weights_of(kernel.SEGMENTS),
-        SUM=call.reduction == "sum", BLOCK_S=min(tiles.pow2(n_seg), 1024))
+    key = (getattr(kernel, f"segments_{kernel.KEY}"), *head.weights_of(kernel.SEGMENTS),
+           call.reduction == "sum", min(tiles.pow2(n_seg), 1024))
+    launch = _KERNELS.get(key)
+    if launch is None:
+        fn, *weights, sum_, block = key
+        launch = _KERNELS[key] = Kernel(fn, *weights, SUM=sum_, BLOCK_S=block)
+    launch(1, ws.t, ws.off_seg_sums, ws.off_seg_coefs, n_seg, call.divisor)

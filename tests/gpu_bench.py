@@ -8,8 +8,9 @@
           entropy, JSD, at 4096 x 32000, 8192 x 128256 and 4096 x 262144; losscodegen's default call
           and validate=False, against torch eager, torch.compile and Liger (when installed).
 --tune    measure the tile table shipped as losscodegen/tiles.json (OUT/tiles.json).
---host    host time per forward + backward call at 512 x 4096 (the GPU work is negligible there), and
-          the torch ops and kernel launches a call issues.
+--host    host time per forward + backward call at 512 x 4096 (the GPU work is negligible there),
+          beside the autograd engine's alone and the peers' CE, and the torch ops and kernel launches
+          a call issues.
 --linear  fused linear heads, forward + backward with the gradients of hidden and weight: CE at
           8192 x 4096 x 128256 and 8192 x 2048 x 262144, GRPO + entropy and CE + z + 0.5 FKL (a
           teacher weight of the same shape) at 8192 x 4096 x 128256; against torch eager,
@@ -352,55 +353,76 @@ def tune(out_dir: str, vocabs=(32000, 64128, 128256, 262144)):
 
 
 # ---- host work -----------------------------------------------------------------------------------
-def host_work(R=512, V=4096, calls=300):
-    """Host time per forward + backward call where the GPU work is negligible (calls queued back to
-    back, one sync at the end), and what a call issues: torch ops and kernel launches (torch.profiler)."""
+def host_work(liger, R=512, V=4096, rounds=15, calls=100):
+    """Host time per forward + backward call where the GPU work is negligible: calls queued back to
+    back, one sync a round; the best and the median of the rounds' means (this machine's host is
+    noisy). Beside it, what the same loop costs the autograd engine alone (a backward through one
+    multiplication) and the peers' CE; and what a call issues: torch ops and kernel launches
+    (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
-    heads = {**{k: (v[0], v[1], {}) for k, v in LOGIT_WORKLOADS.items()},
-             "GSPO (num_segments=)": (lambda: lcg.HeadLoss(lcg.GSPO()), {"policy"},
-                                      dict(segment_ids=torch.arange(R, device="cuda") // 64, num_segments=R // 64))}
-    rows = []
-    print(f"\nhost work per forward + backward call at {R} x {V} bf16:", flush=True)
-    for name, (make, needs, extra) in heads.items():
-        for validate in (True, False):
-            head = make()
-            head.validate = validate
-            x, y, kw = logit_inputs(R, V, needs)
-            kw.update(extra)
-            x.requires_grad_()
 
-            def step():
-                x.grad = None
-                head(x, y, **kw).loss.backward()
-            for _ in range(20):
-                step()
-            torch.cuda.synchronize()
+    def per_call(step):
+        for _ in range(20):
+            step()
+        torch.cuda.synchronize()
+        means = []
+        for _ in range(rounds):
             t0 = time.perf_counter()
             for _ in range(calls):
                 step()
             torch.cuda.synchronize()
-            us = (time.perf_counter() - t0) / calls * 1e6
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                for _ in range(10):
-                    step()
-            ops = sum(1 for e in prof.events() if e.name.startswith("aten::") and
-                      (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))) / 10
-            launches = sum(1 for e in prof.events() if e.name in ("cuLaunchKernel", "cudaLaunchKernel",
-                                                                   "cuLaunchKernelEx", "cudaMemsetAsync",
-                                                                   "cudaMemcpyAsync")) / 10
-            label = name + ("" if validate else " validate=False")
-            rows.append(dict(head=label, host_us=us, torch_ops=ops, launches=launches))
-            print(f"  {label:36s} {us:7.1f} us   {ops:4.1f} torch ops   {launches:4.1f} launches/copies", flush=True)
-            if name == "CE" and validate:
-                import cProfile
-                import pstats
-                prof = cProfile.Profile()
-                prof.enable()
-                for _ in range(calls):
-                    step()
-                prof.disable()
-                torch.cuda.synchronize()
-                pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+            means.append((time.perf_counter() - t0) / calls * 1e6)
+        means.sort()
+        return means[0], means[rounds // 2]
+
+    def issued(step):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(10):
+                step()
+        ops = sum(1 for e in prof.events() if e.name.startswith("aten::") and
+                  (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))) / 10
+        launches = sum(1 for e in prof.events() if e.name in ("cuLaunchKernel", "cudaLaunchKernel",
+                                                               "cuLaunchKernelEx", "cudaMemsetAsync",
+                                                               "cudaMemcpyAsync")) / 10
+        return ops, launches
+
+    heads = {**{k: (v[0], v[1], {}) for k, v in LOGIT_WORKLOADS.items()},
+             "GSPO (num_segments=)": (lambda: lcg.HeadLoss(lcg.GSPO()), {"policy"},
+                                      dict(segment_ids=torch.arange(R, device="cuda") // 64, num_segments=R // 64))}
+    def backward(x, loss_of):
+        def step():
+            x.grad = None
+            loss_of().backward()
+        return step
+
+    x, y, _ = logit_inputs(R, V, set())
+    x.requires_grad_()
+    one = torch.ones((), device="cuda", requires_grad=True)
+    compiled_ce = torch.compile(torch_ce)
+    steps = {"autograd engine alone: (a * 2).backward()": backward(one, lambda: one * 2),
+             "torch eager CE": backward(x, lambda: torch_ce(x, y)),
+             "torch.compile CE": backward(x, lambda: compiled_ce(x, y))}
+    liger_ce = liger_logits("CE", liger)
+    if liger_ce is not None:
+        steps["Liger CE"] = backward(x, lambda: liger_ce(x, y))
+    for name, (make, needs, extra) in heads.items():
+        for validate in (True, False):
+            head = make()
+            head.validate = validate
+            xh, yh, kw = logit_inputs(R, V, needs)
+            kw.update(extra)
+            xh.requires_grad_()
+            steps[name + ("" if validate else " validate=False")] = \
+                backward(xh, lambda head=head, xh=xh, yh=yh, kw=kw: head(xh, yh, **kw).loss)
+    rows = []
+    print(f"\nhost work per forward + backward call at {R} x {V} bf16 (best / median of {rounds} rounds):",
+          flush=True)
+    for label, step in steps.items():
+        best, median = per_call(step)
+        ops, launches = issued(step)
+        rows.append(dict(head=label, host_us=best, host_us_median=median, torch_ops=ops, launches=launches))
+        print(f"  {label:44s} {best:7.1f} / {median:7.1f} us   {ops:4.1f} torch ops   "
+              f"{launches:4.1f} launches/copies", flush=True)
     return rows
 
 
@@ -480,7 +502,7 @@ def main():
     if args.tune:
         result["tiles"] = tune(args.out)
     if args.host:
-        result["host"] = host_work()
+        result["host"] = host_work(liger)
     if args.logits:
         bench_logits(args.quick, liger)
     if args.linear:
