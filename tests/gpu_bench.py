@@ -209,15 +209,16 @@ def bench_logits(quick: bool, liger):
                     (out[0] if isinstance(out, tuple) else out).backward()
                 steps[impl] = step
                 record(name, shape, impl, step)
-            # The default call and validate=False again, in alternating rounds: the machine drifts
-            # between two measurements by as much as the difference sought.
-            ours = [r for r in records[-len(impls):] if r["impl"].startswith("losscodegen")]
-            samples = {r["impl"]: [r["ms"]] for r in ours}
+            # Every implementation again, in alternating rounds: the machine drifts between two
+            # measurements by as much as the difference sought (at 4096 x 32000, where every
+            # implementation is bound by its host work, by up to 2x).
+            mine = [r for r in records[-len(impls):] if r["ms"] == r["ms"]]   # (not the failed ones)
+            samples = {r["impl"]: [r["ms"]] for r in mine}
             for _ in range(3):
                 for impl in samples:
                     samples[impl].append(triton.testing.do_bench(steps[impl], warmup=10, rep=200,
                                                                  return_mode="median"))
-            for r in ours:
+            for r in mine:
                 r["ms"] = sorted(samples[r["impl"]])[len(samples[r["impl"]]) // 2]
                 print(f"  {name:28s} {shape:22s} {r['impl']:24s} {r['ms']:9.3f} ms (median of 4, alternating)",
                       flush=True)
