@@ -84,9 +84,9 @@ class _Layout:
 
     world: int
     vocab: int
-    launches: tuple[Launch, ...]
-    kernels: tuple[Kernel, ...]    # the head's kernel for each launch (its constexprs, the fixed arguments)
-    cut: int                       # launches[:cut] run before the segment step
+    steps: tuple[tuple[Launch, Kernel], ...]  # each launch with the head's kernel for it (its
+                                               # constexprs and the fixed arguments)
+    cut: int                       # steps[:cut] run before the segment step
     count: bool                    # whether a launch counts the valid rows (the default divisor)
 
 
@@ -106,7 +106,7 @@ def _layout(head, call, *, grad: bool, dtype: torch.dtype, element_size: int, ex
                            EXACT=launch.exact, STORE_STATS=launch.store_stats, ROWS=launch.rows,
                            GRAD=launch.grad, BLOCK_K=block_k, BLOCK_R=_BLOCK_R, **options)
                     for launch in launches)
-    return _Layout(world, call.V_local * world, launches, kernels, cut,
+    return _Layout(world, call.V_local * world, tuple(zip(launches, kernels)), cut,
                    call.divisor is None and call.reduction != "sum" and head.has_row_outputs)
 
 
@@ -192,7 +192,7 @@ class Launcher:
                 head.layouts[key] = layout
         self.layout, self.vocab = layout, layout.vocab
         *offsets, zeroed, size = _offsets(k, call.rows, per_row=call.reduction == "none",
-                                          keep_stats=len(layout.launches) > 1, n_seg=self.n_seg)
+                                          keep_stats=len(layout.steps) > 1, n_seg=self.n_seg)
         self.ws = Workspace(workspace(size, call.device), call.rows, *offsets, k)
         _PROLOGUES[layout.count](1, self.ws.t, zeroed, call.labels, call.mask, call.rows, head.ignore_index,
                                  k.COUNT)
@@ -214,7 +214,7 @@ class Launcher:
     def passes(self) -> tuple[tuple[tuple[Launch, Kernel], ...], tuple[tuple[Launch, Kernel], ...]]:
         """The launches (each with its kernel) before the segment step (it needs every row's
         values: all chunks of rows go through the first part before it), and those after it."""
-        steps, cut = tuple(zip(self.layout.launches, self.layout.kernels)), self.layout.cut
+        steps, cut = self.layout.steps, self.layout.cut
         return steps[:cut], steps[cut:]
 
     def segments(self) -> None:
@@ -224,7 +224,7 @@ class Launcher:
             segments.run(self.k, self.head, self.call, self.ws, self.n_seg)
 
     def _launch(self, launch: Launch, kernel: Kernel, x, teacher, grad, row_offset: int) -> None:
-        k, call, ws, head, layout = self.k, self.call, self.ws, self.head, self.layout
+        k, call, ws = self.k, self.call, self.ws
         args = [x, x.stride(0), x if grad is None else grad, 0 if grad is None else grad.stride(0),
                 call.labels, call.mask]
         if k.USES_TEACHER:
