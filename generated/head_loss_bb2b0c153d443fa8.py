@@ -29,7 +29,7 @@
 #   tiles: BLOCK_V <= 16384, 16 warps; stats forward, grad backward
 #   single device: 2 launch(es): [stats+rows] segments -> [grad]
 #   sharded: 3 launch(es): [stats] gather -> [merge+rows] segments -> [grad]
-#   sharded, in-kernel exchange: 3 launch(es): [stats] gather -> [merge+rows] segments -> [grad]
+#   sharded, in-kernel exchange: 2 launch(es): [stats+exchange+merge+rows] segments -> [grad]
 import os
 
 import triton
@@ -38,7 +38,7 @@ from triton.language.extra import libdevice
 
 KEY = "bb2b0c153d443fa8"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "bd01d4086398"
+CODEGEN = "5868e7138e3e"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['gspo', 'entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average

@@ -178,9 +178,8 @@ class Launcher:
         self.head, self.call, self.flags = head, call, flags
         self.gathered: torch.Tensor | None = None  # all ranks' packed stats, after a "gather"
         self.n_seg = segments.count(call, head.ignore_index) if k.SEGMENTS else 0
-        # (an exact read or segment terms read every row again after the exchange anyway: for them the
-        # all-gather between launches measured as fast or faster)
-        self.exchange = None if k.HAS_EXACT or k.SEGMENTS else collectives.exchange(call.group, call.device)
+        # (an exact read takes the all-gather: it reads every row again after the exchange anyway)
+        self.exchange = None if k.HAS_EXACT else collectives.exchange(call.group, call.device)
         key = (call.V_local, dtype, element_size, call.device, call.reduction, call.group, grad,
                call.divisor is None, call.topk_ids.shape[1] if k.USES_TOPK else 0, self.exchange is not None,
                head.logit_scale, head.softcap, head.ignore_index)   # (the kernels hold these three)

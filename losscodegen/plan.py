@@ -137,10 +137,10 @@ def launch_sequence(*, has_exact: bool, segments: bool, sharded: bool, grad: boo
     measured faster, one launch a read: ``split``); a segment term needs every row's values before
     any gradient (rows, segments, then gradient); under vocab parallelism each exchange of row
     statistics ends a launch, unless the shards exchange them in-kernel (``exchange``: GPUs that map
-    each other's memory), which keeps a head without an exact read or segment terms in one launch
-    (those read every row again after the exchange anyway)."""
+    each other's memory), which keeps a head without an exact read in one launch (an exact read
+    needs every shard's normalisers before it, and its sums are all-reduced after it)."""
     out = []
-    if sharded and exchange and not has_exact and not segments:
+    if sharded and exchange and not has_exact:
         first = dict(stats=True, exchange=True, merge=True)
     elif sharded or split:
         out.append(Launch(stats=True, store_stats=True, then="gather" if sharded else ""))

@@ -14,10 +14,13 @@ configuration comes from, in order:
 3. otherwise (Triton's interpreter, a CUDA graph being captured, tuning off) the plan's rule
    (``TILE``: the best of the H100 sweep at 128256 for the nearest state).
 
-A vocab-parallel call takes ``SHARDED`` (it is not measured at first use: that would time
-collectives, whose ranks must run in step). Measured on 2 H200s at 8192 x 128256 per rank-half,
-small tiles win there for every state (many rows in flight hide the exchange's latency): CE 0.785 ms
-at (4096, 8) against 1.149 at (32768, 32), GRPO + entropy + clip 0.782 against 1.170 at (16384, 32).
+A vocab-parallel call takes ``SHARDED``, by the streams of its first read (it is not measured at
+first use: that would time collectives, whose ranks must run in step). Small tiles win there for
+every state (many rows in flight hide the exchange's latency): on 2 H200s at 8192 x 128256, CE 0.785
+ms at (4096, 8) against 1.149 at (32768, 32). With a teacher stream, 4 warps beat 8 on 2 and on 4
+H200s (the FKL mix 1.29 against 1.40 ms on 2, 0.77 against 0.90 on 4; JSD 1.92 against 2.11, 1.04
+against 1.13); with the logits alone, 8 beat 4 (CE 0.775 against 0.804 on 2, 0.497 against 0.512
+on 4).
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ def pow2(n: int) -> int:
 
 
 CANDIDATES = ((4096, 8), (8192, 8), (8192, 16), (16384, 16), (16384, 32), (32768, 32))
-SHARDED = (4096, 8)
+SHARDED = {"x": (4096, 8), "xt": (4096, 4)}   # by the first read's streams
 SHIPPED = Path(__file__).resolve().parent / "tiles.json"
 _MEASURE_ROWS = 2048
 
@@ -106,7 +109,7 @@ def choose(head, k: ModuleType, V: int, dtype: torch.dtype, device: torch.device
     if _forced is not None:
         return _forced
     if sharded:
-        return Config(*SHARDED)
+        return Config(*SHARDED[k.STATE[0]])
     rule = Config(*k.TILE)
     if device.type != "cuda":
         return rule

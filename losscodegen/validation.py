@@ -10,8 +10,9 @@ raises at once; on a GPU each call reads it first and raises for what earlier ca
 In a training step the previous call finished long ago, so an error comes at the next call. When
 the host runs more than one call ahead of the GPU (a tight loop of head calls), a call does not
 wait for the previous one: that would leave the GPU idle while the host prepares each call
-(measured: 16% at 8192 x 128256). It waits only for the call before that, so an error comes at the
-latest two calls later. Inside a CUDA graph capture nothing is waited for: a replayed call still
+(measured: 16% at 8192 x 128256). Once its kernels are queued, a call waits for the call two before
+it if that one is still running, so an error comes at the latest two calls later, and the GPU keeps
+two calls of work while the host prepares the next. Inside a CUDA graph capture nothing is waited for: a replayed call still
 makes the loss NaN and writes the buffer, which the next call made outside the graph reads.
 """
 from __future__ import annotations
@@ -41,22 +42,21 @@ class DeviceChecks:
         self._flags: dict[torch.device, _Flags] = {}
 
     def before(self, device: torch.device) -> torch.Tensor:
-        """The flag buffer for this call's kernels; raises for a bad value of an earlier call."""
+        """The flag buffer for this call's kernels; raises for a bad value that an earlier call has
+        written by now (a read of host memory: nothing waits here)."""
         f = self._flags.get(device)
         if f is None:
             f = self._flags[device] = _Flags(torch.full((2,), NONE, dtype=torch.int64,
                                                         pin_memory=device.type == "cuda"))
         if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
-            while f.pending and f.pending[0].query():
-                f.free.append(f.pending.popleft())
-            if len(f.pending) >= 2:      # the host is two calls ahead: wait for the older one
-                f.pending[0].synchronize()
-                f.free.append(f.pending.popleft())
             self._raise_if_set(f, "an earlier call of this head")
         return f.buffer
 
     def after(self, device: torch.device, vocab: int, num_segments: int) -> None:
-        """Once the call's kernels are queued: raise now (CPU), or mark the call's end (GPU)."""
+        """Once the call's kernels are queued: raise now (CPU); on a GPU, mark the call's end and, if
+        the call two before it is still running, wait for that one and raise for what it found.
+        (Waiting after this call's launches, not before them, leaves the GPU two calls of work
+        while the host prepares the next.)"""
         f = self._flags[device]
         f.vocab, f.num_segments = vocab, num_segments
         if device.type != "cuda":
@@ -65,6 +65,10 @@ class DeviceChecks:
             event = f.free.pop() if f.free else torch.cuda.Event()
             event.record()
             f.pending.append(event)
+            if len(f.pending) > 2:
+                f.pending[0].synchronize()
+                f.free.append(f.pending.popleft())
+                self._raise_if_set(f, "an earlier call of this head")
 
     def _raise_if_set(self, f: _Flags, when: str) -> None:
         label, seg = f.buffer.tolist()

@@ -93,6 +93,19 @@ def bad_label_next_call(R, V, g):
         check("bad label: NaN now, ValueError at the next call", nan and str(V + 3) in str(e), str(e)[:120])
     ok = torch.isfinite(head(x, y).loss).item()
     check("bad label: the call after the error is clean", ok)
+    # a tight loop, no sync: the GPU is held back, so the bad call is still queued when the next two
+    # are made; the second of them waits for it and raises
+    torch.cuda._sleep(50_000_000)
+    head(x, bad)
+    raised_at = None
+    for i in (1, 2):
+        try:
+            head(x, y)
+        except ValueError as e:
+            raised_at = (i, str(V + 3) in str(e))
+            break
+    check("bad label in a tight loop: ValueError at the latest two calls later", raised_at == (2, True),
+          f"raised at call {raised_at}")
 
 
 def cuda_graph(R, V, g):

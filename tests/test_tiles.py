@@ -3,6 +3,7 @@ keeps its bytes for wider logits and shrinks to a small vocabulary; measurements
 import json
 
 import pytest
+import torch
 
 import losscodegen as lcg
 from losscodegen import tiles
@@ -28,6 +29,14 @@ def test_tile_bytes_and_small_vocabularies():
     head = lcg.HeadLoss(lcg.JSD())
     assert {c.split for c in tiles.candidates(head.kernel, 128256)} == {False, True}
     assert max(c.block_v for c in tiles.candidates(head.kernel, 5000)) == 8192
+
+
+def test_a_vocab_parallel_call_takes_the_sharded_tile_of_its_streams():
+    ce, jsd = lcg.HeadLoss(lcg.CrossEntropy()), lcg.HeadLoss(lcg.JSD())
+    for head in (ce, jsd):
+        config = tiles.choose(head, head.kernel, 32064, torch.bfloat16, torch.device("cpu"), sharded=True)
+        assert config == tiles.Config(*tiles.SHARDED[head.kernel.STATE[0]])
+    assert tiles.SHARDED[ce.kernel.STATE[0]] != tiles.SHARDED[jsd.kernel.STATE[0]]    # "x" and "xt"
 
 
 def test_measurements_are_kept_beside_the_kernel_cache(tmp_path, monkeypatch):

@@ -129,15 +129,19 @@ def test_sharded_equals_unsharded(world):
 
 def test_in_kernel_exchange_keeps_one_launch_where_it_applies():
     """Where the GPUs of a group map each other's memory, the packed stats go from kernel to kernel:
-    a head without an exact read or segment terms is one launch. An exact read or segment terms read
-    every row again after the exchange anyway, and keep the all-gather between launches."""
+    a head without an exact read is one launch, and a segment term's first launch exchanges and
+    merges in-kernel before its rows. An exact read keeps the all-gather between launches (it reads
+    every row again after the exchange anyway)."""
     from losscodegen.plan import launch_sequence
     (one,) = launch_sequence(has_exact=False, segments=False, sharded=True, grad=True, exchange=True)
     assert one.stats and one.exchange and one.merge and one.rows and one.grad and not one.then
-    for kw in (dict(has_exact=True, segments=False), dict(has_exact=False, segments=True)):
-        seq = launch_sequence(**kw, sharded=True, grad=True, exchange=True)
-        assert seq == launch_sequence(**kw, sharded=True, grad=True)
-        assert not any(launch.exchange for launch in seq)
+    rows, grad = launch_sequence(has_exact=False, segments=True, sharded=True, grad=True, exchange=True)
+    assert rows.stats and rows.exchange and rows.merge and rows.rows and rows.store_stats and not rows.grad
+    assert rows.then == "segments" and grad.grad and not (grad.stats or grad.exchange or grad.merge)
+    kw = dict(has_exact=True, segments=False)
+    seq = launch_sequence(**kw, sharded=True, grad=True, exchange=True)
+    assert seq == launch_sequence(**kw, sharded=True, grad=True)
+    assert not any(launch.exchange for launch in seq)
 
 
 def test_no_in_kernel_exchange_off_the_gpu():
