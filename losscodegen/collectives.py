@@ -59,20 +59,18 @@ class Exchange:
         self.launches = 0
         self.rows = self.columns = 0  # what a half holds
         self._keep: list = []         # every buffer made: a peer's kernel may still write to an old one
-        self.buffer: torch.Tensor | None = None
+        self.stats: tuple[torch.Tensor, torch.Tensor] | None = None   # each half's stats, here
         self.peers: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def next(self, rows: int, columns: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """For one launch over ``rows`` rows: (this rank's stats in the launch's half, for the merge;
-        every rank's addresses of that half's stats then of its flags; the launch's number)."""
+        """For one launch over ``rows`` rows: (the launch's half of this rank's stats, which the merge
+        reads as [world, rows, columns]; every rank's addresses of that half's stats then of its
+        flags; the launch's number)."""
         if rows > self.rows or columns > self.columns:
             self._grow(max(rows, 2 * self.rows), max(columns, self.columns))
         self.launches += 1
         half = self.launches % 2
-        flags = self.world * (1 + self.rows)
-        half_size = flags + self.world * self.rows * self.columns
-        return (self.buffer.narrow(0, half * half_size + flags, self.world * rows * columns), self.peers[half],
-                self.launches)
+        return self.stats[half], self.peers[half], self.launches
 
     def _grow(self, rows: int, columns: int) -> None:
         from torch.distributed import _symmetric_memory as symm_mem
@@ -83,7 +81,8 @@ class Exchange:
         torch.cuda.synchronize(self.device)
         handle = symm_mem.rendezvous(buffer, self.group)   # collective: every rank grows at this launch
         self._keep.append((buffer, handle))
-        self.buffer, self.rows, self.columns = buffer, rows, columns
+        self.rows, self.columns = rows, columns
+        self.stats = tuple(buffer[half * half_size + flags:(half + 1) * half_size] for half in (0, 1))
         self.peers = tuple(
             torch.tensor([p + 4 * (half * half_size + flags) for p in handle.buffer_ptrs]
                          + [p + 4 * half * half_size for p in handle.buffer_ptrs], dtype=torch.int64,
