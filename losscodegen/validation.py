@@ -17,6 +17,7 @@ makes the loss NaN and writes the buffer, which the next call made outside the g
 """
 from __future__ import annotations
 
+import ctypes
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -32,6 +33,10 @@ class _Flags:
     free: list = field(default_factory=list)       # events to reuse
     vocab: int = 0                       # what the recorded call checked against, for the message
     num_segments: int = 0
+
+    def __post_init__(self) -> None:
+        # the buffer's two slots read and written as host memory: no torch op a call
+        self.slots = (ctypes.c_int64 * 2).from_address(self.buffer.data_ptr())
 
 
 class DeviceChecks:
@@ -71,10 +76,10 @@ class DeviceChecks:
                 self._raise_if_set(f, "an earlier call of this head")
 
     def _raise_if_set(self, f: _Flags, when: str) -> None:
-        label, seg = f.buffer.tolist()
+        label, seg = f.slots
         if label == NONE and seg == NONE:
             return
-        f.buffer.fill_(NONE)
+        f.slots[0] = f.slots[1] = NONE
         if label != NONE:
             raise ValueError(f"labels: values must be in [0, {f.vocab}) or ignore_index="
                              f"{self.ignore_index}; found {label} in {when} (its loss is NaN)")
