@@ -12,8 +12,9 @@ the host runs more than one call ahead of the GPU (a tight loop of head calls), 
 wait for the previous one: that would leave the GPU idle while the host prepares each call
 (measured: 16% at 8192 x 128256). Once its kernels are queued, a call waits for the call two before
 it if that one is still running, so an error comes at the latest two calls later, and the GPU keeps
-two calls of work while the host prepares the next. Inside a CUDA graph capture nothing is waited for: a replayed call still
-makes the loss NaN and writes the buffer, which the next call made outside the graph reads.
+two calls of work while the host prepares the next. Inside a CUDA graph capture nothing is waited
+for: a replayed call still makes the loss NaN and writes the buffer, which the next call made outside
+the graph reads.
 """
 from __future__ import annotations
 
