@@ -159,7 +159,9 @@ def measure(head, V: int, dtype: torch.dtype, device: torch.device, rows: int = 
                     step()              # compiles, outside the capture
                 torch.cuda.current_stream(device).wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
+                # (thread_local: another thread's CUDA calls meanwhile, a data loader pinning memory,
+                # do not break the capture)
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                     step()
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 graph.replay()
