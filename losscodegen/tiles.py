@@ -9,8 +9,9 @@ configuration comes from, in order:
 1. the table measured on an H100 that ships with the package (``tiles.json``, written by
    ``python tests/gpu_bench.py --tune``), and the user's measurements
    (``$LOSSCODEGEN_CACHE/tiles.json``), keyed by GPU, state, vocabulary bucket and width;
-2. on a GPU, a measurement at first use: every candidate is timed on random inputs of the call's
-   vocabulary (a few seconds, once; ``LOSSCODEGEN_TUNE=0`` turns it off) and the fastest is kept;
+2. on a GPU, a measurement at first use: every candidate is timed, replayed from a CUDA graph, on
+   random inputs of the call's vocabulary (a few seconds, once; ``LOSSCODEGEN_TUNE=0`` turns it
+   off) and the fastest is kept;
 3. otherwise (Triton's interpreter, a CUDA graph being captured, tuning off) the plan's rule
    (``TILE``: the best of the H100 sweep at 128256 for the nearest state).
 
