@@ -150,11 +150,11 @@ def measure(head, V: int, dtype: torch.dtype, device: torch.device, rows: int = 
         x.grad = None
         head(x, labels, **inputs).loss.backward()
     times = {}
+    side = torch.cuda.Stream(device)
     try:
         with torch.enable_grad():
             for config in candidates(head.kernel, V):
                 _forced = config
-                side = torch.cuda.Stream(device)
                 side.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(side):
                     step()              # compiles, outside the capture
