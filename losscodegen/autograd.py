@@ -26,34 +26,44 @@ BACKWARD_TWICE = ("backward ran twice through the same call; its gradients are c
 
 
 class _HeadFunction(torch.autograd.Function):
+    # One output, the loss: the values leave through ``values_out`` (an output more costs the
+    # autograd engine host time in forward and in backward, and they have no gradient).
     @staticmethod
-    def forward(ctx, logits, head, call):
+    def forward(ctx, logits, head, call, values_out):
         loss, values, grad = launch.run(head, call, grad=True, inplace=head.inplace_backward)
         if head.inplace_backward:
             # The logits now hold their gradient: a node that saved them fails loudly in backward.
             torch.autograd.graph.increment_version(logits)
         ctx.grad, ctx.shape = grad, logits.shape
-        ctx.mark_non_differentiable(values)
-        ctx.set_materialize_grads(False)  # no zero tensor for the values' (absent) gradient
-        return loss, values
+        values_out.append(values)
+        return loss
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_values):
+    def backward(ctx, grad_loss):
         grad, ctx.grad = ctx.grad, None
         if grad is None:
             raise RuntimeError(f"HeadLoss: {BACKWARD_TWICE}")
-        if grad_loss is None:
-            return None, None, None
         launch.scale_rows(grad, grad_loss)
         # A view even of the same shape: a new tensor over the buffer, which AccumulateGrad keeps as
         # .grad without a copy (under inplace_backward the buffer is the logits themselves, and
         # returning them would be copied: measured, peak memory +2.1 GB at 8192 x 128256).
-        return grad.view(ctx.shape), None, None
+        return grad.view(ctx.shape), None, None, None
+
+
+# ``Function.apply`` without its Python wrapper, which inspects the Function and unwraps its
+# arguments for torch.func on every call (4 µs a call on a fast host); under torch.func transforms
+# the wrapper runs.
+_apply = super(torch.autograd.Function, _HeadFunction).apply
 
 
 def eager(head, logits: torch.Tensor, call: Call) -> tuple[torch.Tensor, torch.Tensor]:
     if logits.requires_grad and torch.is_grad_enabled():
-        return _HeadFunction.apply(logits, head, call)
+        values: list[torch.Tensor] = []
+        if torch._C._are_functorch_transforms_active():
+            loss = _HeadFunction.apply(logits, head, call, values)
+        else:
+            loss = _apply(logits, head, call, values)
+        return loss, values[0]
     loss, values, _ = launch.run(head, call, grad=False, inplace=False)
     return loss, values
 

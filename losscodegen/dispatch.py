@@ -74,7 +74,13 @@ class Kernel:
             return
         stream = driver.get_current_stream(device)
         args += self._tail
-        enter = knobs.runtime.launch_enter_hook     # (a profiler's hooks see these launches too)
-        metadata = None if enter is None else kernel.launch_metadata((grid, 1, 1), stream, *args)
-        kernel.run(grid, 1, 1, stream, kernel.function, kernel.packed_metadata, metadata, enter,
-                   knobs.runtime.launch_exit_hook, *args)
+        enter, exit_ = _hook(knobs.runtime.launch_enter_hook), _hook(knobs.runtime.launch_exit_hook)
+        # (a profiler's hooks see these launches too)
+        metadata = None if enter is None and exit_ is None else kernel.launch_metadata((grid, 1, 1), stream, *args)
+        kernel.run(grid, 1, 1, stream, kernel.function, kernel.packed_metadata, metadata, enter, exit_, *args)
+
+
+def _hook(hook: Any) -> Any:
+    # None where no hook is set. Triton >= 3.7 keeps the hooks in a chain, empty unless a profiler
+    # added one: passing an empty chain would build launch metadata and call it at every launch.
+    return None if hook is None or getattr(hook, "calls", None) == [] else hook

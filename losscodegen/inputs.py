@@ -5,9 +5,8 @@ device): values are checked by the kernel itself (see ``validation.py``).
 """
 from __future__ import annotations
 
-import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable
 
@@ -25,7 +24,7 @@ _POLICY_TOKENS = ("advantages", "old_logprobs", "ref_logprobs")
 _ACCEPTED = frozenset(STANDARD_INPUTS + _POLICY_TOKENS)
 
 
-@dataclass
+@dataclass(slots=True)
 class Call:
     """One call's inputs, checked: per-row tensors flat over the rows; the logits (and the teacher's)
     as ``[rows, V_local]`` views with unit column stride, or None under ``head.linear`` (which
@@ -47,10 +46,10 @@ class Call:
     reduction: str
     group: Any = None                       # vocab-parallel process group
     segment_group: Any = None               # sequence-parallel group for segment terms
+    rows: int = field(init=False)
 
-    @functools.cached_property
-    def rows(self) -> int:
-        return math.prod(self.shape)
+    def __post_init__(self) -> None:
+        self.rows = math.prod(self.shape)
 
 
 def check_call(head, kernel: ModuleType, logits: Any, labels: Any, inputs: dict[str, Any]) -> Call:
@@ -80,7 +79,7 @@ def check_rows(head, kernel: ModuleType, shape: tuple[int, ...], V_local: int, d
                labels: Any, inputs: dict[str, Any], *, x: torch.Tensor | None = None,
                teacher: torch.Tensor | None = None) -> Call:
     """Every input but the logits and the teacher's: the per-row ones shaped like ``shape``."""
-    unknown = [k for k in inputs if k not in _ACCEPTED and k not in kernel.TOKENS]
+    unknown = [k for k in inputs if k not in _ACCEPTED and k not in kernel.TOKENS] if inputs else ()
     if unknown:
         raise TypeError(f"HeadLoss got unexpected keyword argument(s) {sorted(unknown)}")
     reduction = inputs.get("reduction", "mean")
@@ -106,9 +105,9 @@ def check_rows(head, kernel: ModuleType, shape: tuple[int, ...], V_local: int, d
         shape=shape, V_local=V_local, device=dev, x=x, labels=labels,
         mask=check_rowwise("loss_mask", inputs.get("loss_mask"), shape, dev, boolean=True),
         teacher=teacher,
-        tokens=tuple(check_rowwise(name, inputs.get(name), shape, dev, required=True,
-                                   needed_by=head.terms_reading)
-                     for name in kernel.TOKENS),
+        tokens=tuple([check_rowwise(name, inputs.get(name), shape, dev, required=True,
+                                    needed_by=head.terms_reading)
+                      for name in kernel.TOKENS]),
         topk_ids=topk_ids, topk_logprobs=topk_logprobs,
         segment_ids=segment_ids, num_segments=num_segments,
         divisor=check_divisor(inputs.get("divisor"), reduction, dev),
@@ -161,22 +160,22 @@ def check_rowwise(name: str, t: Any, rows_shape: tuple[int, ...], device: torch.
         return None
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if tuple(t.shape) != tuple(rows_shape):
+    if t.shape != rows_shape:
         raise ValueError(f"{name} must have shape {tuple(rows_shape)} (the logits without the vocab "
                          f"dim), got {tuple(t.shape)}")
     if t.device != device:
         raise ValueError(f"{name} is on {t.device} but logits are on {device}")
-    if integer and (t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex()):
-        raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
-    if boolean and t.dtype != torch.bool:
-        raise TypeError(f"{name} must be a bool tensor, got {t.dtype}")
-    if not (integer or boolean) and not t.dtype.is_floating_point:
-        raise TypeError(f"{name} must be a float tensor, got {t.dtype}")
+    want = torch.int64 if integer else torch.bool if boolean else torch.float32
+    if t.dtype != want:     # (the checks below only where a conversion is due: this runs every call)
+        if integer and (t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex()):
+            raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
+        if boolean:
+            raise TypeError(f"{name} must be a bool tensor, got {t.dtype}")
+        if not integer and not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a float tensor, got {t.dtype}")
+        t = t.to(want)
     if t.dim() != 1:
         t = t.reshape(-1)
-    want = torch.int64 if integer else torch.bool if boolean else torch.float32
-    if t.dtype != want:
-        t = t.to(want)
     return t if t.is_contiguous() else t.contiguous()
 
 
