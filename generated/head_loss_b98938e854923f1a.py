@@ -40,7 +40,7 @@ from triton.language.extra import libdevice
 
 KEY = "b98938e854923f1a"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "46f9599ecd8d"
+CODEGEN = "5868e7138e3e"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['jsd']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -63,10 +63,9 @@ SEGMENT_MEANS = []
 # the streams the first read loads, its running sums, the exact read's sums (losscodegen/tiles.py)
 TILE = (4096, 8)
 STATE = ('xt', 2, 4)
-# the per-call fp32 workspace: these slots (READY: int64), then per-row values and stats at offsets
-# given per call
-LOSS, COUNT, DONE, READY = 1, 2, 3, 4
-FIXED_SLOTS = 6
+# the per-call fp32 workspace: these slots, then per-row values and stats at offsets given per call
+LOSS, COUNT, DONE = 1, 2, 3
+FIXED_SLOTS = 4
 
 
 # Triton's interpreter (CPU) lacks the GPU's approximate log and reciprocal instructions
@@ -108,38 +107,6 @@ def _handshake(peers_ptr, world, rank, at, stride, epoch):
 
 
 @triton.jit
-def _prologue(ws_ptr, n_zero, y_ptr, mask_ptr, div_ptr, n_rows, ignore_index, SUM: tl.constexpr):
-    # The call's prologue: zeroes what the kernel accumulates into (the workspace's first n_zero
-    # slots), then counts the valid rows where they are the divisor (stored, not added: exact in
-    # fp32 below 2**24 rows).
-    i = tl.arange(0, 1024)
-    for start in range(0, n_zero, 1024):
-        tl.store(ws_ptr + start + i, tl.zeros([1024], tl.float32), mask=start + i < n_zero)
-    if div_ptr is None:
-        if not SUM:
-            total = 0.0
-            for start in range(0, n_rows, 1024):
-                live = start + i < n_rows
-                if y_ptr is not None:
-                    live = live & (tl.load(y_ptr + start + i, mask=live, other=ignore_index) != ignore_index)
-                if mask_ptr is not None:
-                    live = live & (tl.load(mask_ptr + start + i, mask=start + i < n_rows, other=0) != 0)
-                total += tl.sum(live.to(tl.float32), 0)
-            tl.debug_barrier()  # (after every thread's zeros)
-            tl.store(ws_ptr + 2, total)  # COUNT
-
-
-@triton.jit
-def _await_prologue(ws_ptr, ticket):
-    # Until program 0 has published the call's ticket (acquire: its zeros and count are visible).
-    ready = (ws_ptr + 4).to(tl.pointer_type(tl.int64))  # READY
-    seen = tl.atomic_add(ready, 0, sem="acquire")
-    while seen != ticket:
-        seen = tl.atomic_add(ready, 0, sem="acquire")
-    tl.debug_barrier()
-
-
-@triton.jit
 def _logits(x, logit_scale, softcap):
     # z, the logits the formulas speak of
     return logit_scale*x
@@ -151,13 +118,13 @@ def _dlogits(x, logit_scale, softcap):
     return logit_scale
 
 
-@triton.jit(do_not_specialize=["row_offset", "n_rows", "n_zero", "ticket", "epoch", "off_rows", "off_loss_rows", "off_stats",
+@triton.jit(do_not_specialize=["row_offset", "n_rows", "epoch", "off_rows", "off_loss_rows", "off_stats",
                                "off_exact", "vocab_start", "n_vocab"])
 def head_loss_b98938e854923f1a(
     x_ptr, x_stride, grad_ptr, grad_stride, y_ptr, mask_ptr,
     t_ptr, t_stride,
     ws_ptr, off_rows, off_loss_rows, off_stats, off_exact, gathered_ptr, peers_ptr, epoch, div_ptr, flag_ptr,
-    n_zero, ticket, row_offset, n_rows,
+    row_offset, n_rows,
     world,
     weight_jsd,
     logit_scale, softcap, V, vocab_start, n_vocab, ignore_index,
@@ -173,15 +140,6 @@ def head_loss_b98938e854923f1a(
     # no flag_ptr (validate=False), no peers_ptr (no in-kernel exchange). The arguments from world
     # on are the same at every launch of a head on one vocab shard.
     row = tl.program_id(0).to(tl.int64)
-    if ticket != 0:
-        # The call's first launch runs its prologue in program 0, which starts before any other
-        # (programs start in order), and publishes the call's ticket once done (release, after
-        # every thread's stores). Every program waits for it before it touches what the prologue
-        # writes (_await_prologue): one launch where a prologue kernel and the head's were two.
-        if row == 0:
-            _prologue(ws_ptr, n_zero, y_ptr, mask_ptr, div_ptr, n_rows, ignore_index, SUM)
-            tl.debug_barrier()
-            tl.atomic_xchg((ws_ptr + 4).to(tl.pointer_type(tl.int64)), ticket, sem="release")  # READY
     grow = row_offset + row
     x_row = x_ptr + row * x_stride
     t_row = t_ptr + row * t_stride
@@ -332,9 +290,6 @@ def head_loss_b98938e854923f1a(
             acc4 = tl.load(exact_row + 2)
             acc5 = tl.load(exact_row + 3)
 
-        if ticket != 0:
-            _await_prologue(ws_ptr, ticket)
-
         if STORE_STATS:
             tl.store(stats_row + 0, m)
             tl.store(stats_row + 1, m_t)
@@ -398,8 +353,6 @@ def head_loss_b98938e854923f1a(
         # An ignored row adds nothing (zero gradient, zero values); a row with a bad label adds NaN.
         # (Worked out here, not kept from above: a value alive through the whole row costs
         # registers, which the widest tiles have none of.)
-        if ticket != 0:
-            _await_prologue(ws_ptr, ticket)
         fill = 0.0
         if flag_ptr is not None:
             if y_ptr is not None:
@@ -430,9 +383,6 @@ def head_loss_b98938e854923f1a(
         tl.debug_barrier()
         done = tl.atomic_add(ws_ptr + 3, 1.0, sem="acq_rel")  # DONE
         if done == n_rows - 1:
-            # the ticket cleared, so that a CUDA graph's next replay of the call waits for its own
-            # prologue (every program has passed its wait)
-            tl.store((ws_ptr + 4).to(tl.pointer_type(tl.int64)), 0)  # READY
             if div_ptr is not None:
                 value_scale = 1.0 / tl.load(div_ptr)
             elif SUM:

@@ -237,13 +237,6 @@ def _merge(plan: Plan) -> dict[str, list[str]]:
     return dict(init=init, maxima=maxima, sums=sums)
 
 
-def _slots(n_out: int) -> dict[str, int]:
-    """The workspace's fixed fp32 slots: each output's value, the loss, the valid-row count, the
-    finished-row count, then the prologue's ticket (int64, on an 8-byte boundary)."""
-    ready = (n_out + 4) // 2 * 2
-    return dict(loss=n_out, count=n_out + 1, done=n_out + 2, ready=ready, fixed=ready + 2)
-
-
 def emit(plan: Plan, key: str, header: str, codegen: str) -> KernelSource:
     lw = plan.lowered
     name = f"head_loss_{key}"
@@ -303,7 +296,7 @@ def emit(plan: Plan, key: str, header: str, codegen: str) -> KernelSource:
         per_row_loss=" + ".join(f"weight_{n} * v{row_names.index(n)}" for n in row_loss_terms) or "0.0",
         finish=[(n, row_names.index(n), lw.outputs.index(n)) for n in lw.outputs if n not in seg_names],
         finish_loss=" + ".join(f"weight_{n} * value_{n}" for n in row_loss_terms),
-        slots=_slots(n_out),
+        slots=dict(loss=n_out, count=n_out + 1, done=n_out + 2, fixed=n_out + 3),
         seg_coefs=[c.name for s in lw.segments for c in s.coefs],
         segments=seg_fns, seg_means=seg_means, seg_mean_rows=[row_names.index(u) for u in seg_means],
         uses_label=any(e.has(S.label) for _, e in lw.row_values),

@@ -1,16 +1,14 @@
 """Launching a head's kernels: the per-call workspace, the plan's launches with what the host does
-between them, and a small generic kernel that scales a stored gradient by the upstream one.
+between them, and two small generic kernels (a prologue that zeroes the workspace's accumulators and
+counts the valid rows; scale a stored gradient by the upstream one).
 
-A default call on one device is: one allocation (the workspace) and one launch of the head's kernel,
-whose program 0 first zeroes the workspace's accumulators and counts the valid rows (the prologue,
-which the other programs wait for: a ticket, below) and whose last program writes the terms, the
-metrics and the loss. Nothing waits for the device. What a call's shapes decide (tiles, launches, each launch's compiled kernel:
+A default call on one device is: one allocation (the workspace), the one-program prologue, and one
+launch of the head's kernel, whose last program writes the terms, the metrics and the loss. Nothing
+waits for the device. What a call's shapes decide (tiles, launches, each launch's compiled kernel:
 ``dispatch.py``) is worked out once per signature and kept by the head.
 """
 from __future__ import annotations
 
-import itertools
-import random
 from dataclasses import dataclass, field
 from types import ModuleType
 
@@ -23,12 +21,30 @@ from .dispatch import Kernel
 from .plan import Launch
 
 _BLOCK_R = 256      # rows a tile when the last program reduces the rows' values
-# A call's ticket: the value its prologue publishes in the workspace, for the call's other programs
-# to wait for. Unique to the call, so what a reused workspace still holds is never taken for it
-# (the kernel clears it at the end, for CUDA graph replays); from a random start, so memory left by
-# anything else matches it with a chance of 2**-62; above 2**32, so Triton always types it int64.
-_tickets = itertools.count(random.randrange(2 ** 32, 2 ** 62))
-_MAX_OFFSETS = 64   # workspace layouts a head keeps by row count
+_BLOCK_PROLOGUE = 4096
+_MAX_OFFSETS = 64   # workspace layouts a layout keeps, by row count
+
+
+@triton.jit
+def _prologue(ws_ptr, n_zero, y_ptr, mask_ptr, n_rows, ignore_index, count_slot, COUNT: tl.constexpr,
+              BLOCK: tl.constexpr):
+    # One program, before the head's kernel: zeroes what the kernel accumulates into (its first
+    # n_zero slots), then counts the valid rows, the default divisor, into its slot. (Stored, not
+    # added: exact in fp32 below 2**24 rows.)
+    i = tl.arange(0, BLOCK)
+    for start in range(0, n_zero, BLOCK):
+        tl.store(ws_ptr + start + i, tl.zeros([BLOCK], tl.float32), mask=start + i < n_zero)
+    if COUNT:
+        total = 0.0
+        for start in range(0, n_rows, BLOCK):
+            live = start + i < n_rows
+            if y_ptr is not None:
+                live = live & (tl.load(y_ptr + start + i, mask=start + i < n_rows, other=ignore_index) != ignore_index)
+            if mask_ptr is not None:
+                live = live & (tl.load(mask_ptr + start + i, mask=start + i < n_rows, other=0) != 0)
+            total += tl.sum(live.to(tl.float32), 0)
+        tl.debug_barrier()  # (after every thread's zeros)
+        tl.store(ws_ptr + count_slot, total)
 
 
 @triton.jit
@@ -45,6 +61,7 @@ def _scale_rows(grad_ptr, grad_stride, g_ptr, g_stride, V, BLOCK_V: tl.constexpr
             tl.store(ptr, (d * g).to(grad_ptr.dtype.element_ty), mask=cols < V)
 
 
+_PROLOGUES = {count: Kernel(_prologue, COUNT=count, BLOCK=_BLOCK_PROLOGUE, num_warps=8) for count in (False, True)}
 _SCALES: dict[int, Kernel] = {}     # by V
 
 
@@ -71,6 +88,7 @@ class _Layout:
     steps: tuple[tuple[Launch, Kernel], ...]  # each launch with the head's kernel for it (its
                                                # constexprs and the fixed arguments)
     cut: int                       # steps[:cut] run before the segment step
+    count: bool                    # whether a launch counts the valid rows (the default divisor)
     offsets: dict = field(default_factory=dict, compare=False)  # _offsets by (rows, segments)
 
 
@@ -90,7 +108,8 @@ def _layout(head, call, *, grad: bool, dtype: torch.dtype, element_size: int, ex
                            EXACT=launch.exact, STORE_STATS=launch.store_stats, ROWS=launch.rows,
                            GRAD=launch.grad, BLOCK_K=block_k, BLOCK_R=_BLOCK_R, **options)
                     for launch in launches)
-    return _Layout(world, call.V_local * world, tuple(zip(launches, kernels)), cut)
+    return _Layout(world, call.V_local * world, tuple(zip(launches, kernels)), cut,
+                   call.divisor is None and call.reduction != "sum" and head.has_row_outputs)
 
 
 def _offsets(k: ModuleType, n_rows: int, *, per_row: bool, keep_stats: bool, n_seg: int) -> list[int]:
@@ -117,9 +136,9 @@ def workspace(size: int, device: torch.device) -> torch.Tensor:
 @dataclass(slots=True)
 class Workspace:
     """One call's fp32 scratch: the kernel's fixed slots (each output's value, the loss, the
-    valid-row count, the finished-row count, the ticket) and the segment sums, which the prologue
-    zeroes; then per-row values, per-row losses, the packed stats, the exact sums and the segment
-    coefficients, each written before it is read."""
+    valid-row count, the finished-row count) and the segment sums, which the prologue zeroes; then
+    per-row values, per-row losses, the packed stats, the exact sums and the segment coefficients,
+    each written before it is read."""
 
     t: torch.Tensor
     n_rows: int
@@ -179,11 +198,10 @@ class Launcher:
                 layout.offsets.clear()
             offsets = layout.offsets[call.rows, self.n_seg] = _offsets(
                 k, call.rows, per_row=call.reduction == "none", keep_stats=len(layout.steps) > 1, n_seg=self.n_seg)
-        *offsets, self.n_zero, size = offsets
+        *offsets, zeroed, size = offsets
         self.ws = Workspace(workspace(size, call.device), call.rows, *offsets, k)
-        self.ticket = next(_tickets)    # for the call's first launch, which runs the prologue
-        if call.rows == 0:
-            self.ws.t.zero_()            # (no program runs: zero rows give zero values)
+        _PROLOGUES[layout.count](1, self.ws.t, zeroed, call.labels, call.mask, call.rows, head.ignore_index,
+                                 k.COUNT)
 
     def run(self, launches: tuple[tuple[Launch, Kernel], ...], x: torch.Tensor, teacher: torch.Tensor | None,
             grad: torch.Tensor | None, row_offset: int = 0) -> None:
@@ -226,8 +244,7 @@ class Launcher:
         if launch.exchange:
             gathered, peers, epoch = self.exchange.next(x.shape[0], len(k.COLUMNS))
         args += [ws.t, ws.off_rows, ws.off_loss_rows, ws.off_stats, ws.off_exact, gathered, peers, epoch,
-                 call.divisor, self.flags, self.n_zero, self.ticket, row_offset, call.rows]
-        self.ticket = 0
+                 call.divisor, self.flags, row_offset, call.rows]
         kernel(x.shape[0], *args)
 
 
