@@ -25,3 +25,13 @@ def _nan_workspace(monkeypatch):
     the prologue does not zero before writing it fails the test's comparison."""
     from losscodegen import launch
     monkeypatch.setattr(launch, "workspace", lambda size, device: torch.full((size,), float("nan"), device=device))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need a CUDA device: skipped without one (CI), run on the lent GPU."""
+    if DEVICE == "cuda":
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
