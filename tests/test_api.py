@@ -47,7 +47,14 @@ def test_bad_inputs_name_the_argument(head):
 
 def test_validate_false_skips_the_value_check():
     logits, labels, _ = make_inputs(R=6, V=256)
-    lcg.HeadLoss(lcg.CrossEntropy(), validate=False)(logits, labels)
+    checked, unchecked = lcg.HeadLoss(lcg.CrossEntropy()), lcg.HeadLoss(lcg.CrossEntropy(), validate=False)
+    torch.testing.assert_close(unchecked(logits, labels).loss, checked(logits, labels).loss, rtol=0, atol=0)
+    bad = labels.clone()
+    bad[2] = 10_000
+    with pytest.raises(ValueError, match="10000"):
+        checked(logits, bad)
+    unchecked(logits, bad)          # no check: no error, now or at the next call
+    unchecked(logits, labels)
 
 
 def test_bad_heads():

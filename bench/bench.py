@@ -1,13 +1,12 @@
 """The benchmark (GPU; not collected by pytest): losscodegen beside its peers, in one process.
 
-    python tests/gpu_bench.py [--parity] [--logits] [--linear] [--quick] [--out DIR]
+    python bench/bench.py [--logits] [--linear] [--host] [--quick] [--out DIR]
 
---parity  every head's loss, terms, metrics and gradient at 4096 x 128256 bf16 against the float64
-          reference of tests/reference.py.
+(Parity at 4096 x 128256 bf16 is a GPU test: `pytest -m gpu tests`. The tile table is measured by
+`python -m losscodegen tune`.)
 --logits  forward + backward on bf16 logits: CE, GRPO + entropy + clip fraction, CE + z + 0.5 FKL +
           entropy, JSD, at 4096 x 32000, 8192 x 128256 and 4096 x 262144; losscodegen's default call
           and validate=False, against torch eager, torch.compile and Liger (when installed).
---tune    measure the tile table shipped as losscodegen/tiles.json (OUT/tiles.json).
 --host    host time per forward + backward call at 512 x 4096 (the GPU work is negligible there),
           beside the autograd engine's alone and the peers' CE, and the torch ops and kernel launches
           a call issues.
@@ -27,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from typing import Callable
 
@@ -35,10 +33,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-sys.path.insert(0, os.path.dirname(__file__))
-import losscodegen as lcg  # noqa: E402
-from helpers import spec  # noqa: E402
-from reference import head_reference  # noqa: E402
+import losscodegen as lcg
 
 records: list[dict] = []
 
@@ -324,35 +319,6 @@ def bench_linear(quick: bool, liger, cce):
     return precision
 
 
-# ---- tiles ---------------------------------------------------------------------------------------
-def tune(out_dir: str, vocabs=(32000, 64128, 128256, 262144)):
-    """The table shipped as losscodegen/tiles.json: tiles.measure for each plan state among the
-    manifest's and the benchmark's heads, at the benchmark's vocabularies and at 64128 (128256 on two
-    vocab-parallel ranks), bf16, on 8192 rows (as a training step has)."""
-    from losscodegen import tiles
-    from losscodegen.__main__ import manifest_heads
-    from losscodegen.load import GENERATED
-    heads = [h for _, h in manifest_heads(GENERATED / "manifest")]
-    heads += [make() for make, _, _ in LOGIT_WORKLOADS.values()]
-    table, device = {}, torch.device("cuda")
-    print("\ntiles, measured (BLOCK_V, warps, split) by plan state and vocabulary:", flush=True)
-    for head in heads:
-        for V in vocabs:
-            name = tiles.key(device, head.kernel, V, 2)
-            if name in table:
-                continue
-            t0 = time.time()
-            best = tiles.measure(head, V, torch.bfloat16, device, rows=8192)
-            table[name] = [best.block_v, best.num_warps, best.split]
-            print(f"  {name:60s} {table[name]}  (rule {tuple(head.kernel.TILE)}; {time.time() - t0:.0f} s)",
-                  flush=True)
-            torch.cuda.empty_cache()
-    with open(os.path.join(out_dir, "tiles.json"), "w") as f:
-        json.dump(table, f, indent=1, sort_keys=True)
-        f.write("\n")
-    return table
-
-
 # ---- host work -----------------------------------------------------------------------------------
 def host_work(liger, R=512, V=4096, rounds=15, calls=100):
     """Host time per forward + backward call where the GPU work is negligible: calls queued back to
@@ -427,32 +393,6 @@ def host_work(liger, R=512, V=4096, rounds=15, calls=100):
     return rows
 
 
-# ---- parity ------------------------------------------------------------------------------------
-def parity(R=4096, V=128256):
-    heads = {"CE+z+entropy+acc": (lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(weight=1e-4),
-                                               metrics=(lcg.Entropy(), lcg.TokenAccuracy())), set()),
-             **{k: (v[0](), v[1]) for k, v in LOGIT_WORKLOADS.items()}}
-    rows = []
-    for name, (head, needs) in heads.items():
-        x, y, kw = logit_inputs(R, V, needs)
-        xg = x.clone().requires_grad_()
-        out = head(xg, y, **kw)
-        out.loss.backward()
-        ref_loss, ref_vals, ref_grad = head_reference([spec(t, head) for t in head.loss_terms],
-                                                      [spec(t, head) for t in head.metric_terms], x, y, **kw)
-        errs = {"loss": abs(out.loss.item() - ref_loss.item()) / max(abs(ref_loss.item()), 1e-12)}
-        for k, v in {**out.terms, **out.metrics}.items():
-            errs[k] = abs(v.item() - ref_vals[k].item()) / max(abs(ref_vals[k].item()), 1e-6)
-        errs["grad_rel_fro"] = ((xg.grad.double() - ref_grad).norm() / ref_grad.norm()).item()
-        ok = all(e < 2e-3 for k, e in errs.items() if k != "grad_rel_fro") and errs["grad_rel_fro"] < 1e-2
-        rows.append(dict(head=name, ok=ok, **errs))
-        print(f"  parity {name:22s} ok={ok} loss {errs['loss']:.1e} grad(fro) {errs['grad_rel_fro']:.1e}",
-              flush=True)
-        del ref_grad, xg, out
-        torch.cuda.empty_cache()
-    return rows
-
-
 def plot(path: str, device: str) -> None:
     """Bars per workload and shape, one per implementation, the memory floor marked."""
     try:
@@ -486,11 +426,9 @@ def plot(path: str, device: str) -> None:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--parity", action="store_true")
     ap.add_argument("--logits", action="store_true")
     ap.add_argument("--linear", action="store_true")
     ap.add_argument("--host", action="store_true")
-    ap.add_argument("--tune", action="store_true", help="measure the tile table (OUT/tiles.json)")
     ap.add_argument("--quick", action="store_true", help="one shape per workload")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "perf"))
     args = ap.parse_args()
@@ -498,10 +436,6 @@ def main():
     print(device, "torch", torch.__version__, "triton", triton.__version__, flush=True)
     liger, cce = optional("liger_kernel"), optional("cut_cross_entropy")
     result = dict(device=device, torch=torch.__version__, triton=triton.__version__)
-    if args.parity:
-        result["parity"] = parity()
-    if args.tune:
-        result["tiles"] = tune(args.out)
     if args.host:
         result["host"] = host_work(liger)
     if args.logits:

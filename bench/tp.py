@@ -1,4 +1,4 @@
-"""Vocab-parallel on GPUs (not collected by pytest): `torchrun --nproc_per_node N tests/gpu_tp.py`.
+"""Vocab-parallel on GPUs (not collected by pytest): `torchrun --nproc_per_node N bench/tp.py`.
 Each rank's loss, terms, metrics and gradient shard vs the unsharded call; then the default call's
 time (forward + backward) on N ranks beside the unsharded call on one GPU, with the packed stats
 exchanged in-kernel (the default where the GPUs map each other's memory) and by an all-gather: the
