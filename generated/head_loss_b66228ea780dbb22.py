@@ -30,7 +30,7 @@
 #   bytes per element (bf16 in, bf16 grad): 6
 #   packed per-row stats (4 fp32): m:max, z_y:sum, acc0:scaled, acc1:scaled
 #   vocab-parallel: one all-gather of the packed stats
-#   tiles: BLOCK_V <= 16384, 16 warps; stats forward, grad backward
+#   per-element state ('x', 2, 0); reads stats forward, grad backward
 #   single device: 1 launch(es): [stats+rows+grad]
 #   sharded: 2 launch(es): [stats] gather -> [merge+rows+grad]
 #   sharded, in-kernel exchange: 1 launch(es): [stats+exchange+merge+rows+grad]
@@ -42,7 +42,7 @@ from triton.language.extra import libdevice
 
 KEY = "b66228ea780dbb22"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "5868e7138e3e"
+CODEGEN = "a4ccc5fc13a6"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_fraction', 'ratio_mean', 'kl_new_old']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -61,9 +61,8 @@ ROW_LOSS_TERMS = ['grpo']
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = []
 SEGMENT_MEANS = []
-# (BLOCK_V, num_warps) for a large vocabulary by the plan's rule, and what decides the measured one:
-# the streams the first read loads, its running sums, the exact read's sums (losscodegen/tiles.py)
-TILE = (16384, 16)
+# what decides the tile (the runtime's choice, losscodegen/tiles.py): the streams the first read
+# loads, its running sums, the exact read's sums
 STATE = ('x', 2, 0)
 # the per-call fp32 workspace: these slots, then per-row values and stats at offsets given per call
 LOSS, COUNT, DONE = 5, 6, 7

@@ -28,7 +28,7 @@
 #   bytes per element (bf16 in, bf16 grad): 14
 #   packed per-row stats (4 fp32): m:max, m_t:max, acc0:scaled, acc2:scaled; exact sums: acc1, acc3, acc4, acc5
 #   vocab-parallel: one all-gather of the packed stats + one all-reduce of the exact sums
-#   tiles: BLOCK_V <= 4096, 8 warps; stats forward, exact backward, grad forward
+#   per-element state ('xt', 2, 4); reads stats forward, exact backward, grad forward
 #   single device: 1 launch(es): [stats+exact+rows+grad]
 #   sharded: 3 launch(es): [stats] gather -> [merge+exact] sum_exact -> [rows+grad]
 #   sharded, in-kernel exchange: 3 launch(es): [stats] gather -> [merge+exact] sum_exact -> [rows+grad]
@@ -40,7 +40,7 @@ from triton.language.extra import libdevice
 
 KEY = "b98938e854923f1a"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "5868e7138e3e"
+CODEGEN = "a4ccc5fc13a6"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['jsd']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -59,9 +59,8 @@ ROW_LOSS_TERMS = ['jsd']
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = []
 SEGMENT_MEANS = []
-# (BLOCK_V, num_warps) for a large vocabulary by the plan's rule, and what decides the measured one:
-# the streams the first read loads, its running sums, the exact read's sums (losscodegen/tiles.py)
-TILE = (4096, 8)
+# what decides the tile (the runtime's choice, losscodegen/tiles.py): the streams the first read
+# loads, its running sums, the exact read's sums
 STATE = ('xt', 2, 4)
 # the per-call fp32 workspace: these slots, then per-row values and stats at offsets given per call
 LOSS, COUNT, DONE = 1, 2, 3

@@ -9,11 +9,6 @@ from .terms import (GRPO, GSPO, JSD, ClipFraction, CrossEntropy, Entropy, Forwar
 from . import testing  # noqa: E402  (it tests HeadLoss)
 
 
-def explain(head: HeadLoss) -> str:
-    """``head.explain()``: formulas, reductions, derived gradient, reads, and the serving kernel file."""
-    return head.explain()
-
-
-__all__ = ["HeadLoss", "HeadOutput", "Term", "declare_term", "explain", "symbols", "testing",
+__all__ = ["HeadLoss", "HeadOutput", "Term", "declare_term", "symbols", "testing",
            "CrossEntropy", "ZLoss", "Entropy", "TokenAccuracy", "ForwardKL", "ReverseKL", "JSD",
            "TopKForwardKL", "GRPO", "GSPO", "RatioMean", "ClipFraction", "KLNewOld", "LogProb"]

@@ -5,6 +5,10 @@
     with ``--check``, compare DIR with what would be written instead, and exit 1 naming what differs.
 ``python -m losscodegen check [--manifest FILE] [--device cpu|cuda]``
     every head of a manifest against its float64 reference (losscodegen.testing.assert_parity).
+``python -m losscodegen tune [--manifest FILE] [--vocab V ...] [--rows N] [--out FILE]``
+    on a GPU: measure the fastest launch configuration of every manifest head's plan state at each
+    vocabulary, kept in ``$LOSSCODEGEN_CACHE/tiles.json`` (which the runtime reads) or written to
+    ``--out`` (the form shipped as losscodegen/tiles.json).
 ``python -m losscodegen demo``
     a real head on random logits: its losses, gradient and plan.
 
@@ -133,6 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     chk = sub.add_parser("check", help="parity of every head of a manifest with its float64 reference")
     chk.add_argument("--manifest", type=Path, default=load.GENERATED / "manifest")
     chk.add_argument("--device", choices=("cpu", "cuda"), default=None)
+    tun = sub.add_parser("tune", help="measure launch configurations on this GPU (kept for later calls)")
+    tun.add_argument("--manifest", type=Path, default=load.GENERATED / "manifest")
+    tun.add_argument("--vocab", type=int, nargs="+", default=[32000, 64128, 128256, 262144])
+    tun.add_argument("--rows", type=int, default=8192)
+    tun.add_argument("--out", type=Path, default=None, help="write this table instead of the user's")
     sub.add_parser("demo", help="run a real head on random logits and print what it computes")
     args = parser.parse_args(argv)
     if args.command == "demo":
@@ -143,6 +152,13 @@ def main(argv: list[str] | None = None) -> int:
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         _restart_in_interpreter(device == "cpu")
         return int(check(args.manifest, device) > 0)
+    if args.command == "tune":
+        if not torch.cuda.is_available():
+            raise SystemExit("python -m losscodegen tune measures on a GPU; none is available")
+        from losscodegen.tune import tune
+        tune([head for _, head in manifest_heads(args.manifest)], args.vocab, torch.device("cuda"),
+             args.rows, args.out)
+        return 0
     differences = generate(args.out or args.manifest.parent, args.manifest, check=args.check)
     return int(differences > 0)
 

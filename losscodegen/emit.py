@@ -14,10 +14,9 @@ import sympy as sp
 from sympy.printing.pycode import PythonCodePrinter
 
 from . import symbols as S
-from .load import TEMPLATES
 from .lower import IS_Y, M, MT
-from .plan import Plan
-from .tiles import pow2
+from .plan import Plan, pow2
+from .resources import TEMPLATES
 
 X = sp.Symbol("x", real=True)
 _LOG2E = sp.Float(1 / math.log(2))

@@ -10,7 +10,7 @@ from typing import Any
 import sympy as sp
 import torch
 
-from . import autograd
+from . import autograd, tiles
 from . import load as _load
 from . import symbols as S
 from .emit import KernelSource, emit, header
@@ -82,6 +82,7 @@ class HeadLoss(torch.nn.Module):
         self._kernel: ModuleType | None = None
         self._row_weights: tuple[float, ...] | None = None
         self.layouts: dict[tuple, Any] = {}        # launch.py's per-signature layouts
+        self.tile_override: Any = None             # a tiles.Config every call takes (tune.py)
         self.checks = DeviceChecks(ignore_index)
         self.spec_text = "\n".join(
             [f"{'metric' if m else 'loss'} {n} {sp.srepr(f)}" for n, f, m in self._bound]
@@ -115,6 +116,8 @@ class HeadLoss(torch.nn.Module):
         return "\n".join([
             "terms:", *[f"  {'metric' if m else 'loss  '} {n} = {f}" for n, f, m in self._bound],
             str(p.lowered), "plan:", *["  " + line for line in str(p).splitlines()],
+            f"tile for a large vocabulary, by rule: {tiles.rule(p.state)} (on a GPU a measured table may "
+            "choose another: losscodegen/tiles.py)",
             f"kernel: {_load.module_path(self.key)}"])
 
     # ---- calls ----------------------------------------------------------------------------------

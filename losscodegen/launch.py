@@ -189,7 +189,7 @@ class Launcher:
         if layout is None:
             layout = _layout(head, call, grad=grad, dtype=dtype, element_size=element_size,
                              exchange=self.exchange is not None)
-            if tiles.forced() is None:       # (a configuration being measured is nobody's to keep)
+            if head.tile_override is None:   # (a configuration being measured is nobody's to keep)
                 head.layouts[key] = layout
         self.layout, self.vocab = layout, layout.vocab
         offsets = layout.offsets.get((call.rows, self.n_seg))

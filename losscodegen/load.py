@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.resources
 import importlib.util
 import os
 import re
@@ -29,24 +28,15 @@ from typing import Callable
 
 import sympy as sp
 
+from .resources import GENERATED, TEMPLATES
+
 _PACKAGE = Path(__file__).resolve().parent
-_CODEGEN_SOURCES = ("symbols.py", "terms.py", "lower.py", "plan.py", "emit.py")
+# The code generator's sources: a change to any of them may change what it writes. (Not terms.py:
+# a kernel's key hashes its bound formulas, so a new built-in re-stamps nothing.)
+_CODEGEN_SOURCES = ("symbols.py", "lower.py", "plan.py", "emit.py")
 _CODEGEN_LINE = re.compile(r'^CODEGEN = "([0-9a-f]+)"$', re.M)
 
 
-def resource_dir(package: str) -> Path:
-    """A folder shipped as package data (``templates``, ``generated``), wherever the package lives:
-    the repository's folder for an editable install, site-packages for a wheel."""
-    try:
-        return Path(str(importlib.resources.files(f"losscodegen.{package}")))
-    except ModuleNotFoundError as e:
-        raise ImportError(f"losscodegen.{package} is not installed: losscodegen carries its templates and "
-                          "prebuilt kernels as package data, so install it (pip install ., or -e .) "
-                          "rather than putting its folder on sys.path") from e
-
-
-TEMPLATES = resource_dir("templates")
-GENERATED = resource_dir("generated")
 
 
 @functools.lru_cache(maxsize=None)

@@ -91,18 +91,6 @@ class Plan:
         return (Sweep("stats", False, streams, False), *exact,
                 Sweep("grad", not lw.has_exact, grad_streams, True, True))
 
-    @property
-    def tile(self) -> tuple[int, int]:
-        """(BLOCK_V, num_warps) for a large vocabulary of 2-byte logits, as measured best on an H100
-        at 128256 (docs/performance.md; the runtime keeps the tile's bytes for wider inputs).
-        Per-element state decides: registers run out first for a pass that also streams the
-        teacher, then for one that keeps several running sums."""
-        lw = self.lowered
-        if lw.uses_teacher:
-            return (4096, 8)
-        online = sum(a.online and a.domain == "vocab" for a in lw.accumulators)
-        return (32768, 32) if online <= 1 else (16384, 16)
-
     def bytes_per_element(self, logit_bytes: int = 2, teacher_bytes: int = 2,
                           grad: bool = True) -> float:
         """HBM bytes per vocabulary element if no read hits L2: every sweep's streams, and the
@@ -122,13 +110,19 @@ class Plan:
                  + (f"; exact sums: {', '.join(self.exact)}" if self.exact else ""),
                  "vocab-parallel: one all-gather of the packed stats"
                  + (" + one all-reduce of the exact sums" if self.exact else ""),
-                 f"tiles: BLOCK_V <= {self.tile[0]}, {self.tile[1]} warps; "
+                 f"per-element state {self.state}; reads "
                  + ", ".join(f"{w.name} {'backward' if w.reverse else 'forward'}" for w in self.sweeps)]
         for label, sharded, exchange in (("single device", False, False), ("sharded", True, False),
                                          ("sharded, in-kernel exchange", True, True)):
             seq = self.launches(sharded=sharded, grad=True, exchange=exchange)
             lines.append(f"{label}: {len(seq)} launch(es): " + " -> ".join(_describe(l, lw.has_exact) for l in seq))
         return "\n".join(lines)
+
+
+def pow2(n: int) -> int:
+    """The least power of two >= n (``triton.next_power_of_2`` costs microseconds a call, on the hot
+    path of a call)."""
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def launch_sequence(*, has_exact: bool, segments: bool, sharded: bool, grad: bool,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import losscodegen as lcg
-from losscodegen import tiles
+from losscodegen import tiles, tune
 from losscodegen.testing import assert_parity
 
 
@@ -15,10 +15,11 @@ from losscodegen.testing import assert_parity
     lcg.HeadLoss(lcg.CrossEntropy(), lcg.ForwardKL(weight=0.5), metrics=(lcg.Entropy(), lcg.TokenAccuracy())),
     lcg.HeadLoss(lcg.GSPO(), lcg.CrossEntropy(weight=0.1)),
 ], ids=["jsd", "ce_fkl", "gspo"])
-def test_split_launches_compute_what_one_launch_does(head, monkeypatch):
-    monkeypatch.setattr(tiles, "_forced", tiles.Config(4096, 8, split=True))  # as while measuring
+def test_split_launches_compute_what_one_launch_does(head):
+    head.tile_override = tiles.Config(4096, 8, split=True)  # as while measuring
     assert len(head.launches(sharded=False, grad=True, split=True)) > 1
     assert_parity(head, rows=14, vocab=300)
+    assert not head.layouts         # a configuration being measured is not kept
 
 
 def test_tile_bytes_and_small_vocabularies():
@@ -27,8 +28,16 @@ def test_tile_bytes_and_small_vocabularies():
     assert config.launch(128256, 4) == dict(BLOCK_V=8192, num_warps=16)      # same bytes, fp32
     assert config.launch(3000, 2) == dict(BLOCK_V=4096, num_warps=4)         # shrunk with its warps
     head = lcg.HeadLoss(lcg.JSD())
-    assert {c.split for c in tiles.candidates(head.kernel, 128256)} == {False, True}
-    assert max(c.block_v for c in tiles.candidates(head.kernel, 5000)) == 8192
+    assert {c.split for c in tune.candidates(head.kernel, 128256)} == {False, True}
+    assert max(c.block_v for c in tune.candidates(head.kernel, 5000)) == 8192
+
+
+def test_the_rule_follows_the_plan_state_and_is_not_in_the_kernel():
+    ce, fkl = lcg.HeadLoss(lcg.CrossEntropy()), lcg.HeadLoss(lcg.ForwardKL())
+    assert tiles.rule(ce.kernel.STATE) == tiles.Config(32768, 32)
+    assert tiles.rule(fkl.kernel.STATE) == tiles.Config(4096, 8)
+    assert not hasattr(ce.kernel, "TILE")       # the runtime's choice, not hashed into the kernel
+    assert tiles.choose(ce, ce.kernel, 128256, torch.bfloat16, torch.device("cpu")) == tiles.Config(32768, 32)
 
 
 def test_a_vocab_parallel_call_takes_the_sharded_tile_of_its_streams():

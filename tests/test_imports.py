@@ -1,0 +1,73 @@
+"""The package's import graph, read from its source: no import circle anywhere, and the compiler
+stages (declare, lower, plan, emit) import neither the runtime nor torch/triton."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import losscodegen
+
+PACKAGE = Path(losscodegen.__file__).resolve().parent
+COMPILER = {"losscodegen.symbols", "losscodegen.terms", "losscodegen.lower", "losscodegen.plan",
+            "losscodegen.emit", "losscodegen.resources"}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def graph() -> dict[str, set[str]]:
+    """module -> what it imports (inside the package: modules; outside: top-level package names),
+    at any depth of the file (imports inside functions count)."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    edges: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        out = edges.setdefault(name, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                out |= {a.name if a.name in modules else a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1]
+                                    + ([node.module] if node.module else []))
+                for a in node.names:
+                    sub = f"{base}.{a.name}"
+                    out.add(sub if sub in modules else base if base in modules else base.split(".")[0])
+        out.discard(name)
+    return edges
+
+
+def test_no_import_circle():
+    edges = graph()
+    state: dict[str, int] = {}
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for n in edges.get(m, ()):
+            if n not in edges:
+                continue
+            assert state.get(n) != 1, "import circle: " + " -> ".join(path + [m, n])
+            if n not in state:
+                visit(n, path + [m])
+        state[m] = 2
+    for m in sorted(edges):
+        if m not in state:
+            visit(m, [])
+
+
+def test_the_compiler_stages_import_no_runtime_and_no_torch():
+    edges = graph()
+    for stage in COMPILER:
+        seen, todo = set(), [stage]
+        while todo:
+            m = todo.pop()
+            for n in edges.get(m, ()):
+                if n not in seen:
+                    seen.add(n)
+                    todo.append(n)
+        assert not seen & {"torch", "triton"}, f"{stage} reaches {sorted(seen & {'torch', 'triton'})}"
+        runtime = {m for m in seen if m.startswith("losscodegen") and m not in COMPILER}
+        assert not runtime, f"{stage} imports runtime modules {sorted(runtime)}"
