@@ -145,10 +145,10 @@ class TorchPrinter(_ArrayPrinter):
 _TL = TritonPrinter()
 
 
-def _statements(exprs: list[sp.Expr], prefix: str, printer=_TL) -> tuple[list[str], list[str]]:
+def _statements(exprs: list[sp.Expr], prefix: str) -> tuple[list[str], list[str]]:
     """Common subexpressions first (``prefix0 = ...``), then the printed results."""
     temps, reduced = sp.cse(exprs, symbols=sp.numbered_symbols(prefix, real=True), order="canonical")
-    return ([f"{s} = {printer.doprint(e)}" for s, e in temps], [printer.doprint(e) for e in reduced])
+    return ([f"{s} = {_TL.doprint(e)}" for s, e in temps], [_TL.doprint(e) for e in reduced])
 
 
 def _tile_sums(sums: list[tuple[str, str]]) -> list[str]:
@@ -201,10 +201,12 @@ class KernelSource:
         return f"{self.name} ({len(self.text.splitlines())} lines)"
 
 
-def _group_online(plan: Plan, domain: str):
+def _group_online(plan: Plan) -> dict[tuple, list]:
+    """The first read's online accumulators over the vocabulary, grouped by their exponent (alpha,
+    beta): a group shares one rescale and one exponential a tile."""
     groups: dict[tuple, list] = {}
     for acc in plan.lowered.accumulators:
-        if acc.online and acc.domain == domain:
+        if acc.online and acc.domain == "vocab":
             groups.setdefault((acc.alpha, acc.beta), []).append(acc)
     return groups
 
@@ -243,7 +245,7 @@ def emit(plan: Plan, key: str, header: str, codegen: str) -> KernelSource:
     mn, mtn = sp.Symbol("m_new", real=True), sp.Symbol("m_t_new", real=True)
 
     online = []
-    for i, ((alpha, beta), accs) in enumerate(_group_online(plan, "vocab").items()):
+    for i, ((alpha, beta), accs) in enumerate(_group_online(plan).items()):
         exponent = alpha * (S.logit - mn) + beta * (S.teacher_logit - mtn)
         rescale = alpha * (M - mn) + beta * (MT - mtn)
         scale = sp.Symbol(f"s{i}", real=True) if exponent != 0 else sp.S.One

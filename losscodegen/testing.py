@@ -179,7 +179,6 @@ def assert_parity(head: HeadLoss, rows: int = 24, vocab: int = 500,
     ref = reference(head)
     for dtype in dtypes:
         logits, labels, kw = random_inputs(head, rows, vocab, dtype, device, seed, **inputs)
-        rtol, atol, grad_tol = TOLERANCES[dtype]
         x = logits.clone().requires_grad_()
         out = head(x, labels, **kw)
         if head.loss_terms:
@@ -189,15 +188,21 @@ def assert_parity(head: HeadLoss, rows: int = 24, vocab: int = 500,
         where = f"({dtype}, {rows} x {vocab}, seed {seed})"
         for name, got, expected in [("loss", out.loss, want_loss)] + [
                 (n, v, want[n]) for n, v in {**out.terms, **out.metrics}.items()]:
-            err, at, got_at, want_at = _worst(got, expected)
-            bound = atol + rtol * float(expected.abs().max())
-            if not err <= bound:
-                raise AssertionError(f"{name} {where}{' at ' + str(at) if at else ''}: {got_at:.6g} against "
-                                     f"the float64 reference {want_at:.6g}, error {err:.3g} > {bound:.3g}")
+            compare(name, got, expected, dtype, where=where)
         if head.loss_terms:
-            err, at, got_at, want_at = _worst(x.grad, want_grad)
-            bound = grad_tol * float(want_grad.abs().max()) + 1e-9
-            if not err <= bound:
-                raise AssertionError(f"gradient {where} at {at}: {got_at:.6g} against the float64 "
-                                     f"reference {want_at:.6g}, error {err:.3g} > {bound:.3g} "
-                                     f"({grad_tol:g} of the largest |gradient|)")
+            compare("gradient", x.grad, want_grad, dtype, where=where)
+
+
+def compare(name: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, *,
+            tolerances: tuple[float, float, float] | None = None, where: str = "") -> None:
+    """The one comparison of a head's output with a float64 reference (``assert_parity`` and the
+    project's own tests): a value within ``atol + rtol * max|want|``, the gradient (``name ==
+    "gradient"``) within ``grad_tol * max|want|``, ``TOLERANCES[dtype]`` unless given. Raises
+    ``AssertionError`` naming the output, the worst element and the bound."""
+    rtol, atol, grad_tol = tolerances or TOLERANCES[dtype]
+    err, at, got_at, want_at = _worst(got, want)
+    scale = float(want.abs().max()) if want.numel() else 0.0
+    bound = grad_tol * scale + 1e-9 if name == "gradient" else atol + rtol * scale
+    if not err <= bound:
+        raise AssertionError(f"{name} {where}{' at ' + str(at) if at else ''}: {got_at:.6g} against the "
+                             f"float64 reference {want_at:.6g}, error {err:.3g} > {bound:.3g}")

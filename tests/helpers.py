@@ -7,6 +7,7 @@ import torch
 import torch.multiprocessing as mp
 
 import losscodegen as lcg
+from losscodegen.testing import compare
 from reference import head_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -67,13 +68,9 @@ def spec(term, head):
     return term.name, params, term.weight
 
 
-def tolerances(dtype):
-    # values: fp32 accumulation; gradient: stored in the logits' dtype
-    return (1e-4, 1e-5) if dtype == torch.float32 else (2e-3, 2e-3)
-
-
 def check_head(head: lcg.HeadLoss, logits, labels=None, *, grad_tol=None, value_tol=None, **inputs):
-    """Assert the head's loss, terms, metrics and gradient match the float64 reference."""
+    """Assert the head's loss, terms, metrics and gradient match the hand-written float64 reference
+    (tests/reference.py), compared as ``lcg.testing.assert_parity`` compares (``testing.compare``)."""
     x = logits.detach().clone().to(DEVICE).requires_grad_()
     dev_inputs = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
     out = head(x, labels.to(DEVICE) if labels is not None else None, **dev_inputs)
@@ -85,19 +82,15 @@ def check_head(head: lcg.HeadLoss, logits, labels=None, *, grad_tol=None, value_
         [spec(t, head) for t in head.loss_terms], [spec(t, head) for t in head.metric_terms],
         logits, labels, ignore_index=head.ignore_index, logit_scale=head.logit_scale,
         softcap=head.softcap, **ref_inputs)
-    rtol, atol = value_tol or tolerances(logits.dtype)
-    torch.testing.assert_close(out.loss.detach().double().cpu(), ref_loss, rtol=rtol, atol=atol)
+    rtol, atol, default_grad_tol = lcg.testing.TOLERANCES[logits.dtype]
+    rtol, atol = value_tol or (rtol, atol)
+    tolerances = (rtol, atol, grad_tol or default_grad_tol)
+    compare("loss", out.loss, ref_loss, logits.dtype, tolerances=tolerances)
     for name, value in {**out.terms, **out.metrics}.items():
         assert value.dtype == torch.float32 and not value.requires_grad
-        torch.testing.assert_close(value.double().cpu(), ref_values[name], rtol=rtol, atol=atol,
-                                   msg=lambda m, n=name: f"{n}: {m}")
+        compare(name, value, ref_values[name], logits.dtype, tolerances=tolerances)
     if wants_grad:
         assert x.grad.dtype == logits.dtype and x.grad.shape == logits.shape
         assert torch.isfinite(x.grad).all()
-        g, r = x.grad.double().cpu(), ref_grad
-        tol = grad_tol or (2e-4 if logits.dtype == torch.float32 else 1e-2)
-        err = (g - r).abs().max().item()
-        scale = r.abs().max().item()
-        assert err <= tol * max(scale, 1e-12) + 1e-9, f"gradient error {err:.3g} vs max |grad| {scale:.3g}"
+        compare("gradient", x.grad, ref_grad, logits.dtype, tolerances=tolerances)
     return out
-
