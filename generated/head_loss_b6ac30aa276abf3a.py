@@ -40,7 +40,7 @@ from triton.language.extra import libdevice
 
 KEY = "b6ac30aa276abf3a"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "38d10b038b62"
+CODEGEN = "0cff478d6c33"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss', 'entropy', 'token_accuracy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -62,6 +62,22 @@ SEGMENT_MEANS = []
 # what decides the tile (the runtime's choice, losscodegen/tiles.py): the streams the first read
 # loads, its running sums, the exact read's sums
 STATE = ('x', 2, 0)
+# Each kernel's interface, in its signature's order (both written from emit.signatures; launch.py
+# passes every argument by these names): the arguments of each launch, then those that are the
+# same at every launch of a head on one vocab shard, then the constexprs.
+ARGS = (
+    'x_ptr', 'x_stride', 'grad_ptr', 'grad_stride', 'y_ptr', 'mask_ptr', 'ws_ptr', 'off_rows',
+    'off_loss_rows', 'off_stats', 'gathered_ptr', 'peers_ptr', 'epoch', 'div_ptr', 'flag_ptr',
+    'row_offset', 'n_rows',
+)
+FIXED = (
+    'world', 'weight_cross_entropy', 'weight_z_loss', 'logit_scale', 'softcap', 'V', 'vocab_start',
+    'n_vocab', 'ignore_index',
+)
+CONSTEXPRS = (
+    'SUM', 'PER_ROW', 'STATS', 'EXCHANGE', 'MERGE', 'EXACT', 'STORE_STATS', 'ROWS', 'GRAD',
+    'BLOCK_V', 'BLOCK_K', 'BLOCK_R',
+)
 # the per-call fp32 workspace: these slots, then per-row values and stats at offsets given per call
 LOSS, COUNT, DONE = 4, 5, 6
 FIXED_SLOTS = 7
@@ -117,21 +133,18 @@ def _dlogits(x, logit_scale, softcap):
     return logit_scale
 
 
-@triton.jit(do_not_specialize=["row_offset", "n_rows", "epoch", "off_rows", "off_loss_rows", "off_stats",
-                               "off_exact", "vocab_start", "n_vocab"])
+@triton.jit(do_not_specialize=[
+    'row_offset', 'n_rows', 'epoch', 'off_rows', 'off_loss_rows', 'off_stats', 'vocab_start',
+    'n_vocab',
+])
 def head_loss_b6ac30aa276abf3a(
-    x_ptr, x_stride, grad_ptr, grad_stride, y_ptr, mask_ptr,
-    ws_ptr, off_rows, off_loss_rows, off_stats, off_exact, gathered_ptr, peers_ptr, epoch, div_ptr, flag_ptr,
-    row_offset, n_rows,
-    world,
-    weight_cross_entropy,
-    weight_z_loss,
-    logit_scale, softcap, V, vocab_start, n_vocab, ignore_index,
-    SUM: tl.constexpr, PER_ROW: tl.constexpr,
-    STATS: tl.constexpr, EXCHANGE: tl.constexpr, MERGE: tl.constexpr, EXACT: tl.constexpr,
-    STORE_STATS: tl.constexpr,
-    ROWS: tl.constexpr, GRAD: tl.constexpr,
-    BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    x_ptr, x_stride, grad_ptr, grad_stride, y_ptr, mask_ptr, ws_ptr, off_rows, off_loss_rows,
+    off_stats, gathered_ptr, peers_ptr, epoch, div_ptr, flag_ptr, row_offset, n_rows,
+    world, weight_cross_entropy, weight_z_loss, logit_scale, softcap, V, vocab_start, n_vocab,
+    ignore_index,
+    SUM: tl.constexpr, PER_ROW: tl.constexpr, STATS: tl.constexpr, EXCHANGE: tl.constexpr,
+    MERGE: tl.constexpr, EXACT: tl.constexpr, STORE_STATS: tl.constexpr, ROWS: tl.constexpr,
+    GRAD: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     # One program per row (token) of this launch. x, the teacher and the gradient hold the launch's
     # rows; per-row inputs and outputs are indexed among all the call's rows (row_offset + row).

@@ -5,6 +5,8 @@ statements into loops, loads and stores.
 """
 from __future__ import annotations
 
+import ast
+import builtins
 import itertools
 import math
 from dataclasses import dataclass
@@ -201,6 +203,105 @@ class KernelSource:
         return f"{self.name} ({len(self.text.splitlines())} lines)"
 
 
+@dataclass(frozen=True)
+class Signature:
+    """One jitted kernel's interface, the single declaration of its arguments: the template writes
+    the kernel's signature from it, the generated file records it (``ARGS``, ``FIXED``,
+    ``CONSTEXPRS``) and launch.py passes every argument by these names."""
+
+    name: str                    # the jitted function
+    args: tuple[str, ...]        # each launch's own, first
+    fixed: tuple[str, ...]       # then those that are the same at every launch of a head on one vocab shard
+    constexprs: tuple[str, ...]  # then the constexprs
+    unspecialized: tuple[str, ...] = ()  # integer arguments that change between calls: no variant each
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.args + self.fixed + self.constexprs
+
+    def lines(self, indent: str) -> list[str]:
+        """The parameters, wrapped: each launch's, the fixed ones, then the constexprs."""
+        return (wrap([f"{a}, " for a in self.args], indent) + wrap([f"{a}, " for a in self.fixed], indent)
+                + wrap([f"{a}: tl.constexpr, " for a in self.constexprs], indent))
+
+
+def wrap(items: list[str], indent: str, width: int = 100) -> list[str]:
+    """``items`` joined into lines of at most ``width`` characters, each starting with ``indent``."""
+    out, line = [], indent
+    for item in items:
+        if len(line) + len(item) > width and line.strip():
+            out.append(line.rstrip())
+            line = indent
+        line += item
+    if line.strip():
+        out.append(line.rstrip())
+    return out
+
+
+def signatures(plan: Plan, key: str, row_loss_terms: list[str]) -> dict[str, Signature]:
+    """The interface of each kernel of a head's file, in signature order."""
+    lw = plan.lowered
+    segments = [seg.name for seg in lw.segments]
+    args = ["x_ptr", "x_stride", "grad_ptr", "grad_stride", "y_ptr", "mask_ptr"]
+    if lw.uses_teacher:
+        args += ["t_ptr", "t_stride"]
+    args += [f"tok_{tok}_ptr" for tok in lw.tokens]
+    if lw.uses_topk:
+        args += ["topk_id_ptr", "topk_lp_ptr", "topk_stride", "K"]
+    if segments:
+        args += ["seg_ptr", "n_seg", "off_seg_sums", "off_seg_coefs"]
+    args += ["ws_ptr", "off_rows", "off_loss_rows", "off_stats", *(["off_exact"] if plan.exact else []),
+             "gathered_ptr", "peers_ptr", "epoch", "div_ptr", "flag_ptr", "row_offset", "n_rows"]
+    fixed = ["world", *[f"weight_{w}" for w in row_loss_terms], "logit_scale", "softcap", "V", "vocab_start",
+             "n_vocab", "ignore_index"]
+    constexprs = ["SUM", "PER_ROW", "STATS", "EXCHANGE", "MERGE", "EXACT", "STORE_STATS", "ROWS", "GRAD",
+                  "BLOCK_V", "BLOCK_K", "BLOCK_R"]
+    varying = ("row_offset", "n_rows", "epoch", "off_rows", "off_loss_rows", "off_stats", "off_exact",
+               "vocab_start", "n_vocab", "n_seg", "off_seg_sums", "off_seg_coefs")
+    out = {"head_loss": Signature(f"head_loss_{key}", tuple(args), tuple(fixed), tuple(constexprs),
+                                  tuple(a for a in varying if a in args + fixed))}
+    if segments:
+        seg_args = ("ws_ptr", "off_seg_sums", "off_seg_coefs", "n_seg", "div_ptr")
+        out["segments"] = Signature(f"segments_{key}", seg_args, tuple(f"weight_{s}" for s in segments),
+                                    ("SUM", "BLOCK_S"), ("n_seg", "off_seg_sums", "off_seg_coefs"))
+    return out
+
+
+def check_interface(text: str, sigs: dict[str, Signature]) -> None:
+    """Refuse a rendered kernel file whose kernels disagree with their declared interface: a kernel
+    whose parameters are not the declaration's, or that reads a name it neither takes, assigns, nor
+    finds in the file or the builtins (a template that renamed or dropped an argument). Raised here,
+    when the file is generated, not when a launch first compiles it."""
+    tree = ast.parse(text)
+    module_names = set(dir(builtins))
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            module_names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            module_names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        else:
+            module_names.update(n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store))
+    functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+    for sig in sigs.values():
+        fn = functions.get(sig.name)
+        if fn is None:
+            raise ValueError(f"the template wrote no kernel {sig.name}")
+        params = tuple(a.arg for a in fn.args.args)
+        if params != sig.names:
+            raise ValueError(f"{sig.name}: the template's parameters {params} are not its declared "
+                             f"interface {sig.names} (emit.signatures)")
+        known = module_names | set(params) | {n.id for n in ast.walk(fn)
+                                              if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        unknown = sorted({n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+                         - known)
+        if unknown:
+            raise ValueError(f"{sig.name} reads {unknown}, which is no argument of its declared interface "
+                             f"(emit.signatures) and nothing it assigns")
+        unused = sorted(set(sig.args + sig.fixed) - {n.id for n in ast.walk(fn) if isinstance(n, ast.Name)})
+        if unused:
+            raise ValueError(f"{sig.name}: declared arguments {unused} are never read by the template")
+
+
 def _group_online(plan: Plan) -> dict[tuple, list]:
     """The first read's online accumulators over the vocabulary, grouped by their exponent (alpha,
     beta): a group shares one rescale and one exponential a tile."""
@@ -274,9 +375,10 @@ def emit(plan: Plan, key: str, header: str, codegen: str) -> KernelSource:
         seg_fns.append(dict(name=seg.name, temps=temps, value=value, slot=lw.outputs.index(seg.name),
                             grads=[(seg_means.index(U.name), g) for U, g in zip(seg.means, grads)]))
     n_out = len(lw.outputs)
+    sigs = signatures(plan, key, row_loss_terms)
 
     ctx = dict(
-        header=header, name=name, key=key, codegen=codegen, plan=plan, lw=lw,
+        header=header, sigs=sigs, key=key, codegen=codegen, plan=plan, lw=lw,
         sweeps={w.name: w for w in plan.sweeps},
         transform=_TL.doprint(transform), dtransform=_TL.doprint(transform.diff(X)),
         online=online, topk_online=topk_online,
@@ -307,5 +409,7 @@ def emit(plan: Plan, key: str, header: str, codegen: str) -> KernelSource:
     )
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), keep_trailing_newline=True,
                              trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
+    env.filters["tuple_lines"] = lambda names: wrap([f"{n!r}, " for n in names], "    ")
     text = env.get_template("head_loss.py.j2").render(**ctx)
+    check_interface(text, sigs)
     return KernelSource(name, key, text)

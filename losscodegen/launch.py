@@ -9,15 +9,16 @@ waits for the device. What a call's shapes decide (tiles, launches, each launch'
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import ModuleType
+from typing import Any, Callable, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from . import collectives, segments, tiles
-from .dispatch import Kernel
+from .dispatch import Kernel, by_name
 from .plan import Launch
 
 _BLOCK_R = 256      # rows a tile when the last program reduces the rows' values
@@ -77,6 +78,58 @@ def scale_rows(grad: torch.Tensor, upstream: torch.Tensor) -> None:
     kernel(grad.shape[0], grad, grad.stride(0), g, int(g.dim() != 0), V)
 
 
+class Signature(NamedTuple):
+    """What a call's layout depends on, and the key of the head's layouts: ``_layout`` reads the
+    call only through it (the head's own options are fixed when it is built)."""
+
+    V_local: int
+    dtype: torch.dtype
+    element_size: int          # the widest of the logits and the teacher's
+    device: torch.device
+    reduction: str
+    group: Any                 # vocab-parallel process group
+    grad: bool
+    divisor: bool              # whether the call gives a divisor
+    topk: int                  # the teacher's top-k count (0: none)
+    exchange: bool             # whether vocab shards exchange their stats in-kernel
+
+
+# How the launcher passes each per-launch argument a kernel may declare (its ARGS), by name: an
+# expression in the values below (``bind``'s parameters). Besides these, ``off_<region>`` is the
+# workspace's offset of that region and ``tok_<name>_ptr`` the per-row token ``name``.
+_BIND_PARAMS = "x, teacher, grad, call, ws, n_seg, gathered, peers, epoch, flags, row_offset"
+_LAUNCH_VALUES = {
+    "x_ptr": "x", "x_stride": "x.stride(0)",
+    "grad_ptr": "x if grad is None else grad", "grad_stride": "0 if grad is None else grad.stride(0)",
+    "y_ptr": "call.labels", "mask_ptr": "call.mask",
+    "t_ptr": "teacher", "t_stride": "teacher.stride(0)",
+    "topk_id_ptr": "call.topk_ids", "topk_lp_ptr": "call.topk_logprobs",
+    "topk_stride": "call.topk_ids.stride(0)", "K": "call.topk_ids.shape[1]",
+    "seg_ptr": "call.segment_ids", "n_seg": "n_seg",
+    "ws_ptr": "ws.t", "gathered_ptr": "gathered", "peers_ptr": "peers", "epoch": "epoch",
+    "div_ptr": "call.divisor", "flag_ptr": "flags", "row_offset": "row_offset", "n_rows": "call.rows",
+}
+
+
+def binder(k: ModuleType, names: tuple[str, ...]) -> Callable[..., tuple]:
+    """A function of ``_BIND_PARAMS`` that returns the arguments ``names`` (a kernel's ARGS) in
+    their order: compiled once per kernel, so that a launch looks nothing up by name. A name the
+    launcher does not know how to pass fails here, at a head's first call, naming it."""
+    exprs = []
+    for name in names:
+        if name in _LAUNCH_VALUES:
+            exprs.append(_LAUNCH_VALUES[name])
+        elif name.startswith("off_") and name in Workspace.__slots__:
+            exprs.append(f"ws.{name}")
+        elif name.startswith("tok_") and name.endswith("_ptr") and name[4:-4] in k.TOKENS:
+            exprs.append(f"call.tokens[{k.TOKENS.index(name[4:-4])}]")
+        else:
+            raise TypeError(f"{k.__name__} takes an argument {name!r} that launch.py does not know how to pass")
+    namespace: dict[str, Any] = {}
+    exec(f"def bind({_BIND_PARAMS}):\n    return ({', '.join(exprs)},)\n", namespace)
+    return namespace["bind"]
+
+
 @dataclass(frozen=True)
 class _Layout:
     """What a call's signature decides (not its row count: a training run may bring a new one every
@@ -89,42 +142,56 @@ class _Layout:
                                                # constexprs and the fixed arguments)
     cut: int                       # steps[:cut] run before the segment step
     count: bool                    # whether a launch counts the valid rows (the default divisor)
+    bind: Callable[..., tuple]     # the head kernel's per-launch arguments (``binder``)
+    bind_segments: Callable[..., tuple] | None  # the segment kernel's
     offsets: dict = field(default_factory=dict, compare=False)  # _offsets by (rows, segments)
 
 
-def _layout(head, call, *, grad: bool, dtype: torch.dtype, element_size: int, exchange: bool) -> _Layout:
+def _layout(head, sig: Signature) -> _Layout:
     k = head.kernel
-    world, rank = collectives.group_info(call.group)
-    config = tiles.choose(head, k, call.V_local, dtype, call.device, sharded=call.group is not None)
-    launches = head.launches(sharded=call.group is not None, grad=grad, split=config.split, exchange=exchange)
+    world, rank = collectives.group_info(sig.group)
+    sharded = sig.group is not None
+    config = tiles.choose(head, k, sig.V_local, sig.dtype, sig.device, sharded=sharded)
+    launches = head.launches(sharded=sharded, grad=sig.grad, split=config.split, exchange=sig.exchange)
     cut = next((i + 1 for i, launch in enumerate(launches) if launch.then == "segments"), len(launches))
-    fn = getattr(k, f"head_loss_{k.KEY}")
-    options = config.launch(call.V_local, element_size)
-    block_k = tiles.pow2(call.topk_ids.shape[1]) if k.USES_TOPK else 1
-    fixed = (world, *head.row_weights, head.logit_scale, float(head.softcap or 1.0), call.V_local,
-             rank * call.V_local, call.V_local * world, head.ignore_index)
-    kernels = tuple(Kernel(fn, *fixed, SUM=call.reduction == "sum", PER_ROW=call.reduction == "none",
-                           STATS=launch.stats, EXCHANGE=launch.exchange, MERGE=launch.merge,
-                           EXACT=launch.exact, STORE_STATS=launch.store_stats, ROWS=launch.rows,
-                           GRAD=launch.grad, BLOCK_K=block_k, BLOCK_R=_BLOCK_R, **options)
-                    for launch in launches)
-    return _Layout(world, call.V_local * world, tuple(zip(launches, kernels)), cut,
-                   call.divisor is None and call.reduction != "sum" and head.has_row_outputs)
+    name = f"head_loss_{k.KEY}"
+    options = config.launch(sig.V_local, sig.element_size)
+    fixed = dict(world=world, logit_scale=head.logit_scale, softcap=float(head.softcap or 1.0), V=sig.V_local,
+                 vocab_start=rank * sig.V_local, n_vocab=sig.V_local * world, ignore_index=head.ignore_index,
+                 **{f"weight_{n}": w for n, w in zip(k.ROW_LOSS_TERMS, head.row_weights)})
+    constexprs = dict(SUM=sig.reduction == "sum", PER_ROW=sig.reduction == "none", BLOCK_V=options.pop("BLOCK_V"),
+                      BLOCK_K=tiles.pow2(sig.topk) if sig.topk else 1, BLOCK_R=_BLOCK_R)
+    kernels = []
+    for launch in launches:
+        phases = {f.name.upper(): getattr(launch, f.name) for f in fields(Launch) if f.name != "then"}
+        kernels.append(Kernel(getattr(k, name), *by_name(fixed, k.FIXED, name),
+                              **dict(zip(k.CONSTEXPRS, by_name({**constexprs, **phases}, k.CONSTEXPRS, name))),
+                              **options))
+    return _Layout(world, sig.V_local * world, tuple(zip(launches, kernels)), cut,
+                   not sig.divisor and sig.reduction != "sum" and head.has_row_outputs, binder(k, k.ARGS),
+                   binder(k, k.SEGMENT_ARGS) if k.SEGMENTS else None)
 
 
-def _offsets(k: ModuleType, n_rows: int, *, per_row: bool, keep_stats: bool, n_seg: int) -> list[int]:
-    """The workspace's offsets in ``Workspace``'s order, where its zeroed part ends, and its size."""
+# The workspace after the kernel's fixed slots, region by region in this order (fp32 each); the
+# prologue zeroes the fixed slots and the segment sums (what the kernel adds into), every other
+# region is written before it is read.
+def _regions(k: ModuleType, n_rows: int, *, per_row: bool, keep_stats: bool, n_seg: int) -> dict[str, int]:
+    segs = max(n_seg, 1) if k.SEGMENTS else 0
+    return {"off_seg_sums": segs * (len(k.SEGMENT_MEANS) + 1),
+            "off_rows": n_rows * len(k.ROW_VALUES), "off_loss_rows": n_rows if per_row else 0,
+            "off_stats": n_rows * len(k.COLUMNS) if keep_stats else 0,
+            "off_exact": n_rows * len(k.EXACT) if keep_stats else 0,
+            "off_seg_coefs": segs * len(k.SEGMENT_MEANS)}
+
+
+def _offsets(k: ModuleType, n_rows: int, **kw: Any) -> tuple[dict[str, int], int, int]:
+    """The workspace's offsets by region (``Workspace``'s fields), where its zeroed part ends, and its size."""
     if n_rows >= 1 << 24:
         raise ValueError(f"a call takes fewer than 2**24 rows (its counts are exact fp32), got {n_rows}")
-    zeroed = k.FIXED_SLOTS + (max(n_seg, 1) * (len(k.SEGMENT_MEANS) + 1) if k.SEGMENTS else 0)
-    sizes = [n_rows * len(k.ROW_VALUES), n_rows if per_row else 0,
-             n_rows * len(k.COLUMNS) if keep_stats else 0, n_rows * len(k.EXACT) if keep_stats else 0,
-             max(n_seg, 1) * len(k.SEGMENT_MEANS) if k.SEGMENTS else 0]
-    offsets = [zeroed]
-    for size in sizes:
-        offsets.append(offsets[-1] + size)
-    rows, loss_rows, stats, exact, seg_coefs, size = offsets
-    return [rows, loss_rows, stats, exact, k.FIXED_SLOTS, seg_coefs, zeroed, size]
+    offsets, at = {}, k.FIXED_SLOTS
+    for region, size in _regions(k, n_rows, **kw).items():
+        offsets[region], at = at, at + size
+    return offsets, offsets["off_rows"], at
 
 
 def workspace(size: int, device: torch.device) -> torch.Tensor:
@@ -136,19 +203,18 @@ def workspace(size: int, device: torch.device) -> torch.Tensor:
 @dataclass(slots=True)
 class Workspace:
     """One call's fp32 scratch: the kernel's fixed slots (each output's value, the loss, the
-    valid-row count, the finished-row count) and the segment sums, which the prologue zeroes; then
-    per-row values, per-row losses, the packed stats, the exact sums and the segment coefficients,
-    each written before it is read."""
+    valid-row count, the finished-row count), then the regions of ``_regions``, each at its offset
+    (a field named as the kernel's argument that takes it)."""
 
     t: torch.Tensor
     n_rows: int
+    k: ModuleType
+    off_seg_sums: int
     off_rows: int
     off_loss_rows: int
     off_stats: int
     off_exact: int
-    off_seg_sums: int
     off_seg_coefs: int
-    k: ModuleType
 
     def values(self) -> torch.Tensor:
         return self.t.narrow(0, 0, len(self.k.OUTPUTS))
@@ -182,15 +248,14 @@ class Launcher:
         self.n_seg = segments.count(call, head.ignore_index) if k.SEGMENTS else 0
         # (an exact read takes the all-gather: it reads every row again after the exchange anyway)
         self.exchange = None if k.HAS_EXACT else collectives.exchange(call.group, call.device)
-        key = (call.V_local, dtype, element_size, call.device, call.reduction, call.group, grad,
-               call.divisor is None, call.topk_ids.shape[1] if k.USES_TOPK else 0, self.exchange is not None,
-               head.logit_scale, head.softcap, head.ignore_index)   # (the kernels hold these three)
-        layout = head.layouts.get(key)
+        sig = Signature(call.V_local, dtype, element_size, call.device, call.reduction, call.group, grad,
+                        call.divisor is not None, call.topk_ids.shape[1] if k.USES_TOPK else 0,
+                        self.exchange is not None)
+        layout = head.layouts.get(sig)
         if layout is None:
-            layout = _layout(head, call, grad=grad, dtype=dtype, element_size=element_size,
-                             exchange=self.exchange is not None)
+            layout = _layout(head, sig)
             if head.tile_override is None:   # (a configuration being measured is nobody's to keep)
-                head.layouts[key] = layout
+                head.layouts[sig] = layout
         self.layout, self.vocab = layout, layout.vocab
         offsets = layout.offsets.get((call.rows, self.n_seg))
         if offsets is None:
@@ -198,8 +263,8 @@ class Launcher:
                 layout.offsets.clear()
             offsets = layout.offsets[call.rows, self.n_seg] = _offsets(
                 k, call.rows, per_row=call.reduction == "none", keep_stats=len(layout.steps) > 1, n_seg=self.n_seg)
-        *offsets, zeroed, size = offsets
-        self.ws = Workspace(workspace(size, call.device), call.rows, *offsets, k)
+        regions, zeroed, size = offsets
+        self.ws = Workspace(workspace(size, call.device), call.rows, k, **regions)
         _PROLOGUES[layout.count](1, self.ws.t, zeroed, call.labels, call.mask, call.rows, head.ignore_index,
                                  k.COUNT)
 
@@ -227,25 +292,15 @@ class Launcher:
         """The segment step, between the passes: the segment kernel (after summing the segments
         over ``segment_group``)."""
         if self.k.SEGMENTS:
-            segments.run(self.k, self.head, self.call, self.ws, self.n_seg)
+            segments.run(self.k, self.head, self.call, self.ws, self.n_seg, self.layout.bind_segments(
+                None, None, None, self.call, self.ws, self.n_seg, None, None, 0, self.flags, 0))
 
     def _launch(self, launch: Launch, kernel: Kernel, x, teacher, grad, row_offset: int) -> None:
-        k, call, ws = self.k, self.call, self.ws
-        args = [x, x.stride(0), x if grad is None else grad, 0 if grad is None else grad.stride(0),
-                call.labels, call.mask]
-        if k.USES_TEACHER:
-            args += [teacher, teacher.stride(0)]
-        args += call.tokens
-        if k.USES_TOPK:
-            args += [call.topk_ids, call.topk_logprobs, call.topk_ids.stride(0), call.topk_ids.shape[1]]
-        if k.SEGMENTS:
-            args += [call.segment_ids, self.n_seg, ws.off_seg_sums, ws.off_seg_coefs]
         gathered, peers, epoch = (self.gathered if launch.merge else None), None, 0
         if launch.exchange:
-            gathered, peers, epoch = self.exchange.next(x.shape[0], len(k.COLUMNS))
-        args += [ws.t, ws.off_rows, ws.off_loss_rows, ws.off_stats, ws.off_exact, gathered, peers, epoch,
-                 call.divisor, self.flags, row_offset, call.rows]
-        kernel(x.shape[0], *args)
+            gathered, peers, epoch = self.exchange.next(x.shape[0], len(self.k.COLUMNS))
+        kernel(x.shape[0], *self.layout.bind(x, teacher, grad, self.call, self.ws, self.n_seg, gathered, peers,
+                                             epoch, self.flags, row_offset))
 
 
 def run(head, call, *, grad: bool, inplace: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

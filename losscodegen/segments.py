@@ -8,7 +8,7 @@ from types import ModuleType
 import torch
 
 from . import collectives, tiles
-from .dispatch import Kernel
+from .dispatch import Kernel, by_name
 
 
 def count(call, ignore_index: int) -> int:
@@ -29,13 +29,17 @@ def count(call, ignore_index: int) -> int:
 _KERNELS: dict[tuple, Kernel] = {}     # a head's segment kernel, by its weights and constexprs
 
 
-def run(kernel: ModuleType, head, call, ws, n_seg: int) -> None:
+def run(kernel: ModuleType, head, call, ws, n_seg: int, args: tuple) -> None:
+    """The segment kernel, with ``args`` (its SEGMENT_ARGS, from the launcher)."""
     if call.segment_group is not None:
         collectives.all_reduce(ws.seg_sums(n_seg), call.segment_group)
-    key = (getattr(kernel, f"segments_{kernel.KEY}"), *head.weights_of(kernel.SEGMENTS),
-           call.reduction == "sum", min(tiles.pow2(n_seg), 1024))
+    name = f"segments_{kernel.KEY}"
+    fixed = {f"weight_{n}": w for n, w in zip(kernel.SEGMENTS, head.weights_of(kernel.SEGMENTS))}
+    constexprs = dict(SUM=call.reduction == "sum", BLOCK_S=min(tiles.pow2(n_seg), 1024))
+    key = (getattr(kernel, name), *by_name(fixed, kernel.SEGMENT_FIXED, name),
+           *by_name(constexprs, kernel.SEGMENT_CONSTEXPRS, name))
     launch = _KERNELS.get(key)
     if launch is None:
-        fn, *weights, sum_, block = key
-        launch = _KERNELS[key] = Kernel(fn, *weights, SUM=sum_, BLOCK_S=block)
-    launch(1, ws.t, ws.off_seg_sums, ws.off_seg_coefs, n_seg, call.divisor)
+        launch = _KERNELS[key] = Kernel(key[0], *key[1:1 + len(kernel.SEGMENT_FIXED)],
+                                        **dict(zip(kernel.SEGMENT_CONSTEXPRS, key[1 + len(kernel.SEGMENT_FIXED):])))
+    launch(1, *args)
