@@ -136,7 +136,9 @@ class HeadLoss(torch.nn.Module):
                                         teacher_weight, teacher_bias, chunk_rows, inputs))
 
     def _output(self, loss: torch.Tensor, values: torch.Tensor) -> HeadOutput:
-        per_output = values.unbind(0)   # the kernel's OUTPUTS: the terms, then the metrics
+        # the kernel's OUTPUTS: the terms, then the metrics, each a tensor of its own to autograd
+        # (not a view: in-place ops on it work), sharing the workspace's memory (no device work)
+        per_output = [v.detach() for v in values.unbind(0)]
         n = len(self.loss_terms)
         return HeadOutput(loss, dict(zip(self._names[:n], per_output[:n])),
                           dict(zip(self._names[n:], per_output[n:])))

@@ -220,9 +220,12 @@ class Workspace:
         return self.t.narrow(0, 0, len(self.k.OUTPUTS))
 
     def loss(self, call) -> torch.Tensor:
+        # Detached: to autograd a tensor of its own, not a view of the workspace. An autograd
+        # Function's output that is a view cannot be modified in place (the Hugging Face Trainer
+        # scales the loss with ``loss *= ...``); ``detach`` costs no device work.
         if call.reduction == "none":
-            return self.t[self.off_loss_rows:self.off_loss_rows + self.n_rows].view(call.shape)
-        return self.t.select(0, self.k.LOSS)
+            return self.t[self.off_loss_rows:self.off_loss_rows + self.n_rows].view(call.shape).detach()
+        return self.t.select(0, self.k.LOSS).detach()
 
     def stats(self, start: int, stop: int) -> torch.Tensor:
         width = len(self.k.COLUMNS)

@@ -17,6 +17,7 @@ forward ends with every gradient known, and backward only scales them by the ups
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,7 @@ import torch
 
 from . import collectives
 from .autograd import BACKWARD_TWICE
-from .inputs import check_logits, check_rows
+from .inputs import _FLOATS, check_logits, check_rows
 from .launch import Launcher, scale_rows
 
 _MIN_CHUNK = 256
@@ -148,14 +149,40 @@ class _LinearFunction(torch.autograd.Function):
         return (None if grads.hidden is None else grads.hidden.view(ctx.shape), grads.weight, grads.bias, None)
 
 
+# Eager even inside a compiled function (a graph break): Dynamo would trace into the chunk loop and
+# the kernels' launches, which it cannot (docs/api.md).
+@torch.compiler.disable
 def run(head, hidden, weight, labels, bias, teacher_hidden, teacher_weight, teacher_bias, chunk_rows,
         inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    hidden, weight, bias = _as_linear(hidden, weight, bias)
+    teacher_hidden, teacher_weight, teacher_bias = _as_linear(teacher_hidden, teacher_weight, teacher_bias)
     fused = _check(head, hidden, weight, labels, bias, teacher_hidden, teacher_weight, teacher_bias,
                    chunk_rows, inputs)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
         return _LinearFunction.apply(hidden, weight, bias, fused)
     loss, values, _ = fused.run(grad=None)
     return loss, values
+
+
+def _as_linear(hidden: Any, weight: Any, bias: Any) -> tuple[Any, Any, Any]:
+    """``hidden``, ``weight`` and ``bias`` in the dtype that ``F.linear`` computes in: under autocast
+    for their device, autocast's dtype (as ``F.linear``: each floating input but float64 is cast);
+    otherwise, where floating dtypes still differ (bf16 hidden states, an fp32 weight), the widest
+    of them, by torch's type promotion (``F.linear`` raises there: docs/decisions.md). Autograd
+    records the casts, so each input's gradient comes back in its own dtype."""
+    given = [t for t in (hidden, weight, bias) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not given:
+        return hidden, weight, bias
+    device = given[0].device.type
+    autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    dtypes = [autocast if autocast is not None and t.dtype != torch.float64 else t.dtype for t in given]
+    if any(d not in _FLOATS for d in dtypes):
+        return hidden, weight, bias     # (a dtype no head computes in: the checks name it)
+    dtype = functools.reduce(torch.promote_types, dtypes)
+
+    def cast(t: Any) -> Any:
+        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+    return cast(hidden), cast(weight), cast(bias)
 
 
 def _check(head, hidden, weight, labels, bias, teacher_hidden, teacher_weight, teacher_bias, chunk_rows,
