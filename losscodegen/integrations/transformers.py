@@ -1,0 +1,203 @@
+"""Hugging Face transformers: ``apply_losscodegen(model, head=None)`` patches a causal LM instance so
+that its training forwards take the loss from ``head.linear`` on the final hidden states (no
+``[batch, seq, vocab]`` logits), and leaves every other forward as it was (docs/integrations-transformers.md).
+
+The patched forward does what the model's own forward does around its output layer (read from each
+supported model's source in transformers 5.x): the base model, ``slice_logits_to_keep``, the output
+layer, the model's final-logit transform (Gemma 2/3's softcap, Cohere's scale, Granite's divisor),
+and ``ForCausalLMLoss``'s label shift, ``ignore_index=-100`` and ``num_items_in_batch`` divisor. A
+model type whose forward was not checked against this is refused: a forward that adds a loss
+(mixture-of-experts routers) or transforms the logits differently would otherwise train on a
+silently different objective.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+import losscodegen as lcg
+
+try:
+    import transformers
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+    from transformers.utils.generic import can_return_tuple
+except ImportError as e:  # pragma: no cover - the message is the point
+    raise ImportError('losscodegen.integrations.transformers needs transformers>=5: pip install "losscodegen[hf]"') from e
+try:
+    from transformers.modeling_utils import slice_logits_to_keep
+except ImportError:  # (earlier transformers 5 releases sliced inline, as this does)
+    def slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        return hidden_states[:, keep, :]
+
+__all__ = ["apply_losscodegen", "LosscodegenState", "SUPPORTED_MODEL_TYPES"]
+
+
+@dataclass(frozen=True)
+class FinalLogits:
+    """A model's final-logit transform: as the head applies it (``softcap``, then ``logit_scale``),
+    and as the model's forward writes it (``apply``, for the logits returned outside training)."""
+
+    softcap: float | None = None
+    logit_scale: float = 1.0
+    apply: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
+def _plain(model: nn.Module) -> FinalLogits:
+    return FinalLogits()
+
+
+def _softcap(model: nn.Module) -> FinalLogits:
+    # Gemma2ForCausalLM / Gemma3ForCausalLM: logits / cap, tanh, * cap
+    cap = model.config.final_logit_softcapping
+    if cap is None:
+        return FinalLogits()
+    cap = float(cap)
+    return FinalLogits(softcap=cap, apply=lambda x: torch.tanh(x / cap) * cap)
+
+
+def _scale(model: nn.Module) -> FinalLogits:
+    # CohereForCausalLM / Cohere2ForCausalLM: logits * self.logit_scale (= config.logit_scale)
+    scale = float(model.logit_scale)
+    return FinalLogits(logit_scale=scale, apply=lambda x: x * scale)
+
+
+def _divide(model: nn.Module) -> FinalLogits:
+    # GraniteForCausalLM: logits / config.logits_scaling
+    scaling = float(model.config.logits_scaling)
+    return FinalLogits(logit_scale=1.0 / scaling, apply=lambda x: x / scaling)
+
+
+# model_type -> its final-logit transform. Every type here has a forward that is exactly: base model,
+# slice_logits_to_keep, lm_head (an nn.Linear), the transform, self.loss_function(logits, labels, ...)
+# and nothing else (tests/test_integration_transformers.py checks each against its unpatched forward).
+_FINAL_LOGITS: dict[str, Callable[[nn.Module], FinalLogits]] = {
+    **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "gemma", "phi", "phi3", "olmo2", "starcoder2",
+                     "smollm3", "glm", "helium"), _plain),
+    "gemma2": _softcap, "gemma3_text": _softcap,
+    "cohere": _scale, "cohere2": _scale,
+    "granite": _divide,
+}
+SUPPORTED_MODEL_TYPES = tuple(sorted(_FINAL_LOGITS))
+
+_IGNORE_INDEX = -100   # ForCausalLMLoss's, and what transformers' collators pad labels with
+
+
+@dataclass
+class LosscodegenState:
+    """``model.losscodegen`` on a patched model: the head, the model's final-logit transform, and the
+    last training forward's ``terms`` and ``metrics`` (detached fp32 scalars, unweighted, as in
+    ``HeadOutput``; from the last micro-batch), for logging."""
+
+    head: lcg.HeadLoss
+    final_logits: FinalLogits
+    forward: Callable[..., Any]          # the model's own forward, bound to it
+    terms: dict[str, torch.Tensor] = field(default_factory=dict)
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def apply_losscodegen(model: nn.Module, head: lcg.HeadLoss | None = None) -> nn.Module:
+    """Patch ``model`` (a transformers causal LM instance, e.g. ``LlamaForCausalLM``) in place and
+    return it. Its class and every other instance are left alone.
+
+    - A forward with ``labels`` (or ``shift_labels``) in training mode returns the loss of ``head``
+      from ``head.linear`` on the final hidden states, labels shifted as the model shifts them,
+      ``num_items_in_batch`` (which the Trainer passes) as the divisor; ``outputs.logits`` is None.
+    - With labels outside training mode (evaluation), the logits as the model computes them, and
+      the head's loss on them.
+    - Without labels: the model's own forward, unchanged (generation).
+
+    ``head=None`` is ``HeadLoss(CrossEntropy())`` with the model's final-logit softcap and scale
+    (from its config); a head given must have them too (an error says which differ), and
+    ``ignore_index=-100``. ``model.losscodegen`` (a ``LosscodegenState``) holds the head and the last
+    training forward's terms and metrics.
+    """
+    if not isinstance(model, transformers.PreTrainedModel):
+        raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in _FINAL_LOGITS:
+        raise ValueError(f"apply_losscodegen: model type {model_type!r} ({type(model).__name__}) is not one whose "
+                         f"forward losscodegen has been checked against; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    lm_head = getattr(model, "lm_head", None)
+    if not isinstance(lm_head, nn.Linear):
+        raise ValueError(f"apply_losscodegen: {type(model).__name__} needs an nn.Linear lm_head "
+                         f"(a causal LM such as {model_type.capitalize()}ForCausalLM), got {type(lm_head).__name__}")
+    if "_loss_function" in vars(model) or LOSS_MAPPING.get(getattr(model, "loss_type", None) or "ForCausalLM") \
+            is not ForCausalLMLoss:
+        raise ValueError("apply_losscodegen: the model's loss_function is not transformers' ForCausalLMLoss "
+                         "(a custom loss would be replaced silently)")
+    if "losscodegen" in vars(model):
+        raise ValueError("apply_losscodegen: this model is already patched (model.losscodegen)")
+    final = _FINAL_LOGITS[model_type](model)
+    if head is None:
+        head = lcg.HeadLoss(lcg.CrossEntropy(), softcap=final.softcap, logit_scale=final.logit_scale)
+    elif not isinstance(head, lcg.HeadLoss):
+        raise TypeError(f"head must be a losscodegen HeadLoss, got {type(head).__name__}")
+    _check_head(head, final, model_type)
+    # (set without nn.Module's __setattr__: the state holds a module, the head, that must not become a
+    # submodule of the model)
+    object.__setattr__(model, "losscodegen", LosscodegenState(head, final, model.forward))
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return _forward(self, *args, **kwargs)
+    # The Trainer reads the forward's parameters (the columns it keeps, whether it takes
+    # num_items_in_batch): the model's own. A function of this instance's, bound to it, so that a
+    # deepcopy of the model is bound to the copy.
+    forward.__signature__ = inspect.signature(type(model).forward)
+    object.__setattr__(model, "forward", types.MethodType(can_return_tuple(forward), model))
+    return model
+
+
+def _check_head(head: lcg.HeadLoss, final: FinalLogits, model_type: str) -> None:
+    wanted = f"HeadLoss(..., softcap={final.softcap}, logit_scale={final.logit_scale})"
+    if (head.softcap is None) != (final.softcap is None) or (
+            final.softcap is not None and not math.isclose(head.softcap, final.softcap, rel_tol=1e-9)):
+        raise ValueError(f"head.softcap={head.softcap}, but this {model_type} model's final logits are softcapped "
+                         f"with {final.softcap} (config.final_logit_softcapping): build it as {wanted}")
+    if not math.isclose(head.logit_scale, final.logit_scale, rel_tol=1e-9):
+        raise ValueError(f"head.logit_scale={head.logit_scale}, but this {model_type} model scales its final logits "
+                         f"by {final.logit_scale} (from its config): build it as {wanted}")
+    if head.ignore_index != _IGNORE_INDEX:
+        raise ValueError(f"head.ignore_index={head.ignore_index}: transformers marks ignored labels with -100")
+    if not head.loss_terms:
+        raise ValueError("head has no loss terms (metrics only): a training forward needs a loss")
+
+
+def _forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    state: LosscodegenState = self.losscodegen
+    bound = inspect.signature(state.forward).bind(*args, **kwargs)
+    arguments = dict(bound.arguments)
+    extra = arguments.pop("kwargs", {})   # (every supported forward ends in **kwargs)
+    labels = arguments.pop("labels", None)
+    shift_labels = extra.pop("shift_labels", None)
+    if labels is None and shift_labels is None:
+        return state.forward(*args, **kwargs)      # generation, or logits only: the model's own forward
+    num_items_in_batch = extra.pop("num_items_in_batch", None)
+    extra.pop("ignore_index", None)                # (ForCausalLMLoss's keyword; the head checks -100)
+    logits_to_keep = arguments.pop("logits_to_keep", 0)
+    outputs = self.base_model(**arguments, **extra)
+    hidden = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+    if shift_labels is None:
+        # ForCausalLMLoss: pad one ignored label at the end, then position t predicts label t + 1
+        shift_labels = nn.functional.pad(labels, (0, 1), value=_IGNORE_INDEX)[..., 1:]
+    shift_labels = shift_labels.to(hidden.device)
+    if isinstance(num_items_in_batch, torch.Tensor):
+        num_items_in_batch = num_items_in_batch.to(hidden.device, non_blocking=True)
+    head, lm_head = state.head, self.lm_head
+    logits = None
+    if self.training:
+        out = head.linear(hidden, lm_head.weight, shift_labels, bias=lm_head.bias, divisor=num_items_in_batch)
+        state.terms, state.metrics = out.terms, out.metrics
+    else:
+        raw = lm_head(hidden)
+        out = head(raw, shift_labels, divisor=num_items_in_batch)
+        logits = raw if state.final_logits.apply is None else state.final_logits.apply(raw)
+    return CausalLMOutputWithPast(loss=out.loss, logits=logits, past_key_values=outputs.past_key_values,
+                                  hidden_states=outputs.hidden_states, attentions=outputs.attentions)
