@@ -3,12 +3,13 @@ __version__ = "0.2.0"
 
 from . import symbols
 from .head import HeadLoss, HeadOutput
-from .terms import (GRPO, GSPO, JSD, ClipFraction, CrossEntropy, Entropy, ForwardKL, KLNewOld,
-                    LogProb, RatioMean, ReverseKL, Term, TokenAccuracy, TopKForwardKL, ZLoss,
-                    declare_term)
+from .terms import (CISPO, GRPO, GSPO, JSD, SAPO, CISPOClipRatio, ClipFraction, ClipRatioHigh,
+                    ClipRatioLow, ClipRatioRegion, CrossEntropy, Entropy, ForwardKL, KLNewOld, LogProb,
+                    RatioMean, RefKL, ReverseKL, Term, TokenAccuracy, TopKForwardKL, ZLoss, declare_term)
 from . import testing  # noqa: E402  (it tests HeadLoss)
 
 
 __all__ = ["HeadLoss", "HeadOutput", "Term", "declare_term", "symbols", "testing",
            "CrossEntropy", "ZLoss", "Entropy", "TokenAccuracy", "ForwardKL", "ReverseKL", "JSD",
-           "TopKForwardKL", "GRPO", "GSPO", "RatioMean", "ClipFraction", "KLNewOld", "LogProb"]
+           "TopKForwardKL", "GRPO", "GSPO", "RatioMean", "ClipFraction", "KLNewOld", "LogProb",
+           "RefKL", "CISPO", "SAPO", "ClipRatioLow", "ClipRatioHigh", "ClipRatioRegion", "CISPOClipRatio"]

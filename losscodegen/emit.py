@@ -89,6 +89,17 @@ class _ArrayPrinter(PythonCodePrinter):
     def _print_Max(self, expr: sp.Max) -> str:
         return self._minmax(expr.args, ">")
 
+    def _print_clamp(self, expr: S.clamp) -> str:
+        x, lo, hi = expr.args  # an infinite bound is no bound
+        x = x if lo == -sp.oo else sp.Max(x, lo, evaluate=False)
+        return self._print(x if hi == sp.oo else sp.Min(x, hi, evaluate=False))
+
+    def _print_Infinity(self, expr) -> str:
+        return 'float("inf")'
+
+    def _print_NegativeInfinity(self, expr) -> str:
+        return 'float("-inf")'
+
     def _print_Piecewise(self, expr: sp.Piecewise) -> str:
         out = None
         for value, cond in reversed(expr.args):

@@ -220,10 +220,59 @@ def _prune(accs: list[Accumulator], normalizers, exprs: list[sp.Expr]):
                  for a in kept), rename
 
 
-def _piecewise(expr: sp.Expr) -> sp.Expr:
-    """Min/Max/Abs as Piecewise, so that sympy differentiates them branch by branch."""
-    return expr.replace(lambda e: isinstance(e, (sp.Min, sp.Max, sp.Abs)),
-                        lambda e: e.rewrite(sp.Piecewise))
+class _Extremum(sp.Function):
+    """Max or Min of its arguments as torch differentiates them (torch.maximum/minimum for two,
+    torch.amax/amin of the stacked arguments for more): the arguments that tie for the extremum
+    share its gradient equally. Unlike sympy's Max/Min, it is never simplified away."""
+
+    is_real = True
+    holds = None  # a relational: is the first argument at least as extreme as the second?
+
+    def fdiff(self, argindex=1):
+        a = self.args[argindex - 1]
+        others = self.args[:argindex - 1] + self.args[argindex:]
+        ties = sp.Add(*[sp.Piecewise((1, sp.Eq(b, a)), (0, True)) for b in others])
+        best = sp.And(*[self.holds(a, b) for b in others])
+        return sp.Piecewise((1 / (1 + ties), best), (0, True))
+
+
+class _Maximum(_Extremum):
+    holds = staticmethod(lambda a, b: a >= b)
+
+
+class _Minimum(_Extremum):
+    holds = staticmethod(lambda a, b: a <= b)
+
+
+class _Abs(sp.Function):
+    """torch.abs, for differentiating: derivative sign(x), 0 at 0."""
+
+    nargs = 1
+    is_real = True
+
+    def fdiff(self, argindex=1):
+        return sp.sign(self.args[0])
+
+
+_AS_TORCH = {sp.Max: _Maximum, sp.Min: _Minimum, sp.Abs: _Abs}
+_AS_SYMPY = {v: k for k, v in _AS_TORCH.items()}
+
+
+def derive(expr: sp.Expr, x: sp.Symbol) -> sp.Expr:
+    """``d expr / d x`` with torch autograd's value at every kink (docs/api.md): ``Abs`` as
+    torch.abs (0 at 0), ``Max``/``Min`` as torch.maximum/minimum (torch.amax/amin of the stacked
+    arguments for more than two: a tie shares the gradient equally), ``clamp`` as torch.clamp (1 on
+    the closed interval), ``Piecewise`` as torch.where (the branch its condition picks), nothing
+    through ``stop_gradient``. (sympy's own rules differ: Abs'(0) is 1 through Piecewise, and it
+    simplifies Min(Max(r, 1), 1) to the constant 1.)"""
+    kinks = (sp.Max, sp.Min, sp.Abs)
+    d = expr.replace(lambda e: isinstance(e, kinks), lambda e: _AS_TORCH[type(e)](*e.args)).diff(x)
+    return d.replace(lambda e: type(e) in _AS_SYMPY, lambda e: _AS_SYMPY[type(e)](*e.args))
+
+
+def _value(expr: sp.Expr) -> sp.Expr:
+    """The value of an expression, once its gradient is derived: ``stop_gradient(x)`` is ``x``."""
+    return expr.replace(S.stop_gradient, lambda x: x)
 
 
 def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
@@ -251,9 +300,8 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
                 row_u = lw.abstract(u)
                 row_values.append((U.name, row_u))
                 loss += c * row_u
-            Fp = _piecewise(F)
-            segments.append(SegmentTerm(name, tuple(means.values()), F,
-                                        tuple(Fp.diff(U) for U in means.values()), coefs))
+            segments.append(SegmentTerm(name, tuple(means.values()), _value(F),
+                                        tuple(_value(derive(F, U)) for U in means.values()), coefs))
             weights.append(sp.Symbol(f"w_{name}", real=True))  # folded into coefs at run time
             continue
         f = lw.abstract(formula)
@@ -264,7 +312,6 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
             loss += w * f
 
     # ---- the gradient, by the chain rule over placeholders --------------------------------------
-    loss = _piecewise(loss)
     coefs: list[tuple[sp.Symbol, sp.Expr]] = []
 
     def coef(expr: sp.Expr) -> sp.Expr:
@@ -275,13 +322,13 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
         return sym
 
     reds = list(lw.reductions.items())
-    c = {r: loss.diff(r) for (_, r) in reds}
+    c = {r: derive(loss, r) for (_, r) in reds}
     grad_vocab, grad_topk = sp.S.Zero, sp.S.Zero
     for (domain, body), r in reds:
         if c[r] == 0:
             continue
         elem = S.logit if domain == "vocab" else S.topk_logit
-        d = _piecewise(body).diff(elem)
+        d = derive(body, elem)
         if d == 0:
             continue
         term = coef(c[r]) * d
@@ -293,10 +340,10 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
     # and the target logit; their coefficients also collect the paths through the reductions.
     student_norms = [n for n, (alpha, _) in lw.norm_of.items() if alpha != 0]
     for x in student_norms + list(_Z_DEPENDENT_ROW):
-        total = loss.diff(x)
+        total = derive(loss, x)
         for (domain, body), r in reds:
             if c[r] != 0 and body.has(x):
-                total += c[r] * lw.reduction(domain, _piecewise(body).diff(x))
+                total += c[r] * lw.reduction(domain, derive(body, x))
         if total == 0:
             continue
         if x in lw.norm_of:
@@ -305,8 +352,10 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
         else:
             grad_vocab += coef(total) * IS_Y
 
+    grad_vocab, grad_topk = _value(grad_vocab), _value(grad_topk)
+
     # ---- placeholders -> accumulators ----------------------------------------------------------
-    lowered_red = {r: lw.lower_reduction(domain, body) for (domain, body), r in lw.reductions.items()}
+    lowered_red = {r: lw.lower_reduction(domain, _value(body)) for (domain, body), r in lw.reductions.items()}
     for key, sym in list(lw.norms.items()):
         lw.acc("vocab", True, key[0], key[1], sp.S.One)
     normalizers = tuple(
@@ -319,7 +368,7 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
             for n in normalizers}
 
     def finish(expr: sp.Expr) -> sp.Expr:
-        return sp.powsimp(expr.xreplace(lowered_red).xreplace(unit), deep=True, combine="exp")
+        return sp.powsimp(_value(expr).xreplace(lowered_red).xreplace(unit), deep=True, combine="exp")
 
     row_values = [(n, finish(e)) for n, e in row_values]
     coefs = [(s, finish(e)) for s, e in coefs]

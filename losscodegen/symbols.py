@@ -25,7 +25,7 @@ __all__ = [
     "lse", "teacher_lse", "lse_at", "teacher_lse_at",
     "softmax", "logsoftmax", "softmax_at", "logsoftmax_at",
     "teacher_prob", "teacher_logprob", "teacher_prob_at", "teacher_logprob_at",
-    "vsum", "topk_sum", "segment_mean", "token", "param", "LSE",
+    "vsum", "topk_sum", "segment_mean", "token", "param", "LSE", "stop_gradient", "clamp",
 ]
 
 
@@ -90,6 +90,44 @@ class segment_mean(sp.Function):
 
     nargs = 1
     is_real = True
+
+
+class stop_gradient(sp.Function):
+    """``stop_gradient(x)``: the value of ``x``, derivative 0 (torch's ``x.detach()``). Allowed at
+    any level: around a row quantity, inside ``vsum`` or ``segment_mean``, or around either."""
+
+    nargs = 1
+    is_real = True
+
+    @classmethod
+    def eval(cls, x):
+        if isinstance(x, sp.Number):  # a constant has no gradient to stop
+            return x
+
+    def fdiff(self, argindex=1):
+        return sp.S.Zero
+
+
+class clamp(sp.Function):
+    """``clamp(x, lo, hi) = min(max(x, lo), hi)`` with torch.clamp's derivative: 1 in ``x`` on the
+    closed interval ``lo <= x <= hi`` (where ``Min(Max(x, lo), hi)`` would split a tie in half).
+    A bound may be infinite (``-sp.oo``, ``sp.oo``, a parameter set to ``math.inf``): no bound."""
+
+    nargs = 3
+    is_real = True
+
+    @classmethod
+    def eval(cls, x, lo, hi):
+        if all(isinstance(a, sp.Number) for a in (x, lo, hi)):
+            return sp.Min(sp.Max(x, lo), hi)
+        if lo == -sp.oo and hi == sp.oo:
+            return x
+
+    def fdiff(self, argindex=1):
+        # torch's clamp_backward and clamp_backward_min_max (lo > hi: the value is hi)
+        x, lo, hi = self.args
+        inside = {1: sp.And(x >= lo, x <= hi), 2: sp.And(x < lo, lo < hi), 3: sp.Or(x > hi, hi < lo)}
+        return sp.Piecewise((1, inside[argindex]), (0, True))
 
 
 def _inv(temperature) -> sp.Expr:

@@ -4,6 +4,7 @@ Every built-in below is one formula; the gradient of each is derived later by sy
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -58,8 +59,7 @@ class TermFactory:
         for k, v in values.items():
             if not isinstance(v, (int, float, FromTerm)) or isinstance(v, bool):
                 raise TypeError(f"{self.name}: parameter {k} must be a number, got {v!r}")
-        numbers = {S.param(k): sp.Rational(str(float(v))) for k, v in values.items()
-                   if not isinstance(v, FromTerm)}
+        numbers = {S.param(k): _number(v) for k, v in values.items() if not isinstance(v, FromTerm)}
         for lse in self.formula.xreplace(numbers).atoms(S.LSE):
             if any(a.is_number and not (a.is_finite and a.is_extended_real and a >= 0) for a in lse.args) \
                     or all(a == 0 for a in lse.args):
@@ -109,8 +109,14 @@ def bind(term: Term, head_terms: tuple[Term, ...]) -> sp.Expr:
         if isinstance(value, FromTerm):
             source = next((t for t in head_terms if t.name == value.term), None)
             value = dict(source.params).get(key, value.fallback) if source else value.fallback
-        values[S.param(key)] = sp.Rational(str(float(value)))
+        values[S.param(key)] = _number(value)
     return term.formula.xreplace(values)
+
+
+def _number(value: float) -> sp.Expr:
+    """A parameter's value, exact: the decimal it prints as, or +-oo (``math.inf``: no bound)."""
+    value = float(value)
+    return sp.oo if value == math.inf else -sp.oo if value == -math.inf else sp.Rational(str(value))
 
 
 # ----- built-in terms ---------------------------------------------------------------------------
@@ -139,20 +145,38 @@ TopKForwardKL = declare_term(
     S.topk_sum(S.exp(S.topk_logprob) * (S.topk_logprob - (S.topk_logit / _T - S.lse_at(_T)))),
     defaults={"temperature": 1.0})
 
-# policy gradient: l = log p_y, r = exp(l - old), A = advantages
+# policy gradient: l = log p_y, r = exp(l - old), A = advantages. Sources: TRL 1.16
+# GRPOTrainer._compute_loss (trl/trainer/grpo_trainer.py), token-level importance sampling.
 _l = S.target_logit - S.lse
 _r = S.exp(_l - S.token("old_logprobs"))
 _A = S.token("advantages")
 _lo, _hi = 1 - S.param("eps_low"), 1 + S.param("eps_high")
+_delta = S.param("delta")
 _d = S.token("ref_logprobs") - _l
+# TRL: per_token_kl = exp(ref - logp) - (ref - logp) - 1, times coef_1 (= r, before delta's clamp)
+# when use_bias_correction_kl (DeepSeek-V3.2): kl_bias_correction=1.0 here, 0.0 leaves it out
+_kl = (S.exp(_d) - _d - 1) * (1 + S.param("kl_bias_correction") * (_r - 1))
+# TRL: coef_2 = clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high); with delta (INTELLECT-2's two-sided
+# clipping) coef_1 = clamp(coef_1, max=delta); loss = -min(coef_1 * A, coef_2 * A) + beta * kl
 GRPO = declare_term(
-    "grpo",
-    -S.Min(_r * _A, S.Min(S.Max(_r, _lo), _hi) * _A) + S.param("kl_beta") * (S.exp(_d) - _d - 1),
-    defaults={"eps_low": 0.2, "eps_high": 0.2, "kl_beta": 0.0})
+    "grpo", -S.Min(S.clamp(_r, -sp.oo, _delta) * _A, S.clamp(_r, _lo, _hi) * _A) + S.param("kl_beta") * _kl,
+    defaults={"eps_low": 0.2, "eps_high": 0.2, "kl_beta": 0.0, "delta": math.inf, "kl_bias_correction": 0.0})
+# TRL's KL penalty on its own, for the losses that take one beside their policy term (CISPO, SAPO)
+RefKL = declare_term("ref_kl", _kl, defaults={"kl_bias_correction": 0.0})
+# CISPO, MiniMax-M1 (arXiv 2506.13585) eq. 4: the clipped importance weight is detached. TRL's
+# loss_type="cispo": -clamp(coef_1, max=epsilon_high).detach() * A * logp, its epsilon_high being
+# the bound itself (1 + eps_high here; ScaleRL's recommended 5.0 is eps_high=4.0)
+CISPO = declare_term("cispo", -S.stop_gradient(S.Min(_r, 1 + S.param("eps_high"))) * _A * _l,
+                     defaults={"eps_high": 4.0})
+# SAPO (arXiv 2511.20347), TRL's loss_type="sapo": tau = tau_pos if A > 0 else tau_neg,
+# loss = -sigmoid(tau * (coef_1 - 1)) * 4 / tau * A
+_tau = S.Piecewise((S.param("temperature_pos"), _A > 0), (S.param("temperature_neg"), True))
+SAPO = declare_term("sapo", -4 / _tau / (1 + S.exp(-_tau * (_r - 1))) * _A,
+                    defaults={"temperature_pos": 1.0, "temperature_neg": 1.05})
 _R = S.exp(S.segment_mean(_l - S.token("old_logprobs")))
 _As = S.segment_mean(_A)
 GSPO = declare_term(
-    "gspo", -S.Min(_R * _As, S.Min(S.Max(_R, _lo), _hi) * _As),
+    "gspo", -S.Min(_R * _As, S.clamp(_R, _lo, _hi) * _As),
     defaults={"eps_low": 3e-4, "eps_high": 4e-4})
 
 _eps_from_grpo = {"eps_low": FromTerm("grpo", 0.2), "eps_high": FromTerm("grpo", 0.2)}
@@ -160,8 +184,23 @@ RatioMean = declare_term("ratio_mean", _r, metric_only=True)
 ClipFraction = declare_term(
     "clip_fraction", S.Piecewise((1, sp.Or(_r < _lo, _r > _hi)), (0, True)),
     defaults=_eps_from_grpo, metric_only=True)
+# TRL's clip ratios (sign-aware): low counts coef_1 < 1 - epsilon_low where A < 0, high counts
+# coef_1 > 1 + epsilon_high where A > 0, region either; coef_1 after delta's clamp, as TRL has it
+_rd = S.clamp(_r, -sp.oo, _delta)
+_clipped_low, _clipped_high = sp.And(_rd < _lo, _A < 0), sp.And(_rd > _hi, _A > 0)
+_from_grpo = {**_eps_from_grpo, "delta": FromTerm("grpo", math.inf)}
+ClipRatioLow = declare_term("clip_ratio_low", S.Piecewise((1, _clipped_low), (0, True)),
+                            defaults=_from_grpo, metric_only=True)
+ClipRatioHigh = declare_term("clip_ratio_high", S.Piecewise((1, _clipped_high), (0, True)),
+                             defaults=_from_grpo, metric_only=True)
+ClipRatioRegion = declare_term("clip_ratio_region", S.Piecewise((1, sp.Or(_clipped_low, _clipped_high)), (0, True)),
+                               defaults=_from_grpo, metric_only=True)
+# TRL's cispo_clip_ratio: coef_1 > epsilon_high where A > 0
+CISPOClipRatio = declare_term("cispo_clip_ratio", S.Piecewise((1, sp.And(_r > _hi, _A > 0)), (0, True)),
+                              defaults={"eps_high": FromTerm("cispo", 4.0)}, metric_only=True)
 KLNewOld = declare_term("kl_new_old", _r - (_l - S.token("old_logprobs")) - 1, metric_only=True)
-LogProb = declare_term("logprob", _l, metric_only=True)
+LogProb = declare_term("logprob", _l)
 
 BUILTINS = (CrossEntropy, ZLoss, Entropy, TokenAccuracy, ForwardKL, ReverseKL, JSD, TopKForwardKL,
-            GRPO, GSPO, RatioMean, ClipFraction, KLNewOld, LogProb)
+            GRPO, RefKL, CISPO, SAPO, GSPO, RatioMean, ClipFraction, ClipRatioLow, ClipRatioHigh,
+            ClipRatioRegion, CISPOClipRatio, KLNewOld, LogProb)

@@ -30,7 +30,32 @@ TOLERANCES = {torch.float32: (1e-4, 1e-5, 2e-4), torch.bfloat16: (2e-3, 2e-3, 1e
 
 class _Printer(TorchPrinter):
     """Formulas over whole rows: element symbols are [rows, V] (or [rows, K]) tensors, row
-    symbols [rows, 1], reductions keep the row dimension."""
+    symbols [rows, 1], reductions keep the row dimension. Each construct is the torch op a user
+    would write (``Min``/``Max`` as torch.minimum/maximum, or amin/amax of more than two, ``clamp``
+    as torch.clamp, ``Abs`` as torch.abs, ``Piecewise`` as torch.where, ``stop_gradient`` as
+    ``.detach()``), so that autograd's derivative at a kink is torch's own."""
+
+    def _tensor(self, expr: sp.Expr) -> str:
+        return f"z.new_tensor({self._print(expr)})" if expr.is_number else self._print(expr)
+
+    def _extremum(self, fn: str, args) -> str:
+        # torch.maximum/minimum of two; amax/amin of the stacked arguments for more (equal split of a tie)
+        printed = ", ".join(self._tensor(a) for a in args)
+        if len(args) == 2:
+            return f"torch.{fn}imum({printed})"
+        return f"torch.stack(torch.broadcast_tensors({printed})).a{fn}(0)"
+
+    def _print_Min(self, expr) -> str:
+        return self._extremum("min", expr.args)
+
+    def _print_Max(self, expr) -> str:
+        return self._extremum("max", expr.args)
+
+    def _print_clamp(self, expr) -> str:
+        return "torch.clamp(" + ", ".join(self._tensor(a) for a in expr.args) + ")"
+
+    def _print_stop_gradient(self, expr) -> str:
+        return f"({self._print(expr.args[0])}).detach()"
 
     def _print_LSE(self, expr) -> str:
         alpha, beta = expr.args
@@ -71,7 +96,7 @@ class Reference:
         if inputs.get("loss_mask") is not None:
             valid &= inputs["loss_mask"].reshape(-1)
         yc = y.clamp(0, V - 1)[:, None]
-        ns = {"z": z, "z_y": z.gather(1, yc), "label": y[:, None].double(), "vocab_size": float(V),
+        ns = {"z": z, "z_y": z.gather(1, yc), "label": y[:, None].double(), "vocab_size": z.new_tensor(float(V)),
               "argmax": z.argmax(-1, keepdim=True).double()}
         if inputs.get("teacher_logits") is not None:
             ns["t"] = inputs["teacher_logits"].detach().double().reshape(R, V)
