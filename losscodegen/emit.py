@@ -71,7 +71,7 @@ class _ArrayPrinter(PythonCodePrinter):
         if e.is_Integer and 0 < int(e) <= 4:
             return "(" + " * ".join([self.parenthesize(base, 100)] * int(e)) + ")"
         if e.is_Integer and int(e) < 0:
-            return f"(1.0 / {self._print(base ** (-e))})"
+            return f"(1.0 / ({self._print(base ** (-e))}))"
         if e == sp.S.Half:
             return self._call("sqrt", base)
         return self._call("exp", e * sp.log(base))

@@ -337,3 +337,13 @@ def test_logprob_is_a_term(dtype):
     out = _compare(head, lambda z: -_masked_mean(_logp(z, labels), valid), logits, labels,
                    dtype=dtype, loss_mask=inputs["loss_mask"])
     assert set(out.terms) == {"logprob"}
+
+
+def test_rl_builtins_pass_the_parity_tool():
+    """lcg.testing.assert_parity on every new built-in at once (its reference prints clamp,
+    stop_gradient and the clip conditions as torch ops)."""
+    head = lcg.HeadLoss(lcg.GRPO(delta=1.5, kl_beta=0.04, kl_bias_correction=1.0), lcg.SAPO(weight=0.5),
+                        lcg.CISPO(eps_high=0.1), lcg.RefKL(weight=0.1, kl_bias_correction=1.0),
+                        metrics=(lcg.ClipRatioLow(), lcg.ClipRatioHigh(), lcg.ClipRatioRegion(),
+                                 lcg.CISPOClipRatio(), lcg.LogProb()))
+    lcg.testing.assert_parity(head, rows=16, vocab=128)
