@@ -11,7 +11,7 @@ import losscodegen as lcg
 from losscodegen import symbols as S
 from losscodegen.lower import IS_Y
 from losscodegen.testing import compare
-from helpers import make_inputs, policy_inputs
+from helpers import DEVICE, make_inputs, policy_inputs
 
 _l = S.target_logit - S.lse                      # log p_y
 _r = S.exp(_l - S.token("old_logprobs"))         # the importance ratio
@@ -23,15 +23,17 @@ def _logp(z, labels):
 
 
 def _compare(head, reference, logits, labels, *, dtype=torch.float32, **inputs):
-    """``reference(z [R, V] float64) -> loss``; the head's loss and dL/dlogits must match it."""
-    x = logits.to(dtype).clone().requires_grad_()
-    out = head(x, labels, **inputs)
+    """``reference(z [R, V] float64, on the CPU) -> loss``; the head's loss and dL/dlogits (on the
+    GPU when there is one) must match it."""
+    x = logits.to(DEVICE, dtype).requires_grad_()
+    out = head(x, labels.to(DEVICE), **{k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v)
+                                        for k, v in inputs.items()})
     out.loss.backward()
-    z = x.detach().double().requires_grad_()
+    z = x.detach().cpu().double().requires_grad_()
     want = reference(z)
     want.backward()
     compare("loss", out.loss, want.detach(), dtype)
-    compare("gradient", x.grad, z.grad, dtype)
+    compare("gradient", x.grad.cpu(), z.grad, dtype)
     return out
 
 
@@ -279,12 +281,15 @@ def test_grpo_matches_trl(eps_low, eps_high, beta, delta, bias_correction, dtype
     want = _trl_clip_ratios(coef_1, A, eps_low, eps_high, delta, valid)
     for name, value in want.items():
         assert 0 < value < 1
-        torch.testing.assert_close(out.metrics[name].double(), value, rtol=0, atol=1e-6, msg=name)
+        torch.testing.assert_close(out.metrics[name].double().cpu(), value, rtol=0, atol=1e-6, msg=name)
 
 
 def test_clip_ratios_are_sign_aware_unlike_clip_fraction():
     logits, labels, inputs, valid = _policy_case()
-    out = lcg.HeadLoss(lcg.GRPO(), metrics=(lcg.ClipFraction(), lcg.ClipRatioRegion()))(logits, labels, **inputs)
+    head = lcg.HeadLoss(lcg.GRPO(), metrics=(lcg.ClipFraction(), lcg.ClipRatioRegion()))
+    out = _compare(head, lambda z: _masked_mean(_trl_grpo(_logp(z, labels), inputs["old_logprobs"].double(), None,
+                                                          inputs["advantages"].double()), valid),
+                   logits, labels, **inputs)
     assert out.metrics["clip_ratio_region"] < out.metrics["clip_fraction"]
 
 
@@ -309,7 +314,7 @@ def test_cispo_and_ref_kl_match_trl(dtype):
     coef_1 = torch.exp(_logp(logits.double(), labels) - old)
     want = _masked_mean(((coef_1 > epsilon_high) & (A > 0)).double(), valid)
     assert 0 < want < 1
-    torch.testing.assert_close(out.metrics["cispo_clip_ratio"].double(), want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(out.metrics["cispo_clip_ratio"].double().cpu(), want, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
