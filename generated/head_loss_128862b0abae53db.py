@@ -42,7 +42,7 @@ from triton.language.extra import libdevice
 
 KEY = "128862b0abae53db"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "7865d24ed2b6"
+CODEGEN = "e22256339ba1"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_ratio_low', 'clip_ratio_high', 'clip_ratio_region']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average

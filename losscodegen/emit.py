@@ -90,9 +90,9 @@ class _ArrayPrinter(PythonCodePrinter):
         return self._minmax(expr.args, ">")
 
     def _print_clamp(self, expr: S.clamp) -> str:
-        x, lo, hi = expr.args  # an infinite bound is no bound
-        x = x if lo == -sp.oo else sp.Max(x, lo, evaluate=False)
-        return self._print(x if hi == sp.oo else sp.Min(x, hi, evaluate=False))
+        x, lo, hi = expr.args  # a bound that never binds (infinite, or 0 below an exp) is left out
+        out = x if sp.Ge(x, lo) == sp.true else sp.Max(x, lo, evaluate=False)
+        return self._print(out if sp.Le(x, hi) == sp.true else sp.Min(out, hi, evaluate=False))
 
     def _print_Infinity(self, expr) -> str:
         return 'float("inf")'

@@ -111,7 +111,8 @@ class stop_gradient(sp.Function):
 class clamp(sp.Function):
     """``clamp(x, lo, hi) = min(max(x, lo), hi)`` with torch.clamp's derivative: 1 in ``x`` on the
     closed interval ``lo <= x <= hi`` (where ``Min(Max(x, lo), hi)`` would split a tie in half).
-    A bound may be infinite (``-sp.oo``, ``sp.oo``, a parameter set to ``math.inf``): no bound."""
+    A bound that never binds (a parameter set to ``math.inf``, 0 below a ratio ``exp(...)``) is
+    dropped from the printed code."""
 
     nargs = 3
     is_real = True
@@ -120,7 +121,7 @@ class clamp(sp.Function):
     def eval(cls, x, lo, hi):
         if all(isinstance(a, sp.Number) for a in (x, lo, hi)):
             return sp.Min(sp.Max(x, lo), hi)
-        if lo == -sp.oo and hi == sp.oo:
+        if sp.Ge(x, lo) == sp.true and sp.Le(x, hi) == sp.true:
             return x
 
     def fdiff(self, argindex=1):

@@ -157,9 +157,10 @@ _d = S.token("ref_logprobs") - _l
 # when use_bias_correction_kl (DeepSeek-V3.2): kl_bias_correction=1.0 here, 0.0 leaves it out
 _kl = (S.exp(_d) - _d - 1) * (1 + S.param("kl_bias_correction") * (_r - 1))
 # TRL: coef_2 = clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high); with delta (INTELLECT-2's two-sided
-# clipping) coef_1 = clamp(coef_1, max=delta); loss = -min(coef_1 * A, coef_2 * A) + beta * kl
+# clipping) coef_1 = clamp(coef_1, max=delta) (the lower bound 0 here never binds: r > 0; delta=inf
+# binds nowhere either); loss = -min(coef_1 * A, coef_2 * A) + beta * kl
 GRPO = declare_term(
-    "grpo", -S.Min(S.clamp(_r, -sp.oo, _delta) * _A, S.clamp(_r, _lo, _hi) * _A) + S.param("kl_beta") * _kl,
+    "grpo", -S.Min(S.clamp(_r, 0, _delta) * _A, S.clamp(_r, _lo, _hi) * _A) + S.param("kl_beta") * _kl,
     defaults={"eps_low": 0.2, "eps_high": 0.2, "kl_beta": 0.0, "delta": math.inf, "kl_bias_correction": 0.0})
 # TRL's KL penalty on its own, for the losses that take one beside their policy term (CISPO, SAPO)
 RefKL = declare_term("ref_kl", _kl, defaults={"kl_bias_correction": 0.0})
@@ -186,7 +187,7 @@ ClipFraction = declare_term(
     defaults=_eps_from_grpo, metric_only=True)
 # TRL's clip ratios (sign-aware): low counts coef_1 < 1 - epsilon_low where A < 0, high counts
 # coef_1 > 1 + epsilon_high where A > 0, region either; coef_1 after delta's clamp, as TRL has it
-_rd = S.clamp(_r, -sp.oo, _delta)
+_rd = S.clamp(_r, 0, _delta)
 _clipped_low, _clipped_high = sp.And(_rd < _lo, _A < 0), sp.And(_rd > _hi, _A > 0)
 _from_grpo = {**_eps_from_grpo, "delta": FromTerm("grpo", math.inf)}
 ClipRatioLow = declare_term("clip_ratio_low", S.Piecewise((1, _clipped_low), (0, True)),
