@@ -42,7 +42,7 @@ from triton.language.extra import libdevice
 
 KEY = "840ab291d371421c"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "e22256339ba1"
+CODEGEN = "64a531a3854c"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_fraction', 'ratio_mean', 'kl_new_old']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average

@@ -254,7 +254,17 @@ class _Abs(sp.Function):
         return sp.sign(self.args[0])
 
 
-_AS_TORCH = {sp.Max: _Maximum, sp.Min: _Minimum, sp.Abs: _Abs}
+class _Sign(sp.Function):
+    """torch.sign, for differentiating: derivative 0 (sympy's is 2*DiracDelta)."""
+
+    nargs = 1
+    is_real = True
+
+    def fdiff(self, argindex=1):
+        return sp.S.Zero
+
+
+_AS_TORCH = {sp.Max: _Maximum, sp.Min: _Minimum, sp.Abs: _Abs, sp.sign: _Sign}
 _AS_SYMPY = {v: k for k, v in _AS_TORCH.items()}
 
 
@@ -262,10 +272,10 @@ def derive(expr: sp.Expr, x: sp.Symbol) -> sp.Expr:
     """``d expr / d x`` with torch autograd's value at every kink (docs/api.md): ``Abs`` as
     torch.abs (0 at 0), ``Max``/``Min`` as torch.maximum/minimum (torch.amax/amin of the stacked
     arguments for more than two: a tie shares the gradient equally), ``clamp`` as torch.clamp (1 on
-    the closed interval), ``Piecewise`` as torch.where (the branch its condition picks), nothing
-    through ``stop_gradient``. (sympy's own rules differ: Abs'(0) is 1 through Piecewise, and it
+    the closed interval), ``Piecewise`` as torch.where (the branch its condition picks), ``sign``
+    as torch.sign (0), nothing through ``stop_gradient``. (sympy's own rules differ: Abs'(0) is 1 through Piecewise, and it
     simplifies Min(Max(r, 1), 1) to the constant 1.)"""
-    kinks = (sp.Max, sp.Min, sp.Abs)
+    kinks = tuple(_AS_TORCH)
     d = expr.replace(lambda e: isinstance(e, kinks), lambda e: _AS_TORCH[type(e)](*e.args)).diff(x)
     return d.replace(lambda e: type(e) in _AS_SYMPY, lambda e: _AS_SYMPY[type(e)](*e.args))
 

@@ -147,6 +147,7 @@ def test_vespo_is_one_call_and_matches_trl(dtype):
     old = (logp + 0.05 * torch.randn(B * T, generator=g, dtype=torch.float64)).float()
     Vespo = lcg.declare_term("vespo_decl", _vespo_formula())
     head = lcg.HeadLoss(Vespo())
+    assert head.plan().reads == 1                     # phi needs no pass of its own
     inputs = dict(loss_mask=mask.reshape(-1).bool(), advantages=adv.reshape(-1), old_logprobs=old,
                   seq_len=mask.sum(-1, keepdim=True).expand(B, T).reshape(-1),
                   segment_ids=torch.arange(B)[:, None].expand(B, T).reshape(-1), num_segments=B,
@@ -162,7 +163,7 @@ def test_vespo_is_one_call_and_matches_trl(dtype):
 # ---- kinks follow torch ---------------------------------------------------------------------------
 def test_kinks_match_torch_autograd_at_exact_ties():
     """Abs at 0, Max/Min ties of two and three arguments, clamp at both ends of its interval,
-    Piecewise on its boundary: at row level (z_y) and inside vsum (logits exactly 0)."""
+    Piecewise on its boundary, sign: at row level (z_y) and inside vsum (logits exactly 0)."""
     R, V = 8, 64
     logits, labels, g = make_inputs(R=R, V=V, ignored=(5,))
     logits[:, :8] = 0.0                                            # ties inside vsum
@@ -173,7 +174,7 @@ def test_kinks_match_torch_autograd_at_exact_ties():
     zy, tb, tc = S.target_logit, S.token("b"), S.token("c")
     Kinks = lcg.declare_term("kinks", S.Abs(zy) + 2 * S.Max(zy, 0) + 3 * S.Min(zy, tb) + 5 * S.clamp(zy, 0, 1)
                              + 7 * S.Max(zy, tb, tc) + 11 * S.Min(zy, tb, tc)
-                             + S.Piecewise((3 * zy, zy >= 0), (-zy, True))
+                             + S.Piecewise((3 * zy, zy >= 0), (-zy, True)) + sp.sign(zy) * S.lse
                              + S.vsum(S.Abs(S.logit) + 2 * S.Max(S.logit, 0) + 3 * S.clamp(S.logit, 0, 1)) / 4)
     head = lcg.HeadLoss(Kinks())
     valid = labels != -100
@@ -183,7 +184,7 @@ def test_kinks_match_torch_autograd_at_exact_ties():
         bd, cd, zero = b.double(), c.double(), torch.zeros(R, dtype=torch.float64)
         f = (torch.abs(y) + 2 * torch.maximum(y, zero) + 3 * torch.minimum(y, bd) + 5 * torch.clamp(y, 0, 1)
              + 7 * torch.stack([y, bd, cd]).amax(0) + 11 * torch.stack([y, bd, cd]).amin(0)
-             + torch.where(y >= 0, 3 * y, -y)
+             + torch.where(y >= 0, 3 * y, -y) + torch.sign(y) * torch.logsumexp(z, -1)
              + (torch.abs(z) + 2 * torch.maximum(z, torch.zeros_like(z)) + 3 * torch.clamp(z, 0, 1)).sum(-1) / 4)
         return _masked_mean(f, valid)
     _compare(head, reference, logits, labels, b=b, c=c)
