@@ -42,7 +42,7 @@ from triton.language.extra import libdevice
 
 KEY = "128862b0abae53db"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "64a531a3854c"
+CODEGEN = "82038d35f402"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_ratio_low', 'clip_ratio_high', 'clip_ratio_region']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -106,6 +106,13 @@ def _rcp(x):
         return 1.0 / x
     else:
         return libdevice.fast_dividef(1.0, x)
+
+
+@triton.jit
+def _dead_as_zero(v, dead):
+    # 0 * log 0 = 0: a summand or gradient element that is NaN where an input element is -inf
+    # (0 * -inf, -inf - -inf) counts as 0; a NaN anywhere else stays NaN
+    return tl.where(dead & (v != v), 0.0, v)
 
 
 @triton.jit
@@ -202,10 +209,13 @@ def head_loss_128862b0abae53db(
                 z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
                 block_max = tl.max(tl.where(in_row, z, float("-inf")), 0)
                 m_new = tl.maximum(m, block_max)
-                s0 = tl.exp2(-1.4426950408889634*m_new + 1.4426950408889634*z)
-                r0 = tl.exp2(1.4426950408889634*m - 1.4426950408889634*m_new)
+                # the exponents' reference: 0 while every logit so far is -inf (-inf - -inf is NaN)
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                dead = (z == float("-inf"))
+                s0 = tl.exp2(-1.4426950408889634*m_ref + 1.4426950408889634*z)
+                r0 = tl.exp2(1.4426950408889634*m - 1.4426950408889634*m_ref)
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
-                part0 = tl.sum(tl.join(tl.where(in_row, s0*z, 0.0), tl.where(in_row, s0, 0.0)), 0)
+                part0 = tl.sum(tl.join(tl.where(in_row, _dead_as_zero(s0*z, dead), 0.0), tl.where(in_row, s0, 0.0)), 0)
                 acc0_tile, acc1_tile = tl.split(part0)
                 acc0 = acc0 * r0 + acc0_tile
                 acc1 = acc1 * r0 + acc1_tile
@@ -250,6 +260,9 @@ def head_loss_128862b0abae53db(
             z_y = tl.load(stats_row + 1)
             acc0 = tl.load(stats_row + 2)
             acc1 = tl.load(stats_row + 3)
+        # a row whose logits (or teacher logits) are all -inf has no distribution: its values are NaN
+        finite_row = (m > float("-inf"))
+
         N0 = m + _log(acc1)
 
         if STORE_STATS:
@@ -264,15 +277,15 @@ def head_loss_128862b0abae53db(
             r2 = r0 + tok_ref_logprobs
             r3 = ((r1 < 0.8) & (tok_advantages < 0.0))
             r4 = ((r1 > 1.28) & (tok_advantages > 0.0))
-            v0 = (0.04)*r1*(-r2 + tl.exp2(1.4426950408889634*r2) - 1.0) - tl.where(r1*tok_advantages < tok_advantages*tl.where(1.28 < tl.where(0.8 > r1, 0.8, r1), 1.28, tl.where(0.8 > r1, 0.8, r1)), r1*tok_advantages, tok_advantages*tl.where(1.28 < tl.where(0.8 > r1, 0.8, r1), 1.28, tl.where(0.8 > r1, 0.8, r1)))  # grpo
+            v0 = tl.where(finite_row, (0.04)*r1*(-r2 + tl.exp2(1.4426950408889634*r2) - 1.0) - tl.where(r1*tok_advantages < tok_advantages*tl.where(1.28 < tl.where(0.8 > r1, 0.8, r1), 1.28, tl.where(0.8 > r1, 0.8, r1)), r1*tok_advantages, tok_advantages*tl.where(1.28 < tl.where(0.8 > r1, 0.8, r1), 1.28, tl.where(0.8 > r1, 0.8, r1))), float("nan"))  # grpo
             tl.store(ws_ptr + off_rows + grow * 5 + 0, v0)
-            v1 = N0 - acc0*tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*m)  # entropy
+            v1 = tl.where(finite_row, N0 - acc0*tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*m), float("nan"))  # entropy
             tl.store(ws_ptr + off_rows + grow * 5 + 1, v1)
-            v2 = tl.where(r3, 1.0, 0.0)  # clip_ratio_low
+            v2 = tl.where(finite_row, tl.where(r3, 1.0, 0.0), float("nan"))  # clip_ratio_low
             tl.store(ws_ptr + off_rows + grow * 5 + 2, v2)
-            v3 = tl.where(r4, 1.0, 0.0)  # clip_ratio_high
+            v3 = tl.where(finite_row, tl.where(r4, 1.0, 0.0), float("nan"))  # clip_ratio_high
             tl.store(ws_ptr + off_rows + grow * 5 + 3, v3)
-            v4 = tl.where((r3 | r4), 1.0, 0.0)  # clip_ratio_region
+            v4 = tl.where(finite_row, tl.where((r3 | r4), 1.0, 0.0), float("nan"))  # clip_ratio_region
             tl.store(ws_ptr + off_rows + grow * 5 + 4, v4)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, weight_grpo * v0)

@@ -35,7 +35,7 @@ from triton.language.extra import libdevice
 
 KEY = "2e7b8aa488a0d8ec"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "64a531a3854c"
+CODEGEN = "82038d35f402"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -98,6 +98,13 @@ def _rcp(x):
         return 1.0 / x
     else:
         return libdevice.fast_dividef(1.0, x)
+
+
+@triton.jit
+def _dead_as_zero(v, dead):
+    # 0 * log 0 = 0: a summand or gradient element that is NaN where an input element is -inf
+    # (0 * -inf, -inf - -inf) counts as 0; a NaN anywhere else stays NaN
+    return tl.where(dead & (v != v), 0.0, v)
 
 
 @triton.jit
@@ -190,8 +197,10 @@ def head_loss_2e7b8aa488a0d8ec(
                 z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
                 block_max = tl.max(tl.where(in_row, z, float("-inf")), 0)
                 m_new = tl.maximum(m, block_max)
-                s0 = tl.exp2(-1.4426950408889634*m_new + 1.4426950408889634*z)
-                r0 = tl.exp2(1.4426950408889634*m - 1.4426950408889634*m_new)
+                # the exponents' reference: 0 while every logit so far is -inf (-inf - -inf is NaN)
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                s0 = tl.exp2(-1.4426950408889634*m_ref + 1.4426950408889634*z)
+                r0 = tl.exp2(1.4426950408889634*m - 1.4426950408889634*m_ref)
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
                 acc0_tile = tl.sum(tl.where(in_row, s0, 0.0), 0)
                 acc0 = acc0 * r0 + acc0_tile
@@ -232,6 +241,9 @@ def head_loss_2e7b8aa488a0d8ec(
             m = tl.load(stats_row + 0)
             z_y = tl.load(stats_row + 1)
             acc0 = tl.load(stats_row + 2)
+        # a row whose logits (or teacher logits) are all -inf has no distribution: its values are NaN
+        finite_row = (m > float("-inf"))
+
         N0 = m + _log(acc0)
 
         if STORE_STATS:
@@ -240,9 +252,9 @@ def head_loss_2e7b8aa488a0d8ec(
             tl.store(stats_row + 2, acc0)
 
         if ROWS:
-            v0 = N0 - z_y  # cross_entropy
+            v0 = tl.where(finite_row, N0 - z_y, float("nan"))  # cross_entropy
             tl.store(ws_ptr + off_rows + grow * 2 + 0, v0)
-            v1 = (N0 * N0)  # z_loss
+            v1 = tl.where(finite_row, (N0 * N0), float("nan"))  # z_loss
             tl.store(ws_ptr + off_rows + grow * 2 + 1, v1)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, weight_cross_entropy * v0 + weight_z_loss * v1)

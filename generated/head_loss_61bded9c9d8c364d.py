@@ -37,7 +37,7 @@ from triton.language.extra import libdevice
 
 KEY = "61bded9c9d8c364d"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "64a531a3854c"
+CODEGEN = "82038d35f402"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['reverse_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -100,6 +100,13 @@ def _rcp(x):
         return 1.0 / x
     else:
         return libdevice.fast_dividef(1.0, x)
+
+
+@triton.jit
+def _dead_as_zero(v, dead):
+    # 0 * log 0 = 0: a summand or gradient element that is NaN where an input element is -inf
+    # (0 * -inf, -inf - -inf) counts as 0; a NaN anywhere else stays NaN
+    return tl.where(dead & (v != v), 0.0, v)
 
 
 @triton.jit
@@ -199,14 +206,18 @@ def head_loss_61bded9c9d8c364d(
                 z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
                 block_max = tl.max(tl.where(in_row, z, float("-inf")), 0)
                 m_new = tl.maximum(m, block_max)
+                # the exponents' reference: 0 while every logit so far is -inf (-inf - -inf is NaN)
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
                 t = t_tile.to(tl.float32)
                 m_t_new = tl.maximum(m_t, tl.max(tl.where(in_row, t, float("-inf")), 0))
-                s0 = tl.exp2(-1.4426950408889634*m_new + 1.4426950408889634*z)
-                r0 = tl.exp2(1.4426950408889634*m - 1.4426950408889634*m_new)
-                s1 = tl.exp2(-1.4426950408889634*m_t_new + 1.4426950408889634*t)
-                r1 = tl.exp2(1.4426950408889634*m_t - 1.4426950408889634*m_t_new)
+                m_t_ref = tl.where(m_t_new == float("-inf"), 0.0, m_t_new)
+                dead = (z == float("-inf")) | (t == float("-inf"))
+                s0 = tl.exp2(-1.4426950408889634*m_ref + 1.4426950408889634*z)
+                r0 = tl.exp2(1.4426950408889634*m - 1.4426950408889634*m_ref)
+                s1 = tl.exp2(-1.4426950408889634*m_t_ref + 1.4426950408889634*t)
+                r1 = tl.exp2(1.4426950408889634*m_t - 1.4426950408889634*m_t_ref)
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
-                part0 = tl.sum(tl.join(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, s0*z, 0.0)), tl.join(tl.where(in_row, s0*t, 0.0), tl.where(in_row, s1, 0.0))), 0)
+                part0 = tl.sum(tl.join(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, _dead_as_zero(s0*z, dead), 0.0)), tl.join(tl.where(in_row, _dead_as_zero(s0*t, dead), 0.0), tl.where(in_row, s1, 0.0))), 0)
                 part1, part2 = tl.split(part0)
                 acc0_tile, acc1_tile = tl.split(part1)
                 acc2_tile, acc3_tile = tl.split(part2)
@@ -263,6 +274,11 @@ def head_loss_61bded9c9d8c364d(
             acc1 = tl.load(stats_row + 3)
             acc2 = tl.load(stats_row + 4)
             acc3 = tl.load(stats_row + 5)
+        # a row whose logits (or teacher logits) are all -inf has no distribution: its values are NaN
+        finite_row = (m > float("-inf")) & (m_t > float("-inf"))
+        # what a -inf input element is compared with in the reads below: NaN (equal to nothing) in such a row
+        ninf = tl.where(finite_row, float("-inf"), float("nan"))
+
         N0 = m + _log(acc0)
         N1 = m_t + _log(acc3)
 
@@ -276,7 +292,7 @@ def head_loss_61bded9c9d8c364d(
 
         if ROWS:
             r0 = tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*m)
-            v0 = -N0 + N1 + acc1*r0 - acc2*r0  # reverse_kl
+            v0 = tl.where(finite_row, -N0 + N1 + acc1*r0 - acc2*r0, float("nan"))  # reverse_kl
             tl.store(ws_ptr + off_rows + grow * 1 + 0, v0)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, weight_reverse_kl * v0)
@@ -313,9 +329,10 @@ def head_loss_61bded9c9d8c364d(
                 x = x_tile.to(tl.float32)
                 z = _logits(x, logit_scale, softcap)
                 t = t_tile.to(tl.float32)
+                dead = (z == ninf) | (t == ninf)
                 d0 = N0 - z
                 d1 = tl.exp2(-1.4426950408889634*d0)
-                dz = d1*g1 + g0*(d1*(N1 - d0 - t) + d1)
+                dz = _dead_as_zero(d1*g1 + g0*(d1*(N1 - d0 - t) + d1), dead)
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
     else:

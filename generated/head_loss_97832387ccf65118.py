@@ -43,7 +43,7 @@ from triton.language.extra import libdevice
 
 KEY = "97832387ccf65118"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "64a531a3854c"
+CODEGEN = "82038d35f402"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -106,6 +106,13 @@ def _rcp(x):
         return 1.0 / x
     else:
         return libdevice.fast_dividef(1.0, x)
+
+
+@triton.jit
+def _dead_as_zero(v, dead):
+    # 0 * log 0 = 0: a summand or gradient element that is NaN where an input element is -inf
+    # (0 * -inf, -inf - -inf) counts as 0; a NaN anywhere else stays NaN
+    return tl.where(dead & (v != v), 0.0, v)
 
 
 @triton.jit
@@ -209,16 +216,20 @@ def head_loss_97832387ccf65118(
                 z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
                 block_max = tl.max(tl.where(in_row, z, float("-inf")), 0)
                 m_new = tl.maximum(m, block_max)
+                # the exponents' reference: 0 while every logit so far is -inf (-inf - -inf is NaN)
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
                 t = t_tile.to(tl.float32)
                 m_t_new = tl.maximum(m_t, tl.max(tl.where(in_row, t, float("-inf")), 0))
-                s0 = tl.exp2(-0.7213475204444817*m_t_new + 0.7213475204444817*t)
-                r0 = tl.exp2(0.7213475204444817*m_t - 0.7213475204444817*m_t_new)
-                s1 = tl.exp2(-1.4426950408889634*m_new + 1.4426950408889634*z)
-                r1 = tl.exp2(1.4426950408889634*m - 1.4426950408889634*m_new)
-                s2 = tl.exp2(-0.7213475204444817*m_new + 0.7213475204444817*z)
-                r2 = tl.exp2(0.7213475204444817*m - 0.7213475204444817*m_new)
+                m_t_ref = tl.where(m_t_new == float("-inf"), 0.0, m_t_new)
+                dead = (z == float("-inf")) | (t == float("-inf"))
+                s0 = tl.exp2(-0.7213475204444817*m_t_ref + 0.7213475204444817*t)
+                r0 = tl.exp2(0.7213475204444817*m_t - 0.7213475204444817*m_t_ref)
+                s1 = tl.exp2(-1.4426950408889634*m_ref + 1.4426950408889634*z)
+                r1 = tl.exp2(1.4426950408889634*m - 1.4426950408889634*m_ref)
+                s2 = tl.exp2(-0.7213475204444817*m_ref + 0.7213475204444817*z)
+                r2 = tl.exp2(0.7213475204444817*m - 0.7213475204444817*m_ref)
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
-                part0 = tl.sum(tl.join(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, s0*t, 0.0)), tl.join(tl.where(in_row, s0*z, 0.0), tl.where(in_row, s1, 0.0))), 0)
+                part0 = tl.sum(tl.join(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, _dead_as_zero(s0*t, dead), 0.0)), tl.join(tl.where(in_row, _dead_as_zero(s0*z, dead), 0.0), tl.where(in_row, s1, 0.0))), 0)
                 part1, part2 = tl.split(part0)
                 acc0_tile, acc1_tile = tl.split(part1)
                 acc2_tile, acc3_tile = tl.split(part2)
@@ -287,6 +298,9 @@ def head_loss_97832387ccf65118(
             acc2 = tl.load(stats_row + 5)
             acc3 = tl.load(stats_row + 6)
             acc4 = tl.load(stats_row + 7)
+        # a row whose logits (or teacher logits) are all -inf has no distribution: its values are NaN
+        finite_row = (m > float("-inf")) & (m_t > float("-inf"))
+
         N0 = m + _log(acc3)
         N1 = (0.5)*m_t + _log(acc0)
         N2 = (0.5)*m + _log(acc4)
@@ -303,9 +317,9 @@ def head_loss_97832387ccf65118(
 
         if ROWS:
             r0 = tl.exp2(-1.4426950408889634*N1 + 0.7213475204444817*m_t)
-            v0 = N0 - z_y  # cross_entropy
+            v0 = tl.where(finite_row, N0 - z_y, float("nan"))  # cross_entropy
             tl.store(ws_ptr + off_rows + grow * 2 + 0, v0)
-            v1 = -N1 + N2 + (0.5)*acc1*r0 - 0.5*acc2*r0  # forward_kl
+            v1 = tl.where(finite_row, -N1 + N2 + (0.5)*acc1*r0 - 0.5*acc2*r0, float("nan"))  # forward_kl
             tl.store(ws_ptr + off_rows + grow * 2 + 1, v1)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, weight_cross_entropy * v0 + weight_forward_kl * v1)

@@ -40,7 +40,7 @@ from triton.language.extra import libdevice
 
 KEY = "b98938e854923f1a"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "64a531a3854c"
+CODEGEN = "82038d35f402"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['jsd']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -102,6 +102,13 @@ def _rcp(x):
         return 1.0 / x
     else:
         return libdevice.fast_dividef(1.0, x)
+
+
+@triton.jit
+def _dead_as_zero(v, dead):
+    # 0 * log 0 = 0: a summand or gradient element that is NaN where an input element is -inf
+    # (0 * -inf, -inf - -inf) counts as 0; a NaN anywhere else stays NaN
+    return tl.where(dead & (v != v), 0.0, v)
 
 
 @triton.jit
@@ -200,12 +207,15 @@ def head_loss_b98938e854923f1a(
                 z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
                 block_max = tl.max(tl.where(in_row, z, float("-inf")), 0)
                 m_new = tl.maximum(m, block_max)
+                # the exponents' reference: 0 while every logit so far is -inf (-inf - -inf is NaN)
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
                 t = t_tile.to(tl.float32)
                 m_t_new = tl.maximum(m_t, tl.max(tl.where(in_row, t, float("-inf")), 0))
-                s0 = tl.exp2(-1.4426950408889634*m_t_new + 1.4426950408889634*t)
-                r0 = tl.exp2(1.4426950408889634*m_t - 1.4426950408889634*m_t_new)
-                s1 = tl.exp2(-1.4426950408889634*m_new + 1.4426950408889634*z)
-                r1 = tl.exp2(1.4426950408889634*m - 1.4426950408889634*m_new)
+                m_t_ref = tl.where(m_t_new == float("-inf"), 0.0, m_t_new)
+                s0 = tl.exp2(-1.4426950408889634*m_t_ref + 1.4426950408889634*t)
+                r0 = tl.exp2(1.4426950408889634*m_t - 1.4426950408889634*m_t_ref)
+                s1 = tl.exp2(-1.4426950408889634*m_ref + 1.4426950408889634*z)
+                r1 = tl.exp2(1.4426950408889634*m - 1.4426950408889634*m_ref)
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
                 part0 = tl.sum(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, s1, 0.0)), 0)
                 acc0_tile, acc2_tile = tl.split(part0)
@@ -252,6 +262,11 @@ def head_loss_b98938e854923f1a(
             m_t = tl.load(stats_row + 1)
             acc0 = tl.load(stats_row + 2)
             acc2 = tl.load(stats_row + 3)
+        # a row whose logits (or teacher logits) are all -inf has no distribution: its values are NaN
+        finite_row = (m > float("-inf")) & (m_t > float("-inf"))
+        # what a -inf input element is compared with in the reads below: NaN (equal to nothing) in such a row
+        ninf = tl.where(finite_row, float("-inf"), float("nan"))
+
         N0 = m_t + _log(acc0)
         N1 = m + _log(acc2)
 
@@ -278,6 +293,7 @@ def head_loss_b98938e854923f1a(
                                  other=0.0)
                 z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
                 t = t_tile.to(tl.float32)
+                dead = (z == ninf) | (t == ninf)
                 e0 = N0 - t
                 e1 = tl.exp2(-1.4426950408889634*e0)
                 e2 = (0.5)*e1
@@ -287,7 +303,7 @@ def head_loss_b98938e854923f1a(
                 e6 = _log(e5)
                 e7 = e4*(-e3 - e6)
                 e8 = _rcp(e5)
-                part0 = tl.sum(tl.join(tl.join(tl.where(in_row, e1*(-e0 - e6), 0.0), tl.where(in_row, e7, 0.0)), tl.join(tl.where(in_row, e2*e4*e8, 0.0), tl.where(in_row, e4*((0.5)*e4*e8 - 1.0) - e7, 0.0))), 0)
+                part0 = tl.sum(tl.join(tl.join(tl.where(in_row, _dead_as_zero(e1*(-e0 - e6), dead), 0.0), tl.where(in_row, _dead_as_zero(e7, dead), 0.0)), tl.join(tl.where(in_row, _dead_as_zero(e2*e4*e8, dead), 0.0), tl.where(in_row, _dead_as_zero(e4*((0.5)*e4*e8 - 1.0) - e7, dead), 0.0))), 0)
                 part1, part2 = tl.split(part0)
                 acc1_tile, acc3_tile = tl.split(part1)
                 acc4_tile, acc5_tile = tl.split(part2)
@@ -313,7 +329,7 @@ def head_loss_b98938e854923f1a(
                 tl.store(exact_row + 3, acc5)
 
         if ROWS:
-            v0 = (0.5)*acc1 + (0.5)*acc3  # jsd
+            v0 = tl.where(finite_row, (0.5)*acc1 + (0.5)*acc3, float("nan"))  # jsd
             tl.store(ws_ptr + off_rows + grow * 1 + 0, v0)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, weight_jsd * v0)
@@ -351,13 +367,14 @@ def head_loss_b98938e854923f1a(
                 x = x_tile.to(tl.float32)
                 z = _logits(x, logit_scale, softcap)
                 t = t_tile.to(tl.float32)
+                dead = (z == ninf) | (t == ninf)
                 d0 = N1 - z
                 d1 = tl.exp2(-1.4426950408889634*d0)
                 d2 = (0.5)*tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*t)
                 d3 = (0.5)*d1
                 d4 = d2 + d3
                 d5 = _rcp(d4)
-                dz = -d1*d2*d5*g0 + d1*g2 + g1*(d1*(-d0 - _log(d4)) + d1*(-d3*d5 + 1.0))
+                dz = _dead_as_zero(-d1*d2*d5*g0 + d1*g2 + g1*(d1*(-d0 - _log(d4)) + d1*(-d3*d5 + 1.0)), dead)
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
     else:

@@ -37,7 +37,7 @@ from triton.language.extra import libdevice
 
 KEY = "d4ac32833fba1c40"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "64a531a3854c"
+CODEGEN = "82038d35f402"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['topk_forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -100,6 +100,13 @@ def _rcp(x):
         return 1.0 / x
     else:
         return libdevice.fast_dividef(1.0, x)
+
+
+@triton.jit
+def _dead_as_zero(v, dead):
+    # 0 * log 0 = 0: a summand or gradient element that is NaN where an input element is -inf
+    # (0 * -inf, -inf - -inf) counts as 0; a NaN anywhere else stays NaN
+    return tl.where(dead & (v != v), 0.0, v)
 
 
 @triton.jit
@@ -178,6 +185,7 @@ def head_loss_d4ac32833fba1c40(
         x_k = tl.load(x_row + topk_ids, mask=in_k, other=0.0).to(tl.float32)
         z_k = _logits(x_k, logit_scale, softcap)
         l_k = tl.load(topk_lp_ptr + grow * topk_stride + k, mask=k < K, other=0.0).to(tl.float32)
+        dead_k = (z_k == float("-inf")) | (l_k == float("-inf"))
 
         if STATS:
             # First read: the running max and every online accumulator, rescaled when the max grows.
@@ -197,15 +205,17 @@ def head_loss_d4ac32833fba1c40(
                 z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
                 block_max = tl.max(tl.where(in_row, z, float("-inf")), 0)
                 m_new = tl.maximum(m, block_max)
-                s0 = tl.exp2(-1.4426950408889634*m_new + 1.4426950408889634*z)
-                r0 = tl.exp2(1.4426950408889634*m - 1.4426950408889634*m_new)
+                # the exponents' reference: 0 while every logit so far is -inf (-inf - -inf is NaN)
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                s0 = tl.exp2(-1.4426950408889634*m_ref + 1.4426950408889634*z)
+                r0 = tl.exp2(1.4426950408889634*m - 1.4426950408889634*m_ref)
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
                 acc3_tile = tl.sum(tl.where(in_row, s0, 0.0), 0)
                 acc3 = acc3 * r0 + acc3_tile
                 m = m_new
             acc0 = tl.sum(tl.where(in_k, tl.exp2(1.4426950408889634*l_k), 0.0), 0)
-            acc1 = tl.sum(tl.where(in_k, l_k*tl.exp2(1.4426950408889634*l_k), 0.0), 0)
-            acc2 = tl.sum(tl.where(in_k, z_k*tl.exp2(1.4426950408889634*l_k), 0.0), 0)
+            acc1 = tl.sum(tl.where(in_k, _dead_as_zero(l_k*tl.exp2(1.4426950408889634*l_k), dead_k), 0.0), 0)
+            acc2 = tl.sum(tl.where(in_k, _dead_as_zero(z_k*tl.exp2(1.4426950408889634*l_k), dead_k), 0.0), 0)
             if EXCHANGE:
                 # Every vocab shard's packed stats without leaving the kernel: this row's go to slot
                 # [rank, row] of every rank's exchange buffer (peer GPU memory, mapped), then a flag
@@ -248,6 +258,9 @@ def head_loss_d4ac32833fba1c40(
             acc1 = tl.load(stats_row + 2)
             acc2 = tl.load(stats_row + 3)
             acc3 = tl.load(stats_row + 4)
+        # a row whose logits (or teacher logits) are all -inf has no distribution: its values are NaN
+        finite_row = (m > float("-inf"))
+
         N0 = m + _log(acc3)
 
         if STORE_STATS:
@@ -258,7 +271,7 @@ def head_loss_d4ac32833fba1c40(
             tl.store(stats_row + 4, acc3)
 
         if ROWS:
-            v0 = N0*acc0 + acc1 - acc2  # topk_forward_kl
+            v0 = tl.where(finite_row, N0*acc0 + acc1 - acc2, float("nan"))  # topk_forward_kl
             tl.store(ws_ptr + off_rows + grow * 1 + 0, v0)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, weight_topk_forward_kl * v0)

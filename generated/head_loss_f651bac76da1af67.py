@@ -35,7 +35,7 @@ from triton.language.extra import libdevice
 
 KEY = "f651bac76da1af67"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "64a531a3854c"
+CODEGEN = "82038d35f402"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -98,6 +98,13 @@ def _rcp(x):
         return 1.0 / x
     else:
         return libdevice.fast_dividef(1.0, x)
+
+
+@triton.jit
+def _dead_as_zero(v, dead):
+    # 0 * log 0 = 0: a summand or gradient element that is NaN where an input element is -inf
+    # (0 * -inf, -inf - -inf) counts as 0; a NaN anywhere else stays NaN
+    return tl.where(dead & (v != v), 0.0, v)
 
 
 @triton.jit
@@ -191,10 +198,13 @@ def head_loss_f651bac76da1af67(
                 z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
                 block_max = tl.max(tl.where(in_row, z, float("-inf")), 0)
                 m_new = tl.maximum(m, block_max)
-                s1 = tl.exp2(-1.4426950408889634*m_new + 1.4426950408889634*z)
-                r1 = tl.exp2(1.4426950408889634*m - 1.4426950408889634*m_new)
+                # the exponents' reference: 0 while every logit so far is -inf (-inf - -inf is NaN)
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                dead = (z == float("-inf"))
+                s1 = tl.exp2(-1.4426950408889634*m_ref + 1.4426950408889634*z)
+                r1 = tl.exp2(1.4426950408889634*m - 1.4426950408889634*m_ref)
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
-                part0 = tl.sum(tl.join(tl.where(in_row, z, 0.0), tl.where(in_row, s1, 0.0)), 0)
+                part0 = tl.sum(tl.join(tl.where(in_row, _dead_as_zero(z, dead), 0.0), tl.where(in_row, s1, 0.0)), 0)
                 acc0_tile, acc1_tile = tl.split(part0)
                 acc0 = acc0 + acc0_tile
                 acc1 = acc1 * r1 + acc1_tile
@@ -239,6 +249,9 @@ def head_loss_f651bac76da1af67(
             z_y = tl.load(stats_row + 1)
             acc0 = tl.load(stats_row + 2)
             acc1 = tl.load(stats_row + 3)
+        # a row whose logits (or teacher logits) are all -inf has no distribution: its values are NaN
+        finite_row = (m > float("-inf"))
+
         N0 = m + _log(acc1)
 
         if STORE_STATS:
@@ -248,7 +261,7 @@ def head_loss_f651bac76da1af67(
             tl.store(stats_row + 3, acc1)
 
         if ROWS:
-            v0 = N0 - 0.1*acc0/vocab_size - 0.9*z_y  # cross_entropy
+            v0 = tl.where(finite_row, N0 - 0.1*acc0/vocab_size - 0.9*z_y, float("nan"))  # cross_entropy
             tl.store(ws_ptr + off_rows + grow * 1 + 0, v0)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, weight_cross_entropy * v0)

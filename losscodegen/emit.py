@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import jinja2
 import sympy as sp
-from sympy.printing.pycode import PythonCodePrinter
+from sympy.printing.pycode import PythonCodePrinter, _print_known_const, _print_known_func
 
 from . import symbols as S
 from .lower import IS_Y, M, MT
@@ -46,8 +46,33 @@ class _ArrayPrinter(PythonCodePrinter):
     def _print_Float(self, expr: sp.Float) -> str:
         return repr(float(expr))
 
-    def _print_Exp1(self, expr) -> str:
-        return repr(float(sp.E))
+    def _print(self, expr, **kwargs) -> str:
+        if isinstance(expr, (sp.Pow, sp.Function)) and expr.is_number:
+            try:
+                return repr(float(expr))   # sqrt(pi), erf(1): a number, not a call on one
+            except TypeError:
+                pass                       # not a plain number: LSE(1, 0)
+        return super()._print(expr, **kwargs)
+
+    def _print_NumberSymbol(self, expr: sp.NumberSymbol) -> str:
+        return repr(float(expr))   # pi, E, ...: a number, not math.pi (no math module in a kernel)
+
+    _print_Pi = _print_Exp1 = _print_NumberSymbol
+
+    def _print_unsupported(self, expr: sp.Expr) -> str:
+        # PythonCodePrinter prints math.<fn>(...) (wrong on tensors) for the functions it knows: each
+        # one this printer supports (symbols.FUNCTIONS) has its own _print_ method here, and
+        # declare_term refuses the others before anything is printed
+        raise NotImplementedError(f"no {self.module} printing for {type(expr).__name__}: {expr}")
+
+    def _print_sin(self, expr: sp.sin) -> str:
+        return self._call("sin", expr.args[0])
+
+    def _print_cos(self, expr: sp.cos) -> str:
+        return self._call("cos", expr.args[0])
+
+    def _print_erf(self, expr: sp.erf) -> str:
+        return self._call("erf", expr.args[0])
 
     def _print_exp(self, expr: sp.exp) -> str:
         return self._call("exp", expr.args[0])
@@ -70,6 +95,10 @@ class _ArrayPrinter(PythonCodePrinter):
         base, e = expr.args
         if e.is_Integer and 0 < int(e) <= 4:
             return "(" + " * ".join([self.parenthesize(base, 100)] * int(e)) + ")"
+        if e.is_Integer and int(e) > 4:
+            # |b|**n as exp(n*log|b|), times b's sign for an odd n: exp(n*log(b)) is NaN for b < 0
+            magnitude = sp.exp(sp.Mul(e, sp.log(sp.Abs(base)), evaluate=False), evaluate=False)
+            return self._print(sp.Mul(sp.sign(base), magnitude, evaluate=False) if int(e) % 2 else magnitude)
         if e.is_Integer and int(e) < 0:
             return f"(1.0 / ({self._print(base ** (-e))}))"
         if e == sp.S.Half:
@@ -132,6 +161,12 @@ class _ArrayPrinter(PythonCodePrinter):
         return "False"
 
 
+for _name in dir(PythonCodePrinter):
+    if _name.startswith("_print_") and _name not in vars(_ArrayPrinter) \
+            and getattr(PythonCodePrinter, _name) in (_print_known_func, _print_known_const):
+        setattr(_ArrayPrinter, _name, _ArrayPrinter._print_unsupported)
+
+
 class TritonPrinter(_ArrayPrinter):
     module = "tl"
 
@@ -191,6 +226,34 @@ def _tile_sums(sums: list[tuple[str, str]]) -> list[str]:
         lines.append(f"{var} = tl.sum({run[0][0]}, 0)")
         split(run[0][1], var)
     return lines
+
+
+def _nan_free_at_neg_inf(expr: sp.Expr, elements: tuple[sp.Symbol, ...]) -> bool:
+    """Whether ``expr`` stays finite when element symbols are -inf: built by sums, products and
+    positive integer powers from factors free of them and ``exp(a*z + b*t + row)`` with
+    ``a, b >= 0`` (which are then 0)."""
+    if not expr.has(*elements):
+        return True
+    if isinstance(expr, sp.exp):
+        arg = sp.expand(expr.args[0])
+        coefs = [arg.coeff(v) for v in elements]
+        rest = arg - sum(c * v for c, v in zip(coefs, elements))
+        return all(c.is_number and c >= 0 for c in coefs) and not rest.has(*elements)
+    if isinstance(expr, (sp.Add, sp.Mul)):
+        return all(_nan_free_at_neg_inf(a, elements) for a in expr.args)
+    if isinstance(expr, sp.Pow) and expr.exp.is_Integer and expr.exp > 0:
+        return _nan_free_at_neg_inf(expr.base, elements)
+    return False
+
+
+def _dead_as_zero(printed: str, expr: sp.Expr, elements: tuple[sp.Symbol, ...], dead: str) -> str:
+    """``printed`` (``expr``, a summand or a gradient element) with the ``0 * log 0 = 0`` convention:
+    NaN where an input element is -inf (the mask ``dead``) counts as 0. Left as it is when no -inf
+    element can make it NaN (the hot path of cross-entropy: only exp(z - N))."""
+    return printed if _nan_free_at_neg_inf(expr, elements) else f"{_GUARD}({printed}, {dead})"
+
+
+_GUARD = "_dead_as_zero"   # the template's function
 
 
 def header(bound, plan: Plan) -> str:
@@ -354,7 +417,9 @@ def emit(plan: Plan, key: str, header: str, codegen: str) -> KernelSource:
     lw = plan.lowered
     name = f"head_loss_{key}"
     transform = LOGIT_SCALE * (SOFTCAP * sp.tanh(X / SOFTCAP) if plan.softcap else X)
-    mn, mtn = sp.Symbol("m_new", real=True), sp.Symbol("m_t_new", real=True)
+    # the running maxima as the exponents' reference: m_ref is 0 while every logit so far is -inf
+    mn, mtn = sp.Symbol("m_ref", real=True), sp.Symbol("m_t_ref", real=True)
+    vocab, topk = S.ELEMENT_SYMBOLS, S.TOPK_SYMBOLS
 
     online = []
     for i, ((alpha, beta), accs) in enumerate(_group_online(plan).items()):
@@ -364,16 +429,22 @@ def emit(plan: Plan, key: str, header: str, codegen: str) -> KernelSource:
         online.append(dict(
             scale=None if exponent == 0 else _TL.doprint(sp.exp(exponent)),
             rescale=None if rescale == 0 else _TL.doprint(sp.exp(rescale)),
-            index=i, accs=[(a.name, _TL.doprint(scale * a.body)) for a in accs]))
-    topk_online = [(a.name, _TL.doprint(sp.exp(a.alpha * (S.topk_logit - M)) * a.body))
+            index=i, accs=[(a.name, _dead_as_zero(_TL.doprint(scale * a.body), a.body, vocab, "dead"))
+                           for a in accs]))
+    topk_online = [(a.name, _dead_as_zero(_TL.doprint(sp.exp(a.alpha * (S.topk_logit - M)) * a.body),
+                                          sp.exp(a.alpha * S.topk_logit) * a.body, topk, "dead_k"))
                    for a in lw.accumulators if a.online and a.domain == "topk"]
     exact = [a for a in lw.accumulators if not a.online and a.domain == "vocab"]
     exact_temps, exact_bodies = _statements([a.body for a in exact], "e")
+    exact_bodies = [_dead_as_zero(b, a.body, vocab, "dead") for a, b in zip(exact, exact_bodies)]
     topk_exact = [a for a in lw.accumulators if not a.online and a.domain == "topk"]
     tk_temps, tk_bodies = _statements([a.body for a in topk_exact], "k")
+    tk_bodies = [_dead_as_zero(b, a.body, topk, "dead_k") for a, b in zip(topk_exact, tk_bodies)]
     row_temps, row_exprs = _statements([e for _, e in lw.row_values], "r")
     coef_temps, coef_exprs = _statements([e for _, e in lw.grad_coefs], "c")
     grad_temps, (grad_expr, topk_grad_expr) = _statements([lw.grad_vocab, lw.grad_topk], "d")
+    grad_expr = _dead_as_zero(grad_expr, lw.grad_vocab, vocab, "dead")
+    topk_grad_expr = _dead_as_zero(topk_grad_expr, lw.grad_topk, topk, "dead_k")
 
     row_names = [n for n, _ in lw.row_values]
     seg_names = [seg.name for seg in lw.segments]
@@ -403,6 +474,10 @@ def emit(plan: Plan, key: str, header: str, codegen: str) -> KernelSource:
         coef_temps=coef_temps, coefs=list(zip([s.name for s, _ in lw.grad_coefs], coef_exprs)),
         grad_temps=grad_temps, grad_expr=grad_expr,
         topk_grad=None if lw.grad_topk == 0 else topk_grad_expr,
+        # where the mask of -inf input elements is needed (see _dead_as_zero)
+        dead_in=dict(stats=any(_GUARD in b for g in online for _, b in g["accs"]),
+                     exact=any(_GUARD in b for b in exact_bodies), grad=_GUARD in grad_expr,
+                     topk=any(_GUARD in b for b in [b for _, b in topk_online] + tk_bodies + [topk_grad_expr])),
         uses_is_y=lw.grad_vocab.has(IS_Y),
         columns=[c.name for c in plan.columns], exact_columns=list(plan.exact),
         merge=_merge(plan),

@@ -12,12 +12,10 @@ from typing import Any, Callable
 
 import torch
 
+from .symbols import STANDARD_INPUTS  # (declared with the formula language: no token takes these names)
+
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _REDUCTIONS = ("mean", "sum", "none")
-# keyword inputs every head accepts; a head's per-row tokens come on top
-STANDARD_INPUTS = ("teacher_logits", "loss_mask", "teacher_topk_ids", "teacher_topk_logprobs",
-                   "segment_ids", "num_segments", "process_group", "segment_group", "divisor",
-                   "reduction")
 # tokens of the built-in policy terms: accepted (and ignored) by heads that do not read them, so
 # that one training loop can pass them to any head
 _POLICY_TOKENS = ("advantages", "old_logprobs", "ref_logprobs")

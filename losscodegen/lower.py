@@ -25,7 +25,9 @@ M = sp.Symbol("m", real=True)          # max_i z_i
 MT = sp.Symbol("m_t", real=True)       # max_i t_i
 IS_Y = sp.Symbol("is_y", real=True)    # element: [i == y]
 
-_BEFORE_STATS = {S.target_logit, S.label, S.vocab_size}  # row symbols known before the first read
+# row symbols known before the first read (not the target logit: on a vocab shard it is known only
+# after the shards' stats are merged, so a vocabulary sum that reads it is an exact one)
+_BEFORE_STATS = {S.label, S.vocab_size}
 _Z_DEPENDENT_ROW = (S.target_logit,)                      # row inputs that move with the logits
 
 

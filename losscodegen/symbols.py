@@ -16,10 +16,10 @@ from __future__ import annotations
 import re
 
 import sympy as sp
-from sympy import Abs, Max, Min, Piecewise, exp, log  # re-exported for formulas
+from sympy import Abs, Max, Min, Piecewise, cos, erf, exp, log, sign, sin, sqrt, tanh  # for formulas
 
 __all__ = [
-    "Abs", "Max", "Min", "Piecewise", "exp", "log",
+    "Abs", "Max", "Min", "Piecewise", "exp", "log", "sqrt", "sign", "tanh", "sin", "cos", "erf",
     "logit", "teacher_logit", "topk_logit", "topk_logprob",
     "target_logit", "label", "argmax", "vocab_size",
     "lse", "teacher_lse", "lse_at", "teacher_lse_at",
@@ -44,6 +44,15 @@ target_logit = _real("z_y")
 label = _real("label")
 argmax = _real("argmax")
 vocab_size = _real("vocab_size")
+
+# keyword inputs every head accepts; a head's per-row tokens come on top (inputs.py checks them)
+STANDARD_INPUTS = ("teacher_logits", "loss_mask", "teacher_topk_ids", "teacher_topk_logprobs",
+                   "segment_ids", "num_segments", "process_group", "segment_group", "divisor",
+                   "reduction")
+# the named arguments of HeadLoss.forward and HeadLoss.linear (their other inputs come as keywords);
+# with STANDARD_INPUTS, names no token may take (tests/test_refusals.py reads the signatures)
+CALL_ARGUMENTS = ("logits", "labels", "hidden", "weight", "bias", "teacher_hidden", "teacher_weight",
+                  "teacher_bias", "chunk_rows")
 
 TOKEN_PREFIX = "tok_"
 PARAM_PREFIX = "param_"
@@ -174,3 +183,10 @@ teacher_logprob = teacher_logprob_at(1)
 
 ELEMENT_SYMBOLS = (logit, teacher_logit)
 TOPK_SYMBOLS = (topk_logit, topk_logprob)
+ROW_SYMBOLS = (target_logit, label, argmax, vocab_size)
+
+# The sympy functions a formula may use besides the constructs defined in this module: both
+# printers (the kernel's, emit.TritonPrinter, and the float64 reference's, emit.TorchPrinter) print
+# them, and sympy writes their derivatives in them (sign, Abs, Min and Max are differentiated as
+# Piecewise). declare_term refuses any other function. (Powers, sqrt included, are Pow: printed too.)
+FUNCTIONS = (exp, log, Abs, sign, Min, Max, Piecewise, tanh, sin, cos, erf)

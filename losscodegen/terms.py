@@ -4,11 +4,15 @@ Every built-in below is one formula; the gradient of each is derived later by sy
 """
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import sympy as sp
+from sympy.core.relational import Relational
+from sympy.functions.elementary.piecewise import ExprCondPair
+from sympy.logic.boolalg import BooleanAtom
 
 from . import symbols as S
 
@@ -78,18 +82,68 @@ class TermFactory:
 def declare_term(name: str, formula: sp.Expr, *, defaults: Mapping[str, Any] | None = None,
                  metric_only: bool = False) -> TermFactory:
     """Declare a per-token loss term from its formula. Returns a factory: ``Term = declare_term(...)``,
-    then ``Term(weight=..., param=...)`` in a ``HeadLoss``."""
+    then ``Term(weight=..., param=...)`` in a ``HeadLoss``. Anything the code generator cannot
+    compute where it stands is refused here, naming it (docs/api.md, "What is refused")."""
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"term name must be an identifier, got {name!r}")
     formula = sp.sympify(formula)
     if not isinstance(formula, sp.Expr):
         raise TypeError(f"{name}: formula must be a sympy expression, got {type(formula).__name__}")
+    _check_constructs(name, formula)
+    _check_symbols(name, formula)
     _check_levels(name, formula)
     return TermFactory(name, formula, dict(defaults or {}), metric_only)
 
 
+# what a formula may be made of besides S.FUNCTIONS and the constructs of losscodegen.symbols
+_STRUCTURE = (sp.Add, sp.Mul, sp.Pow, sp.Symbol, ExprCondPair, Relational, sp.And, sp.Or, sp.Not, sp.ITE,
+              BooleanAtom)
+_SUPPORTED = (f"the functions {', '.join(f.__name__ for f in S.FUNCTIONS)}; +, -, *, / and powers "
+              "(sqrt included); relations with And/Or/Not in Piecewise; finite constants; and "
+              "losscodegen.symbols' own (vsum, topk_sum, segment_mean, lse_at, ...)")
+# the keywords a term factory takes itself: a parameter of that name could never be set
+_FACTORY_KEYWORDS = tuple(p.name for p in inspect.signature(TermFactory.__call__).parameters.values()
+                          if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and p.name != "self")
+# the head's own call arguments and keywords: a per-row token of that name could never be passed
+_CALL_NAMES = S.CALL_ARGUMENTS + S.STANDARD_INPUTS
+
+
+def _check_constructs(name: str, formula: sp.Expr) -> None:
+    """Every node is one the printers print correctly (and sympy differentiates into such nodes)."""
+    for node in sp.preorder_traversal(formula):
+        if isinstance(node, (sp.Number, sp.NumberSymbol)):
+            if not (node.is_finite and node.is_extended_real):
+                raise ValueError(f"{name}: the constant {node} is not supported (constants must be "
+                                 f"finite real numbers): {formula}")
+        elif not (isinstance(node, _STRUCTURE + S.FUNCTIONS) or type(node).__module__ == S.__name__):
+            what = type(node).__name__
+            raise ValueError(f"{name}: {what} ({node}) is not supported in a formula; supported: "
+                             f"{_SUPPORTED}")
+
+
+def _check_symbols(name: str, formula: sp.Expr) -> None:
+    """Symbols come from losscodegen.symbols: token and param names free of the head's own names."""
+    known = set(S.ELEMENT_SYMBOLS + S.TOPK_SYMBOLS + S.ROW_SYMBOLS)
+    for sym in sorted(formula.free_symbols - known, key=str):
+        for prefix, make, taken, where in (
+                (S.TOKEN_PREFIX, S.token, _CALL_NAMES, "an argument or keyword of the head's call"),
+                (S.PARAM_PREFIX, S.param, _FACTORY_KEYWORDS, "a keyword of the term factory")):
+            short = sym.name[len(prefix):]
+            if sym.name.startswith(prefix) and short.isidentifier() and sym == make(short):
+                if short in taken:
+                    raise ValueError(f"{name}: {make.__name__}({short!r}) clashes with {where} "
+                                     f"(names taken: {', '.join(taken)}); choose another name")
+                break
+        else:
+            raise ValueError(
+                f"{name}: unknown symbol {sym} (a raw sympy Symbol?): formulas are written in "
+                f"losscodegen.symbols' own symbols ({', '.join(str(s) for s in sorted(known, key=str))}), "
+                f"S.token(name) for a per-row input and S.param(name) for a constant")
+
+
 def _check_levels(name: str, formula: sp.Expr) -> None:
-    """Element symbols live inside their reduction; reductions do not nest."""
+    """Element symbols live inside their own reduction; reductions do not nest; a log-normaliser's
+    coefficients are numbers or params."""
     reductions = (S.vsum, S.topk_sum, S.segment_mean)
     for red in formula.atoms(*reductions):
         inner = red.args[0]
@@ -100,6 +154,16 @@ def _check_levels(name: str, formula: sp.Expr) -> None:
         if outside.has(*sym):
             raise ValueError(f"{name}: element symbols {[str(s) for s in sym]} may only appear "
                              f"inside {where}: {formula}")
+    for red, other, where in ((S.vsum, S.TOPK_SYMBOLS, "topk_sum(...)"),
+                              (S.topk_sum, S.ELEMENT_SYMBOLS, "vsum(...)")):
+        for r in formula.atoms(red):
+            if r.has(*other):
+                raise ValueError(f"{name}: {[str(s) for s in other]} may only appear inside {where}, "
+                                 f"not inside {red.__name__}(...): {r}")
+    for lse in formula.atoms(S.LSE):
+        if any(not s.name.startswith(S.PARAM_PREFIX) for s in lse.free_symbols):
+            raise ValueError(f"{name}: a log-normaliser's temperature must be a number or a param, "
+                             f"got {lse}")
 
 
 def bind(term: Term, head_terms: tuple[Term, ...]) -> sp.Expr:

@@ -28,6 +28,9 @@ TOLERANCES = {torch.float32: (1e-4, 1e-5, 2e-4), torch.bfloat16: (2e-3, 2e-3, 1e
               torch.float16: (2e-3, 2e-3, 5e-3)}
 
 
+_Z_ROW, _T_ROW = sp.Symbol("z_row", real=True), sp.Symbol("t_row", real=True)
+
+
 class _Printer(TorchPrinter):
     """Formulas over whole rows: element symbols are [rows, V] (or [rows, K]) tensors, row
     symbols [rows, 1], reductions keep the row dimension. Each construct is the torch op a user
@@ -58,21 +61,38 @@ class _Printer(TorchPrinter):
         return f"({self._print(expr.args[0])}).detach()"
 
     def _print_LSE(self, expr) -> str:
+        # over the whole rows (z_row, t_row), also inside a vsum (whose summand takes z, t)
         alpha, beta = expr.args
-        return f"torch.logsumexp({self._print(alpha * S.logit + beta * S.teacher_logit)}, -1, keepdim=True)"
+        return f"torch.logsumexp({self._print(alpha * _Z_ROW + beta * _T_ROW)}, -1, keepdim=True)"
 
     def _print_vsum(self, expr) -> str:
-        return f"(({self._print(expr.args[0])}) + 0 * z).sum(-1, keepdim=True)"
+        return f"_sum(lambda z, t: ({self._print(expr.args[0])}) + torch.zeros_like(z), z, t)"
 
     def _print_topk_sum(self, expr) -> str:
-        return f"(({self._print(expr.args[0])}) + 0 * z_k).sum(-1, keepdim=True)"
+        return f"_sum(lambda z_k, l_k: ({self._print(expr.args[0])}) + torch.zeros_like(z_k), z_k, l_k)"
 
 
 _PRINT = _Printer()
 
 
+def _sum(summand, a: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """The sum over the last dim of ``summand(a, b)`` with the ``0 * log 0 = 0`` convention: a
+    summand that is NaN where ``a`` or ``b`` is -inf counts as 0. (It is evaluated again with those
+    elements set to 0, so that autograd's gradient there is 0, not 0 * NaN.)"""
+    dead = a == float("-inf")
+    if b is not None:
+        dead = dead | (b == float("-inf"))
+    with torch.no_grad():
+        zero = dead & summand(a, b).isnan()
+    if not zero.any():
+        return summand(a, b).sum(-1, keepdim=True)
+    a, b = a.masked_fill(zero, 0.0), (None if b is None else b.masked_fill(zero, 0.0))
+    return summand(a, b).masked_fill(zero, 0.0).sum(-1, keepdim=True)
+
+
 def _evaluate(expr: sp.Expr, namespace: dict[str, Any]) -> torch.Tensor:
-    return eval(_PRINT.doprint(expr), {"torch": torch}, namespace)
+    # one dict: the summands of _sum are lambdas, which see globals only
+    return eval(_PRINT.doprint(expr), {"torch": torch, "_sum": _sum, **namespace})
 
 
 @dataclass
@@ -95,11 +115,16 @@ class Reference:
             valid &= y != head.ignore_index
         if inputs.get("loss_mask") is not None:
             valid &= inputs["loss_mask"].reshape(-1)
-        yc = y.clamp(0, V - 1)[:, None]
+        # an ignored row's target: its argmax, a finite logit (a -inf one would make 0 * inf in the backward)
+        yc = torch.where(valid, y.clamp(0, V - 1), z.detach().argmax(-1))[:, None]
         ns = {"z": z, "z_y": z.gather(1, yc), "label": y[:, None].double(), "vocab_size": z.new_tensor(float(V)),
-              "argmax": z.argmax(-1, keepdim=True).double()}
+              "argmax": z.argmax(-1, keepdim=True).double(), "t": None}
+        # a row whose logits (or teacher logits) are all -inf has no distribution: its values are NaN
+        no_dist = (z == float("-inf")).all(-1)
         if inputs.get("teacher_logits") is not None:
             ns["t"] = inputs["teacher_logits"].detach().double().reshape(R, V)
+            no_dist = no_dist | (ns["t"] == float("-inf")).all(-1)
+        ns["z_row"], ns["t_row"] = z, ns["t"]
         if inputs.get("teacher_topk_ids") is not None:
             ids = inputs["teacher_topk_ids"].reshape(R, -1)
             ns["z_k"] = z.gather(1, ids)
@@ -117,7 +142,7 @@ class Reference:
                 value = _segment_term(formula, ns, valid, inputs["segment_ids"].reshape(-1), divisor, reduction)
             else:
                 per_row = torch.as_tensor(_evaluate(formula, ns), dtype=torch.float64).expand(R, 1)[:, 0]
-                per_row = torch.where(valid, per_row, torch.zeros_like(per_row))
+                per_row = torch.where(valid, per_row.masked_fill(no_dist, float("nan")), 0.0)
                 value = per_row.sum() / div
                 per_row_loss = per_row_loss + weight * per_row
             values[name] = value.detach()
