@@ -37,7 +37,7 @@ from triton.language.extra import libdevice
 
 KEY = "61bded9c9d8c364d"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "82038d35f402"
+CODEGEN = "afb434ed4213"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['reverse_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -53,6 +53,13 @@ USES_TOPK = False
 HAS_EXACT = False
 # the loss terms whose weights the row kernel takes (the others are segment terms)
 ROW_LOSS_TERMS = ['reverse_kl']
+# how each output is normalised: a loss term's normalize= ("tokens": by the call's divisor, else the
+# valid rows; "sequence": a segment term, by the segments; "sum": not at all); a metric's "mean": by
+# the valid rows, whatever the call's divisor
+NORMALIZE = {'reverse_kl': 'tokens'}
+# the runtime scalars (scalars_ptr[i], fp32): each loss term's weight, then the parameters the
+# kernel takes as arguments (terms.bind); the head writes them, and copies tensor values in per call
+SCALARS = ['weight_reverse_kl']
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = []
 SEGMENT_MEANS = []
@@ -68,7 +75,7 @@ ARGS = (
     'div_ptr', 'flag_ptr', 'row_offset', 'n_rows',
 )
 FIXED = (
-    'world', 'weight_reverse_kl', 'logit_scale', 'softcap', 'V', 'vocab_start', 'n_vocab',
+    'world', 'scalars_ptr', 'logit_scale', 'softcap', 'V', 'vocab_start', 'n_vocab',
     'ignore_index',
 )
 CONSTEXPRS = (
@@ -145,7 +152,7 @@ def head_loss_61bded9c9d8c364d(
     x_ptr, x_stride, grad_ptr, grad_stride, y_ptr, mask_ptr, t_ptr, t_stride, ws_ptr, off_rows,
     off_loss_rows, off_stats, gathered_ptr, peers_ptr, epoch, div_ptr, flag_ptr, row_offset,
     n_rows,
-    world, weight_reverse_kl, logit_scale, softcap, V, vocab_start, n_vocab, ignore_index,
+    world, scalars_ptr, logit_scale, softcap, V, vocab_start, n_vocab, ignore_index,
     SUM: tl.constexpr, PER_ROW: tl.constexpr, STATS: tl.constexpr, EXCHANGE: tl.constexpr,
     MERGE: tl.constexpr, EXACT: tl.constexpr, STORE_STATS: tl.constexpr, ROWS: tl.constexpr,
     GRAD: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -291,6 +298,7 @@ def head_loss_61bded9c9d8c364d(
             tl.store(stats_row + 5, acc3)
 
         if ROWS:
+            weight_reverse_kl = tl.load(scalars_ptr + 0)
             r0 = tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*m)
             v0 = tl.where(finite_row, -N0 + N1 + acc1*r0 - acc2*r0, float("nan"))  # reverse_kl
             tl.store(ws_ptr + off_rows + grow * 1 + 0, v0)
@@ -306,6 +314,7 @@ def head_loss_61bded9c9d8c364d(
                 grad_scale = 1.0
             else:
                 grad_scale = 1.0 / tl.maximum(tl.load(ws_ptr + 2), 1.0)  # the valid rows (COUNT)
+            weight_reverse_kl = tl.load(scalars_ptr + 0)
             w_reverse_kl = weight_reverse_kl * grad_scale
             c0 = tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*m)
             g0 = w_reverse_kl
@@ -375,6 +384,7 @@ def head_loss_61bded9c9d8c364d(
                 value_scale = 1.0
             else:
                 value_scale = 1.0 / tl.maximum(tl.load(ws_ptr + 2), 1.0)  # the valid rows (COUNT)
+            weight_reverse_kl = tl.load(scalars_ptr + 0)
             r = tl.arange(0, BLOCK_R)
             c = tl.arange(0, 1)
             total = tl.zeros([1], tl.float32)

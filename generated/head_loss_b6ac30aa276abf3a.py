@@ -40,7 +40,7 @@ from triton.language.extra import libdevice
 
 KEY = "b6ac30aa276abf3a"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "82038d35f402"
+CODEGEN = "afb434ed4213"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss', 'entropy', 'token_accuracy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -56,6 +56,13 @@ USES_TOPK = False
 HAS_EXACT = False
 # the loss terms whose weights the row kernel takes (the others are segment terms)
 ROW_LOSS_TERMS = ['cross_entropy', 'z_loss']
+# how each output is normalised: a loss term's normalize= ("tokens": by the call's divisor, else the
+# valid rows; "sequence": a segment term, by the segments; "sum": not at all); a metric's "mean": by
+# the valid rows, whatever the call's divisor
+NORMALIZE = {'cross_entropy': 'tokens', 'z_loss': 'tokens', 'entropy': 'mean', 'token_accuracy': 'mean'}
+# the runtime scalars (scalars_ptr[i], fp32): each loss term's weight, then the parameters the
+# kernel takes as arguments (terms.bind); the head writes them, and copies tensor values in per call
+SCALARS = ['weight_cross_entropy', 'weight_z_loss']
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = []
 SEGMENT_MEANS = []
@@ -71,8 +78,8 @@ ARGS = (
     'row_offset', 'n_rows',
 )
 FIXED = (
-    'world', 'weight_cross_entropy', 'weight_z_loss', 'logit_scale', 'softcap', 'V', 'vocab_start',
-    'n_vocab', 'ignore_index',
+    'world', 'scalars_ptr', 'logit_scale', 'softcap', 'V', 'vocab_start', 'n_vocab',
+    'ignore_index',
 )
 CONSTEXPRS = (
     'SUM', 'PER_ROW', 'STATS', 'EXCHANGE', 'MERGE', 'EXACT', 'STORE_STATS', 'ROWS', 'GRAD',
@@ -147,8 +154,7 @@ def _dlogits(x, logit_scale, softcap):
 def head_loss_b6ac30aa276abf3a(
     x_ptr, x_stride, grad_ptr, grad_stride, y_ptr, mask_ptr, ws_ptr, off_rows, off_loss_rows,
     off_stats, gathered_ptr, peers_ptr, epoch, div_ptr, flag_ptr, row_offset, n_rows,
-    world, weight_cross_entropy, weight_z_loss, logit_scale, softcap, V, vocab_start, n_vocab,
-    ignore_index,
+    world, scalars_ptr, logit_scale, softcap, V, vocab_start, n_vocab, ignore_index,
     SUM: tl.constexpr, PER_ROW: tl.constexpr, STATS: tl.constexpr, EXCHANGE: tl.constexpr,
     MERGE: tl.constexpr, EXACT: tl.constexpr, STORE_STATS: tl.constexpr, ROWS: tl.constexpr,
     GRAD: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -278,6 +284,8 @@ def head_loss_b6ac30aa276abf3a(
             tl.store(stats_row + 4, acc1)
 
         if ROWS:
+            weight_cross_entropy = tl.load(scalars_ptr + 0)
+            weight_z_loss = tl.load(scalars_ptr + 1)
             v0 = tl.where(finite_row, N0 - z_y, float("nan"))  # cross_entropy
             tl.store(ws_ptr + off_rows + grow * 4 + 0, v0)
             v1 = tl.where(finite_row, (N0 * N0), float("nan"))  # z_loss
@@ -298,6 +306,8 @@ def head_loss_b6ac30aa276abf3a(
                 grad_scale = 1.0
             else:
                 grad_scale = 1.0 / tl.maximum(tl.load(ws_ptr + 5), 1.0)  # the valid rows (COUNT)
+            weight_cross_entropy = tl.load(scalars_ptr + 0)
+            weight_z_loss = tl.load(scalars_ptr + 1)
             w_cross_entropy = weight_cross_entropy * grad_scale
             w_z_loss = weight_z_loss * grad_scale
             g0 = 2.0*N0*w_z_loss + w_cross_entropy
@@ -363,6 +373,10 @@ def head_loss_b6ac30aa276abf3a(
                 value_scale = 1.0
             else:
                 value_scale = 1.0 / tl.maximum(tl.load(ws_ptr + 5), 1.0)  # the valid rows (COUNT)
+            # metrics: means over the valid rows, whatever the call's divisor or reduction
+            count_scale = 1.0 / tl.maximum(tl.load(ws_ptr + 5), 1.0)  # COUNT
+            weight_cross_entropy = tl.load(scalars_ptr + 0)
+            weight_z_loss = tl.load(scalars_ptr + 1)
             r = tl.arange(0, BLOCK_R)
             c = tl.arange(0, 4)
             total = tl.zeros([4], tl.float32)
@@ -375,8 +389,8 @@ def head_loss_b6ac30aa276abf3a(
             tl.store(ws_ptr + 0, value_cross_entropy)
             value_z_loss = tl.sum(tl.where(c == 1, total, 0.0), 0) * value_scale
             tl.store(ws_ptr + 1, value_z_loss)
-            value_entropy = tl.sum(tl.where(c == 2, total, 0.0), 0) * value_scale
+            value_entropy = tl.sum(tl.where(c == 2, total, 0.0), 0) * count_scale
             tl.store(ws_ptr + 2, value_entropy)
-            value_token_accuracy = tl.sum(tl.where(c == 3, total, 0.0), 0) * value_scale
+            value_token_accuracy = tl.sum(tl.where(c == 3, total, 0.0), 0) * count_scale
             tl.store(ws_ptr + 3, value_token_accuracy)
             tl.store(ws_ptr + 4, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss)  # LOSS

@@ -37,7 +37,7 @@ from triton.language.extra import libdevice
 
 KEY = "d4ac32833fba1c40"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "82038d35f402"
+CODEGEN = "afb434ed4213"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['topk_forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -53,6 +53,13 @@ USES_TOPK = True
 HAS_EXACT = False
 # the loss terms whose weights the row kernel takes (the others are segment terms)
 ROW_LOSS_TERMS = ['topk_forward_kl']
+# how each output is normalised: a loss term's normalize= ("tokens": by the call's divisor, else the
+# valid rows; "sequence": a segment term, by the segments; "sum": not at all); a metric's "mean": by
+# the valid rows, whatever the call's divisor
+NORMALIZE = {'topk_forward_kl': 'tokens'}
+# the runtime scalars (scalars_ptr[i], fp32): each loss term's weight, then the parameters the
+# kernel takes as arguments (terms.bind); the head writes them, and copies tensor values in per call
+SCALARS = ['weight_topk_forward_kl']
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = []
 SEGMENT_MEANS = []
@@ -68,7 +75,7 @@ ARGS = (
     'gathered_ptr', 'peers_ptr', 'epoch', 'div_ptr', 'flag_ptr', 'row_offset', 'n_rows',
 )
 FIXED = (
-    'world', 'weight_topk_forward_kl', 'logit_scale', 'softcap', 'V', 'vocab_start', 'n_vocab',
+    'world', 'scalars_ptr', 'logit_scale', 'softcap', 'V', 'vocab_start', 'n_vocab',
     'ignore_index',
 )
 CONSTEXPRS = (
@@ -145,7 +152,7 @@ def head_loss_d4ac32833fba1c40(
     x_ptr, x_stride, grad_ptr, grad_stride, y_ptr, mask_ptr, topk_id_ptr, topk_lp_ptr, topk_stride,
     K, ws_ptr, off_rows, off_loss_rows, off_stats, gathered_ptr, peers_ptr, epoch, div_ptr,
     flag_ptr, row_offset, n_rows,
-    world, weight_topk_forward_kl, logit_scale, softcap, V, vocab_start, n_vocab, ignore_index,
+    world, scalars_ptr, logit_scale, softcap, V, vocab_start, n_vocab, ignore_index,
     SUM: tl.constexpr, PER_ROW: tl.constexpr, STATS: tl.constexpr, EXCHANGE: tl.constexpr,
     MERGE: tl.constexpr, EXACT: tl.constexpr, STORE_STATS: tl.constexpr, ROWS: tl.constexpr,
     GRAD: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -271,6 +278,7 @@ def head_loss_d4ac32833fba1c40(
             tl.store(stats_row + 4, acc3)
 
         if ROWS:
+            weight_topk_forward_kl = tl.load(scalars_ptr + 0)
             v0 = tl.where(finite_row, N0*acc0 + acc1 - acc2, float("nan"))  # topk_forward_kl
             tl.store(ws_ptr + off_rows + grow * 1 + 0, v0)
             if PER_ROW:
@@ -285,6 +293,7 @@ def head_loss_d4ac32833fba1c40(
                 grad_scale = 1.0
             else:
                 grad_scale = 1.0 / tl.maximum(tl.load(ws_ptr + 2), 1.0)  # the valid rows (COUNT)
+            weight_topk_forward_kl = tl.load(scalars_ptr + 0)
             w_topk_forward_kl = weight_topk_forward_kl * grad_scale
             g0 = w_topk_forward_kl
             g1 = acc0*w_topk_forward_kl
@@ -350,6 +359,7 @@ def head_loss_d4ac32833fba1c40(
                 value_scale = 1.0
             else:
                 value_scale = 1.0 / tl.maximum(tl.load(ws_ptr + 2), 1.0)  # the valid rows (COUNT)
+            weight_topk_forward_kl = tl.load(scalars_ptr + 0)
             r = tl.arange(0, BLOCK_R)
             c = tl.arange(0, 1)
             total = tl.zeros([1], tl.float32)

@@ -33,7 +33,7 @@ from triton.language.extra import libdevice
 
 KEY = "dfdadf8e6cb4b92c"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "82038d35f402"
+CODEGEN = "afb434ed4213"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -49,6 +49,13 @@ USES_TOPK = False
 HAS_EXACT = False
 # the loss terms whose weights the row kernel takes (the others are segment terms)
 ROW_LOSS_TERMS = ['cross_entropy']
+# how each output is normalised: a loss term's normalize= ("tokens": by the call's divisor, else the
+# valid rows; "sequence": a segment term, by the segments; "sum": not at all); a metric's "mean": by
+# the valid rows, whatever the call's divisor
+NORMALIZE = {'cross_entropy': 'tokens'}
+# the runtime scalars (scalars_ptr[i], fp32): each loss term's weight, then the parameters the
+# kernel takes as arguments (terms.bind); the head writes them, and copies tensor values in per call
+SCALARS = ['weight_cross_entropy']
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = []
 SEGMENT_MEANS = []
@@ -64,7 +71,7 @@ ARGS = (
     'row_offset', 'n_rows',
 )
 FIXED = (
-    'world', 'weight_cross_entropy', 'logit_scale', 'softcap', 'V', 'vocab_start', 'n_vocab',
+    'world', 'scalars_ptr', 'logit_scale', 'softcap', 'V', 'vocab_start', 'n_vocab',
     'ignore_index',
 )
 CONSTEXPRS = (
@@ -140,7 +147,7 @@ def _dlogits(x, logit_scale, softcap):
 def head_loss_dfdadf8e6cb4b92c(
     x_ptr, x_stride, grad_ptr, grad_stride, y_ptr, mask_ptr, ws_ptr, off_rows, off_loss_rows,
     off_stats, gathered_ptr, peers_ptr, epoch, div_ptr, flag_ptr, row_offset, n_rows,
-    world, weight_cross_entropy, logit_scale, softcap, V, vocab_start, n_vocab, ignore_index,
+    world, scalars_ptr, logit_scale, softcap, V, vocab_start, n_vocab, ignore_index,
     SUM: tl.constexpr, PER_ROW: tl.constexpr, STATS: tl.constexpr, EXCHANGE: tl.constexpr,
     MERGE: tl.constexpr, EXACT: tl.constexpr, STORE_STATS: tl.constexpr, ROWS: tl.constexpr,
     GRAD: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -249,6 +256,7 @@ def head_loss_dfdadf8e6cb4b92c(
             tl.store(stats_row + 2, acc0)
 
         if ROWS:
+            weight_cross_entropy = tl.load(scalars_ptr + 0)
             v0 = tl.where(finite_row, N0 - z_y, float("nan"))  # cross_entropy
             tl.store(ws_ptr + off_rows + grow * 1 + 0, v0)
             if PER_ROW:
@@ -263,6 +271,7 @@ def head_loss_dfdadf8e6cb4b92c(
                 grad_scale = 1.0
             else:
                 grad_scale = 1.0 / tl.maximum(tl.load(ws_ptr + 2), 1.0)  # the valid rows (COUNT)
+            weight_cross_entropy = tl.load(scalars_ptr + 0)
             w_cross_entropy = weight_cross_entropy * grad_scale
             g0 = w_cross_entropy
             g1 = -w_cross_entropy
@@ -324,6 +333,7 @@ def head_loss_dfdadf8e6cb4b92c(
                 value_scale = 1.0
             else:
                 value_scale = 1.0 / tl.maximum(tl.load(ws_ptr + 2), 1.0)  # the valid rows (COUNT)
+            weight_cross_entropy = tl.load(scalars_ptr + 0)
             r = tl.arange(0, BLOCK_R)
             c = tl.arange(0, 1)
             total = tl.zeros([1], tl.float32)

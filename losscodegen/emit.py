@@ -10,6 +10,7 @@ import builtins
 import itertools
 import math
 from dataclasses import dataclass
+from typing import Mapping
 
 import jinja2
 import sympy as sp
@@ -312,8 +313,10 @@ def wrap(items: list[str], indent: str, width: int = 100) -> list[str]:
     return out
 
 
-def signatures(plan: Plan, key: str, row_loss_terms: list[str]) -> dict[str, Signature]:
-    """The interface of each kernel of a head's file, in signature order."""
+def signatures(plan: Plan, key: str, reads_scalars: bool, per_sequence: tuple[str, ...] = ()) -> dict[str, Signature]:
+    """The interface of each kernel of a head's file, in signature order. ``reads_scalars``: whether
+    the head's kernel reads runtime scalars (the segment kernel always does: its terms' weights);
+    ``per_sequence``: the segment terms normalised by sequence (which take no divisor)."""
     lw = plan.lowered
     segments = [seg.name for seg in lw.segments]
     args = ["x_ptr", "x_stride", "grad_ptr", "grad_stride", "y_ptr", "mask_ptr"]
@@ -326,7 +329,7 @@ def signatures(plan: Plan, key: str, row_loss_terms: list[str]) -> dict[str, Sig
         args += ["seg_ptr", "n_seg", "off_seg_sums", "off_seg_coefs"]
     args += ["ws_ptr", "off_rows", "off_loss_rows", "off_stats", *(["off_exact"] if plan.exact else []),
              "gathered_ptr", "peers_ptr", "epoch", "div_ptr", "flag_ptr", "row_offset", "n_rows"]
-    fixed = ["world", *[f"weight_{w}" for w in row_loss_terms], "logit_scale", "softcap", "V", "vocab_start",
+    fixed = ["world", *(["scalars_ptr"] if reads_scalars else []), "logit_scale", "softcap", "V", "vocab_start",
              "n_vocab", "ignore_index"]
     constexprs = ["SUM", "PER_ROW", "STATS", "EXCHANGE", "MERGE", "EXACT", "STORE_STATS", "ROWS", "GRAD",
                   "BLOCK_V", "BLOCK_K", "BLOCK_R"]
@@ -335,8 +338,9 @@ def signatures(plan: Plan, key: str, row_loss_terms: list[str]) -> dict[str, Sig
     out = {"head_loss": Signature(f"head_loss_{key}", tuple(args), tuple(fixed), tuple(constexprs),
                                   tuple(a for a in varying if a in args + fixed))}
     if segments:
-        seg_args = ("ws_ptr", "off_seg_sums", "off_seg_coefs", "n_seg", "div_ptr")
-        out["segments"] = Signature(f"segments_{key}", seg_args, tuple(f"weight_{s}" for s in segments),
+        seg_args = ("ws_ptr", "off_seg_sums", "off_seg_coefs", "n_seg",
+                    *(("div_ptr",) if set(segments) - set(per_sequence) else ()))
+        out["segments"] = Signature(f"segments_{key}", seg_args, ("scalars_ptr",),
                                     ("SUM", "BLOCK_S"), ("n_seg", "off_seg_sums", "off_seg_coefs"))
     return out
 
@@ -413,7 +417,10 @@ def _merge(plan: Plan) -> dict[str, list[str]]:
     return dict(init=init, maxima=maxima, sums=sums)
 
 
-def emit(plan: Plan, key: str, header: str, codegen: str) -> KernelSource:
+def emit(plan: Plan, key: str, header: str, codegen: str,
+         normalize: Mapping[str, str] | None = None) -> KernelSource:
+    """The kernel file of a plan. ``normalize``: each loss term's normalisation ("tokens" where not
+    given; a "sequence" term arrives as a segment term); metrics are means over the valid rows."""
     lw = plan.lowered
     name = f"head_loss_{key}"
     transform = LOGIT_SCALE * (SOFTCAP * sp.tanh(X / SOFTCAP) if plan.softcap else X)
@@ -457,7 +464,27 @@ def emit(plan: Plan, key: str, header: str, codegen: str) -> KernelSource:
         seg_fns.append(dict(name=seg.name, temps=temps, value=value, slot=lw.outputs.index(seg.name),
                             grads=[(seg_means.index(U.name), g) for U, g in zip(seg.means, grads)]))
     n_out = len(lw.outputs)
-    sigs = signatures(plan, key, row_loss_terms)
+
+    # Runtime scalars (each loss term's weight, then the runtime parameters) come from one fp32
+    # buffer, each loaded where a block first needs it.
+    norm = {n: (dict(normalize or {}).get(n, "tokens") if n in loss_terms else "mean") for n in lw.outputs}
+    reads_exprs = [a.body for a in lw.accumulators]
+    grad_exprs = [e for _, e in lw.grad_coefs] + [lw.grad_vocab, lw.grad_topk]
+    seg_exprs = [e for seg in lw.segments for e in (seg.formula, *seg.dformula)]
+    scalars = [f"weight_{n}" for n in loss_terms] + sorted(
+        {s.name for e in reads_exprs + grad_exprs + seg_exprs + [e for _, e in lw.row_values]
+         for s in e.free_symbols if s.name.startswith(S.RUNTIME_PREFIX)})
+
+    def loads(exprs: list[sp.Expr], weights: list[str] = ()) -> list[str]:
+        used = {s.name for e in exprs for s in e.free_symbols} | {f"weight_{w}" for w in weights}
+        return [f"{n} = tl.load(scalars_ptr + {i})" for i, n in enumerate(scalars) if n in used]
+    scalar_loads = dict(reads=loads(reads_exprs), rows=loads([e for _, e in lw.row_values], row_loss_terms),
+                        grad=loads(grad_exprs, row_loss_terms), finish=loads([], row_loss_terms),
+                        segments=loads(seg_exprs, seg_names))
+    for seg in seg_fns:
+        seg["per_sequence"] = norm[seg["name"]] == "sequence"
+    sigs = signatures(plan, key, any(scalar_loads[b] for b in ("reads", "rows", "grad", "finish")),
+                      tuple(seg["name"] for seg in seg_fns if seg["per_sequence"]))
 
     ctx = dict(
         header=header, sigs=sigs, key=key, codegen=codegen, plan=plan, lw=lw,
@@ -481,9 +508,13 @@ def emit(plan: Plan, key: str, header: str, codegen: str) -> KernelSource:
         uses_is_y=lw.grad_vocab.has(IS_Y),
         columns=[c.name for c in plan.columns], exact_columns=list(plan.exact),
         merge=_merge(plan),
-        row_loss_terms=row_loss_terms,
+        row_loss_terms=row_loss_terms, scalars=scalars, scalar_loads=scalar_loads, normalize=norm,
+        grad_weights=[(n, f"weight_{n} * grad_scale" if norm[n] == "tokens" else f"weight_{n}")
+                      for n in row_loss_terms],
         per_row_loss=" + ".join(f"weight_{n} * v{row_names.index(n)}" for n in row_loss_terms) or "0.0",
-        finish=[(n, row_names.index(n), lw.outputs.index(n)) for n in lw.outputs if n not in seg_names],
+        finish=[(n, row_names.index(n), lw.outputs.index(n),
+                 {"tokens": " * value_scale", "mean": " * count_scale", "sum": ""}[norm[n]])
+                for n in lw.outputs if n not in seg_names],
         finish_loss=" + ".join(f"weight_{n} * value_{n}" for n in row_loss_terms),
         slots=dict(loss=n_out, count=n_out + 1, done=n_out + 2, fixed=n_out + 3),
         seg_coefs=[c.name for s in lw.segments for c in s.coefs],

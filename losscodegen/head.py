@@ -17,7 +17,7 @@ from .emit import KernelSource, emit, header
 from .inputs import check_call
 from .lower import Lowered, lower
 from .plan import Launch, Plan, launch_sequence, plan
-from .terms import Term, bind
+from .terms import Term, bind, is_tensor, scalar_values
 from .validation import DeviceChecks
 
 
@@ -78,14 +78,18 @@ class HeadLoss(torch.nn.Module):
         self.linear_chunk_bytes = linear_chunk_bytes
         head = terms + metrics
         self._bound = tuple((t.name, bind(t, head), t in metrics) for t in head)
-        self._weights = {t.name: t.weight for t in terms}
+        # the runtime scalars by name (weights and runtime parameters: numbers or 0-dim tensors),
+        # and their fp32 buffer on each device (``scalar_buffer``)
+        self.scalars = scalar_values(terms, metrics)
+        self.tensor_scalars = any(is_tensor(v) for v in self.scalars.values())
+        self._scalar_buffers: dict[torch.device, tuple[torch.Tensor, list]] = {}
         self._kernel: ModuleType | None = None
-        self._row_weights: tuple[float, ...] | None = None
         self.layouts: dict[tuple, Any] = {}        # launch.py's per-signature layouts
         self.tile_override: Any = None             # a tiles.Config every call takes (tune.py)
         self.checks = DeviceChecks(ignore_index)
         self.spec_text = "\n".join(
             [f"{'metric' if m else 'loss'} {n} {sp.srepr(f)}" for n, f, m in self._bound]
+            + [f"normalize {t.name} {t.normalize}" for t in terms if t.normalize != "tokens"]
             + [f"softcap {softcap is not None}"])
         self.key = _load.kernel_key(self.spec_text)
         self.head_id = autograd.register(self)
@@ -108,7 +112,8 @@ class HeadLoss(torch.nn.Module):
 
     def source(self) -> KernelSource:
         p = self.plan()
-        return emit(p, self.key, header(self._bound, p), _load.codegen_version())
+        return emit(p, self.key, header(self._bound, p), _load.codegen_version(),
+                    normalize={t.name: t.normalize for t in self.loss_terms})
 
     def explain(self) -> str:
         """Formulas, reductions, the derived gradient, the reads and the kernel file serving it."""
@@ -149,20 +154,38 @@ class HeadLoss(torch.nn.Module):
         return launch_sequence(has_exact=k.HAS_EXACT, segments=bool(k.SEGMENTS), sharded=sharded,
                                grad=grad, split=split, exchange=exchange)
 
-    def weights_of(self, names: list[str]) -> list[float]:
-        return [self._weights[n] for n in names]
+    def scalar_buffer(self, device: torch.device) -> torch.Tensor:
+        """The kernel's runtime scalars (its SCALARS: weights, runtime parameters) as fp32 on
+        ``device``: numbers written once, 0-dim tensors copied in on the device at each call
+        (``refresh_scalars``), so that a schedule updating one in place needs no new head."""
+        entry = self._scalar_buffers.get(device)
+        if entry is None:
+            names = self.kernel.SCALARS
+            missing = [n for n in names if n not in self.scalars]
+            if missing:
+                raise TypeError(f"the kernel reads scalars {missing} that the head does not hold")
+            for name in names:
+                value = self.scalars[name]
+                if is_tensor(value) and value.device != device:
+                    raise ValueError(f"{_scalar_label(name)} is a tensor on {value.device}, but the logits are on "
+                                     f"{device}: a tensor weight or parameter must be on the logits' device")
+            values = [self.scalars[n] for n in names]
+            buf = torch.tensor([0.0 if is_tensor(v) else float(v) for v in values], dtype=torch.float32,
+                               device=device)
+            copies = [(buf.select(0, i), v.detach()) for i, v in enumerate(values) if is_tensor(v)]
+            entry = self._scalar_buffers[device] = (buf, copies)
+            self.refresh_scalars(device)
+        return entry[0]
 
-    @property
-    def row_weights(self) -> tuple[float, ...]:
-        """The weights the row kernel takes, in its order."""
-        if self._row_weights is None:
-            self._row_weights = tuple(self.weights_of(self.kernel.ROW_LOSS_TERMS))
-        return self._row_weights
-
-    @property
-    def has_row_outputs(self) -> bool:
-        """Whether any term or metric is reduced over rows (segment terms are reduced by segment)."""
-        return len(self.kernel.OUTPUTS) > len(self.kernel.SEGMENTS)
+    def refresh_scalars(self, device: torch.device) -> None:
+        """The tensor weights' and parameters' current values into the device's scalar buffer: one
+        device copy each, no host sync (capturable in a CUDA graph)."""
+        entry = self._scalar_buffers.get(device)
+        if entry is None:
+            self.scalar_buffer(device)
+            return
+        for slot, value in entry[1]:
+            slot.copy_(value)
 
     def terms_reading(self, input_name: str) -> str:
         """The names of the head's terms that read ``input_name``, for error messages."""
@@ -173,3 +196,11 @@ class HeadLoss(torch.nn.Module):
             "segment_ids": lambda f: f.has(S.segment_mean)}.get(input_name,
                                                                 lambda f: f.has(S.token(input_name)))
         return ", ".join(n for n, f, _ in self._bound if reads(f))
+
+
+def _scalar_label(name: str) -> str:
+    """A runtime scalar's name as the user wrote it: ``weight_<term>`` or ``p_<term>__<param>``."""
+    if name.startswith("weight_"):
+        return f"the weight of {name[len('weight_'):]}"
+    term, _, param = name[len(S.RUNTIME_PREFIX):].partition("__")
+    return f"parameter {param} of {term}"

@@ -144,7 +144,9 @@ class _Layout:
     count: bool                    # whether a launch counts the valid rows (the default divisor)
     bind: Callable[..., tuple]     # the head kernel's per-launch arguments (``binder``)
     bind_segments: Callable[..., tuple] | None  # the segment kernel's
+    segment_kernel: Callable[[int], Kernel] | None  # the segment kernel for a BLOCK_S
     offsets: dict = field(default_factory=dict, compare=False)  # _offsets by (rows, segments)
+    segment_kernels: dict = field(default_factory=dict, compare=False)  # by BLOCK_S
 
 
 def _layout(head, sig: Signature) -> _Layout:
@@ -158,7 +160,7 @@ def _layout(head, sig: Signature) -> _Layout:
     options = config.launch(sig.V_local, sig.element_size)
     fixed = dict(world=world, logit_scale=head.logit_scale, softcap=float(head.softcap or 1.0), V=sig.V_local,
                  vocab_start=rank * sig.V_local, n_vocab=sig.V_local * world, ignore_index=head.ignore_index,
-                 **{f"weight_{n}": w for n, w in zip(k.ROW_LOSS_TERMS, head.row_weights)})
+                 scalars_ptr=head.scalar_buffer(sig.device))
     constexprs = dict(SUM=sig.reduction == "sum", PER_ROW=sig.reduction == "none", BLOCK_V=options.pop("BLOCK_V"),
                       BLOCK_K=tiles.pow2(sig.topk) if sig.topk else 1, BLOCK_R=_BLOCK_R)
     kernels = []
@@ -167,9 +169,20 @@ def _layout(head, sig: Signature) -> _Layout:
         kernels.append(Kernel(getattr(k, name), *by_name(fixed, k.FIXED, name),
                               **dict(zip(k.CONSTEXPRS, by_name({**constexprs, **phases}, k.CONSTEXPRS, name))),
                               **options))
-    return _Layout(world, sig.V_local * world, tuple(zip(launches, kernels)), cut,
-                   not sig.divisor and sig.reduction != "sum" and head.has_row_outputs, binder(k, k.ARGS),
-                   binder(k, k.SEGMENT_ARGS) if k.SEGMENTS else None)
+    segment_kernel = None
+    if k.SEGMENTS:
+        seg_name = f"segments_{k.KEY}"
+        seg_fixed = by_name(fixed, k.SEGMENT_FIXED, seg_name)
+
+        def segment_kernel(block: int) -> Kernel:
+            values = by_name(dict(SUM=sig.reduction == "sum", BLOCK_S=block), k.SEGMENT_CONSTEXPRS, seg_name)
+            return Kernel(getattr(k, seg_name), *seg_fixed, **dict(zip(k.SEGMENT_CONSTEXPRS, values)))
+    # The valid rows are counted when a row output is divided by them: a metric always, a term
+    # normalised by tokens when the call gives no divisor (segment terms count their own rows).
+    norms = {k.NORMALIZE[n] for n in k.OUTPUTS if n not in k.SEGMENTS}
+    count = "mean" in norms or ("tokens" in norms and not sig.divisor and sig.reduction != "sum")
+    return _Layout(world, sig.V_local * world, tuple(zip(launches, kernels)), cut, count, binder(k, k.ARGS),
+                   binder(k, k.SEGMENT_ARGS) if k.SEGMENTS else None, segment_kernel)
 
 
 # The workspace after the kernel's fixed slots, region by region in this order (fp32 each); the
@@ -260,6 +273,8 @@ class Launcher:
             if head.tile_override is None:   # (a configuration being measured is nobody's to keep)
                 head.layouts[sig] = layout
         self.layout, self.vocab = layout, layout.vocab
+        if head.tensor_scalars:
+            head.refresh_scalars(call.device)
         offsets = layout.offsets.get((call.rows, self.n_seg))
         if offsets is None:
             if len(layout.offsets) >= _MAX_OFFSETS:   # (row counts that change every step)
@@ -295,7 +310,11 @@ class Launcher:
         """The segment step, between the passes: the segment kernel (after summing the segments
         over ``segment_group``)."""
         if self.k.SEGMENTS:
-            segments.run(self.k, self.head, self.call, self.ws, self.n_seg, self.layout.bind_segments(
+            layout, block = self.layout, min(tiles.pow2(self.n_seg), 1024)
+            kernel = layout.segment_kernels.get(block)
+            if kernel is None:
+                kernel = layout.segment_kernels[block] = layout.segment_kernel(block)
+            segments.run(self.call, self.ws, self.n_seg, kernel, layout.bind_segments(
                 None, None, None, self.call, self.ws, self.n_seg, None, None, 0, self.flags, 0))
 
     def _launch(self, launch: Launch, kernel: Kernel, x, teacher, grad, row_offset: int) -> None:

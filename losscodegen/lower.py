@@ -180,7 +180,8 @@ class _Lowering:
         if const.has(*elem) or not (alpha.is_number and beta.is_number) or alpha < 0 or beta < 0:
             return None
         allowed = set(elem) | _BEFORE_STATS
-        if any(s not in allowed and not s.name.startswith(S.TOKEN_PREFIX) for s in rest.free_symbols):
+        if any(s not in allowed and not s.name.startswith((S.TOKEN_PREFIX, S.RUNTIME_PREFIX))
+               for s in rest.free_symbols):
             return None
         acc = self.acc(domain, True, alpha, beta, rest)
         return _merge_exp(row * sp.exp(const) * sp.exp(alpha * M + beta * MT)) * acc
@@ -304,7 +305,7 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
                 _means.setdefault(u, sp.Symbol(f"{_name}_U{len(_means)}", real=True))
                 return _means[u]
             F = formula.replace(S.segment_mean, mean)
-            if F.free_symbols - set(means.values()):
+            if {s for s in F.free_symbols if not s.name.startswith(S.RUNTIME_PREFIX)} - set(means.values()):
                 raise ValueError(f"{name}: every row quantity of a segment term must sit inside "
                                  f"segment_mean(...), found {sorted(map(str, F.free_symbols))}")
             coefs = tuple(sp.Symbol(f"{U.name}_coef", real=True) for U in means.values())

@@ -3,12 +3,10 @@ adds them to its segment's sums) and the gradient launch, one program of the gen
 kernel turns the sums into each segment term's value and, per segment, dL/du for the gradient."""
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 
-from . import collectives, tiles
-from .dispatch import Kernel, by_name
+from . import collectives
+from .dispatch import Kernel
 
 
 def count(call, ignore_index: int) -> int:
@@ -26,20 +24,9 @@ def count(call, ignore_index: int) -> int:
     return int(top.item()) + 1
 
 
-_KERNELS: dict[tuple, Kernel] = {}     # a head's segment kernel, by its weights and constexprs
-
-
-def run(kernel: ModuleType, head, call, ws, n_seg: int, args: tuple) -> None:
-    """The segment kernel, with ``args`` (its SEGMENT_ARGS, from the launcher)."""
+def run(call, ws, n_seg: int, kernel: Kernel, args: tuple) -> None:
+    """The segment kernel (a ``Kernel`` of the head's ``segments_<key>``, from the launcher's layout)
+    with ``args``, its SEGMENT_ARGS, after summing the segments over ``segment_group``."""
     if call.segment_group is not None:
         collectives.all_reduce(ws.seg_sums(n_seg), call.segment_group)
-    name = f"segments_{kernel.KEY}"
-    fixed = {f"weight_{n}": w for n, w in zip(kernel.SEGMENTS, head.weights_of(kernel.SEGMENTS))}
-    constexprs = dict(SUM=call.reduction == "sum", BLOCK_S=min(tiles.pow2(n_seg), 1024))
-    key = (getattr(kernel, name), *by_name(fixed, kernel.SEGMENT_FIXED, name),
-           *by_name(constexprs, kernel.SEGMENT_CONSTEXPRS, name))
-    launch = _KERNELS.get(key)
-    if launch is None:
-        launch = _KERNELS[key] = Kernel(key[0], *key[1:1 + len(kernel.SEGMENT_FIXED)],
-                                        **dict(zip(kernel.SEGMENT_CONSTEXPRS, key[1 + len(kernel.SEGMENT_FIXED):])))
-    launch(1, *args)
+    kernel(1, *args)

@@ -56,6 +56,7 @@ CALL_ARGUMENTS = ("logits", "labels", "hidden", "weight", "bias", "teacher_hidde
 
 TOKEN_PREFIX = "tok_"
 PARAM_PREFIX = "param_"
+RUNTIME_PREFIX = "p_"
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -67,10 +68,19 @@ def token(name: str) -> sp.Symbol:
 
 
 def param(name: str) -> sp.Symbol:
-    """A constant fixed when the term is built (``Term(name=value)``); it is baked into the kernel."""
+    """A parameter, given its value when the term is built (``Term(name=value)``): a kernel argument
+    (``runtime``), or a number in the kernel where it decides the plan (terms.planned_params)."""
     if not _NAME.match(name):
         raise ValueError(f"param name {name!r} is not a Python identifier")
     return _real(PARAM_PREFIX + name)
+
+
+def runtime(term: str, name: str, sign: int = 0) -> sp.Symbol:
+    """Parameter ``name`` of term ``term`` once bound as a kernel argument: a row-level constant that
+    the kernel reads from its scalars at each call. ``sign`` (1, -1, or 0: unknown) is assumed by
+    sympy, which keeps clamps' piecewise forms small (``1 - eps < 1 + eps`` for a positive eps)."""
+    assume = {1: {"positive": True}, -1: {"negative": True}}.get(sign, {"real": True})
+    return sp.Symbol(f"{RUNTIME_PREFIX}{term}__{name}", **assume)
 
 
 class LSE(sp.Function):

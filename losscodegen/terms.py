@@ -25,51 +25,84 @@ class FromTerm:
     fallback: float
 
 
-@dataclass(frozen=True)
+NORMALIZE = ("tokens", "sequence", "sum")
+
+
+def is_tensor(value: Any) -> bool:
+    """Whether ``value`` is a torch tensor (told apart without importing torch: the compiler's
+    stages do not)."""
+    return hasattr(value, "is_floating_point") and hasattr(value, "dim")
+
+
+def _check_value(term: str, what: str, value: Any) -> None:
+    """A weight or parameter: a number, or a 0-dim float tensor (read by the kernel at each call)."""
+    if is_tensor(value):
+        if value.dim() != 0 or not value.is_floating_point():
+            raise TypeError(f"{term}: {what} as a tensor must be a 0-dim float tensor, got shape "
+                            f"{tuple(value.shape)} {value.dtype}")
+    elif not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"{term}: {what} must be a number or a 0-dim float tensor, got {value!r}")
+
+
+@dataclass(frozen=True, eq=False)
 class Term:
-    """One term of a head: a name, a row-level formula with its parameters bound, and a weight."""
+    """One term of a head: a name, a row-level formula, its parameters' values, a weight, and how
+    its rows are normalised (``normalize``). A weight or a parameter value may be a number or a
+    0-dim float tensor: both are kernel arguments (docs/api.md: runtime parameters)."""
 
     name: str
     formula: sp.Expr
-    weight: float = 1.0
-    params: tuple[tuple[str, float], ...] = ()
+    weight: Any = 1.0                     # a number or a 0-dim float tensor
+    params: tuple[tuple[str, Any], ...] = ()
     metric_only: bool = False
+    normalize: str = "tokens"             # "tokens" | "sequence" | "sum" (NORMALIZE)
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params)
-        return f"{self.name}({args}; weight={self.weight!r}): {self.formula}"
+        norm = "" if self.normalize == "tokens" else f", normalize={self.normalize!r}"
+        return f"{self.name}({args}; weight={self.weight!r}{norm}): {self.formula}"
 
 
 @dataclass(frozen=True)
 class TermFactory:
-    """What ``declare_term`` returns: call it with ``weight=`` and the term's parameters."""
+    """What ``declare_term`` returns: call it with ``weight=``, ``normalize=`` and the term's parameters."""
 
     name: str
     formula: sp.Expr
     defaults: Mapping[str, Any] = field(default_factory=dict)
     metric_only: bool = False
 
-    def __call__(self, weight: float = 1.0, **params: Any) -> Term:
+    def __call__(self, weight: Any = 1.0, *, normalize: str = "tokens", **params: Any) -> Term:
         unknown = set(params) - set(self.defaults) - self._param_names()
         if unknown:
             raise TypeError(f"{self.name}: unknown parameter(s) {sorted(unknown)}; "
                             f"it takes {sorted(self._param_names())}")
-        if not isinstance(weight, (int, float)) or isinstance(weight, bool):
-            raise TypeError(f"{self.name}: weight must be a number, got {type(weight).__name__}")
+        _check_value(self.name, "weight", weight)
+        if normalize not in NORMALIZE:
+            raise ValueError(f"{self.name}: normalize must be one of {NORMALIZE}, got {normalize!r}")
+        if normalize != "tokens" and self.formula.has(S.segment_mean):
+            raise ValueError(f"{self.name}: a term of segment means is normalised per segment already; "
+                             f"normalize={normalize!r} is for row terms")
         values = {**self.defaults, **params}
         missing = self._param_names() - set(values)
         if missing:
             raise TypeError(f"{self.name}: missing parameter(s) {sorted(missing)}")
+        planned = planned_params(self.formula)
         for k, v in values.items():
-            if not isinstance(v, (int, float, FromTerm)) or isinstance(v, bool):
-                raise TypeError(f"{self.name}: parameter {k} must be a number, got {v!r}")
-        numbers = {S.param(k): _number(v) for k, v in values.items() if not isinstance(v, FromTerm)}
+            if isinstance(v, FromTerm):
+                continue
+            _check_value(self.name, f"parameter {k}", v)
+            if k in planned and is_tensor(v):
+                raise TypeError(f"{self.name}: parameter {k} decides the kernel's reads (a temperature): "
+                                "it must be a number, not a tensor")
+        numbers = {S.param(k): _number(v) for k, v in values.items()
+                   if not isinstance(v, FromTerm) and not is_tensor(v)}
         for lse in self.formula.xreplace(numbers).atoms(S.LSE):
             if any(a.is_number and not (a.is_finite and a.is_extended_real and a >= 0) for a in lse.args) \
                     or all(a == 0 for a in lse.args):
                 raise ValueError(f"{self.name}: a temperature must be > 0 (got {lse}, from {params})")
-        return Term(self.name, self.formula, float(weight), tuple(sorted(values.items())),
-                    self.metric_only)
+        return Term(self.name, self.formula, weight if is_tensor(weight) else float(weight),
+                    tuple(sorted(values.items())), self.metric_only, normalize)
 
     def _param_names(self) -> set[str]:
         return {s.name[len(S.PARAM_PREFIX):] for s in self.formula.free_symbols
@@ -166,15 +199,71 @@ def _check_levels(name: str, formula: sp.Expr) -> None:
                              f"got {lse}")
 
 
+def planned_params(formula: sp.Expr) -> set[str]:
+    """The parameters that decide the plan, which the kernel keeps as numbers: those inside a
+    log-normaliser (a temperature: ``lse_at(T)`` is read as its own sum) or in the exponent of an
+    element-level ``exp`` (which decides whether a sum is kept online)."""
+    found: set[sp.Symbol] = set()
+    for lse in formula.atoms(S.LSE):
+        found |= lse.free_symbols
+    for e in formula.atoms(sp.exp):
+        if e.args[0].has(*S.ELEMENT_SYMBOLS, *S.TOPK_SYMBOLS):
+            found |= e.args[0].free_symbols
+    return {s.name[len(S.PARAM_PREFIX):] for s in found if s.name.startswith(S.PARAM_PREFIX)}
+
+
+def _owner(term: Term, key: str, head_terms: tuple[Term, ...]) -> tuple[Term, Any]:
+    """(the term whose value a parameter takes, that value): a FromTerm default is the named term's
+    own parameter (so it follows that one, a tensor included), else its fallback."""
+    value = dict(term.params)[key]
+    if isinstance(value, FromTerm):
+        source = next((t for t in head_terms if t.name == value.term), None)
+        if source is not None and key in dict(source.params):
+            return _owner(source, key, head_terms)
+        return term, value.fallback
+    return term, value
+
+
+def _runtime(term: Term, key: str, value: Any) -> bool:
+    """Whether a parameter is a kernel argument: not one that decides the plan, and not the number 0
+    or an infinite one, which are folded (0 often removes a term and what it reads: GRPO's kl_beta=0
+    reads no ref_logprobs, CrossEntropy's label_smoothing=0 no sum of the logits; an infinite bound
+    is dropped: GRPO's delta=inf)."""
+    return key not in planned_params(term.formula) and (is_tensor(value) or math.isfinite(float(value))
+                                                         and float(value) != 0)
+
+
+def _sign(value: Any) -> int:
+    """A runtime parameter's sign when the head is built, which its kernel assumes (a tensor's value
+    is read once, here: a schedule keeps a parameter's sign)."""
+    number = float(value)
+    return (number > 0) - (number < 0)
+
+
 def bind(term: Term, head_terms: tuple[Term, ...]) -> sp.Expr:
-    """The term's formula with its parameters substituted (FromTerm defaults resolved in ``head_terms``)."""
+    """The term's formula as the kernel computes it: each runtime parameter a symbol the kernel
+    reads from its scalars (``S.runtime``, named after the term that owns the value), the others
+    substituted as numbers; a term with ``normalize="sequence"`` becomes the mean over its segment."""
     values = {}
-    for key, value in term.params:
-        if isinstance(value, FromTerm):
-            source = next((t for t in head_terms if t.name == value.term), None)
-            value = dict(source.params).get(key, value.fallback) if source else value.fallback
-        values[S.param(key)] = _number(value)
-    return term.formula.xreplace(values)
+    for key, _ in term.params:
+        owner, value = _owner(term, key, head_terms)
+        values[S.param(key)] = S.runtime(owner.name, key, _sign(value)) if _runtime(owner, key, value) \
+            else _number(value)
+    formula = term.formula.xreplace(values)
+    return S.segment_mean(formula) if term.normalize == "sequence" else formula
+
+
+def scalar_values(terms: tuple[Term, ...], metrics: tuple[Term, ...]) -> dict[str, Any]:
+    """Every runtime scalar a head's kernel may read, by its name there: each loss term's weight
+    (``weight_<term>``) and each runtime parameter (``S.runtime``); numbers or 0-dim tensors."""
+    out: dict[str, Any] = {f"weight_{t.name}": t.weight for t in terms}
+    head_terms = terms + metrics
+    for term in head_terms:
+        for key, _ in term.params:
+            owner, value = _owner(term, key, head_terms)
+            if _runtime(owner, key, value):
+                out[S.runtime(owner.name, key, _sign(value)).name] = value
+    return out
 
 
 def _number(value: float) -> sp.Expr:

@@ -132,17 +132,23 @@ class Reference:
         for name, value in inputs.items():
             if isinstance(value, torch.Tensor) and name not in STANDARD_INPUTS:
                 ns[S.TOKEN_PREFIX + name] = value.double().reshape(R, 1)
+        for name, value in head.scalars.items():     # weights and runtime parameters, as they are now
+            ns[name] = torch.tensor(float(value), dtype=torch.float64, device=z.device)
         divisor, reduction = inputs.get("divisor"), inputs.get("reduction", "mean")
         n_valid = float(valid.sum().clamp_min(1))
-        div = float(divisor) if divisor is not None else 1.0 if reduction == "sum" else n_valid
+        normalize = {t.name: t.normalize for t in head.loss_terms}
         values, per_row_loss, loss = {}, z.new_zeros(R), z.new_zeros(())
         for name, formula, is_metric in head._bound:
-            weight = 0.0 if is_metric else head._weights[name]
+            weight = 0.0 if is_metric else ns[f"weight_{name}"]
             if formula.has(S.segment_mean):
-                value = _segment_term(formula, ns, valid, inputs["segment_ids"].reshape(-1), divisor, reduction)
+                value = _segment_term(formula, ns, valid, inputs["segment_ids"].reshape(-1), divisor, reduction,
+                                      inputs.get("num_segments") if normalize[name] == "sequence" else False)
             else:
                 per_row = torch.as_tensor(_evaluate(formula, ns), dtype=torch.float64).expand(R, 1)[:, 0]
                 per_row = torch.where(valid, per_row.masked_fill(no_dist, float("nan")), 0.0)
+                # metrics: means over the valid rows; terms by their normalize= and the call's divisor
+                div = n_valid if is_metric else 1.0 if normalize[name] == "sum" or reduction == "sum" \
+                    else float(divisor) if divisor is not None else n_valid
                 value = per_row.sum() / div
                 per_row_loss = per_row_loss + weight * per_row
             values[name] = value.detach()
@@ -154,9 +160,11 @@ class Reference:
         return out.detach(), values, grad.reshape(logits.shape)
 
 
-def _segment_term(formula, ns, valid, seg, divisor, reduction) -> torch.Tensor:
+def _segment_term(formula, ns, valid, seg, divisor, reduction, sequence) -> torch.Tensor:
     """A term of segment means: each mean over its segment's valid rows, the formula per non-empty
-    segment, summed and divided (by the non-empty segments by default)."""
+    segment, summed and divided (by the non-empty segments by default). ``sequence`` (not False: a
+    term with normalize="sequence", given ``num_segments`` or None): divided by every segment, the
+    empty ones too (``num_segments``, else the largest valid segment id + 1), whatever the divisor."""
     ids = sorted(set(seg[valid].tolist()))
     means = {}
     for k, mean in enumerate(formula.atoms(S.segment_mean)):
@@ -165,6 +173,9 @@ def _segment_term(formula, ns, valid, seg, divisor, reduction) -> torch.Tensor:
         means[mean] = sp.Symbol(f"segment_mean_{k}", real=True)
         ns[means[mean].name] = per_seg
     total = torch.as_tensor(_evaluate(formula.xreplace(means), ns), dtype=torch.float64).sum()
+    if sequence is not False:
+        n_seg = sequence if sequence is not None else (max(ids) + 1 if ids else 0)
+        return total / (1.0 if reduction == "sum" else max(n_seg, 1))
     div = float(divisor) if divisor is not None else 1.0 if reduction == "sum" else max(len(ids), 1)
     return total / div
 

@@ -64,8 +64,8 @@ def spec(term, head):
     """(name, params, weight) for the reference; ClipFraction's eps come from the head's GRPO term,
     0.2 without one (docs/api.md)."""
     grpo = next((dict(t.params) for t in head.loss_terms if t.name == "grpo"), {})
-    params = {k: (grpo.get(k, 0.2) if isinstance(v, lcg.terms.FromTerm) else v) for k, v in term.params}
-    return term.name, params, term.weight
+    params = {k: float(grpo.get(k, 0.2) if isinstance(v, lcg.terms.FromTerm) else v) for k, v in term.params}
+    return term.name, params, float(term.weight)   # (a tensor's value as it is now)
 
 
 def check_head(head: lcg.HeadLoss, logits, labels=None, *, grad_tol=None, value_tol=None, **inputs):

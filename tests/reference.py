@@ -161,7 +161,7 @@ def head_reference(terms, metrics, logits, labels=None, *, ignore_index=-100, lo
         else:
             per_row = PER_ROW[name](z, y=y, **flat, **params)
             per_row = torch.where(valid, per_row, torch.zeros_like(per_row))
-            value = per_row.sum() / div
+            value = per_row.sum() / (div if is_loss else n_valid)  # metrics: means over the valid rows
             if is_loss:
                 per_row_loss = per_row_loss + weight * per_row
         values[name] = value.detach()

@@ -75,7 +75,9 @@ def test_derived_gradient_equals_autograd(term, needs):
                       ref_logprobs=l + 0.1 * torch.randn(R, generator=g, dtype=torch.float64))
         tokens = {f"tok_{k}": v[:, None] for k, v in inputs.items()}
     head = lcg.HeadLoss(term)
-    values, grad = evaluate(head.lowered(), x.detach(), y, tokens=tokens, **kw)
+    # (runtime parameters are symbols of the lowered program, given their values as the kernel is)
+    runtime = {k: float(v) for k, v in head.scalars.items() if not k.startswith("weight_")}
+    values, grad = evaluate(head.lowered(), x.detach(), y, tokens={**tokens, **runtime}, **kw)
     ref = reference.PER_ROW[term.name](x, y=y, **inputs, **dict(term.params))
     torch.testing.assert_close(values[term.name], ref.detach(), rtol=1e-10, atol=1e-10)
     ref.sum().backward()

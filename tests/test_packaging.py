@@ -15,6 +15,7 @@ import torch
 
 import losscodegen as lcg
 from losscodegen import load
+from losscodegen import symbols as S
 
 ROOT = Path(__file__).resolve().parent.parent
 MANIFEST = """\
@@ -48,8 +49,14 @@ def test_generate_then_check_names_what_differs(tmp_path):
     assert "not in the manifest" in done.stdout and "head_loss_0000000000000000.py" in done.stdout
 
 
+def _own_kernel(name: str, c: int):
+    """A head whose kernel no other test loads: parameter values and weights are kernel arguments, so
+    a distinct formula (a constant inside it) is what makes a distinct kernel."""
+    return lcg.HeadLoss(lcg.declare_term(name, S.lse - S.target_logit + c * S.lse ** 2 / 100)())
+
+
 def test_kernel_folders_come_before_the_cache(tmp_path, monkeypatch):
-    head = lcg.HeadLoss(lcg.CrossEntropy(label_smoothing=0.3), lcg.ZLoss(weight=0.25))
+    head = _own_kernel("folders_first", 3)
     folder = tmp_path / "built"
     load.write_atomic(folder / load.file_name(head.key), head.source().text)
     monkeypatch.setenv("LOSSCODEGEN_KERNELS", f"{tmp_path / 'empty'}{os.pathsep}{folder}")
@@ -58,7 +65,7 @@ def test_kernel_folders_come_before_the_cache(tmp_path, monkeypatch):
 
 
 def test_a_stale_kernel_file_is_never_used(tmp_path, monkeypatch):
-    head = lcg.HeadLoss(lcg.CrossEntropy(label_smoothing=0.35))
+    head = _own_kernel("stale_file", 35)
     folder = tmp_path / "built"
     stale = folder / load.file_name(head.key)
     load.write_atomic(stale, head.source().text.replace(f'CODEGEN = "{load.codegen_version()}"',
@@ -104,7 +111,7 @@ def test_an_unwritable_cache_is_named(tmp_path, monkeypatch):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     monkeypatch.setenv("LOSSCODEGEN_CACHE", str(blocker / "cache"))
-    head = lcg.HeadLoss(lcg.CrossEntropy(label_smoothing=0.45))
+    head = _own_kernel("unwritable_cache", 45)
     with pytest.raises(RuntimeError, match="LOSSCODEGEN_CACHE"):
         head.kernel
 

@@ -218,9 +218,13 @@ def test_grpo_derivative_at_the_clip_edges_is_torchs(eps, advantage):
     """The derived dL/dlog p_y of the built-in GRPO at r = 1 - eps_low, 1, 1 + eps_high (exact ties
     in sympy's exact arithmetic; a kernel computes r in fp32, where an exact tie cannot be set up)
     against autograd through TRL's code in float64."""
-    lowered = lcg.HeadLoss(lcg.GRPO(eps_low=eps, eps_high=eps)).lowered()
-    # dL/dz_i = g0 * p_i + g1 * [i == y]: g1 is dL/dz_y at a fixed lse, that is dL/dlog p_y
+    head = lcg.HeadLoss(lcg.GRPO(eps_low=eps, eps_high=eps))
+    lowered = head.lowered()
+    # dL/dz_i = g0 * p_i + g1 * [i == y]: g1 is dL/dz_y at a fixed lse, that is dL/dlog p_y; the
+    # runtime parameters (eps) take their values as the kernel's scalars give them
     g1 = dict(lowered.grad_coefs)[lowered.grad_vocab.coeff(IS_Y)]
+    g1 = g1.subs({s: sp.nsimplify(head.scalars[s.name], rational=True) for s in g1.free_symbols
+                  if s.name in head.scalars})
     for r in (1 - eps, 1.0, 1 + eps):
         old = -math.log(r) if r != 1 else 0.0                    # l = 0, so r = exp(-old)
         at = {sp.Symbol("N0", real=True): 0, S.target_logit: 0, sp.Symbol("w_grpo", real=True): 1,
