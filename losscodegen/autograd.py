@@ -13,6 +13,7 @@ functionalization: one more pass over [rows, V] on every step.
 from __future__ import annotations
 
 import itertools
+import uuid
 import weakref
 
 import torch
@@ -23,6 +24,17 @@ from .inputs import Call, rows_view
 
 BACKWARD_TWICE = ("backward ran twice through the same call; its gradients are consumed by the first "
                   "(call the head again instead)")
+NOT_TWICE_DIFFERENTIABLE = (
+    "a head's backward is not differentiable (its gradient is computed by the kernel, not by torch "
+    "ops): torch.autograd.grad(..., create_graph=True) or backward(create_graph=True) through a "
+    "head is not supported; compute penalties on its gradient with a torch reference loss instead")
+
+
+def refuse_create_graph(who: str) -> None:
+    """Raise when a backward runs with ``create_graph=True`` (grad mode on inside backward): the
+    gradient it returns has no graph, and a second-order result through it would be silently wrong."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"{who}: {NOT_TWICE_DIFFERENTIABLE}")
 
 
 class _HeadFunction(torch.autograd.Function):
@@ -40,6 +52,7 @@ class _HeadFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        refuse_create_graph("HeadLoss")
         grad, ctx.grad = ctx.grad, None
         if grad is None:
             raise RuntimeError(f"HeadLoss: {BACKWARD_TWICE}")
@@ -70,11 +83,11 @@ def eager(head, logits: torch.Tensor, call: Call) -> tuple[torch.Tensor, torch.T
 
 # ---- torch.compile ---------------------------------------------------------------------------------
 _HEADS: dict[str, weakref.ref] = {}     # the op takes no module: a head is named by an id
-_head_ids = itertools.count()
 
 
 def register(head) -> str:
-    head_id = f"{head.key}/{next(_head_ids)}"
+    # unique across heads, copies and processes: a pickled id met in another process names no one
+    head_id = f"{head.key}/{uuid.uuid4().hex}"
     _HEADS[head_id] = weakref.ref(head, lambda _, i=head_id: _HEADS.pop(i, None))
     return head_id
 
@@ -134,6 +147,9 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_loss, _grad_values, _grad_handle):
+    # (Under torch.compile this runs while tracing, without grad mode; AOTAutograd itself refuses
+    # a double backward through a compiled graph.)
+    refuse_create_graph("HeadLoss")
     (handle,) = ctx.saved_tensors
     grad = torch.ops.losscodegen.head_grad(handle, grad_loss, ctx.shape, ctx.dtype, ctx.device)
     # one entry an input, the tokens' list included

@@ -3,6 +3,8 @@ the pipeline (lower, plan, emit, load) for ``explain()`` and for its kernel, and
 the input checks, then to autograd (eager or compiled) or to the fused linear path."""
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -19,6 +21,12 @@ from .lower import Lowered, lower
 from .plan import Launch, Plan, launch_sequence, plan
 from .terms import Term, bind, is_tensor, scalar_values
 from .validation import DeviceChecks
+
+
+def _real(name: str, x: Any) -> float:
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {x!r}")
+    return float(x)
 
 
 @torch.compiler.assume_constant_result
@@ -66,10 +74,14 @@ class HeadLoss(torch.nn.Module):
             raise ValueError(f"term names must be unique in a head, got {names}")
         if not terms and not metrics:
             raise ValueError("HeadLoss needs at least one term or metric")
-        if softcap is not None and not softcap > 0:
-            raise ValueError(f"softcap must be > 0 or None, got {softcap}")
+        if softcap is not None and not 0 < _real("softcap", softcap) < math.inf:
+            raise ValueError(f"softcap must be a positive finite number or None, got {softcap!r}")
+        if not math.isfinite(_real("logit_scale", logit_scale)):
+            raise ValueError(f"logit_scale must be a finite number, got {logit_scale!r}")
         if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
             raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+        if not -2**63 <= ignore_index < 2**63:
+            raise ValueError(f"ignore_index must fit in int64 (the labels' dtype), got {ignore_index}")
         self.loss_terms, self.metric_terms = terms, metrics
         self.ignore_index, self.logit_scale, self.softcap = ignore_index, float(logit_scale), softcap
         self.validate, self.inplace_backward = bool(validate), bool(inplace_backward)
@@ -86,13 +98,34 @@ class HeadLoss(torch.nn.Module):
         self._kernel: ModuleType | None = None
         self.layouts: dict[tuple, Any] = {}        # launch.py's per-signature layouts
         self.tile_override: Any = None             # a tiles.Config every call takes (tune.py)
-        self.checks = DeviceChecks(ignore_index)
         self.spec_text = "\n".join(
             [f"{'metric' if m else 'loss'} {n} {sp.srepr(f)}" for n, f, m in self._bound]
             + [f"normalize {t.name} {t.normalize}" for t in terms if t.normalize != "tokens"]
             + [f"softcap {softcap is not None}"])
         self.key = _load.kernel_key(self.spec_text)
+        self._attach()
+
+    def _attach(self) -> None:
+        """What a head holds for its calls in this process: its flag buffers and an id of its own
+        (the compiled op names heads by id), given again to a copy or an unpickled head."""
+        self.checks = DeviceChecks(self.ignore_index)
         self.head_id = autograd.register(self)
+
+    # A copy (deepcopy, pickle, torch.save) keeps the terms and options, and leaves behind what
+    # belongs to this process and to this head: the loaded kernel module (found again from its
+    # file), the layouts (compiled kernels), the flag buffers and the id.
+    _PER_PROCESS = ("_kernel", "layouts", "checks", "head_id")
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        for name in self._PER_PROCESS:
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._kernel, self.layouts = None, {}
+        self._attach()
 
     @property
     def kernel(self) -> ModuleType:

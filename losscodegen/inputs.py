@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import torch
 
+from .launch import INTERPRETED
 from .symbols import STANDARD_INPUTS  # (declared with the formula language: no token takes these names)
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -77,6 +78,10 @@ def check_rows(head, kernel: ModuleType, shape: tuple[int, ...], V_local: int, d
                labels: Any, inputs: dict[str, Any], *, x: torch.Tensor | None = None,
                teacher: torch.Tensor | None = None) -> Call:
     """Every input but the logits and the teacher's: the per-row ones shaped like ``shape``."""
+    if dev.type == "cpu" and not INTERPRETED:
+        raise ValueError("the inputs are CPU tensors, which losscodegen's kernels take only in "
+                         "Triton's interpreter: set TRITON_INTERPRET=1 in the environment before "
+                         "importing triton or losscodegen (or pass CUDA tensors)")
     unknown = [k for k in inputs if k not in _ACCEPTED and k not in kernel.TOKENS] if inputs else ()
     if unknown:
         raise TypeError(f"HeadLoss got unexpected keyword argument(s) {sorted(unknown)}")
@@ -124,6 +129,8 @@ def check_divisor(divisor: Any, reduction: str, device: torch.device) -> torch.T
         return divisor.to(device=device, dtype=torch.float32).reshape(())
     if isinstance(divisor, bool) or not isinstance(divisor, (int, float)):
         raise TypeError(f"divisor must be a number or a tensor, got {type(divisor).__name__}")
+    if not 0 < divisor < math.inf:     # (a tensor's value is not looked at: that would wait for it)
+        raise ValueError(f"divisor must be a positive finite number, got {divisor!r}")
     return torch.full((), float(divisor), device=device)  # a fill on the device, not a host copy
 
 

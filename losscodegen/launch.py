@@ -16,6 +16,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 from . import collectives, segments, tiles
 from .dispatch import Kernel, by_name
@@ -62,6 +63,9 @@ def _scale_rows(grad_ptr, grad_stride, g_ptr, g_stride, V, BLOCK_V: tl.constexpr
             tl.store(ptr, (d * g).to(grad_ptr.dtype.element_ty), mask=cols < V)
 
 
+# whether Triton runs kernels in its interpreter (the only way it runs them on CPU tensors): it decides
+# when a kernel is defined, from TRITON_INTERPRET
+INTERPRETED = isinstance(_prologue, InterpretedFunction)
 _PROLOGUES = {count: Kernel(_prologue, COUNT=count, BLOCK=_BLOCK_PROLOGUE, num_warps=8) for count in (False, True)}
 _SCALES: dict[int, Kernel] = {}     # by V
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from . import collectives
-from .autograd import BACKWARD_TWICE
+from .autograd import BACKWARD_TWICE, refuse_create_graph
 from .inputs import _FLOATS, check_logits, check_rows
 from .launch import Launcher, scale_rows
 
@@ -135,6 +135,7 @@ class _LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_values):
+        refuse_create_graph("HeadLoss.linear")
         if grad_loss is None:
             return None, None, None, None
         if ctx.fused.call.reduction == "none":
