@@ -48,6 +48,8 @@ def main(manifest: Path) -> None:
     from losscodegen import dispatch
     # every launch through the JIT (its direct path needs a compiled kernel and a GPU)
     dispatch.Kernel.__call__ = dispatch.Kernel.jit
+    from losscodegen import inputs
+    inputs.INTERPRETED = True   # (CPU tensors without the interpreter: compiled, never run)
     import torch.distributed as dist
 
     from losscodegen import collectives
