@@ -35,7 +35,7 @@ from triton.language.extra import libdevice
 
 KEY = "05a2ed77b2099870"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "afb434ed4213"
+CODEGEN = "7efe835bb06a"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'token_accuracy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -178,7 +178,7 @@ def head_loss_05a2ed77b2099870(
             # buffer tells the host which value it was.
             bad = live & ((y < 0) | (y >= n_vocab))
             if bad:
-                tl.store(flag_ptr, y)
+                tl.store(flag_ptr + 0, y)
             compute = live & ~bad
 
     if compute:
@@ -310,15 +310,16 @@ def head_loss_05a2ed77b2099870(
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
     else:
-        # An ignored row adds nothing (zero gradient, zero values); a row with a bad label adds NaN.
-        # (Worked out here, not kept from above: a value alive through the whole row costs
-        # registers, which the widest tiles have none of.)
+        # An ignored row adds nothing (zero gradient, zero values); a valid row is here for a bad
+        # value (label, top-k id) and adds NaN. (Worked out here, not kept from above: a value alive
+        # through the whole row costs registers, which the widest tiles have none of.)
         fill = 0.0
         if flag_ptr is not None:
+            fill = float("nan")
             if y_ptr is not None:
-                fill = tl.where(y != ignore_index, float("nan"), 0.0)
-                if mask_ptr is not None:
-                    fill = tl.where(tl.load(mask_ptr + grow) != 0, fill, 0.0)
+                fill = tl.where(y != ignore_index, fill, 0.0)
+            if mask_ptr is not None:
+                fill = tl.where(tl.load(mask_ptr + grow) != 0, fill, 0.0)
         if GRAD:
             for start in range(0, V, BLOCK_V):
                 cols = start + tl.arange(0, BLOCK_V)
@@ -366,3 +367,5 @@ def head_loss_05a2ed77b2099870(
             value_token_accuracy = tl.sum(tl.where(c == 1, total, 0.0), 0) * count_scale
             tl.store(ws_ptr + 1, value_token_accuracy)
             tl.store(ws_ptr + 2, weight_cross_entropy * value_cross_entropy)  # LOSS
+# TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
+TEXT_HASH = "d3bda6be913a31b857c6f2bac7adabe41b68aff89dee934926550040ebe01843"

@@ -42,7 +42,7 @@ from triton.language.extra import libdevice
 
 KEY = "4b44cfbdd10c9539"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "afb434ed4213"
+CODEGEN = "7efe835bb06a"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_fraction', 'ratio_mean', 'kl_new_old']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -186,7 +186,7 @@ def head_loss_4b44cfbdd10c9539(
             # buffer tells the host which value it was.
             bad = live & ((y < 0) | (y >= n_vocab))
             if bad:
-                tl.store(flag_ptr, y)
+                tl.store(flag_ptr + 0, y)
             compute = live & ~bad
 
     if compute:
@@ -336,15 +336,16 @@ def head_loss_4b44cfbdd10c9539(
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
     else:
-        # An ignored row adds nothing (zero gradient, zero values); a row with a bad label adds NaN.
-        # (Worked out here, not kept from above: a value alive through the whole row costs
-        # registers, which the widest tiles have none of.)
+        # An ignored row adds nothing (zero gradient, zero values); a valid row is here for a bad
+        # value (label, top-k id) and adds NaN. (Worked out here, not kept from above: a value alive
+        # through the whole row costs registers, which the widest tiles have none of.)
         fill = 0.0
         if flag_ptr is not None:
+            fill = float("nan")
             if y_ptr is not None:
-                fill = tl.where(y != ignore_index, float("nan"), 0.0)
-                if mask_ptr is not None:
-                    fill = tl.where(tl.load(mask_ptr + grow) != 0, fill, 0.0)
+                fill = tl.where(y != ignore_index, fill, 0.0)
+            if mask_ptr is not None:
+                fill = tl.where(tl.load(mask_ptr + grow) != 0, fill, 0.0)
         if GRAD:
             for start in range(0, V, BLOCK_V):
                 cols = start + tl.arange(0, BLOCK_V)
@@ -401,3 +402,5 @@ def head_loss_4b44cfbdd10c9539(
             value_kl_new_old = tl.sum(tl.where(c == 4, total, 0.0), 0) * count_scale
             tl.store(ws_ptr + 4, value_kl_new_old)
             tl.store(ws_ptr + 5, weight_grpo * value_grpo)  # LOSS
+# TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
+TEXT_HASH = "6c359f6390041f63ee8929bf19f920d5a5c7d7eddc0d85c0f8ae275d09d99933"

@@ -40,7 +40,7 @@ from triton.language.extra import libdevice
 
 KEY = "b6ac30aa276abf3a"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "afb434ed4213"
+CODEGEN = "7efe835bb06a"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss', 'entropy', 'token_accuracy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -183,7 +183,7 @@ def head_loss_b6ac30aa276abf3a(
             # buffer tells the host which value it was.
             bad = live & ((y < 0) | (y >= n_vocab))
             if bad:
-                tl.store(flag_ptr, y)
+                tl.store(flag_ptr + 0, y)
             compute = live & ~bad
 
     if compute:
@@ -331,15 +331,16 @@ def head_loss_b6ac30aa276abf3a(
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
     else:
-        # An ignored row adds nothing (zero gradient, zero values); a row with a bad label adds NaN.
-        # (Worked out here, not kept from above: a value alive through the whole row costs
-        # registers, which the widest tiles have none of.)
+        # An ignored row adds nothing (zero gradient, zero values); a valid row is here for a bad
+        # value (label, top-k id) and adds NaN. (Worked out here, not kept from above: a value alive
+        # through the whole row costs registers, which the widest tiles have none of.)
         fill = 0.0
         if flag_ptr is not None:
+            fill = float("nan")
             if y_ptr is not None:
-                fill = tl.where(y != ignore_index, float("nan"), 0.0)
-                if mask_ptr is not None:
-                    fill = tl.where(tl.load(mask_ptr + grow) != 0, fill, 0.0)
+                fill = tl.where(y != ignore_index, fill, 0.0)
+            if mask_ptr is not None:
+                fill = tl.where(tl.load(mask_ptr + grow) != 0, fill, 0.0)
         if GRAD:
             for start in range(0, V, BLOCK_V):
                 cols = start + tl.arange(0, BLOCK_V)
@@ -394,3 +395,5 @@ def head_loss_b6ac30aa276abf3a(
             value_token_accuracy = tl.sum(tl.where(c == 3, total, 0.0), 0) * count_scale
             tl.store(ws_ptr + 3, value_token_accuracy)
             tl.store(ws_ptr + 4, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss)  # LOSS
+# TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
+TEXT_HASH = "91afe797df5fbd8f880de9a5ccd01f96cab3bff7a541fe6b1fe1b9a7158a4cd1"

@@ -37,7 +37,7 @@ from triton.language.extra import libdevice
 
 KEY = "d4ac32833fba1c40"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "afb434ed4213"
+CODEGEN = "7efe835bb06a"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['topk_forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -181,8 +181,22 @@ def head_loss_d4ac32833fba1c40(
             # buffer tells the host which value it was.
             bad = live & ((y < 0) | (y >= n_vocab))
             if bad:
-                tl.store(flag_ptr, y)
+                tl.store(flag_ptr + 0, y)
             compute = live & ~bad
+        # The teacher's top-k ids, checked like labels: global ids in [0, n_vocab), none twice in
+        # the row (a repeated id would count twice in the value and once in the gradient).
+        k = tl.arange(0, BLOCK_K)
+        ids = tl.load(topk_id_ptr + grow * topk_stride + k, mask=k < K, other=0)
+        out_k = live & (k < K) & ((ids < 0) | (ids >= n_vocab))
+        repeated_k = tl.max(((ids[:, None] == ids[None, :]) & (k[:, None] < k[None, :])).to(tl.int32), 0) != 0
+        repeated_k = live & (k < K) & repeated_k
+        if tl.max(out_k.to(tl.int32), 0) != 0:
+            tl.store(flag_ptr + 2,
+                     tl.sum(tl.where(k == tl.min(tl.where(out_k, k, BLOCK_K), 0), ids, 0), 0))
+        if tl.max(repeated_k.to(tl.int32), 0) != 0:
+            tl.store(flag_ptr + 3,
+                     tl.sum(tl.where(k == tl.min(tl.where(repeated_k, k, BLOCK_K), 0), ids, 0), 0))
+        compute = compute & (tl.max((out_k | repeated_k).to(tl.int32), 0) == 0)
 
     if compute:
         k = tl.arange(0, BLOCK_K)
@@ -320,15 +334,16 @@ def head_loss_d4ac32833fba1c40(
             g_k = tl.load(grad_row + topk_ids, mask=in_k, other=0.0).to(tl.float32)
             tl.store(grad_row + topk_ids, (g_k + dz_k).to(grad_ptr.dtype.element_ty), mask=in_k)
     else:
-        # An ignored row adds nothing (zero gradient, zero values); a row with a bad label adds NaN.
-        # (Worked out here, not kept from above: a value alive through the whole row costs
-        # registers, which the widest tiles have none of.)
+        # An ignored row adds nothing (zero gradient, zero values); a valid row is here for a bad
+        # value (label, top-k id) and adds NaN. (Worked out here, not kept from above: a value alive
+        # through the whole row costs registers, which the widest tiles have none of.)
         fill = 0.0
         if flag_ptr is not None:
+            fill = float("nan")
             if y_ptr is not None:
-                fill = tl.where(y != ignore_index, float("nan"), 0.0)
-                if mask_ptr is not None:
-                    fill = tl.where(tl.load(mask_ptr + grow) != 0, fill, 0.0)
+                fill = tl.where(y != ignore_index, fill, 0.0)
+            if mask_ptr is not None:
+                fill = tl.where(tl.load(mask_ptr + grow) != 0, fill, 0.0)
         if GRAD:
             for start in range(0, V, BLOCK_V):
                 cols = start + tl.arange(0, BLOCK_V)
@@ -371,3 +386,5 @@ def head_loss_d4ac32833fba1c40(
             value_topk_forward_kl = tl.sum(tl.where(c == 0, total, 0.0), 0) * value_scale
             tl.store(ws_ptr + 0, value_topk_forward_kl)
             tl.store(ws_ptr + 1, weight_topk_forward_kl * value_topk_forward_kl)  # LOSS
+# TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
+TEXT_HASH = "67dd2da017c503377cb5531b5e5c8c9ed4a972e3d0fc64558bce304c31925d4e"

@@ -33,7 +33,7 @@ from triton.language.extra import libdevice
 
 KEY = "dfdadf8e6cb4b92c"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "afb434ed4213"
+CODEGEN = "7efe835bb06a"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -176,7 +176,7 @@ def head_loss_dfdadf8e6cb4b92c(
             # buffer tells the host which value it was.
             bad = live & ((y < 0) | (y >= n_vocab))
             if bad:
-                tl.store(flag_ptr, y)
+                tl.store(flag_ptr + 0, y)
             compute = live & ~bad
 
     if compute:
@@ -294,15 +294,16 @@ def head_loss_dfdadf8e6cb4b92c(
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
     else:
-        # An ignored row adds nothing (zero gradient, zero values); a row with a bad label adds NaN.
-        # (Worked out here, not kept from above: a value alive through the whole row costs
-        # registers, which the widest tiles have none of.)
+        # An ignored row adds nothing (zero gradient, zero values); a valid row is here for a bad
+        # value (label, top-k id) and adds NaN. (Worked out here, not kept from above: a value alive
+        # through the whole row costs registers, which the widest tiles have none of.)
         fill = 0.0
         if flag_ptr is not None:
+            fill = float("nan")
             if y_ptr is not None:
-                fill = tl.where(y != ignore_index, float("nan"), 0.0)
-                if mask_ptr is not None:
-                    fill = tl.where(tl.load(mask_ptr + grow) != 0, fill, 0.0)
+                fill = tl.where(y != ignore_index, fill, 0.0)
+            if mask_ptr is not None:
+                fill = tl.where(tl.load(mask_ptr + grow) != 0, fill, 0.0)
         if GRAD:
             for start in range(0, V, BLOCK_V):
                 cols = start + tl.arange(0, BLOCK_V)
@@ -345,3 +346,5 @@ def head_loss_dfdadf8e6cb4b92c(
             value_cross_entropy = tl.sum(tl.where(c == 0, total, 0.0), 0) * value_scale
             tl.store(ws_ptr + 0, value_cross_entropy)
             tl.store(ws_ptr + 1, weight_cross_entropy * value_cross_entropy)  # LOSS
+# TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
+TEXT_HASH = "6fa977c041bfcb7549f06be6462ec2aa5362c6de1d61a8d3dba629326bba27f9"

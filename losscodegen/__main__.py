@@ -67,6 +67,8 @@ def generate(out: Path, manifest: Path, *, check: bool = False) -> int:
     wanted = {}
     for line, head in manifest_heads(manifest):
         wanted[load.file_name(head.key)] = (line, head.source().text)
+    if not check and out.exists() and not out.is_dir():
+        raise SystemExit(f"--out {out} is not a folder: give --out the folder to write the kernels into")
     differences = 0
     for name, (line, text) in wanted.items():
         path = out / name
@@ -75,7 +77,11 @@ def generate(out: Path, manifest: Path, *, check: bool = False) -> int:
                 differences += 1
                 print(f"{'missing' if not path.exists() else 'stale'}: {path}  <-  {line}")
         else:
-            load.write_atomic(path, text)
+            try:
+                load.write_file(path, text)
+            except OSError as e:
+                raise SystemExit(f"--out {out}: cannot write {path} ({e.strerror or e}); "
+                                 "give --out a writable folder") from e
             print(f"{name}  <-  {line}")
     for extra in sorted(set(p.name for p in out.glob("head_loss_*.py")) - set(wanted)):
         if check:

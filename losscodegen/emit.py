@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import ast
 import builtins
+import hashlib
 import itertools
 import math
+import re
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -417,6 +419,25 @@ def _merge(plan: Plan) -> dict[str, list[str]]:
     return dict(init=init, maxima=maxima, sums=sums)
 
 
+# The kernel's flag buffer: one slot a kind of bad value, in this order (validation.py reads them).
+FLAG_SLOTS = ("label", "segment_id", "topk_id", "topk_repeated")
+_TEXT_HASH = re.compile(rb'\nTEXT_HASH = "([0-9a-f]{64})"\n\Z')
+
+
+def seal(text: str) -> str:
+    """A kernel file's text ending with the sha256 of everything before that line: a loader tells a
+    damaged file (truncated, edited, not text) from an intact one before running it."""
+    text = text if text.endswith("\n") else text + "\n"
+    text += "# TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)\n"
+    return f'{text}TEXT_HASH = "{hashlib.sha256(text.encode()).hexdigest()}"\n'
+
+
+def intact(data: bytes) -> bool:
+    """Whether a kernel file's bytes match the hash ``seal`` wrote at their end."""
+    found = _TEXT_HASH.search(data)
+    return found is not None and hashlib.sha256(data[:found.start() + 1]).hexdigest() == found.group(1).decode()
+
+
 def emit(plan: Plan, key: str, header: str, codegen: str,
          normalize: Mapping[str, str] | None = None) -> KernelSource:
     """The kernel file of a plan. ``normalize``: each loss term's normalisation ("tokens" where not
@@ -517,6 +538,7 @@ def emit(plan: Plan, key: str, header: str, codegen: str,
                 for n in lw.outputs if n not in seg_names],
         finish_loss=" + ".join(f"weight_{n} * value_{n}" for n in row_loss_terms),
         slots=dict(loss=n_out, count=n_out + 1, done=n_out + 2, fixed=n_out + 3),
+        flag_slots={name: i for i, name in enumerate(FLAG_SLOTS)},
         seg_coefs=[c.name for s in lw.segments for c in s.coefs],
         segments=seg_fns, seg_means=seg_means, seg_mean_rows=[row_names.index(u) for u in seg_means],
         uses_label=any(e.has(S.label) for _, e in lw.row_values),
@@ -529,4 +551,4 @@ def emit(plan: Plan, key: str, header: str, codegen: str,
     env.filters["tuple_lines"] = lambda names: wrap([f"{n!r}, " for n in names], "    ")
     text = env.get_template("head_loss.py.j2").render(**ctx)
     check_interface(text, sigs)
-    return KernelSource(name, key, text)
+    return KernelSource(name, key, seal(text))

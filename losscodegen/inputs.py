@@ -54,11 +54,15 @@ class Call:
 def check_call(head, kernel: ModuleType, logits: Any, labels: Any, inputs: dict[str, Any]) -> Call:
     """Check ``head(logits, labels, **inputs)`` against what the head's kernel reads."""
     x, shape = check_logits(logits)
-    if head.inplace_backward and not torch.compiler.is_compiling() \
-            and x.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr():
-        raise ValueError("inplace_backward=True needs logits whose rows can be viewed as [rows, V] "
-                         f"with unit column stride (got strides {logits.stride()}); pass .contiguous() "
-                         "logits")
+    if head.inplace_backward and not torch.compiler.is_compiling():
+        if x.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr():
+            raise ValueError("inplace_backward=True needs logits whose rows can be viewed as [rows, V] "
+                             f"with unit column stride (got strides {logits.stride()}); pass .contiguous() "
+                             "logits")
+        if x.shape[0] > 1 and x.stride(0) < x.shape[1]:
+            raise ValueError("inplace_backward=True needs logits whose rows do not share memory (got "
+                             f"shape {tuple(logits.shape)}, strides {logits.stride()}: expanded or "
+                             "overlapping); pass .contiguous() logits or inplace_backward=False")
     teacher = None
     if kernel.USES_TEACHER:
         teacher = inputs.get("teacher_logits")

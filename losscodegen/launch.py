@@ -338,7 +338,8 @@ def run(head, call, *, grad: bool, inplace: bool) -> tuple[torch.Tensor, torch.T
     launcher = Launcher(head, call, grad=grad, flags=flags, dtype=call.x.dtype, element_size=width)
     grad_buf = None
     if grad:
-        grad_buf = call.x if inplace else torch.empty_like(call.x)
+        # laid out for the kernel, [rows, V] with unit column stride, whatever the logits' strides
+        grad_buf = call.x if inplace else torch.empty(call.x.shape, dtype=call.x.dtype, device=device)
     first, second = launcher.passes()
     launcher.run(first, call.x, call.teacher, grad_buf)
     launcher.segments()

@@ -10,7 +10,9 @@ template and the sympy version). Folders are searched in order:
    nowhere else is generated at first use.
 
 A file in 1 or 2 written by another code generator is never used: the kernel is generated into the
-cache, with one warning naming the stale file.
+cache, with one warning naming the stale file. Every kernel file ends with the hash of its text
+(``TEXT_HASH``, ``emit.seal``): a cache file that does not match it is generated again, with one
+warning naming it; in folders 1 and 2 a mismatch is an error naming the file.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from typing import Callable
 
 import sympy as sp
 
+from .emit import intact
 from .resources import GENERATED, TEMPLATES
 
 _PACKAGE = Path(__file__).resolve().parent
@@ -85,27 +88,42 @@ def module_path(key: str) -> Path:
         path = folder / file_name(key)
         if path.exists():
             found = codegen_of(path)
-            if found == current:
+            if found in (current, None):
+                # (no CODEGEN line at all: empty, binary or cut short, not another generator's)
+                if not intact(path.read_bytes()):
+                    raise RuntimeError(
+                        f"losscodegen: {path} does not match the hash of its text (TEXT_HASH): it was "
+                        "truncated, edited or damaged. Kernel folders are read-only to losscodegen: "
+                        "regenerate it (`python -m losscodegen generate --manifest MANIFEST --out "
+                        f"{folder}`; the package's own kernels: reinstall losscodegen) or delete it.")
                 return path
-            if path not in _warned:
-                _warned.add(path)
-                warnings.warn(f"losscodegen: {path} was written by another code generator (CODEGEN "
-                              f"{found}, running {current}); generating this head into the "
-                              f"cache instead. Regenerate that folder with `python -m losscodegen generate`.",
-                              stacklevel=4)
+            _warn_once(path, f"losscodegen: {path} was written by another code generator (CODEGEN "
+                             f"{found}, running {current}); generating this head into the cache instead. "
+                             "Regenerate that folder with `python -m losscodegen generate`.")
     return cache_dir() / current / file_name(key)
 
 
-def write_atomic(path: Path, text: str) -> None:
+def _warn_once(path: Path, message: str) -> None:
+    if path not in _warned:
+        _warned.add(path)
+        warnings.warn(message, stacklevel=5)
+
+
+def write_file(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` so that readers see the old file or the whole new one: processes
-    writing the same file at once leave one valid file."""
+    writing the same file at once leave one valid file. Raises ``OSError``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """``write_file`` into the cache: an error names LOSSCODEGEN_CACHE."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
+        write_file(path, text)
     except OSError as e:
         raise RuntimeError(
             f"losscodegen cannot write {path} ({e.strerror or e}). Kernels not built into the package "
@@ -123,6 +141,11 @@ def load(key: str, generate: Callable[[], str]) -> ModuleType:
         return _modules[key]
     path = module_path(key)
     if not path.exists():
+        write_atomic(path, generate())
+    elif path.parent.parent == cache_dir() and not intact(path.read_bytes()):
+        # a cache file cut short or edited: never run, written again
+        _warn_once(path, f"losscodegen: {path} does not match the hash of its text (TEXT_HASH): it was "
+                         "truncated, edited or damaged; generating it again.")
         write_atomic(path, generate())
     name = f"losscodegen_kernels.head_loss_{key}"
     spec = importlib.util.spec_from_file_location(name, path)

@@ -1,9 +1,9 @@
 """Value checks on the device, without a host sync.
 
-The kernel checks every row's label (and segment id) itself. A bad one makes that row's values and
-gradient NaN, so the call's loss is NaN, and the kernel writes the bad value into the head's flag
-buffer: ``[bad label, bad segment id]``, each slot ``NONE`` until a bad value comes (one 8-byte
-store, so a reader never sees half of one). On a GPU the buffer is pinned host memory that the
+The kernel checks every valid row's label, segment id and teacher top-k ids itself. A bad one makes
+that row's values and gradient NaN, so the call's loss is NaN, and the kernel writes the bad value
+into the flag buffer: one slot a kind of bad value (``emit.FLAG_SLOTS``), each ``NONE`` until a bad
+value comes (one 8-byte store, so a reader never sees half of one). On a GPU the buffer is pinned host memory that the
 kernel writes across the bus: no copy a call. On the CPU the host reads it right after the call and
 raises at once; on a GPU each call reads it first and raises for what earlier calls found.
 
@@ -15,45 +15,60 @@ it if that one is still running, so an error comes at the latest two calls later
 two calls of work while the host prepares the next. Inside a CUDA graph capture nothing is waited
 for: a replayed call still makes the loss NaN and writes the buffer, which the next call made outside
 the graph reads.
+
+Each thread has its own flag buffers (one a device): a call's bad value is reported to the thread
+that made the call, never to another thread calling the same head at the same time.
 """
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
+from .emit import FLAG_SLOTS
+
 NONE = -(2 ** 63)   # a slot that holds no bad value
+_CLEAR = [NONE] * len(FLAG_SLOTS)
 
 
 @dataclass
 class _Flags:
-    buffer: torch.Tensor                 # int64 [2], written by the kernel
+    buffer: torch.Tensor                 # int64 [len(FLAG_SLOTS)], written by the kernel
     pending: deque = field(default_factory=deque)  # events of calls maybe still running, oldest first
     free: list = field(default_factory=list)       # events to reuse
     vocab: int = 0                       # what the recorded call checked against, for the message
     num_segments: int = 0
 
     def __post_init__(self) -> None:
-        # the buffer's two slots read and written as host memory: no torch op a call
-        self.slots = (ctypes.c_int64 * 2).from_address(self.buffer.data_ptr())
+        # the buffer's slots read and written as host memory: no torch op a call
+        self.slots = (ctypes.c_int64 * len(FLAG_SLOTS)).from_address(self.buffer.data_ptr())
 
 
 class DeviceChecks:
-    """A head's flag buffer on each device, and the deferred check."""
+    """A head's flag buffers, one a thread and device, and the deferred check."""
 
     def __init__(self, ignore_index: int) -> None:
         self.ignore_index = ignore_index
-        self._flags: dict[torch.device, _Flags] = {}
+        self._local = threading.local()    # .flags: this thread's {device: _Flags}
+
+    def _flags(self, device: torch.device) -> _Flags:
+        try:
+            return self._local.flags[device]
+        except AttributeError:
+            self._local.flags = {}
+        except KeyError:
+            pass
+        f = self._local.flags[device] = _Flags(torch.full((len(FLAG_SLOTS),), NONE, dtype=torch.int64,
+                                                          pin_memory=device.type == "cuda"))
+        return f
 
     def before(self, device: torch.device) -> torch.Tensor:
-        """The flag buffer for this call's kernels; raises for a bad value that an earlier call has
-        written by now (a read of host memory: nothing waits here)."""
-        f = self._flags.get(device)
-        if f is None:
-            f = self._flags[device] = _Flags(torch.full((2,), NONE, dtype=torch.int64,
-                                                        pin_memory=device.type == "cuda"))
+        """This thread's flag buffer for this call's kernels; raises for a bad value that an earlier
+        call has written by now (a read of host memory: nothing waits here)."""
+        f = self._flags(device)
         if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
             self._raise_if_set(f, "an earlier call of this head")
         return f.buffer
@@ -63,7 +78,7 @@ class DeviceChecks:
         the call two before it is still running, wait for that one and raise for what it found.
         (Waiting after this call's launches, not before them, leaves the GPU two calls of work
         while the host prepares the next.)"""
-        f = self._flags[device]
+        f = self._flags(device)
         f.vocab, f.num_segments = vocab, num_segments
         if device.type != "cuda":
             self._raise_if_set(f, "this call")
@@ -77,12 +92,20 @@ class DeviceChecks:
                 self._raise_if_set(f, "an earlier call of this head")
 
     def _raise_if_set(self, f: _Flags, when: str) -> None:
-        label, seg = f.slots
-        if label == NONE and seg == NONE:
+        found = f.slots[:]     # (one read of host memory a call: keep the clean case cheap)
+        if found == _CLEAR:
             return
-        f.slots[0] = f.slots[1] = NONE
+        f.slots[:] = _CLEAR
+        found = dict(zip(FLAG_SLOTS, found))
+        label, seg, topk, repeated = (found[s] for s in ("label", "segment_id", "topk_id", "topk_repeated"))
         if label != NONE:
             raise ValueError(f"labels: values must be in [0, {f.vocab}) or ignore_index="
                              f"{self.ignore_index}; found {label} in {when} (its loss is NaN)")
-        raise ValueError(f"segment_ids of valid rows must be in [0, num_segments={f.num_segments}); "
-                         f"found {seg} in {when} (its loss is NaN)")
+        if seg != NONE:
+            raise ValueError(f"segment_ids of valid rows must be in [0, num_segments={f.num_segments}); "
+                             f"found {seg} in {when} (its loss is NaN)")
+        if topk != NONE:
+            raise ValueError(f"teacher_topk_ids of valid rows must be in [0, {f.vocab}); found {topk} "
+                             f"in {when} (its loss is NaN)")
+        raise ValueError(f"teacher_topk_ids must not repeat an id within a valid row; found {repeated} "
+                         f"twice in a row in {when} (its loss is NaN)")

@@ -9,6 +9,7 @@ import pickle
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -145,3 +146,196 @@ def test_a_head_saved_before_and_after_its_first_call_loads_in_another_process(t
     out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "before.pt"), str(tmp_path / "after.pt")],
                          capture_output=True, text=True, timeout=600)
     assert out.stdout.split() == ["ok", "True", "ok", "True"], out.stdout + out.stderr
+
+
+# ---- top-k inputs ----------------------------------------------------------------------------------
+def _topk_call(R=6, V=64, K=5, seed=0):
+    logits, labels, g = make_inputs(R=R, V=V, seed=seed, ignored=(1,))
+    ids = torch.stack([torch.randperm(V, generator=g)[:K] for _ in range(R)])
+    lps = torch.log_softmax(torch.randn(R, K, generator=g), -1)
+    return logits, labels, ids, lps
+
+
+@pytest.mark.parametrize("bad", [64, 65, -1, 10**9, "repeated"])
+def test_bad_topk_ids_name_the_argument_and_the_value(bad):
+    logits, labels, ids, lps = _topk_call()
+    head = lcg.HeadLoss(lcg.CrossEntropy(), lcg.TopKForwardKL(weight=0.5))
+    if bad == "repeated":
+        ids[3, 4], bad, match = ids[3, 1], int(ids[3, 1]), "repeat"
+    else:
+        ids[3, 2], match = bad, r"\[0, 64\)"
+    x = logits.to(DEVICE).requires_grad_()
+    args = (x, labels.to(DEVICE))
+    kw = dict(teacher_topk_ids=ids.to(DEVICE), teacher_topk_logprobs=lps.to(DEVICE))
+    if DEVICE == "cpu":
+        with pytest.raises(ValueError, match=rf"teacher_topk_ids.*{match}.*found {bad}\b"):
+            head(*args, **kw)
+    else:   # deferred: this call's loss is NaN, the error comes no later than the next calls
+        assert torch.isnan(head(*args, **kw).loss)
+        with pytest.raises(ValueError, match=rf"teacher_topk_ids.*{match}.*found {bad}\b"):
+            for _ in range(3):
+                head(*args, **kw)
+                torch.cuda.synchronize()
+
+
+def test_topk_ids_of_ignored_rows_are_not_looked_at():
+    logits, labels, ids, lps = _topk_call()
+    mask = torch.ones(6, dtype=torch.bool)
+    mask[4] = False
+    garbage = ids.clone()
+    garbage[1] = -1                 # labels[1] is ignore_index
+    garbage[4] = 10**9              # masked out
+    garbage[4, 1] = garbage[4, 0] = 7
+    head = lcg.HeadLoss(lcg.CrossEntropy(), lcg.TopKForwardKL(weight=0.5))
+    out = head(logits.to(DEVICE), labels.to(DEVICE), loss_mask=mask.to(DEVICE),
+               teacher_topk_ids=garbage.to(DEVICE), teacher_topk_logprobs=lps.to(DEVICE))
+    # the reference reads every row's ids: it gets the valid ones where the rows are not counted
+    ref = check_head(head, logits, labels, loss_mask=mask, teacher_topk_ids=ids, teacher_topk_logprobs=lps)
+    torch.testing.assert_close(out.loss.cpu(), ref.loss.detach().cpu())
+
+
+# ---- threads ---------------------------------------------------------------------------------------
+def _two_threads(head, calls, deferred):
+    """One thread calls ``head`` with valid labels, another with a bad one, at the same time; what
+    each saw: ("ok", loss) or ("error", message) a call."""
+    logits, labels, _ = make_inputs(R=4, V=32, ignored=())
+    bad = labels.clone()
+    bad[2] = 777
+    seen = {"good": [], "bad": []}
+    start = threading.Barrier(2)
+
+    def worker(name, y):
+        start.wait()
+        for i in range(calls + deferred):
+            try:
+                loss = head(logits.to(DEVICE), y.to(DEVICE)).loss
+                seen[name].append(("ok", loss.item() if not deferred or i >= calls else loss))
+            except ValueError as e:
+                seen[name].append(("error", str(e)))
+            if deferred and i >= calls - 1:
+                torch.cuda.synchronize()
+    threads = [threading.Thread(target=worker, args=a) for a in (("good", labels), ("bad", bad))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return seen
+
+
+def test_a_bad_call_is_reported_to_its_own_thread_only():
+    seen = _two_threads(lcg.HeadLoss(lcg.CrossEntropy()), calls=12, deferred=0)
+    assert all(kind == "ok" and math.isfinite(v) for kind, v in seen["good"]), seen["good"]
+    assert len(seen["bad"]) == 12 and all(kind == "error" and "777" in v for kind, v in seen["bad"]), seen["bad"]
+
+
+@pytest.mark.gpu
+def test_a_deferred_error_is_reported_to_its_own_thread_only():
+    seen = _two_threads(lcg.HeadLoss(lcg.CrossEntropy()), calls=30, deferred=3)
+    assert all(kind == "ok" for kind, _ in seen["good"]), seen["good"]
+    assert all(math.isfinite(float(v)) for _, v in seen["good"])
+    errors = [v for kind, v in seen["bad"] if kind == "error"]
+    assert errors and all("777" in v for v in errors)
+    # every call of the bad thread raised or returned a NaN loss; once its work is done, its next
+    # call raises for what is left
+    assert all(kind == "error" or math.isnan(float(v)) for kind, v in seen["bad"])
+    assert seen["bad"][30][0] == "error"
+
+
+# ---- logits layouts --------------------------------------------------------------------------------
+def _layouts(R=6, V=40):
+    """Logits the head accepts, as views of one buffer: (name, make(buffer) -> logits)."""
+    return [
+        ("rows share memory: expand", lambda b: b[:V].expand(R, V)),
+        ("overlapping as_strided (8, 1)", lambda b: b.as_strided((R, V), (8, 1))),
+        ("overlapping as_strided (1, 8)", lambda b: b.as_strided((R, V), (1, 8))),
+        ("3-d, rows overlapping", lambda b: b.as_strided((2, R // 2, V), (8, 4, 1))),
+        ("column slice", lambda b: b[:R * (V + 3)].view(R, V + 3)[:, 1:V + 1]),
+        ("transposed", lambda b: b[:R * V].view(V, R).t()),
+    ]
+
+
+@pytest.mark.parametrize("name, make", _layouts(), ids=[n for n, _ in _layouts()])
+def test_any_logits_layout_gets_the_right_gradient(name, make):
+    R, V = 6, 40
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(2 * R * V, generator=g, dtype=torch.float64) * 2
+    labels = torch.randint(0, V, (R,), generator=g)
+    labels[1] = -100
+    head = _ce_z()
+    b = base.float().to(DEVICE).requires_grad_()
+    logits = make(b)
+    out = head(logits, labels.reshape(logits.shape[:-1]).to(DEVICE))
+    out.loss.backward()
+    ref_b = base.clone().requires_grad_()
+    z = make(ref_b).reshape(-1, V)
+    keep = labels != -100
+    lse = torch.logsumexp(z, -1)
+    ce = (lse - z.gather(1, labels.clamp_min(0)[:, None])[:, 0])[keep].mean()
+    ref = ce + 0.5 * (lse[keep] ** 2).mean()
+    ref.backward()
+    torch.testing.assert_close(out.loss.double().cpu(), ref.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(b.grad.double().cpu(), ref_b.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_inplace_backward_refuses_logits_whose_rows_share_memory():
+    head = lcg.HeadLoss(lcg.CrossEntropy(), inplace_backward=True)
+    base = torch.randn(400, device=DEVICE)
+    labels = torch.randint(0, 40, (6,), device=DEVICE)
+    for logits in (base[:40].expand(6, 40), base.as_strided((6, 40), (8, 1))):
+        with pytest.raises(ValueError, match="inplace_backward.*share memory"):
+            head(logits.detach().requires_grad_(False), labels)
+
+
+# ---- kernel files ----------------------------------------------------------------------------------
+def _damage(path, how):
+    text = path.read_text()
+    if how == "truncated":      # still valid Python: the file stops after a whole line
+        lines = text.splitlines(keepends=True)
+        path.write_text("".join(lines[:len(lines) * 2 // 3]))
+    elif how == "edited":
+        path.write_text(text.replace("logit_scale", "logit_scale * 1.5", 1))
+    elif how == "empty":
+        path.write_text("")
+    else:
+        path.write_bytes(bytes(range(256)) * 8)
+
+
+@pytest.mark.parametrize("how", ["truncated", "edited", "empty", "binary"])
+def test_a_damaged_cache_file_is_generated_again_with_a_warning(how, tmp_path, monkeypatch):
+    from losscodegen import load
+    monkeypatch.setenv("LOSSCODEGEN_CACHE", str(tmp_path))
+    monkeypatch.setattr(load, "_modules", {})         # (kernels this process loaded before)
+    logits, labels, _ = make_inputs(R=6, V=64)
+    head = lcg.HeadLoss(lcg.CrossEntropy(label_smoothing=0.17), lcg.ZLoss(weight=0.3))
+    path = load.module_path(head.key)
+    assert path.parent.parent == tmp_path
+    check_head(head, logits, labels)
+    _damage(path, how)
+    monkeypatch.setattr(load, "_modules", {})         # as in a new process: the file is read again
+    again = lcg.HeadLoss(lcg.CrossEntropy(label_smoothing=0.17), lcg.ZLoss(weight=0.3))
+    with pytest.warns(UserWarning, match=f"{path}.*generating it again"):
+        again.kernel
+    check_head(again, logits, labels)
+    assert path.read_text() == head.source().text
+
+
+@pytest.mark.parametrize("how", ["truncated", "edited", "empty", "binary"])
+def test_a_damaged_file_in_a_kernel_folder_is_an_error_naming_it(how, tmp_path, monkeypatch):
+    from losscodegen import load
+    head = lcg.HeadLoss(lcg.CrossEntropy(label_smoothing=0.19))
+    path = tmp_path / load.file_name(head.key)
+    path.write_text(head.source().text)
+    _damage(path, how)
+    monkeypatch.setenv("LOSSCODEGEN_KERNELS", str(tmp_path))
+    monkeypatch.setattr(load, "_modules", {})
+    with pytest.raises(RuntimeError, match=rf"{path}.*regenerate"):
+        head(torch.randn(4, 32, device=DEVICE), torch.arange(4, device=DEVICE))
+
+
+def test_generate_names_an_out_that_is_not_a_folder(tmp_path):
+    manifest = tmp_path / "manifest"
+    manifest.write_text("HeadLoss(CrossEntropy())\n")
+    done = subprocess.run([sys.executable, "-m", "losscodegen", "generate", "--manifest", str(manifest),
+                           "--out", os.devnull], capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and f"--out {os.devnull}" in done.stderr, done.stderr
+    assert "LOSSCODEGEN_CACHE" not in done.stderr
