@@ -12,11 +12,17 @@ launch goes through ``kernel[grid]``.
 """
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import triton
 from triton import knobs
 from triton.runtime.jit import JITFunction
+
+
+# Triton's interpreter patches triton.language while it runs a kernel: two threads interpreting at
+# once break each other (InterpreterError), so interpreted launches run one at a time.
+_INTERPRETING = threading.Lock()
 
 
 def _spec(arg: Any) -> Any:
@@ -55,7 +61,8 @@ class Kernel:
 
     def __call__(self, grid: int, *args: Any) -> None:
         if not self._direct:
-            self.jit(grid, *args)
+            with _INTERPRETING:
+                self.jit(grid, *args)
             return
         driver = triton.runtime.driver.active
         device = driver.get_current_device()

@@ -195,50 +195,90 @@ def test_topk_ids_of_ignored_rows_are_not_looked_at():
 
 
 # ---- threads ---------------------------------------------------------------------------------------
-def _two_threads(head, calls, deferred):
-    """One thread calls ``head`` with valid labels, another with a bad one, at the same time; what
-    each saw: ("ok", loss) or ("error", message) a call."""
+def _two_threads(head, calls, then_valid=0):
+    """One thread calls ``head`` with valid labels, another with a bad one, ``calls`` times each at
+    the same time; then (on a GPU) the bad thread waits for its work and calls ``then_valid`` times
+    with valid labels. What each saw: ("ok", loss) or ("error", message) a call."""
     logits, labels, _ = make_inputs(R=4, V=32, ignored=())
     bad = labels.clone()
     bad[2] = 777
     seen = {"good": [], "bad": []}
     start = threading.Barrier(2)
 
+    def call(name, y):
+        try:
+            seen[name].append(("ok", head(logits.to(DEVICE), y.to(DEVICE)).loss))
+        except ValueError as e:
+            seen[name].append(("error", str(e)))
+
     def worker(name, y):
         start.wait()
-        for i in range(calls + deferred):
-            try:
-                loss = head(logits.to(DEVICE), y.to(DEVICE)).loss
-                seen[name].append(("ok", loss.item() if not deferred or i >= calls else loss))
-            except ValueError as e:
-                seen[name].append(("error", str(e)))
-            if deferred and i >= calls - 1:
-                torch.cuda.synchronize()
+        for _ in range(calls):
+            call(name, y)
+        if name == "bad" and then_valid:
+            torch.cuda.synchronize()
+            for _ in range(then_valid):
+                call(name, labels)
     threads = [threading.Thread(target=worker, args=a) for a in (("good", labels), ("bad", bad))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return seen
+    return {k: [(kind, v if kind == "error" else float(v)) for kind, v in calls] for k, calls in seen.items()}
 
 
-def test_a_bad_call_is_reported_to_its_own_thread_only():
-    seen = _two_threads(lcg.HeadLoss(lcg.CrossEntropy()), calls=12, deferred=0)
+def test_a_bad_call_is_reported_to_its_own_thread_only(monkeypatch):
+    # The interleaving that mixed threads up, made certain: the bad thread's kernel has run, and the
+    # good thread makes a whole call before the bad thread's call looks for errors.
+    from losscodegen.validation import DeviceChecks
+    kernel_ran, good_done, check = threading.Event(), threading.Event(), DeviceChecks.after
+
+    def after(self, *args):
+        if threading.current_thread().name == "bad":
+            kernel_ran.set()
+            good_done.wait(timeout=120)
+        return check(self, *args)
+    monkeypatch.setattr(DeviceChecks, "after", after)
+    head = lcg.HeadLoss(lcg.CrossEntropy())
+    logits, labels, _ = make_inputs(R=4, V=32, ignored=())
+    bad = labels.clone()
+    bad[2] = 777
+    seen = {}
+
+    def run(name, y):
+        if name == "good":
+            kernel_ran.wait(timeout=120)
+        try:
+            seen[name] = ("ok", head(logits, y).loss)
+        except ValueError as e:
+            seen[name] = ("error", str(e))
+        if name == "good":
+            good_done.set()
+    for _ in range(3):
+        kernel_ran.clear(), good_done.clear()
+        threads = [threading.Thread(target=run, args=(n, y), name=n) for n, y in (("good", labels), ("bad", bad))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert seen["good"][0] == "ok" and torch.isfinite(seen["good"][1]), seen
+        assert seen["bad"][0] == "error" and "found 777" in seen["bad"][1], seen
+    # and free-running: many calls of both threads at once
+    seen = _two_threads(head, calls=8)
     assert all(kind == "ok" and math.isfinite(v) for kind, v in seen["good"]), seen["good"]
-    assert len(seen["bad"]) == 12 and all(kind == "error" and "777" in v for kind, v in seen["bad"]), seen["bad"]
+    assert len(seen["bad"]) == 8 and all(kind == "error" and "777" in v for kind, v in seen["bad"]), seen["bad"]
 
 
 @pytest.mark.gpu
 def test_a_deferred_error_is_reported_to_its_own_thread_only():
-    seen = _two_threads(lcg.HeadLoss(lcg.CrossEntropy()), calls=30, deferred=3)
-    assert all(kind == "ok" for kind, _ in seen["good"]), seen["good"]
-    assert all(math.isfinite(float(v)) for _, v in seen["good"])
-    errors = [v for kind, v in seen["bad"] if kind == "error"]
-    assert errors and all("777" in v for v in errors)
-    # every call of the bad thread raised or returned a NaN loss; once its work is done, its next
-    # call raises for what is left
-    assert all(kind == "error" or math.isnan(float(v)) for kind, v in seen["bad"])
-    assert seen["bad"][30][0] == "error"
+    seen = _two_threads(lcg.HeadLoss(lcg.CrossEntropy()), calls=30, then_valid=2)
+    assert all(kind == "ok" and math.isfinite(v) for kind, v in seen["good"]), seen["good"]
+    bad, after = seen["bad"][:30], seen["bad"][30:]
+    errors = [v for kind, v in bad + after if kind == "error"]
+    assert errors and all("777" in v for v in errors), seen["bad"]
+    assert all(kind == "error" or math.isnan(v) for kind, v in bad), bad
+    # once its work is done, the first valid call raises for what is left, if anything: the next is clean
+    assert after[1][0] == "ok" and math.isfinite(after[1][1]), after
 
 
 # ---- logits layouts --------------------------------------------------------------------------------
@@ -339,3 +379,31 @@ def test_generate_names_an_out_that_is_not_a_folder(tmp_path):
                            "--out", os.devnull], capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and f"--out {os.devnull}" in done.stderr, done.stderr
     assert "LOSSCODEGEN_CACHE" not in done.stderr
+
+
+def _topk_ranks(rank, world, port, queue):
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    logits, labels, ids, lps = _topk_call(V=64)
+    head = lcg.HeadLoss(lcg.CrossEntropy(), lcg.TopKForwardKL(weight=0.5))
+    shard = logits[:, rank * 32:(rank + 1) * 32]
+    seen = []
+    for bad in (32, 63, 64):   # ids are global: 32 and 63 are rank 1's, 64 is outside the vocabulary
+        ids[3, 2] = bad if bad not in ids[3] else ids[3, 2]
+        try:
+            out = head(shard, labels, process_group=dist.group.WORLD, teacher_topk_ids=ids,
+                       teacher_topk_logprobs=lps)
+            seen.append(("ok", float(out.loss)))
+        except ValueError as e:
+            seen.append(("error", str(e)))
+    queue.put((rank, seen))
+    dist.destroy_process_group()
+
+
+def test_vocab_parallel_topk_ids_are_checked_against_the_global_vocabulary():
+    from helpers import run_ranks
+    for rank, seen in run_ranks(_topk_ranks, 2, 2):
+        assert [kind for kind, _ in seen] == ["ok", "ok", "error"], (rank, seen)
+        assert all(math.isfinite(v) for kind, v in seen if kind == "ok")
+        assert "teacher_topk_ids" in seen[2][1] and "[0, 64)" in seen[2][1] and "found 64" in seen[2][1]
