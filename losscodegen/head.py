@@ -113,8 +113,8 @@ class HeadLoss(torch.nn.Module):
 
     # A copy (deepcopy, pickle, torch.save) keeps the terms and options, and leaves behind what
     # belongs to this process and to this head: the loaded kernel module (found again from its
-    # file), the layouts (compiled kernels), the flag buffers and the id.
-    _PER_PROCESS = ("_kernel", "layouts", "checks", "head_id")
+    # file), the layouts (compiled kernels), the scalar buffers, the flag buffers and the id.
+    _PER_PROCESS = ("_kernel", "layouts", "_scalar_buffers", "checks", "head_id")
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -124,7 +124,7 @@ class HeadLoss(torch.nn.Module):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        self._kernel, self.layouts = None, {}
+        self._kernel, self.layouts, self._scalar_buffers = None, {}, {}
         self._attach()
 
     @property

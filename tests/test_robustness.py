@@ -407,3 +407,19 @@ def test_vocab_parallel_topk_ids_are_checked_against_the_global_vocabulary():
         assert [kind for kind, _ in seen] == ["ok", "ok", "error"], (rank, seen)
         assert all(math.isfinite(v) for kind, v in seen if kind == "ok")
         assert "teacher_topk_ids" in seen[2][1] and "[0, 64)" in seen[2][1] and "found 64" in seen[2][1]
+
+
+def test_a_copy_keeps_a_tensor_weight_of_its_own():
+    logits, labels, _ = make_inputs(R=6, V=64)
+    weight = torch.tensor(0.5, device=DEVICE)
+    head = lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(weight=weight))
+    head(logits.to(DEVICE), labels.to(DEVICE))
+    twin = copy.deepcopy(head)
+    weight.fill_(2.0)        # the original's schedule moves; the copy's weight stays 0.5
+    lse = torch.logsumexp(logits.double(), -1)
+    keep = labels != -100
+    ce = (lse - logits.double().gather(1, labels.clamp_min(0)[:, None])[:, 0])[keep].mean()
+    z = (lse[keep] ** 2).mean()
+    for h, w in ((head, 2.0), (twin, 0.5)):
+        loss = h(logits.to(DEVICE), labels.to(DEVICE)).loss
+        torch.testing.assert_close(loss.double().cpu(), ce + w * z, rtol=1e-5, atol=1e-5)
