@@ -2,10 +2,15 @@
 vocabularies), -inf teacher logits and -inf top-k log-probs give the finite values of the
 ``0 * log 0 = 0`` convention (torch.xlogy's), value and gradient, for every built-in term and
 metric. Each expected value is float64 torch written here by hand."""
+import math
+import os
+
 import pytest
 import torch
+import torch.distributed as dist
 
 import losscodegen as lcg
+from helpers import run_ranks
 from losscodegen import tiles
 from losscodegen.testing import reference
 
@@ -211,3 +216,40 @@ def test_bad_labels_still_raise_with_neg_inf_logits():
     y[0] = V
     with pytest.raises(ValueError, match="labels"):
         lcg.HeadLoss(lcg.CrossEntropy(), metrics=(lcg.Entropy(),))(x, y)
+
+
+def _sharded_worker(rank, world, port, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    x, t, y = _inputs(seed=8)
+    Vl = V // world
+    x[2, Vl:] = NEG_INF        # row 2: the second shard all -inf
+    t[2, Vl:] = NEG_INF
+    x[4, :Vl] = NEG_INF        # row 4: the first shard all -inf (its label in the second)
+    t[4, :Vl] = NEG_INF
+    y[2], y[4] = 3, Vl + 3
+    x[2, 3] = x[4, Vl + 3] = 1.0
+    cols = slice(rank * Vl, (rank + 1) * Vl)
+    head = lcg.HeadLoss(lcg.CrossEntropy(), lcg.ForwardKL(), lcg.JSD(), metrics=(lcg.Entropy(),))
+    shard = x[:, cols].clone().requires_grad_()
+    out = head(shard, y, teacher_logits=t[:, cols].contiguous(), process_group=dist.group.WORLD)
+    out.loss.backward()
+    full = x.clone().requires_grad_()
+    ref = head(full, y, teacher_logits=t)
+    ref.loss.backward()
+    # (plain numbers and arrays: a tensor would be shared memory, gone with this process)
+    queue.put((rank, {k: float(v) for k, v in {**out.terms, **out.metrics}.items()},
+               {k: float(v) for k, v in {**ref.terms, **ref.metrics}.items()},
+               shard.grad.numpy(), full.grad[:, cols].numpy()))
+    dist.destroy_process_group()
+
+
+def test_a_vocab_shard_of_all_neg_inf_merges_to_the_unsharded_values():
+    """Vocab-parallel: a rank whose whole shard of a row is -inf adds nothing to the merged sums."""
+    for rank, values, ref_values, grad, ref_grad in run_ranks(_sharded_worker, 2, 2):
+        for name, value in values.items():
+            assert math.isfinite(value), (rank, name)
+            assert value == pytest.approx(ref_values[name], rel=1e-5, abs=1e-6), (rank, name)
+        grad, ref_grad = torch.from_numpy(grad), torch.from_numpy(ref_grad)
+        assert torch.isfinite(grad).all()
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-7)
