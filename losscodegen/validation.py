@@ -13,8 +13,8 @@ wait for the previous one: that would leave the GPU idle while the host prepares
 (measured: 16% at 8192 x 128256). Once its kernels are queued, a call waits for the call two before
 it if that one is still running, so an error comes at the latest two calls later, and the GPU keeps
 two calls of work while the host prepares the next. Inside a CUDA graph capture nothing is waited
-for: a replayed call still makes the loss NaN and writes the buffer, which the next call made outside
-the graph reads.
+for: a replayed call still makes the loss NaN and writes the buffer (the capturing thread's), which
+that thread's next call made outside the graph reads.
 
 Each thread has its own flag buffers (one a device): a call's bad value is reported to the thread
 that made the call, never to another thread calling the same head at the same time.
