@@ -85,7 +85,7 @@ def run(variant, args):
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-        losses.append(float(ce_of() if ce_of is not None else out.loss))
+        losses.append((ce_of() if ce_of is not None else out.loss).item())
         del out
     peak = torch.cuda.max_memory_allocated() - base
     del model, opt

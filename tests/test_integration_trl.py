@@ -38,10 +38,11 @@ def _model(model_type="llama", **overrides):
 
 
 def _trainer(cls, model, **options):
+    # num_iterations=2: TRL then passes old_per_token_logps (num_iterations=1 passes None: its own case)
+    options = dict(dict(num_iterations=2), **options)
     args = trl.GRPOConfig(output_dir="/tmp/lcg-trl-test", per_device_train_batch_size=B, num_generations=2,
-                          max_completion_length=C, use_cpu=True, report_to=[], gradient_accumulation_steps=2, num_iterations=2,
-                          bf16=False,
-                          **options)
+                          max_completion_length=C, use_cpu=True, report_to=[], gradient_accumulation_steps=2,
+                          bf16=False, **options)
     trainer = cls(model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
                   train_dataset=datasets.Dataset.from_dict({"prompt": ["t5 t6 t7"] * 8}),
                   processing_class=_tokenizer())
@@ -71,6 +72,7 @@ def _batch(model, old=True, ref=False, vllm=False, seed=0):
 
 CASES = {
     "dapo (TRL's default loss)": dict(loss_type="dapo"),
+    "old_per_token_logps=None (TRL's default)": dict(loss_type="dapo", num_iterations=1),
     "grpo": dict(loss_type="grpo"),
     "bnpo": dict(loss_type="bnpo"),
     "dr_grpo": dict(loss_type="dr_grpo"),
@@ -98,6 +100,11 @@ def saved_model(tmp_path_factory):
 def test_compute_loss_equals_trls(case, saved_model):
     options = dict(CASES[case], model_init_kwargs={"dtype": torch.float32})
     model = transformers.AutoModelForCausalLM.from_pretrained(saved_model)
+    no_old = options["num_iterations"] == 1 if "num_iterations" in options else False
+    if no_old and not hasattr(lcg_trl.S, "stop_gradient"):   # (refused where the language lacks it)
+        with pytest.raises(ValueError, match="old_per_token_logps=None.*stop_gradient"):
+            _trainer(lcg_trl.GRPOTrainer, saved_model, **options)
+        return
     ref_trainer = _trainer(trl.GRPOTrainer, saved_model, **options)
     trainer = _trainer(lcg_trl.GRPOTrainer, saved_model, **options)
     vllm = case.startswith("vLLM")
@@ -106,7 +113,7 @@ def test_compute_loss_equals_trls(case, saved_model):
             t.use_vllm = t.vllm_importance_sampling_correction = True
         if t.use_adaptive_entropy:
             t._last_world_entropy = 5.0   # (below the target: the bonus applies)
-    inputs = _batch(model, ref="beta" in options, vllm=vllm)
+    inputs = _batch(model, old=not no_old, ref="beta" in options, vllm=vllm)
     want = ref_trainer._compute_loss(ref_trainer.model, inputs)
     got = trainer._compute_loss(trainer.model, inputs)
     want.backward()

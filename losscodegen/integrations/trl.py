@@ -161,18 +161,22 @@ class GRPOTrainer(trl.GRPOTrainer):
         _refuse(unfused_options(self.args, self.model))
         target = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         _add_fused_objective(target, self.args.cast_lm_head_to_fp32)
-        self._lcg_heads: dict[bool, lcg.HeadLoss] = {}
+        self._lcg_heads: dict[bool, tuple[lcg.HeadLoss, frozenset[str]]] = {}
         self._lcg_final_logits = _final_logits(self.model, self.temperature)
 
-    def _lcg_head(self, old_given: bool) -> lcg.HeadLoss:
-        head = self._lcg_heads.get(old_given)
-        if head is None:
+    def _lcg_head(self, old_given: bool) -> tuple[lcg.HeadLoss, frozenset[str]]:
+        """The head for batches with (or without) old log-probs, and the per-token inputs it reads (a
+        formula may drop one: without old log-probs the ratios are 1, and the clip ratios 0)."""
+        entry = self._lcg_heads.get(old_given)
+        if entry is None:
             softcap, scale = self._lcg_final_logits
-            head = self._lcg_heads[old_given] = _head(
-                old_given=old_given, delta=self.args.delta, beta=self.beta != 0.0,
-                bias_corrected=bool(self.args.use_bias_correction_kl), entropy=self._entropy_bonus_enabled,
-                eps_low=self.epsilon_low, eps_high=self.epsilon_high, softcap=softcap, logit_scale=scale)
-        return head
+            head = _head(old_given=old_given, delta=self.args.delta, beta=self.beta != 0.0,
+                         bias_corrected=bool(self.args.use_bias_correction_kl), entropy=self._entropy_bonus_enabled,
+                         eps_low=self.epsilon_low, eps_high=self.epsilon_high, softcap=softcap, logit_scale=scale)
+            # (advantages and old/ref log-probs: any head takes them; other tokens: those its kernel reads)
+            reads = frozenset(("advantages", "old_logprobs", "ref_logprobs", *head.kernel.TOKENS))
+            entry = self._lcg_heads[old_given] = (head, reads)
+        return entry
 
     # ---- the loss ---------------------------------------------------------------------------------
     def _compute_loss(self, model, inputs):
@@ -224,7 +228,8 @@ class GRPOTrainer(trl.GRPOTrainer):
             else:
                 coef = self.entropy_coef
             tokens["w_ent"] = -coef * maskf * n / n.clamp(min=1.0) / accumulation
-        head = self._lcg_head(old is not None)
+        head, reads = self._lcg_head(old is not None)
+        tokens = {k: v for k, v in tokens.items() if k in reads}
         labels = completion_ids.masked_fill(mask == 0, -100)
         with self.accelerator.autocast():   # (as TRL calls the model; head.linear follows autocast as F.linear)
             out = model(input_ids=input_ids, attention_mask=attention_mask, losscodegen=(head, labels, tokens, C))
