@@ -4,10 +4,10 @@ micro-batch, and logs TRL's metric names (docs/integrations-trl.md).
 
 TRL 1.16's ``_compute_loss`` gets per-token log-probs and entropies from its chunked fused LM head,
 then builds each ``loss_type`` in torch. Here every part of that is one per-token formula, declared
-from TRL's code, with the normalisation of each ``loss_type`` (and the vLLM importance-sampling
-ratios, the KL's beta, the entropy bonus's coefficient) folded into per-token weights, so the head's
-mean over the completion tokens, times their count, is the loss. Options whose terms depend on the current pass in ways one formula
-cannot hold are refused at construction, by name (``UNFUSED``).
+from TRL's code, with each ``loss_type``'s normalisation (and the vLLM importance-sampling ratios, the
+KL's beta, the entropy bonus's coefficient) folded into per-token weights: the head's mean over the
+completion tokens, times their count, is the loss. Options whose terms depend on the current pass in
+ways one per-token formula cannot hold are refused at construction, by name (``unfused_options``).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ except ImportError as e:  # pragma: no cover - the message is the point
 
 __all__ = ["GRPOTrainer", "FUSED_LOSS_TYPES", "unfused_options"]
 
-FUSED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+FUSED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo")
 
 
 def _refuse(options: list[str]) -> None:
@@ -52,10 +52,6 @@ def unfused_options(args: Any, model: Any = None) -> list[str]:
     if args.off_policy_mask_threshold is not None:
         out.append(f"off_policy_mask_threshold={args.off_policy_mask_threshold} (a sequence mask from the "
                    "current pass's log-probs)")
-    aligned = args.gradient_accumulation_steps % (args.steps_per_generation * args.num_iterations) == 0
-    if not hasattr(S, "stop_gradient") and aligned and not (args.use_vllm and args.vllm_importance_sampling_correction):
-        out.append("old_per_token_logps=None, TRL's per_token_logps.detach() (steps aligned with generation): "
-                   "this losscodegen has no stop_gradient")
     if model is not None:
         text_config = model.config.get_text_config()
         coef = args.router_aux_loss_coef
@@ -83,8 +79,8 @@ def _final_logits(model: Any, temperature: float) -> tuple[float | None, float]:
     return (None if cap is None else float(cap) / scale), scale / temperature
 
 
-def _head(*, old_given: bool, delta: float | None, beta: bool, bias_corrected: bool, entropy: bool,
-          eps_low: float, eps_high: float, softcap: float | None, logit_scale: float) -> lcg.HeadLoss:
+def _head(*, loss_type: str, old_given: bool, delta: float | None, beta: bool, bias_corrected: bool,
+          entropy: bool, eps_low: float, eps_high: float, softcap: float | None, logit_scale: float) -> lcg.HeadLoss:
     """TRL's per-token objective, declared from its ``_compute_loss``: the term ``trl_policy`` is
     ``w_pol * policy + w_kl * kl`` and ``trl_entropy_bonus`` is ``w_ent * entropy``, their weights
     per-token inputs (the loss_type's normalisation, beta, vLLM's ratios, the entropy coefficient);
@@ -94,21 +90,34 @@ def _head(*, old_given: bool, delta: float | None, beta: bool, bias_corrected: b
     r = S.exp(l - old)                                 # coef_1
     A = S.token("advantages")
     lo, hi = 1 - S.param("eps_low"), 1 + S.param("eps_high")
-    r1 = r if delta is None else S.Min(r, S.param("delta"))   # two-sided clipping: clamp(coef_1, max=delta)
-    policy = -S.Min(r1 * A, S.Min(S.Max(r, lo), hi) * A)      # coef_2 = clamp(coef_1, 1 - eps_low, 1 + eps_high)
+    params = dict(eps_low=eps_low, eps_high=eps_high)
+    metrics = [lcg.Entropy()]
+    if loss_type == "cispo":
+        # -clamp(coef_1, max=epsilon_high).detach() * A * logp; epsilon_high is the bound itself
+        policy = -S.stop_gradient(S.Min(r, S.param("eps_high"))) * A * l
+        clipped = S.Piecewise((1, r > S.param("eps_high")), (0, True)) * S.token("positive")
+        metrics.append(lcg.declare_term("cispo_clip", clipped, defaults=params, metric_only=True)())
+    elif loss_type == "sapo":
+        # -sigmoid(tau * (coef_1 - 1)) * 4 / tau * A, tau = sapo_temperature_pos if A > 0 else _neg
+        tau = S.token("tau")
+        policy = -4 / tau / (1 + S.exp(-tau * (r - 1))) * A
+    else:
+        r1 = r if delta is None else S.Min(r, S.param("delta"))   # two-sided clipping: clamp(coef_1, max=delta)
+        policy = -S.Min(r1 * A, S.Min(S.Max(r, lo), hi) * A)      # coef_2 = clamp(coef_1, 1 - eps_low, 1 + eps_high)
+        if delta is not None:
+            params["delta"] = float(delta)
+        # TRL's clip ratios, on coef_1 after delta's clamp: low where A < 0, high where A > 0
+        below = S.Piecewise((1, r1 < lo), (0, True)) * S.token("negative")
+        above = S.Piecewise((1, r1 > hi), (0, True)) * S.token("positive")
+        metrics += [lcg.declare_term("clip_low", below, defaults=params, metric_only=True)(),
+                    lcg.declare_term("clip_high", above, defaults=params, metric_only=True)(),
+                    lcg.declare_term("clip_region", below + above, defaults=params, metric_only=True)()]
     d = S.token("ref_logprobs") - l
     kl = (S.exp(d) - d - 1) * (r if bias_corrected else 1)    # per_token_kl (use_bias_correction_kl: * coef_1)
-    params = dict(eps_low=eps_low, eps_high=eps_high, **({} if delta is None else {"delta": float(delta)}))
-    # TRL's clip ratios, on coef_1 after delta's clamp: low where A < 0, high where A > 0
-    below = S.Piecewise((1, r1 < lo), (0, True)) * S.token("negative")
-    above = S.Piecewise((1, r1 > hi), (0, True)) * S.token("positive")
     terms = [lcg.declare_term("trl_policy", S.token("w_pol") * policy + (S.token("w_kl") * kl if beta else 0),
                               defaults=params)()]
     if entropy:
         terms.append(lcg.declare_term("trl_entropy_bonus", S.token("w_ent") * -S.vsum(S.softmax * S.logsoftmax))())
-    metrics = [lcg.Entropy(), lcg.declare_term("clip_low", below, defaults=params, metric_only=True)(),
-               lcg.declare_term("clip_high", above, defaults=params, metric_only=True)(),
-               lcg.declare_term("clip_region", below + above, defaults=params, metric_only=True)()]
     if beta:
         metrics.append(lcg.declare_term("kl", kl, defaults=params, metric_only=True)())
     return lcg.HeadLoss(*terms, metrics=tuple(metrics), softcap=softcap, logit_scale=logit_scale)
@@ -170,7 +179,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         entry = self._lcg_heads.get(old_given)
         if entry is None:
             softcap, scale = self._lcg_final_logits
-            head = _head(old_given=old_given, delta=self.args.delta, beta=self.beta != 0.0,
+            head = _head(loss_type=self.loss_type, old_given=old_given, delta=self.args.delta, beta=self.beta != 0.0,
                          bias_corrected=bool(self.args.use_bias_correction_kl), entropy=self._entropy_bonus_enabled,
                          eps_low=self.epsilon_low, eps_high=self.epsilon_high, softcap=softcap, logit_scale=scale)
             # (advantages and old/ref log-probs: any head takes them; other tokens: those its kernel reads)
@@ -196,13 +205,13 @@ class GRPOTrainer(trl.GRPOTrainer):
             advantages = advantages.unsqueeze(1)
         A = advantages.float().expand(B, C)
         # the per-token weight of the policy term: each loss_type's normalisation (TRL's, to the letter)
-        if self.loss_type == "grpo":
+        if self.loss_type in ("grpo", "sapo"):
             w = maskf / mask.sum(-1, keepdim=True).clamp(min=1.0) / B / accumulation
         elif self.loss_type == "bnpo":
             w = maskf / mask.sum().clamp(min=1.0) / accumulation
         elif self.loss_type == "dr_grpo":
             w = maskf / (B * self.max_completion_length) / accumulation
-        elif self.loss_type == "dapo":
+        elif self.loss_type in ("dapo", "cispo"):
             normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
             if mode == "train":
                 normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation
@@ -216,7 +225,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         w_pol = w
         if self.use_vllm and self.vllm_importance_sampling_correction:
             w_pol = w * inputs["importance_sampling_ratio"]
-        tokens = dict(advantages=A, w_pol=w_pol.expand(B, C), negative=(A < 0).float(), positive=(A > 0).float())
+        tokens = dict(advantages=A, w_pol=w_pol.expand(B, C), negative=(A < 0).float(), positive=(A > 0).float(),
+                      tau=torch.where(A > 0, self.args.sapo_temperature_pos, self.args.sapo_temperature_neg))
         old = inputs.get("old_per_token_logps")
         if old is not None:
             tokens["old_logprobs"] = old.float()
@@ -243,7 +253,7 @@ class GRPOTrainer(trl.GRPOTrainer):
 
         if self._entropy_bonus_enabled:
             # the policy loss without the bonus: TRL logs it before its division by the accumulation steps
-            policy_loss = out.terms["trl_policy"] * (1.0 if self.loss_type == "dapo" else accumulation)
+            policy_loss = out.terms["trl_policy"] * (1.0 if self.loss_type in ("dapo", "cispo") else accumulation)
             self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
             if self.use_adaptive_entropy and mode == "train":
                 stats = torch.stack([out.metrics["entropy"] * n, n]).detach()
@@ -264,7 +274,10 @@ class GRPOTrainer(trl.GRPOTrainer):
         if self.beta != 0.0:
             self._metrics[mode]["kl"].append(global_mean(out.metrics["kl"]))
         self._metrics[mode]["entropy"].append(global_mean(out.metrics["entropy"]))
-        self._metrics[mode]["clip_ratio/low_mean"].append(global_mean(out.metrics["clip_low"]))
-        self._metrics[mode]["clip_ratio/high_mean"].append(global_mean(out.metrics["clip_high"]))
-        self._metrics[mode]["clip_ratio/region_mean"].append(global_mean(out.metrics["clip_region"]))
+        if self.loss_type == "cispo":
+            self._metrics[mode]["cispo_clip_ratio"].append(global_mean(out.metrics["cispo_clip"]))
+        elif self.loss_type != "sapo":
+            self._metrics[mode]["clip_ratio/low_mean"].append(global_mean(out.metrics["clip_low"]))
+            self._metrics[mode]["clip_ratio/high_mean"].append(global_mean(out.metrics["clip_high"]))
+            self._metrics[mode]["clip_ratio/region_mean"].append(global_mean(out.metrics["clip_region"]))
         return loss
