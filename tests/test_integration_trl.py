@@ -140,3 +140,23 @@ def test_compute_loss_equals_trls(case, saved_model):
 def test_unfused_options_are_refused_at_construction(option, values):
     with pytest.raises(ValueError, match=option):
         _trainer(lcg_trl.GRPOTrainer, _model(), **values)
+
+
+@pytest.mark.parametrize("model_type, overrides", [("gemma2", dict(final_logit_softcapping=3.0)),
+                                                   ("cohere", dict(logit_scale=0.5))])
+def test_the_models_final_logit_transform_and_temperature(model_type, overrides, tmp_path):
+    """TRL's transform, softcap(logits * scale) / temperature, read from the config as TRL reads it."""
+    _model(model_type, **overrides).save_pretrained(tmp_path)
+    options = dict(loss_type="grpo", temperature=0.7, model_init_kwargs={"dtype": torch.float32})
+    ref_trainer = _trainer(trl.GRPOTrainer, str(tmp_path), **options)
+    trainer = _trainer(lcg_trl.GRPOTrainer, str(tmp_path), **options)
+    inputs = _batch(transformers.AutoModelForCausalLM.from_pretrained(tmp_path))
+    want = ref_trainer._compute_loss(ref_trainer.model, inputs)
+    got = trainer._compute_loss(trainer.model, inputs)
+    want.backward()
+    got.backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(trainer.model.named_parameters(), ref_trainer.model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    torch.testing.assert_close(torch.tensor(trainer._metrics["train"]["entropy"]),
+                               torch.tensor(ref_trainer._metrics["train"]["entropy"]), rtol=1e-5, atol=1e-6)
