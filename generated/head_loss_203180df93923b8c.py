@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "203180df93923b8c"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "7efe835bb06a"
+CODEGEN = "e486479fd2b4"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss', 'forward_kl', 'entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -80,7 +80,7 @@ STATE = ('xt', 5, 0)
 ARGS = (
     'x_ptr', 'x_stride', 'grad_ptr', 'grad_stride', 'y_ptr', 'mask_ptr', 't_ptr', 't_stride',
     'ws_ptr', 'off_rows', 'off_loss_rows', 'off_stats', 'gathered_ptr', 'peers_ptr', 'epoch',
-    'div_ptr', 'flag_ptr', 'row_offset', 'n_rows',
+    'div_ptr', 'flag_ptr', 'up_loss_ptr', 'up_rows_ptr', 'row_offset', 'n_rows',
 )
 FIXED = (
     'world', 'scalars_ptr', 'logit_scale', 'softcap', 'V', 'vocab_start', 'n_vocab',
@@ -158,8 +158,8 @@ def _dlogits(x, logit_scale, softcap):
 ])
 def head_loss_203180df93923b8c(
     x_ptr, x_stride, grad_ptr, grad_stride, y_ptr, mask_ptr, t_ptr, t_stride, ws_ptr, off_rows,
-    off_loss_rows, off_stats, gathered_ptr, peers_ptr, epoch, div_ptr, flag_ptr, row_offset,
-    n_rows,
+    off_loss_rows, off_stats, gathered_ptr, peers_ptr, epoch, div_ptr, flag_ptr, up_loss_ptr,
+    up_rows_ptr, row_offset, n_rows,
     world, scalars_ptr, logit_scale, softcap, V, vocab_start, n_vocab, ignore_index,
     SUM: tl.constexpr, PER_ROW: tl.constexpr, STATS: tl.constexpr, EXCHANGE: tl.constexpr,
     MERGE: tl.constexpr, EXACT: tl.constexpr, STORE_STATS: tl.constexpr, ROWS: tl.constexpr,
@@ -326,13 +326,13 @@ def head_loss_203180df93923b8c(
             weight_forward_kl = tl.load(scalars_ptr + 2)
             r0 = tl.exp2(-1.4426950408889634*N1 + 1.4426950408889634*m_t)
             v0 = tl.where(finite_row, N0 - z_y, float("nan"))  # cross_entropy
-            tl.store(ws_ptr + off_rows + grow * 4 + 0, v0)
+            tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
             v1 = tl.where(finite_row, (N0 * N0), float("nan"))  # z_loss
-            tl.store(ws_ptr + off_rows + grow * 4 + 1, v1)
+            tl.store(ws_ptr + off_rows + 1 * n_rows + grow, v1)
             v2 = tl.where(finite_row, N0 - N1 + acc1*r0 - acc2*r0, float("nan"))  # forward_kl
-            tl.store(ws_ptr + off_rows + grow * 4 + 2, v2)
+            tl.store(ws_ptr + off_rows + 2 * n_rows + grow, v2)
             v3 = tl.where(finite_row, N0 - acc3*tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*m), float("nan"))  # entropy
-            tl.store(ws_ptr + off_rows + grow * 4 + 3, v3)
+            tl.store(ws_ptr + off_rows + 3 * n_rows + grow, v3)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, weight_cross_entropy * v0 + weight_z_loss * v1 + weight_forward_kl * v2)
 
@@ -348,9 +348,21 @@ def head_loss_203180df93923b8c(
             weight_cross_entropy = tl.load(scalars_ptr + 0)
             weight_z_loss = tl.load(scalars_ptr + 1)
             weight_forward_kl = tl.load(scalars_ptr + 2)
-            w_cross_entropy = weight_cross_entropy * grad_scale
-            w_z_loss = weight_z_loss * grad_scale
-            w_forward_kl = weight_forward_kl * grad_scale
+            if up_loss_ptr is not None:
+                # reduction="none", in backward: each term's weight times the row's upstream gradient
+                # on the loss, plus the one on the term's own rows (out.rows)
+                up = tl.load(up_loss_ptr + grow)
+                w_cross_entropy = weight_cross_entropy * up
+                w_z_loss = weight_z_loss * up
+                w_forward_kl = weight_forward_kl * up
+                if up_rows_ptr is not None:
+                    w_cross_entropy += tl.load(up_rows_ptr + 0 * n_rows + grow)
+                    w_z_loss += tl.load(up_rows_ptr + 1 * n_rows + grow)
+                    w_forward_kl += tl.load(up_rows_ptr + 2 * n_rows + grow)
+            else:
+                w_cross_entropy = weight_cross_entropy * grad_scale
+                w_z_loss = weight_z_loss * grad_scale
+                w_forward_kl = weight_forward_kl * grad_scale
             g0 = w_forward_kl
             g1 = 2.0*N0*w_z_loss + w_cross_entropy + w_forward_kl
             g2 = -w_cross_entropy
@@ -394,10 +406,10 @@ def head_loss_203180df93923b8c(
                 tl.store(grad_row + cols, (tl.zeros([BLOCK_V], tl.float32) + fill).to(grad_ptr.dtype.element_ty),
                          mask=cols < V)
         if ROWS:
-            tl.store(ws_ptr + off_rows + grow * 4 + 0, fill)
-            tl.store(ws_ptr + off_rows + grow * 4 + 1, fill)
-            tl.store(ws_ptr + off_rows + grow * 4 + 2, fill)
-            tl.store(ws_ptr + off_rows + grow * 4 + 3, fill)
+            tl.store(ws_ptr + off_rows + 0 * n_rows + grow, fill)
+            tl.store(ws_ptr + off_rows + 1 * n_rows + grow, fill)
+            tl.store(ws_ptr + off_rows + 2 * n_rows + grow, fill)
+            tl.store(ws_ptr + off_rows + 3 * n_rows + grow, fill)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, fill)
 
@@ -431,7 +443,7 @@ def head_loss_203180df93923b8c(
             total = tl.zeros([4], tl.float32)
             for start in range(0, n_rows, BLOCK_R):
                 idx = start + r
-                at = ws_ptr + off_rows + idx[:, None] * 4 + c[None, :]
+                at = ws_ptr + off_rows + c[None, :] * n_rows + idx[:, None]
                 total += tl.sum(tl.load(at, mask=(idx[:, None] < n_rows) & (c[None, :] < 4),
                                         other=0.0, cache_modifier=".cg"), 0)
             value_cross_entropy = tl.sum(tl.where(c == 0, total, 0.0), 0) * value_scale
@@ -444,4 +456,4 @@ def head_loss_203180df93923b8c(
             tl.store(ws_ptr + 3, value_entropy)
             tl.store(ws_ptr + 4, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss + weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "1fa09852a3f1766258e6922884fc78c30ee771f614cafcc945a252f0eb09d177"
+TEXT_HASH = "6c01c06d2d2c45735df4bd00746dbdbcac2eb7e9908fe8eb8d1868c2f3bbb80d"

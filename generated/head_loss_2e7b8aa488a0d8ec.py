@@ -35,7 +35,7 @@ from triton.language.extra import libdevice
 
 KEY = "2e7b8aa488a0d8ec"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "7efe835bb06a"
+CODEGEN = "e486479fd2b4"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -70,7 +70,7 @@ STATE = ('x', 1, 0)
 ARGS = (
     'x_ptr', 'x_stride', 'grad_ptr', 'grad_stride', 'y_ptr', 'mask_ptr', 'ws_ptr', 'off_rows',
     'off_loss_rows', 'off_stats', 'gathered_ptr', 'peers_ptr', 'epoch', 'div_ptr', 'flag_ptr',
-    'row_offset', 'n_rows',
+    'up_loss_ptr', 'up_rows_ptr', 'row_offset', 'n_rows',
 )
 FIXED = (
     'world', 'scalars_ptr', 'logit_scale', 'softcap', 'V', 'vocab_start', 'n_vocab',
@@ -148,7 +148,8 @@ def _dlogits(x, logit_scale, softcap):
 ])
 def head_loss_2e7b8aa488a0d8ec(
     x_ptr, x_stride, grad_ptr, grad_stride, y_ptr, mask_ptr, ws_ptr, off_rows, off_loss_rows,
-    off_stats, gathered_ptr, peers_ptr, epoch, div_ptr, flag_ptr, row_offset, n_rows,
+    off_stats, gathered_ptr, peers_ptr, epoch, div_ptr, flag_ptr, up_loss_ptr, up_rows_ptr,
+    row_offset, n_rows,
     world, scalars_ptr, logit_scale, softcap, V, vocab_start, n_vocab, ignore_index,
     SUM: tl.constexpr, PER_ROW: tl.constexpr, STATS: tl.constexpr, EXCHANGE: tl.constexpr,
     MERGE: tl.constexpr, EXACT: tl.constexpr, STORE_STATS: tl.constexpr, ROWS: tl.constexpr,
@@ -261,9 +262,9 @@ def head_loss_2e7b8aa488a0d8ec(
             weight_cross_entropy = tl.load(scalars_ptr + 0)
             weight_z_loss = tl.load(scalars_ptr + 1)
             v0 = tl.where(finite_row, N0 - z_y, float("nan"))  # cross_entropy
-            tl.store(ws_ptr + off_rows + grow * 2 + 0, v0)
+            tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
             v1 = tl.where(finite_row, (N0 * N0), float("nan"))  # z_loss
-            tl.store(ws_ptr + off_rows + grow * 2 + 1, v1)
+            tl.store(ws_ptr + off_rows + 1 * n_rows + grow, v1)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, weight_cross_entropy * v0 + weight_z_loss * v1)
 
@@ -278,8 +279,18 @@ def head_loss_2e7b8aa488a0d8ec(
                 grad_scale = 1.0 / tl.maximum(tl.load(ws_ptr + 3), 1.0)  # the valid rows (COUNT)
             weight_cross_entropy = tl.load(scalars_ptr + 0)
             weight_z_loss = tl.load(scalars_ptr + 1)
-            w_cross_entropy = weight_cross_entropy * grad_scale
-            w_z_loss = weight_z_loss * grad_scale
+            if up_loss_ptr is not None:
+                # reduction="none", in backward: each term's weight times the row's upstream gradient
+                # on the loss, plus the one on the term's own rows (out.rows)
+                up = tl.load(up_loss_ptr + grow)
+                w_cross_entropy = weight_cross_entropy * up
+                w_z_loss = weight_z_loss * up
+                if up_rows_ptr is not None:
+                    w_cross_entropy += tl.load(up_rows_ptr + 0 * n_rows + grow)
+                    w_z_loss += tl.load(up_rows_ptr + 1 * n_rows + grow)
+            else:
+                w_cross_entropy = weight_cross_entropy * grad_scale
+                w_z_loss = weight_z_loss * grad_scale
             g0 = 2.0*N0*w_z_loss + w_cross_entropy
             g1 = -w_cross_entropy
             # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
@@ -317,8 +328,8 @@ def head_loss_2e7b8aa488a0d8ec(
                 tl.store(grad_row + cols, (tl.zeros([BLOCK_V], tl.float32) + fill).to(grad_ptr.dtype.element_ty),
                          mask=cols < V)
         if ROWS:
-            tl.store(ws_ptr + off_rows + grow * 2 + 0, fill)
-            tl.store(ws_ptr + off_rows + grow * 2 + 1, fill)
+            tl.store(ws_ptr + off_rows + 0 * n_rows + grow, fill)
+            tl.store(ws_ptr + off_rows + 1 * n_rows + grow, fill)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, fill)
 
@@ -349,7 +360,7 @@ def head_loss_2e7b8aa488a0d8ec(
             total = tl.zeros([2], tl.float32)
             for start in range(0, n_rows, BLOCK_R):
                 idx = start + r
-                at = ws_ptr + off_rows + idx[:, None] * 2 + c[None, :]
+                at = ws_ptr + off_rows + c[None, :] * n_rows + idx[:, None]
                 total += tl.sum(tl.load(at, mask=(idx[:, None] < n_rows) & (c[None, :] < 2),
                                         other=0.0, cache_modifier=".cg"), 0)
             value_cross_entropy = tl.sum(tl.where(c == 0, total, 0.0), 0) * value_scale
@@ -358,4 +369,4 @@ def head_loss_2e7b8aa488a0d8ec(
             tl.store(ws_ptr + 1, value_z_loss)
             tl.store(ws_ptr + 2, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "7224f1fa0e970a9c3083c5bdd39f1b2bdc6c351e75f007f66c588d6e8a5d8033"
+TEXT_HASH = "153c5834279974fea35f631c9fe1994f3c85d687ca9b4b35b7933aef0756e799"

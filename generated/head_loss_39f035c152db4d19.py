@@ -38,7 +38,7 @@ from triton.language.extra import libdevice
 
 KEY = "39f035c152db4d19"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "7efe835bb06a"
+CODEGEN = "e486479fd2b4"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_fraction']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -73,8 +73,8 @@ STATE = ('x', 2, 0)
 ARGS = (
     'x_ptr', 'x_stride', 'grad_ptr', 'grad_stride', 'y_ptr', 'mask_ptr', 'tok_advantages_ptr',
     'tok_old_logprobs_ptr', 'tok_ref_logprobs_ptr', 'ws_ptr', 'off_rows', 'off_loss_rows',
-    'off_stats', 'gathered_ptr', 'peers_ptr', 'epoch', 'div_ptr', 'flag_ptr', 'row_offset',
-    'n_rows',
+    'off_stats', 'gathered_ptr', 'peers_ptr', 'epoch', 'div_ptr', 'flag_ptr', 'up_loss_ptr',
+    'up_rows_ptr', 'row_offset', 'n_rows',
 )
 FIXED = (
     'world', 'scalars_ptr', 'logit_scale', 'softcap', 'V', 'vocab_start', 'n_vocab',
@@ -153,7 +153,8 @@ def _dlogits(x, logit_scale, softcap):
 def head_loss_39f035c152db4d19(
     x_ptr, x_stride, grad_ptr, grad_stride, y_ptr, mask_ptr, tok_advantages_ptr,
     tok_old_logprobs_ptr, tok_ref_logprobs_ptr, ws_ptr, off_rows, off_loss_rows, off_stats,
-    gathered_ptr, peers_ptr, epoch, div_ptr, flag_ptr, row_offset, n_rows,
+    gathered_ptr, peers_ptr, epoch, div_ptr, flag_ptr, up_loss_ptr, up_rows_ptr, row_offset,
+    n_rows,
     world, scalars_ptr, logit_scale, softcap, V, vocab_start, n_vocab, ignore_index,
     SUM: tl.constexpr, PER_ROW: tl.constexpr, STATS: tl.constexpr, EXCHANGE: tl.constexpr,
     MERGE: tl.constexpr, EXACT: tl.constexpr, STORE_STATS: tl.constexpr, ROWS: tl.constexpr,
@@ -284,11 +285,11 @@ def head_loss_39f035c152db4d19(
             r2 = tl.exp2(-1.4426950408889634*r0 - 1.4426950408889634*tok_old_logprobs)
             r3 = r2 - 1.0
             v0 = tl.where(finite_row, p_grpo__kl_beta*(-r1 + tl.exp2(1.4426950408889634*r1) - 1.0) - tl.where(r2*tok_advantages < tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(r2 > 1.0 - p_grpo__eps_low, r2, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(r2 > 1.0 - p_grpo__eps_low, r2, 1.0 - p_grpo__eps_low)), r2*tok_advantages, tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(r2 > 1.0 - p_grpo__eps_low, r2, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(r2 > 1.0 - p_grpo__eps_low, r2, 1.0 - p_grpo__eps_low))), float("nan"))  # grpo
-            tl.store(ws_ptr + off_rows + grow * 3 + 0, v0)
+            tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
             v1 = tl.where(finite_row, N0 - acc0*tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*m), float("nan"))  # entropy
-            tl.store(ws_ptr + off_rows + grow * 3 + 1, v1)
+            tl.store(ws_ptr + off_rows + 1 * n_rows + grow, v1)
             v2 = tl.where(finite_row, tl.where(((p_grpo__eps_high < r3) | (p_grpo__eps_low < -r3)), 1.0, 0.0), float("nan"))  # clip_fraction
-            tl.store(ws_ptr + off_rows + grow * 3 + 2, v2)
+            tl.store(ws_ptr + off_rows + 2 * n_rows + grow, v2)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, weight_grpo * v0)
 
@@ -305,7 +306,15 @@ def head_loss_39f035c152db4d19(
             p_grpo__eps_high = tl.load(scalars_ptr + 1)
             p_grpo__eps_low = tl.load(scalars_ptr + 2)
             p_grpo__kl_beta = tl.load(scalars_ptr + 3)
-            w_grpo = weight_grpo * grad_scale
+            if up_loss_ptr is not None:
+                # reduction="none", in backward: each term's weight times the row's upstream gradient
+                # on the loss, plus the one on the term's own rows (out.rows)
+                up = tl.load(up_loss_ptr + grow)
+                w_grpo = weight_grpo * up
+                if up_rows_ptr is not None:
+                    w_grpo += tl.load(up_rows_ptr + 0 * n_rows + grow)
+            else:
+                w_grpo = weight_grpo * grad_scale
             c0 = N0 - z_y
             c1 = tl.exp2(1.4426950408889634*c0 + 1.4426950408889634*tok_ref_logprobs) - 1.0
             c2 = tl.exp2(-1.4426950408889634*c0 - 1.4426950408889634*tok_old_logprobs)
@@ -351,9 +360,9 @@ def head_loss_39f035c152db4d19(
                 tl.store(grad_row + cols, (tl.zeros([BLOCK_V], tl.float32) + fill).to(grad_ptr.dtype.element_ty),
                          mask=cols < V)
         if ROWS:
-            tl.store(ws_ptr + off_rows + grow * 3 + 0, fill)
-            tl.store(ws_ptr + off_rows + grow * 3 + 1, fill)
-            tl.store(ws_ptr + off_rows + grow * 3 + 2, fill)
+            tl.store(ws_ptr + off_rows + 0 * n_rows + grow, fill)
+            tl.store(ws_ptr + off_rows + 1 * n_rows + grow, fill)
+            tl.store(ws_ptr + off_rows + 2 * n_rows + grow, fill)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, fill)
 
@@ -385,7 +394,7 @@ def head_loss_39f035c152db4d19(
             total = tl.zeros([4], tl.float32)
             for start in range(0, n_rows, BLOCK_R):
                 idx = start + r
-                at = ws_ptr + off_rows + idx[:, None] * 3 + c[None, :]
+                at = ws_ptr + off_rows + c[None, :] * n_rows + idx[:, None]
                 total += tl.sum(tl.load(at, mask=(idx[:, None] < n_rows) & (c[None, :] < 3),
                                         other=0.0, cache_modifier=".cg"), 0)
             value_grpo = tl.sum(tl.where(c == 0, total, 0.0), 0) * value_scale
@@ -396,4 +405,4 @@ def head_loss_39f035c152db4d19(
             tl.store(ws_ptr + 2, value_clip_fraction)
             tl.store(ws_ptr + 3, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "68573e0ad6ffd6ad38c507cc4354e717740328c9f8e73744adb51e0b897523f1"
+TEXT_HASH = "b26b3581eec00db13aea79bae1bf8945b3b67c5b032c8c519099003a62bd089a"

@@ -38,7 +38,7 @@ from triton.language.extra import libdevice
 
 KEY = "3d268cb74e027a19"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "7efe835bb06a"
+CODEGEN = "e486479fd2b4"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['gspo', 'entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -293,11 +293,11 @@ def head_loss_3d268cb74e027a19(
 
         if ROWS:
             v0 = tl.where(finite_row, -N0 - tok_old_logprobs + z_y, float("nan"))  # gspo_U0
-            tl.store(ws_ptr + off_rows + grow * 3 + 0, v0)
+            tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
             v1 = tl.where(finite_row, tok_advantages, float("nan"))  # gspo_U1
-            tl.store(ws_ptr + off_rows + grow * 3 + 1, v1)
+            tl.store(ws_ptr + off_rows + 1 * n_rows + grow, v1)
             v2 = tl.where(finite_row, N0 - acc0*tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*m), float("nan"))  # entropy
-            tl.store(ws_ptr + off_rows + grow * 3 + 2, v2)
+            tl.store(ws_ptr + off_rows + 2 * n_rows + grow, v2)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, 0.0)
             # this row's share of its segment: one more valid row, and the quantities averaged over it
@@ -364,9 +364,9 @@ def head_loss_3d268cb74e027a19(
                 tl.store(grad_row + cols, (tl.zeros([BLOCK_V], tl.float32) + fill).to(grad_ptr.dtype.element_ty),
                          mask=cols < V)
         if ROWS:
-            tl.store(ws_ptr + off_rows + grow * 3 + 0, fill)
-            tl.store(ws_ptr + off_rows + grow * 3 + 1, fill)
-            tl.store(ws_ptr + off_rows + grow * 3 + 2, fill)
+            tl.store(ws_ptr + off_rows + 0 * n_rows + grow, fill)
+            tl.store(ws_ptr + off_rows + 1 * n_rows + grow, fill)
+            tl.store(ws_ptr + off_rows + 2 * n_rows + grow, fill)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, fill)
             if fill != 0.0:  # NaN: the bad row's segment becomes NaN too
@@ -402,7 +402,7 @@ def head_loss_3d268cb74e027a19(
             total = tl.zeros([4], tl.float32)
             for start in range(0, n_rows, BLOCK_R):
                 idx = start + r
-                at = ws_ptr + off_rows + idx[:, None] * 3 + c[None, :]
+                at = ws_ptr + off_rows + c[None, :] * n_rows + idx[:, None]
                 total += tl.sum(tl.load(at, mask=(idx[:, None] < n_rows) & (c[None, :] < 3),
                                         other=0.0, cache_modifier=".cg"), 0)
             value_entropy = tl.sum(tl.where(c == 2, total, 0.0), 0) * count_scale
@@ -471,4 +471,4 @@ def segments_3d268cb74e027a19(
     loss += weight_gspo * (gspo / div)
     tl.store(ws_ptr + 2, loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "e60388d12012880d7ea7f55318b9b2942b59f15b5d162da71385b23f34229bc5"
+TEXT_HASH = "cb42eb40e5a4eb6233e70fdd42b1364fa02b3349f7ad453a603dd6064fe56c6b"

@@ -42,7 +42,7 @@ from triton.language.extra import libdevice
 
 KEY = "4b44cfbdd10c9539"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "7efe835bb06a"
+CODEGEN = "e486479fd2b4"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_fraction', 'ratio_mean', 'kl_new_old']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -77,7 +77,8 @@ STATE = ('x', 2, 0)
 ARGS = (
     'x_ptr', 'x_stride', 'grad_ptr', 'grad_stride', 'y_ptr', 'mask_ptr', 'tok_advantages_ptr',
     'tok_old_logprobs_ptr', 'ws_ptr', 'off_rows', 'off_loss_rows', 'off_stats', 'gathered_ptr',
-    'peers_ptr', 'epoch', 'div_ptr', 'flag_ptr', 'row_offset', 'n_rows',
+    'peers_ptr', 'epoch', 'div_ptr', 'flag_ptr', 'up_loss_ptr', 'up_rows_ptr', 'row_offset',
+    'n_rows',
 )
 FIXED = (
     'world', 'scalars_ptr', 'logit_scale', 'softcap', 'V', 'vocab_start', 'n_vocab',
@@ -156,7 +157,7 @@ def _dlogits(x, logit_scale, softcap):
 def head_loss_4b44cfbdd10c9539(
     x_ptr, x_stride, grad_ptr, grad_stride, y_ptr, mask_ptr, tok_advantages_ptr,
     tok_old_logprobs_ptr, ws_ptr, off_rows, off_loss_rows, off_stats, gathered_ptr, peers_ptr,
-    epoch, div_ptr, flag_ptr, row_offset, n_rows,
+    epoch, div_ptr, flag_ptr, up_loss_ptr, up_rows_ptr, row_offset, n_rows,
     world, scalars_ptr, logit_scale, softcap, V, vocab_start, n_vocab, ignore_index,
     SUM: tl.constexpr, PER_ROW: tl.constexpr, STATS: tl.constexpr, EXCHANGE: tl.constexpr,
     MERGE: tl.constexpr, EXACT: tl.constexpr, STORE_STATS: tl.constexpr, ROWS: tl.constexpr,
@@ -284,15 +285,15 @@ def head_loss_4b44cfbdd10c9539(
             r1 = tl.exp2(-1.4426950408889634*r0)
             r2 = r1 - 1.0
             v0 = tl.where(finite_row, -tl.where(r1*tok_advantages < tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(r1 > 1.0 - p_grpo__eps_low, r1, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(r1 > 1.0 - p_grpo__eps_low, r1, 1.0 - p_grpo__eps_low)), r1*tok_advantages, tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(r1 > 1.0 - p_grpo__eps_low, r1, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(r1 > 1.0 - p_grpo__eps_low, r1, 1.0 - p_grpo__eps_low))), float("nan"))  # grpo
-            tl.store(ws_ptr + off_rows + grow * 5 + 0, v0)
+            tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
             v1 = tl.where(finite_row, N0 - acc0*tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*m), float("nan"))  # entropy
-            tl.store(ws_ptr + off_rows + grow * 5 + 1, v1)
+            tl.store(ws_ptr + off_rows + 1 * n_rows + grow, v1)
             v2 = tl.where(finite_row, tl.where(((p_grpo__eps_high < r2) | (p_grpo__eps_low < -r2)), 1.0, 0.0), float("nan"))  # clip_fraction
-            tl.store(ws_ptr + off_rows + grow * 5 + 2, v2)
+            tl.store(ws_ptr + off_rows + 2 * n_rows + grow, v2)
             v3 = tl.where(finite_row, r1, float("nan"))  # ratio_mean
-            tl.store(ws_ptr + off_rows + grow * 5 + 3, v3)
+            tl.store(ws_ptr + off_rows + 3 * n_rows + grow, v3)
             v4 = tl.where(finite_row, r0 + r2, float("nan"))  # kl_new_old
-            tl.store(ws_ptr + off_rows + grow * 5 + 4, v4)
+            tl.store(ws_ptr + off_rows + 4 * n_rows + grow, v4)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, weight_grpo * v0)
 
@@ -308,7 +309,15 @@ def head_loss_4b44cfbdd10c9539(
             weight_grpo = tl.load(scalars_ptr + 0)
             p_grpo__eps_high = tl.load(scalars_ptr + 1)
             p_grpo__eps_low = tl.load(scalars_ptr + 2)
-            w_grpo = weight_grpo * grad_scale
+            if up_loss_ptr is not None:
+                # reduction="none", in backward: each term's weight times the row's upstream gradient
+                # on the loss, plus the one on the term's own rows (out.rows)
+                up = tl.load(up_loss_ptr + grow)
+                w_grpo = weight_grpo * up
+                if up_rows_ptr is not None:
+                    w_grpo += tl.load(up_rows_ptr + 0 * n_rows + grow)
+            else:
+                w_grpo = weight_grpo * grad_scale
             c0 = tl.exp2(-1.4426950408889634*N0 - 1.4426950408889634*tok_old_logprobs + 1.4426950408889634*z_y)
             c1 = c0*tok_advantages
             c2 = tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(c0 > 1.0 - p_grpo__eps_low, c0, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(c0 > 1.0 - p_grpo__eps_low, c0, 1.0 - p_grpo__eps_low))
@@ -352,11 +361,11 @@ def head_loss_4b44cfbdd10c9539(
                 tl.store(grad_row + cols, (tl.zeros([BLOCK_V], tl.float32) + fill).to(grad_ptr.dtype.element_ty),
                          mask=cols < V)
         if ROWS:
-            tl.store(ws_ptr + off_rows + grow * 5 + 0, fill)
-            tl.store(ws_ptr + off_rows + grow * 5 + 1, fill)
-            tl.store(ws_ptr + off_rows + grow * 5 + 2, fill)
-            tl.store(ws_ptr + off_rows + grow * 5 + 3, fill)
-            tl.store(ws_ptr + off_rows + grow * 5 + 4, fill)
+            tl.store(ws_ptr + off_rows + 0 * n_rows + grow, fill)
+            tl.store(ws_ptr + off_rows + 1 * n_rows + grow, fill)
+            tl.store(ws_ptr + off_rows + 2 * n_rows + grow, fill)
+            tl.store(ws_ptr + off_rows + 3 * n_rows + grow, fill)
+            tl.store(ws_ptr + off_rows + 4 * n_rows + grow, fill)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, fill)
 
@@ -388,7 +397,7 @@ def head_loss_4b44cfbdd10c9539(
             total = tl.zeros([8], tl.float32)
             for start in range(0, n_rows, BLOCK_R):
                 idx = start + r
-                at = ws_ptr + off_rows + idx[:, None] * 5 + c[None, :]
+                at = ws_ptr + off_rows + c[None, :] * n_rows + idx[:, None]
                 total += tl.sum(tl.load(at, mask=(idx[:, None] < n_rows) & (c[None, :] < 5),
                                         other=0.0, cache_modifier=".cg"), 0)
             value_grpo = tl.sum(tl.where(c == 0, total, 0.0), 0) * value_scale
@@ -403,4 +412,4 @@ def head_loss_4b44cfbdd10c9539(
             tl.store(ws_ptr + 4, value_kl_new_old)
             tl.store(ws_ptr + 5, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "6c359f6390041f63ee8929bf19f920d5a5c7d7eddc0d85c0f8ae275d09d99933"
+TEXT_HASH = "f7080f52d398738de0d586c2431efdde96c93727a6eb22e68c8b6b50836af007"

@@ -38,7 +38,7 @@ from triton.language.extra import libdevice
 
 KEY = "6dc3df098f5c5073"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "7efe835bb06a"
+CODEGEN = "e486479fd2b4"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cispo', 'entropy', 'cispo_clip_ratio']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -73,7 +73,8 @@ STATE = ('x', 2, 0)
 ARGS = (
     'x_ptr', 'x_stride', 'grad_ptr', 'grad_stride', 'y_ptr', 'mask_ptr', 'tok_advantages_ptr',
     'tok_old_logprobs_ptr', 'ws_ptr', 'off_rows', 'off_loss_rows', 'off_stats', 'gathered_ptr',
-    'peers_ptr', 'epoch', 'div_ptr', 'flag_ptr', 'row_offset', 'n_rows',
+    'peers_ptr', 'epoch', 'div_ptr', 'flag_ptr', 'up_loss_ptr', 'up_rows_ptr', 'row_offset',
+    'n_rows',
 )
 FIXED = (
     'world', 'scalars_ptr', 'logit_scale', 'softcap', 'V', 'vocab_start', 'n_vocab',
@@ -152,7 +153,7 @@ def _dlogits(x, logit_scale, softcap):
 def head_loss_6dc3df098f5c5073(
     x_ptr, x_stride, grad_ptr, grad_stride, y_ptr, mask_ptr, tok_advantages_ptr,
     tok_old_logprobs_ptr, ws_ptr, off_rows, off_loss_rows, off_stats, gathered_ptr, peers_ptr,
-    epoch, div_ptr, flag_ptr, row_offset, n_rows,
+    epoch, div_ptr, flag_ptr, up_loss_ptr, up_rows_ptr, row_offset, n_rows,
     world, scalars_ptr, logit_scale, softcap, V, vocab_start, n_vocab, ignore_index,
     SUM: tl.constexpr, PER_ROW: tl.constexpr, STATS: tl.constexpr, EXCHANGE: tl.constexpr,
     MERGE: tl.constexpr, EXACT: tl.constexpr, STORE_STATS: tl.constexpr, ROWS: tl.constexpr,
@@ -278,11 +279,11 @@ def head_loss_6dc3df098f5c5073(
             r0 = N0 - z_y
             r1 = tl.exp2(-1.4426950408889634*r0 - 1.4426950408889634*tok_old_logprobs)
             v0 = tl.where(finite_row, r0*tok_advantages*tl.where(r1 < p_cispo__eps_high + 1.0, r1, p_cispo__eps_high + 1.0), float("nan"))  # cispo
-            tl.store(ws_ptr + off_rows + grow * 3 + 0, v0)
+            tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
             v1 = tl.where(finite_row, N0 - acc0*tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*m), float("nan"))  # entropy
-            tl.store(ws_ptr + off_rows + grow * 3 + 1, v1)
+            tl.store(ws_ptr + off_rows + 1 * n_rows + grow, v1)
             v2 = tl.where(finite_row, tl.where(((tok_advantages > 0.0) & (p_cispo__eps_high < r1 - 1.0)), 1.0, 0.0), float("nan"))  # cispo_clip_ratio
-            tl.store(ws_ptr + off_rows + grow * 3 + 2, v2)
+            tl.store(ws_ptr + off_rows + 2 * n_rows + grow, v2)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, weight_cispo * v0)
 
@@ -297,7 +298,15 @@ def head_loss_6dc3df098f5c5073(
                 grad_scale = 1.0 / tl.maximum(tl.load(ws_ptr + 4), 1.0)  # the valid rows (COUNT)
             weight_cispo = tl.load(scalars_ptr + 0)
             p_cispo__eps_high = tl.load(scalars_ptr + 1)
-            w_cispo = weight_cispo * grad_scale
+            if up_loss_ptr is not None:
+                # reduction="none", in backward: each term's weight times the row's upstream gradient
+                # on the loss, plus the one on the term's own rows (out.rows)
+                up = tl.load(up_loss_ptr + grow)
+                w_cispo = weight_cispo * up
+                if up_rows_ptr is not None:
+                    w_cispo += tl.load(up_rows_ptr + 0 * n_rows + grow)
+            else:
+                w_cispo = weight_cispo * grad_scale
             c0 = tok_advantages*w_cispo*tl.where(p_cispo__eps_high + 1.0 < tl.exp2(-1.4426950408889634*N0 - 1.4426950408889634*tok_old_logprobs + 1.4426950408889634*z_y), p_cispo__eps_high + 1.0, tl.exp2(-1.4426950408889634*N0 - 1.4426950408889634*tok_old_logprobs + 1.4426950408889634*z_y))
             g0 = c0
             g1 = -c0
@@ -336,9 +345,9 @@ def head_loss_6dc3df098f5c5073(
                 tl.store(grad_row + cols, (tl.zeros([BLOCK_V], tl.float32) + fill).to(grad_ptr.dtype.element_ty),
                          mask=cols < V)
         if ROWS:
-            tl.store(ws_ptr + off_rows + grow * 3 + 0, fill)
-            tl.store(ws_ptr + off_rows + grow * 3 + 1, fill)
-            tl.store(ws_ptr + off_rows + grow * 3 + 2, fill)
+            tl.store(ws_ptr + off_rows + 0 * n_rows + grow, fill)
+            tl.store(ws_ptr + off_rows + 1 * n_rows + grow, fill)
+            tl.store(ws_ptr + off_rows + 2 * n_rows + grow, fill)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, fill)
 
@@ -370,7 +379,7 @@ def head_loss_6dc3df098f5c5073(
             total = tl.zeros([4], tl.float32)
             for start in range(0, n_rows, BLOCK_R):
                 idx = start + r
-                at = ws_ptr + off_rows + idx[:, None] * 3 + c[None, :]
+                at = ws_ptr + off_rows + c[None, :] * n_rows + idx[:, None]
                 total += tl.sum(tl.load(at, mask=(idx[:, None] < n_rows) & (c[None, :] < 3),
                                         other=0.0, cache_modifier=".cg"), 0)
             value_cispo = tl.sum(tl.where(c == 0, total, 0.0), 0) * value_scale
@@ -381,4 +390,4 @@ def head_loss_6dc3df098f5c5073(
             tl.store(ws_ptr + 2, value_cispo_clip_ratio)
             tl.store(ws_ptr + 3, weight_cispo * value_cispo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "cb25535c03158415863023ea154c25d9f7c459dcc73ca180d3a0b490d2bbd906"
+TEXT_HASH = "90ef92e79a4d7d4762d2edafdc8274dd4975530c5a5fadc4004144874aa6f18f"

@@ -37,7 +37,7 @@ from triton.language.extra import libdevice
 
 KEY = "7fef8addf6d59cde"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "7efe835bb06a"
+CODEGEN = "e486479fd2b4"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -72,7 +72,7 @@ STATE = ('xt', 4, 0)
 ARGS = (
     'x_ptr', 'x_stride', 'grad_ptr', 'grad_stride', 'y_ptr', 'mask_ptr', 't_ptr', 't_stride',
     'ws_ptr', 'off_rows', 'off_loss_rows', 'off_stats', 'gathered_ptr', 'peers_ptr', 'epoch',
-    'div_ptr', 'flag_ptr', 'row_offset', 'n_rows',
+    'div_ptr', 'flag_ptr', 'up_loss_ptr', 'up_rows_ptr', 'row_offset', 'n_rows',
 )
 FIXED = (
     'world', 'scalars_ptr', 'logit_scale', 'softcap', 'V', 'vocab_start', 'n_vocab',
@@ -150,8 +150,8 @@ def _dlogits(x, logit_scale, softcap):
 ])
 def head_loss_7fef8addf6d59cde(
     x_ptr, x_stride, grad_ptr, grad_stride, y_ptr, mask_ptr, t_ptr, t_stride, ws_ptr, off_rows,
-    off_loss_rows, off_stats, gathered_ptr, peers_ptr, epoch, div_ptr, flag_ptr, row_offset,
-    n_rows,
+    off_loss_rows, off_stats, gathered_ptr, peers_ptr, epoch, div_ptr, flag_ptr, up_loss_ptr,
+    up_rows_ptr, row_offset, n_rows,
     world, scalars_ptr, logit_scale, softcap, V, vocab_start, n_vocab, ignore_index,
     SUM: tl.constexpr, PER_ROW: tl.constexpr, STATS: tl.constexpr, EXCHANGE: tl.constexpr,
     MERGE: tl.constexpr, EXACT: tl.constexpr, STORE_STATS: tl.constexpr, ROWS: tl.constexpr,
@@ -299,7 +299,7 @@ def head_loss_7fef8addf6d59cde(
             weight_forward_kl = tl.load(scalars_ptr + 0)
             r0 = tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*m_t)
             v0 = tl.where(finite_row, -N0 + N1 + acc1*r0 - acc2*r0, float("nan"))  # forward_kl
-            tl.store(ws_ptr + off_rows + grow * 1 + 0, v0)
+            tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, weight_forward_kl * v0)
 
@@ -313,7 +313,15 @@ def head_loss_7fef8addf6d59cde(
             else:
                 grad_scale = 1.0 / tl.maximum(tl.load(ws_ptr + 2), 1.0)  # the valid rows (COUNT)
             weight_forward_kl = tl.load(scalars_ptr + 0)
-            w_forward_kl = weight_forward_kl * grad_scale
+            if up_loss_ptr is not None:
+                # reduction="none", in backward: each term's weight times the row's upstream gradient
+                # on the loss, plus the one on the term's own rows (out.rows)
+                up = tl.load(up_loss_ptr + grow)
+                w_forward_kl = weight_forward_kl * up
+                if up_rows_ptr is not None:
+                    w_forward_kl += tl.load(up_rows_ptr + 0 * n_rows + grow)
+            else:
+                w_forward_kl = weight_forward_kl * grad_scale
             g0 = w_forward_kl
             g1 = w_forward_kl
             # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
@@ -355,7 +363,7 @@ def head_loss_7fef8addf6d59cde(
                 tl.store(grad_row + cols, (tl.zeros([BLOCK_V], tl.float32) + fill).to(grad_ptr.dtype.element_ty),
                          mask=cols < V)
         if ROWS:
-            tl.store(ws_ptr + off_rows + grow * 1 + 0, fill)
+            tl.store(ws_ptr + off_rows + 0 * n_rows + grow, fill)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, fill)
 
@@ -385,11 +393,11 @@ def head_loss_7fef8addf6d59cde(
             total = tl.zeros([1], tl.float32)
             for start in range(0, n_rows, BLOCK_R):
                 idx = start + r
-                at = ws_ptr + off_rows + idx[:, None] * 1 + c[None, :]
+                at = ws_ptr + off_rows + c[None, :] * n_rows + idx[:, None]
                 total += tl.sum(tl.load(at, mask=(idx[:, None] < n_rows) & (c[None, :] < 1),
                                         other=0.0, cache_modifier=".cg"), 0)
             value_forward_kl = tl.sum(tl.where(c == 0, total, 0.0), 0) * value_scale
             tl.store(ws_ptr + 0, value_forward_kl)
             tl.store(ws_ptr + 1, weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "3280d33cba49c12c4f240c51e78d99349496ee54e71f0ad8f430f5d7083a9009"
+TEXT_HASH = "9ea7de01b97c6cf08127dad6bc474b593a59348399333d0231aa6d51703645aa"

@@ -43,7 +43,7 @@ from triton.language.extra import libdevice
 
 KEY = "97832387ccf65118"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "7efe835bb06a"
+CODEGEN = "e486479fd2b4"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -78,7 +78,7 @@ STATE = ('xt', 5, 0)
 ARGS = (
     'x_ptr', 'x_stride', 'grad_ptr', 'grad_stride', 'y_ptr', 'mask_ptr', 't_ptr', 't_stride',
     'ws_ptr', 'off_rows', 'off_loss_rows', 'off_stats', 'gathered_ptr', 'peers_ptr', 'epoch',
-    'div_ptr', 'flag_ptr', 'row_offset', 'n_rows',
+    'div_ptr', 'flag_ptr', 'up_loss_ptr', 'up_rows_ptr', 'row_offset', 'n_rows',
 )
 FIXED = (
     'world', 'scalars_ptr', 'logit_scale', 'softcap', 'V', 'vocab_start', 'n_vocab',
@@ -156,8 +156,8 @@ def _dlogits(x, logit_scale, softcap):
 ])
 def head_loss_97832387ccf65118(
     x_ptr, x_stride, grad_ptr, grad_stride, y_ptr, mask_ptr, t_ptr, t_stride, ws_ptr, off_rows,
-    off_loss_rows, off_stats, gathered_ptr, peers_ptr, epoch, div_ptr, flag_ptr, row_offset,
-    n_rows,
+    off_loss_rows, off_stats, gathered_ptr, peers_ptr, epoch, div_ptr, flag_ptr, up_loss_ptr,
+    up_rows_ptr, row_offset, n_rows,
     world, scalars_ptr, logit_scale, softcap, V, vocab_start, n_vocab, ignore_index,
     SUM: tl.constexpr, PER_ROW: tl.constexpr, STATS: tl.constexpr, EXCHANGE: tl.constexpr,
     MERGE: tl.constexpr, EXACT: tl.constexpr, STORE_STATS: tl.constexpr, ROWS: tl.constexpr,
@@ -326,9 +326,9 @@ def head_loss_97832387ccf65118(
             weight_forward_kl = tl.load(scalars_ptr + 1)
             r0 = tl.exp2(-1.4426950408889634*N1 + 0.7213475204444817*m_t)
             v0 = tl.where(finite_row, N0 - z_y, float("nan"))  # cross_entropy
-            tl.store(ws_ptr + off_rows + grow * 2 + 0, v0)
+            tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
             v1 = tl.where(finite_row, -N1 + N2 + (0.5)*acc1*r0 - 0.5*acc2*r0, float("nan"))  # forward_kl
-            tl.store(ws_ptr + off_rows + grow * 2 + 1, v1)
+            tl.store(ws_ptr + off_rows + 1 * n_rows + grow, v1)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, weight_cross_entropy * v0 + weight_forward_kl * v1)
 
@@ -343,8 +343,18 @@ def head_loss_97832387ccf65118(
                 grad_scale = 1.0 / tl.maximum(tl.load(ws_ptr + 3), 1.0)  # the valid rows (COUNT)
             weight_cross_entropy = tl.load(scalars_ptr + 0)
             weight_forward_kl = tl.load(scalars_ptr + 1)
-            w_cross_entropy = weight_cross_entropy * grad_scale
-            w_forward_kl = weight_forward_kl * grad_scale
+            if up_loss_ptr is not None:
+                # reduction="none", in backward: each term's weight times the row's upstream gradient
+                # on the loss, plus the one on the term's own rows (out.rows)
+                up = tl.load(up_loss_ptr + grow)
+                w_cross_entropy = weight_cross_entropy * up
+                w_forward_kl = weight_forward_kl * up
+                if up_rows_ptr is not None:
+                    w_cross_entropy += tl.load(up_rows_ptr + 0 * n_rows + grow)
+                    w_forward_kl += tl.load(up_rows_ptr + 1 * n_rows + grow)
+            else:
+                w_cross_entropy = weight_cross_entropy * grad_scale
+                w_forward_kl = weight_forward_kl * grad_scale
             g0 = w_forward_kl
             g1 = w_cross_entropy
             g2 = w_forward_kl
@@ -389,8 +399,8 @@ def head_loss_97832387ccf65118(
                 tl.store(grad_row + cols, (tl.zeros([BLOCK_V], tl.float32) + fill).to(grad_ptr.dtype.element_ty),
                          mask=cols < V)
         if ROWS:
-            tl.store(ws_ptr + off_rows + grow * 2 + 0, fill)
-            tl.store(ws_ptr + off_rows + grow * 2 + 1, fill)
+            tl.store(ws_ptr + off_rows + 0 * n_rows + grow, fill)
+            tl.store(ws_ptr + off_rows + 1 * n_rows + grow, fill)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, fill)
 
@@ -421,7 +431,7 @@ def head_loss_97832387ccf65118(
             total = tl.zeros([2], tl.float32)
             for start in range(0, n_rows, BLOCK_R):
                 idx = start + r
-                at = ws_ptr + off_rows + idx[:, None] * 2 + c[None, :]
+                at = ws_ptr + off_rows + c[None, :] * n_rows + idx[:, None]
                 total += tl.sum(tl.load(at, mask=(idx[:, None] < n_rows) & (c[None, :] < 2),
                                         other=0.0, cache_modifier=".cg"), 0)
             value_cross_entropy = tl.sum(tl.where(c == 0, total, 0.0), 0) * value_scale
@@ -430,4 +440,4 @@ def head_loss_97832387ccf65118(
             tl.store(ws_ptr + 1, value_forward_kl)
             tl.store(ws_ptr + 2, weight_cross_entropy * value_cross_entropy + weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "1600f02aa1f357b9c35c4cdd04e0e4519699d9e97a4dd5524b286af3772cec40"
+TEXT_HASH = "0b9d01b91579f1d3d66158921d0450d36e5919b066ba0beb8a83ee3acd37a30e"

@@ -40,7 +40,7 @@ from triton.language.extra import libdevice
 
 KEY = "b035e884472ee995"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "7efe835bb06a"
+CODEGEN = "e486479fd2b4"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['jsd']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -75,7 +75,7 @@ STATE = ('xt', 2, 4)
 ARGS = (
     'x_ptr', 'x_stride', 'grad_ptr', 'grad_stride', 'y_ptr', 'mask_ptr', 't_ptr', 't_stride',
     'ws_ptr', 'off_rows', 'off_loss_rows', 'off_stats', 'off_exact', 'gathered_ptr', 'peers_ptr',
-    'epoch', 'div_ptr', 'flag_ptr', 'row_offset', 'n_rows',
+    'epoch', 'div_ptr', 'flag_ptr', 'up_loss_ptr', 'up_rows_ptr', 'row_offset', 'n_rows',
 )
 FIXED = (
     'world', 'scalars_ptr', 'logit_scale', 'softcap', 'V', 'vocab_start', 'n_vocab',
@@ -154,7 +154,7 @@ def _dlogits(x, logit_scale, softcap):
 def head_loss_b035e884472ee995(
     x_ptr, x_stride, grad_ptr, grad_stride, y_ptr, mask_ptr, t_ptr, t_stride, ws_ptr, off_rows,
     off_loss_rows, off_stats, off_exact, gathered_ptr, peers_ptr, epoch, div_ptr, flag_ptr,
-    row_offset, n_rows,
+    up_loss_ptr, up_rows_ptr, row_offset, n_rows,
     world, scalars_ptr, logit_scale, softcap, V, vocab_start, n_vocab, ignore_index,
     SUM: tl.constexpr, PER_ROW: tl.constexpr, STATS: tl.constexpr, EXCHANGE: tl.constexpr,
     MERGE: tl.constexpr, EXACT: tl.constexpr, STORE_STATS: tl.constexpr, ROWS: tl.constexpr,
@@ -341,7 +341,7 @@ def head_loss_b035e884472ee995(
             weight_jsd = tl.load(scalars_ptr + 0)
             p_jsd__beta = tl.load(scalars_ptr + 1)
             v0 = tl.where(finite_row, acc1*p_jsd__beta + acc3*(1.0 - p_jsd__beta), float("nan"))  # jsd
-            tl.store(ws_ptr + off_rows + grow * 1 + 0, v0)
+            tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, weight_jsd * v0)
 
@@ -356,7 +356,15 @@ def head_loss_b035e884472ee995(
                 grad_scale = 1.0 / tl.maximum(tl.load(ws_ptr + 2), 1.0)  # the valid rows (COUNT)
             weight_jsd = tl.load(scalars_ptr + 0)
             p_jsd__beta = tl.load(scalars_ptr + 1)
-            w_jsd = weight_jsd * grad_scale
+            if up_loss_ptr is not None:
+                # reduction="none", in backward: each term's weight times the row's upstream gradient
+                # on the loss, plus the one on the term's own rows (out.rows)
+                up = tl.load(up_loss_ptr + grow)
+                w_jsd = weight_jsd * up
+                if up_rows_ptr is not None:
+                    w_jsd += tl.load(up_rows_ptr + 0 * n_rows + grow)
+            else:
+                w_jsd = weight_jsd * grad_scale
             c0 = p_jsd__beta*w_jsd
             c1 = w_jsd*(1.0 - p_jsd__beta)
             g0 = c0
@@ -408,7 +416,7 @@ def head_loss_b035e884472ee995(
                 tl.store(grad_row + cols, (tl.zeros([BLOCK_V], tl.float32) + fill).to(grad_ptr.dtype.element_ty),
                          mask=cols < V)
         if ROWS:
-            tl.store(ws_ptr + off_rows + grow * 1 + 0, fill)
+            tl.store(ws_ptr + off_rows + 0 * n_rows + grow, fill)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, fill)
 
@@ -438,11 +446,11 @@ def head_loss_b035e884472ee995(
             total = tl.zeros([1], tl.float32)
             for start in range(0, n_rows, BLOCK_R):
                 idx = start + r
-                at = ws_ptr + off_rows + idx[:, None] * 1 + c[None, :]
+                at = ws_ptr + off_rows + c[None, :] * n_rows + idx[:, None]
                 total += tl.sum(tl.load(at, mask=(idx[:, None] < n_rows) & (c[None, :] < 1),
                                         other=0.0, cache_modifier=".cg"), 0)
             value_jsd = tl.sum(tl.where(c == 0, total, 0.0), 0) * value_scale
             tl.store(ws_ptr + 0, value_jsd)
             tl.store(ws_ptr + 1, weight_jsd * value_jsd)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "8e4b13ec5c40ef8d4bd8738e1ec5ddb9d06d04ea994c308c78b82adf7868924c"
+TEXT_HASH = "c4982142dddf1d11d80a8c652c3341aefc892a240b24b3a8d15e3e3222364630"

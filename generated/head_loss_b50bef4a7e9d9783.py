@@ -42,7 +42,7 @@ from triton.language.extra import libdevice
 
 KEY = "b50bef4a7e9d9783"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "7efe835bb06a"
+CODEGEN = "e486479fd2b4"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_ratio_low', 'clip_ratio_high', 'clip_ratio_region']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -77,8 +77,8 @@ STATE = ('x', 2, 0)
 ARGS = (
     'x_ptr', 'x_stride', 'grad_ptr', 'grad_stride', 'y_ptr', 'mask_ptr', 'tok_advantages_ptr',
     'tok_old_logprobs_ptr', 'tok_ref_logprobs_ptr', 'ws_ptr', 'off_rows', 'off_loss_rows',
-    'off_stats', 'gathered_ptr', 'peers_ptr', 'epoch', 'div_ptr', 'flag_ptr', 'row_offset',
-    'n_rows',
+    'off_stats', 'gathered_ptr', 'peers_ptr', 'epoch', 'div_ptr', 'flag_ptr', 'up_loss_ptr',
+    'up_rows_ptr', 'row_offset', 'n_rows',
 )
 FIXED = (
     'world', 'scalars_ptr', 'logit_scale', 'softcap', 'V', 'vocab_start', 'n_vocab',
@@ -157,7 +157,8 @@ def _dlogits(x, logit_scale, softcap):
 def head_loss_b50bef4a7e9d9783(
     x_ptr, x_stride, grad_ptr, grad_stride, y_ptr, mask_ptr, tok_advantages_ptr,
     tok_old_logprobs_ptr, tok_ref_logprobs_ptr, ws_ptr, off_rows, off_loss_rows, off_stats,
-    gathered_ptr, peers_ptr, epoch, div_ptr, flag_ptr, row_offset, n_rows,
+    gathered_ptr, peers_ptr, epoch, div_ptr, flag_ptr, up_loss_ptr, up_rows_ptr, row_offset,
+    n_rows,
     world, scalars_ptr, logit_scale, softcap, V, vocab_start, n_vocab, ignore_index,
     SUM: tl.constexpr, PER_ROW: tl.constexpr, STATS: tl.constexpr, EXCHANGE: tl.constexpr,
     MERGE: tl.constexpr, EXACT: tl.constexpr, STORE_STATS: tl.constexpr, ROWS: tl.constexpr,
@@ -291,15 +292,15 @@ def head_loss_b50bef4a7e9d9783(
             r4 = ((tok_advantages < 0.0) & (p_grpo__eps_low < -r2))
             r5 = ((tok_advantages > 0.0) & (p_grpo__eps_high < r2))
             v0 = tl.where(finite_row, p_grpo__kl_beta*(p_grpo__kl_bias_correction*r2 + 1.0)*(-r3 + tl.exp2(1.4426950408889634*r3) - 1.0) - tl.where(r1*tok_advantages < tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(r1 > 1.0 - p_grpo__eps_low, r1, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(r1 > 1.0 - p_grpo__eps_low, r1, 1.0 - p_grpo__eps_low)), r1*tok_advantages, tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(r1 > 1.0 - p_grpo__eps_low, r1, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(r1 > 1.0 - p_grpo__eps_low, r1, 1.0 - p_grpo__eps_low))), float("nan"))  # grpo
-            tl.store(ws_ptr + off_rows + grow * 5 + 0, v0)
+            tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
             v1 = tl.where(finite_row, N0 - acc0*tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*m), float("nan"))  # entropy
-            tl.store(ws_ptr + off_rows + grow * 5 + 1, v1)
+            tl.store(ws_ptr + off_rows + 1 * n_rows + grow, v1)
             v2 = tl.where(finite_row, tl.where(r4, 1.0, 0.0), float("nan"))  # clip_ratio_low
-            tl.store(ws_ptr + off_rows + grow * 5 + 2, v2)
+            tl.store(ws_ptr + off_rows + 2 * n_rows + grow, v2)
             v3 = tl.where(finite_row, tl.where(r5, 1.0, 0.0), float("nan"))  # clip_ratio_high
-            tl.store(ws_ptr + off_rows + grow * 5 + 3, v3)
+            tl.store(ws_ptr + off_rows + 3 * n_rows + grow, v3)
             v4 = tl.where(finite_row, tl.where((r4 | r5), 1.0, 0.0), float("nan"))  # clip_ratio_region
-            tl.store(ws_ptr + off_rows + grow * 5 + 4, v4)
+            tl.store(ws_ptr + off_rows + 4 * n_rows + grow, v4)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, weight_grpo * v0)
 
@@ -317,7 +318,15 @@ def head_loss_b50bef4a7e9d9783(
             p_grpo__eps_low = tl.load(scalars_ptr + 2)
             p_grpo__kl_beta = tl.load(scalars_ptr + 3)
             p_grpo__kl_bias_correction = tl.load(scalars_ptr + 4)
-            w_grpo = weight_grpo * grad_scale
+            if up_loss_ptr is not None:
+                # reduction="none", in backward: each term's weight times the row's upstream gradient
+                # on the loss, plus the one on the term's own rows (out.rows)
+                up = tl.load(up_loss_ptr + grow)
+                w_grpo = weight_grpo * up
+                if up_rows_ptr is not None:
+                    w_grpo += tl.load(up_rows_ptr + 0 * n_rows + grow)
+            else:
+                w_grpo = weight_grpo * grad_scale
             c0 = N0 - z_y
             c1 = c0 + tok_ref_logprobs
             c2 = tl.exp2(1.4426950408889634*c1)
@@ -368,11 +377,11 @@ def head_loss_b50bef4a7e9d9783(
                 tl.store(grad_row + cols, (tl.zeros([BLOCK_V], tl.float32) + fill).to(grad_ptr.dtype.element_ty),
                          mask=cols < V)
         if ROWS:
-            tl.store(ws_ptr + off_rows + grow * 5 + 0, fill)
-            tl.store(ws_ptr + off_rows + grow * 5 + 1, fill)
-            tl.store(ws_ptr + off_rows + grow * 5 + 2, fill)
-            tl.store(ws_ptr + off_rows + grow * 5 + 3, fill)
-            tl.store(ws_ptr + off_rows + grow * 5 + 4, fill)
+            tl.store(ws_ptr + off_rows + 0 * n_rows + grow, fill)
+            tl.store(ws_ptr + off_rows + 1 * n_rows + grow, fill)
+            tl.store(ws_ptr + off_rows + 2 * n_rows + grow, fill)
+            tl.store(ws_ptr + off_rows + 3 * n_rows + grow, fill)
+            tl.store(ws_ptr + off_rows + 4 * n_rows + grow, fill)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, fill)
 
@@ -404,7 +413,7 @@ def head_loss_b50bef4a7e9d9783(
             total = tl.zeros([8], tl.float32)
             for start in range(0, n_rows, BLOCK_R):
                 idx = start + r
-                at = ws_ptr + off_rows + idx[:, None] * 5 + c[None, :]
+                at = ws_ptr + off_rows + c[None, :] * n_rows + idx[:, None]
                 total += tl.sum(tl.load(at, mask=(idx[:, None] < n_rows) & (c[None, :] < 5),
                                         other=0.0, cache_modifier=".cg"), 0)
             value_grpo = tl.sum(tl.where(c == 0, total, 0.0), 0) * value_scale
@@ -419,4 +428,4 @@ def head_loss_b50bef4a7e9d9783(
             tl.store(ws_ptr + 4, value_clip_ratio_region)
             tl.store(ws_ptr + 5, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "67ff436004999cd76a078142c02a2693b6ddd242f96bde5d26c7a5d86d5f4271"
+TEXT_HASH = "22b1be902af5e1c5d7f3786636a81f6dee1a0af78f80674a3049942a4405d1b0"

@@ -40,7 +40,7 @@ from triton.language.extra import libdevice
 
 KEY = "b6ac30aa276abf3a"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "7efe835bb06a"
+CODEGEN = "e486479fd2b4"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss', 'entropy', 'token_accuracy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -75,7 +75,7 @@ STATE = ('x', 2, 0)
 ARGS = (
     'x_ptr', 'x_stride', 'grad_ptr', 'grad_stride', 'y_ptr', 'mask_ptr', 'ws_ptr', 'off_rows',
     'off_loss_rows', 'off_stats', 'gathered_ptr', 'peers_ptr', 'epoch', 'div_ptr', 'flag_ptr',
-    'row_offset', 'n_rows',
+    'up_loss_ptr', 'up_rows_ptr', 'row_offset', 'n_rows',
 )
 FIXED = (
     'world', 'scalars_ptr', 'logit_scale', 'softcap', 'V', 'vocab_start', 'n_vocab',
@@ -153,7 +153,8 @@ def _dlogits(x, logit_scale, softcap):
 ])
 def head_loss_b6ac30aa276abf3a(
     x_ptr, x_stride, grad_ptr, grad_stride, y_ptr, mask_ptr, ws_ptr, off_rows, off_loss_rows,
-    off_stats, gathered_ptr, peers_ptr, epoch, div_ptr, flag_ptr, row_offset, n_rows,
+    off_stats, gathered_ptr, peers_ptr, epoch, div_ptr, flag_ptr, up_loss_ptr, up_rows_ptr,
+    row_offset, n_rows,
     world, scalars_ptr, logit_scale, softcap, V, vocab_start, n_vocab, ignore_index,
     SUM: tl.constexpr, PER_ROW: tl.constexpr, STATS: tl.constexpr, EXCHANGE: tl.constexpr,
     MERGE: tl.constexpr, EXACT: tl.constexpr, STORE_STATS: tl.constexpr, ROWS: tl.constexpr,
@@ -287,13 +288,13 @@ def head_loss_b6ac30aa276abf3a(
             weight_cross_entropy = tl.load(scalars_ptr + 0)
             weight_z_loss = tl.load(scalars_ptr + 1)
             v0 = tl.where(finite_row, N0 - z_y, float("nan"))  # cross_entropy
-            tl.store(ws_ptr + off_rows + grow * 4 + 0, v0)
+            tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
             v1 = tl.where(finite_row, (N0 * N0), float("nan"))  # z_loss
-            tl.store(ws_ptr + off_rows + grow * 4 + 1, v1)
+            tl.store(ws_ptr + off_rows + 1 * n_rows + grow, v1)
             v2 = tl.where(finite_row, N0 - acc0*tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*m), float("nan"))  # entropy
-            tl.store(ws_ptr + off_rows + grow * 4 + 2, v2)
+            tl.store(ws_ptr + off_rows + 2 * n_rows + grow, v2)
             v3 = tl.where(finite_row, tl.where((argmax == label), 1.0, 0.0), float("nan"))  # token_accuracy
-            tl.store(ws_ptr + off_rows + grow * 4 + 3, v3)
+            tl.store(ws_ptr + off_rows + 3 * n_rows + grow, v3)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, weight_cross_entropy * v0 + weight_z_loss * v1)
 
@@ -308,8 +309,18 @@ def head_loss_b6ac30aa276abf3a(
                 grad_scale = 1.0 / tl.maximum(tl.load(ws_ptr + 5), 1.0)  # the valid rows (COUNT)
             weight_cross_entropy = tl.load(scalars_ptr + 0)
             weight_z_loss = tl.load(scalars_ptr + 1)
-            w_cross_entropy = weight_cross_entropy * grad_scale
-            w_z_loss = weight_z_loss * grad_scale
+            if up_loss_ptr is not None:
+                # reduction="none", in backward: each term's weight times the row's upstream gradient
+                # on the loss, plus the one on the term's own rows (out.rows)
+                up = tl.load(up_loss_ptr + grow)
+                w_cross_entropy = weight_cross_entropy * up
+                w_z_loss = weight_z_loss * up
+                if up_rows_ptr is not None:
+                    w_cross_entropy += tl.load(up_rows_ptr + 0 * n_rows + grow)
+                    w_z_loss += tl.load(up_rows_ptr + 1 * n_rows + grow)
+            else:
+                w_cross_entropy = weight_cross_entropy * grad_scale
+                w_z_loss = weight_z_loss * grad_scale
             g0 = 2.0*N0*w_z_loss + w_cross_entropy
             g1 = -w_cross_entropy
             # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
@@ -347,10 +358,10 @@ def head_loss_b6ac30aa276abf3a(
                 tl.store(grad_row + cols, (tl.zeros([BLOCK_V], tl.float32) + fill).to(grad_ptr.dtype.element_ty),
                          mask=cols < V)
         if ROWS:
-            tl.store(ws_ptr + off_rows + grow * 4 + 0, fill)
-            tl.store(ws_ptr + off_rows + grow * 4 + 1, fill)
-            tl.store(ws_ptr + off_rows + grow * 4 + 2, fill)
-            tl.store(ws_ptr + off_rows + grow * 4 + 3, fill)
+            tl.store(ws_ptr + off_rows + 0 * n_rows + grow, fill)
+            tl.store(ws_ptr + off_rows + 1 * n_rows + grow, fill)
+            tl.store(ws_ptr + off_rows + 2 * n_rows + grow, fill)
+            tl.store(ws_ptr + off_rows + 3 * n_rows + grow, fill)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, fill)
 
@@ -383,7 +394,7 @@ def head_loss_b6ac30aa276abf3a(
             total = tl.zeros([4], tl.float32)
             for start in range(0, n_rows, BLOCK_R):
                 idx = start + r
-                at = ws_ptr + off_rows + idx[:, None] * 4 + c[None, :]
+                at = ws_ptr + off_rows + c[None, :] * n_rows + idx[:, None]
                 total += tl.sum(tl.load(at, mask=(idx[:, None] < n_rows) & (c[None, :] < 4),
                                         other=0.0, cache_modifier=".cg"), 0)
             value_cross_entropy = tl.sum(tl.where(c == 0, total, 0.0), 0) * value_scale
@@ -396,4 +407,4 @@ def head_loss_b6ac30aa276abf3a(
             tl.store(ws_ptr + 3, value_token_accuracy)
             tl.store(ws_ptr + 4, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "91afe797df5fbd8f880de9a5ccd01f96cab3bff7a541fe6b1fe1b9a7158a4cd1"
+TEXT_HASH = "3da98e7f2fc8e87380e2bbfc82acd19c8702e215fbcbb92e42aa7aef62ca2dfa"

@@ -33,7 +33,7 @@ from triton.language.extra import libdevice
 
 KEY = "dfdadf8e6cb4b92c"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "7efe835bb06a"
+CODEGEN = "e486479fd2b4"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -68,7 +68,7 @@ STATE = ('x', 1, 0)
 ARGS = (
     'x_ptr', 'x_stride', 'grad_ptr', 'grad_stride', 'y_ptr', 'mask_ptr', 'ws_ptr', 'off_rows',
     'off_loss_rows', 'off_stats', 'gathered_ptr', 'peers_ptr', 'epoch', 'div_ptr', 'flag_ptr',
-    'row_offset', 'n_rows',
+    'up_loss_ptr', 'up_rows_ptr', 'row_offset', 'n_rows',
 )
 FIXED = (
     'world', 'scalars_ptr', 'logit_scale', 'softcap', 'V', 'vocab_start', 'n_vocab',
@@ -146,7 +146,8 @@ def _dlogits(x, logit_scale, softcap):
 ])
 def head_loss_dfdadf8e6cb4b92c(
     x_ptr, x_stride, grad_ptr, grad_stride, y_ptr, mask_ptr, ws_ptr, off_rows, off_loss_rows,
-    off_stats, gathered_ptr, peers_ptr, epoch, div_ptr, flag_ptr, row_offset, n_rows,
+    off_stats, gathered_ptr, peers_ptr, epoch, div_ptr, flag_ptr, up_loss_ptr, up_rows_ptr,
+    row_offset, n_rows,
     world, scalars_ptr, logit_scale, softcap, V, vocab_start, n_vocab, ignore_index,
     SUM: tl.constexpr, PER_ROW: tl.constexpr, STATS: tl.constexpr, EXCHANGE: tl.constexpr,
     MERGE: tl.constexpr, EXACT: tl.constexpr, STORE_STATS: tl.constexpr, ROWS: tl.constexpr,
@@ -258,7 +259,7 @@ def head_loss_dfdadf8e6cb4b92c(
         if ROWS:
             weight_cross_entropy = tl.load(scalars_ptr + 0)
             v0 = tl.where(finite_row, N0 - z_y, float("nan"))  # cross_entropy
-            tl.store(ws_ptr + off_rows + grow * 1 + 0, v0)
+            tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, weight_cross_entropy * v0)
 
@@ -272,7 +273,15 @@ def head_loss_dfdadf8e6cb4b92c(
             else:
                 grad_scale = 1.0 / tl.maximum(tl.load(ws_ptr + 2), 1.0)  # the valid rows (COUNT)
             weight_cross_entropy = tl.load(scalars_ptr + 0)
-            w_cross_entropy = weight_cross_entropy * grad_scale
+            if up_loss_ptr is not None:
+                # reduction="none", in backward: each term's weight times the row's upstream gradient
+                # on the loss, plus the one on the term's own rows (out.rows)
+                up = tl.load(up_loss_ptr + grow)
+                w_cross_entropy = weight_cross_entropy * up
+                if up_rows_ptr is not None:
+                    w_cross_entropy += tl.load(up_rows_ptr + 0 * n_rows + grow)
+            else:
+                w_cross_entropy = weight_cross_entropy * grad_scale
             g0 = w_cross_entropy
             g1 = -w_cross_entropy
             # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
@@ -310,7 +319,7 @@ def head_loss_dfdadf8e6cb4b92c(
                 tl.store(grad_row + cols, (tl.zeros([BLOCK_V], tl.float32) + fill).to(grad_ptr.dtype.element_ty),
                          mask=cols < V)
         if ROWS:
-            tl.store(ws_ptr + off_rows + grow * 1 + 0, fill)
+            tl.store(ws_ptr + off_rows + 0 * n_rows + grow, fill)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, fill)
 
@@ -340,11 +349,11 @@ def head_loss_dfdadf8e6cb4b92c(
             total = tl.zeros([1], tl.float32)
             for start in range(0, n_rows, BLOCK_R):
                 idx = start + r
-                at = ws_ptr + off_rows + idx[:, None] * 1 + c[None, :]
+                at = ws_ptr + off_rows + c[None, :] * n_rows + idx[:, None]
                 total += tl.sum(tl.load(at, mask=(idx[:, None] < n_rows) & (c[None, :] < 1),
                                         other=0.0, cache_modifier=".cg"), 0)
             value_cross_entropy = tl.sum(tl.where(c == 0, total, 0.0), 0) * value_scale
             tl.store(ws_ptr + 0, value_cross_entropy)
             tl.store(ws_ptr + 1, weight_cross_entropy * value_cross_entropy)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "6fa977c041bfcb7549f06be6462ec2aa5362c6de1d61a8d3dba629326bba27f9"
+TEXT_HASH = "11668ecde05c4c98ac716c245214e5381001a332d75a1367283f92f4132bc5f2"

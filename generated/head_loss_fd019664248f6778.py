@@ -35,7 +35,7 @@ from triton.language.extra import libdevice
 
 KEY = "fd019664248f6778"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "7efe835bb06a"
+CODEGEN = "e486479fd2b4"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -70,7 +70,7 @@ STATE = ('x', 2, 0)
 ARGS = (
     'x_ptr', 'x_stride', 'grad_ptr', 'grad_stride', 'y_ptr', 'mask_ptr', 'ws_ptr', 'off_rows',
     'off_loss_rows', 'off_stats', 'gathered_ptr', 'peers_ptr', 'epoch', 'div_ptr', 'flag_ptr',
-    'row_offset', 'n_rows',
+    'up_loss_ptr', 'up_rows_ptr', 'row_offset', 'n_rows',
 )
 FIXED = (
     'world', 'scalars_ptr', 'logit_scale', 'softcap', 'V', 'vocab_start', 'n_vocab',
@@ -148,7 +148,8 @@ def _dlogits(x, logit_scale, softcap):
 ])
 def head_loss_fd019664248f6778(
     x_ptr, x_stride, grad_ptr, grad_stride, y_ptr, mask_ptr, ws_ptr, off_rows, off_loss_rows,
-    off_stats, gathered_ptr, peers_ptr, epoch, div_ptr, flag_ptr, row_offset, n_rows,
+    off_stats, gathered_ptr, peers_ptr, epoch, div_ptr, flag_ptr, up_loss_ptr, up_rows_ptr,
+    row_offset, n_rows,
     world, scalars_ptr, logit_scale, softcap, V, vocab_start, n_vocab, ignore_index,
     SUM: tl.constexpr, PER_ROW: tl.constexpr, STATS: tl.constexpr, EXCHANGE: tl.constexpr,
     MERGE: tl.constexpr, EXACT: tl.constexpr, STORE_STATS: tl.constexpr, ROWS: tl.constexpr,
@@ -271,7 +272,7 @@ def head_loss_fd019664248f6778(
             weight_cross_entropy = tl.load(scalars_ptr + 0)
             p_cross_entropy__label_smoothing = tl.load(scalars_ptr + 1)
             v0 = tl.where(finite_row, p_cross_entropy__label_smoothing*(N0 - acc0/vocab_size) + (1.0 - p_cross_entropy__label_smoothing)*(N0 - z_y), float("nan"))  # cross_entropy
-            tl.store(ws_ptr + off_rows + grow * 1 + 0, v0)
+            tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, weight_cross_entropy * v0)
 
@@ -286,7 +287,15 @@ def head_loss_fd019664248f6778(
                 grad_scale = 1.0 / tl.maximum(tl.load(ws_ptr + 2), 1.0)  # the valid rows (COUNT)
             weight_cross_entropy = tl.load(scalars_ptr + 0)
             p_cross_entropy__label_smoothing = tl.load(scalars_ptr + 1)
-            w_cross_entropy = weight_cross_entropy * grad_scale
+            if up_loss_ptr is not None:
+                # reduction="none", in backward: each term's weight times the row's upstream gradient
+                # on the loss, plus the one on the term's own rows (out.rows)
+                up = tl.load(up_loss_ptr + grow)
+                w_cross_entropy = weight_cross_entropy * up
+                if up_rows_ptr is not None:
+                    w_cross_entropy += tl.load(up_rows_ptr + 0 * n_rows + grow)
+            else:
+                w_cross_entropy = weight_cross_entropy * grad_scale
             g0 = -p_cross_entropy__label_smoothing*w_cross_entropy/vocab_size
             g1 = w_cross_entropy
             g2 = w_cross_entropy*(p_cross_entropy__label_smoothing - 1.0)
@@ -325,7 +334,7 @@ def head_loss_fd019664248f6778(
                 tl.store(grad_row + cols, (tl.zeros([BLOCK_V], tl.float32) + fill).to(grad_ptr.dtype.element_ty),
                          mask=cols < V)
         if ROWS:
-            tl.store(ws_ptr + off_rows + grow * 1 + 0, fill)
+            tl.store(ws_ptr + off_rows + 0 * n_rows + grow, fill)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, fill)
 
@@ -355,11 +364,11 @@ def head_loss_fd019664248f6778(
             total = tl.zeros([1], tl.float32)
             for start in range(0, n_rows, BLOCK_R):
                 idx = start + r
-                at = ws_ptr + off_rows + idx[:, None] * 1 + c[None, :]
+                at = ws_ptr + off_rows + c[None, :] * n_rows + idx[:, None]
                 total += tl.sum(tl.load(at, mask=(idx[:, None] < n_rows) & (c[None, :] < 1),
                                         other=0.0, cache_modifier=".cg"), 0)
             value_cross_entropy = tl.sum(tl.where(c == 0, total, 0.0), 0) * value_scale
             tl.store(ws_ptr + 0, value_cross_entropy)
             tl.store(ws_ptr + 1, weight_cross_entropy * value_cross_entropy)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "a4fa34449bc329c31d35de67d96bc5deabc4d54539e92bee9821b7230f0c5e6c"
+TEXT_HASH = "f5b406c09ba8f530803ea079c0e66117a22566f6fa9426a42bea0b51d6f44962"

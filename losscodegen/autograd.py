@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import uuid
 import weakref
+from typing import Any, Callable
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -42,7 +43,7 @@ class _HeadFunction(torch.autograd.Function):
     # autograd engine host time in forward and in backward, and they have no gradient).
     @staticmethod
     def forward(ctx, logits, head, call, values_out):
-        loss, values, grad = launch.run(head, call, grad=True, inplace=head.inplace_backward)
+        loss, values, grad, _ = launch.run(head, call, grad=True, inplace=head.inplace_backward)
         if head.inplace_backward:
             # The logits now hold their gradient: a node that saved them fails loudly in backward.
             torch.autograd.graph.increment_version(logits)
@@ -63,22 +64,61 @@ class _HeadFunction(torch.autograd.Function):
         return grad.view(ctx.shape), None, None, None
 
 
+class _RowsFunction(torch.autograd.Function):
+    # reduction="none": the per-row loss and each row term's rows are outputs with a gradient (the
+    # metrics' rows and the values leave through ``out``, detached). The forward keeps the packed
+    # stats; backward runs one gradient launch whose per-row term weights are the upstream gradients
+    # of all of them at once (launch.backward).
+    @staticmethod
+    def forward(ctx, logits, head, call, out):
+        loss, values, _, launcher = launch.run(head, call, grad=True, inplace=False)
+        rows = row_outputs(head, launcher, call)
+        ctx.save_for_backward(logits)   # (its version: logits changed in place before backward fail)
+        ctx.launcher, ctx.shape, ctx.inplace = launcher, logits.shape, head.inplace_backward
+        ctx.set_materialize_grads(False)
+        out += [values, rows]
+        return (loss, *[rows[n] for n in head.kernel.ROW_LOSS_TERMS])
+
+    @staticmethod
+    def backward(ctx, grad_loss, *grad_rows):
+        refuse_create_graph("HeadLoss")
+        launcher, ctx.launcher = ctx.launcher, None
+        if launcher is None:
+            raise RuntimeError(f"HeadLoss: {BACKWARD_TWICE}")
+        ctx.saved_tensors
+        grad = launch.backward(launcher, grad_loss, list(grad_rows), inplace=ctx.inplace)
+        return grad.view(ctx.shape), None, None, None
+
+
 # ``Function.apply`` without its Python wrapper, which inspects the Function and unwraps its
 # arguments for torch.func on every call (4 µs a call on a fast host); under torch.func transforms
 # the wrapper runs.
 _apply = super(torch.autograd.Function, _HeadFunction).apply
 
 
-def eager(head, logits: torch.Tensor, call: Call) -> tuple[torch.Tensor, torch.Tensor]:
+def row_outputs(head, launcher: launch.Launcher, call: Call) -> dict[str, torch.Tensor]:
+    """``out.rows`` of a reduction="none" call: each term's and metric's per-row values, labels'
+    shape, detached views of the workspace (tensors of their own to autograd: in-place ops work)."""
+    k = head.kernel
+    rows = launcher.ws.rows(call)
+    return {n: rows[k.ROW_VALUES.index(n)].detach() for n in k.OUTPUTS}
+
+
+def eager(head, logits: torch.Tensor, call: Call) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """(loss, values, rows): ``rows`` holds every output's per-row values under reduction="none"."""
+    per_row = call.reduction == "none"
     if logits.requires_grad and torch.is_grad_enabled():
-        values: list[torch.Tensor] = []
+        side: list = []
+        if per_row:
+            loss, *term_rows = _RowsFunction.apply(logits, head, call, side)
+            return loss, side[0], {**side[1], **dict(zip(head.kernel.ROW_LOSS_TERMS, term_rows))}
         if torch._C._are_functorch_transforms_active():
-            loss = _HeadFunction.apply(logits, head, call, values)
+            loss = _HeadFunction.apply(logits, head, call, side)
         else:
-            loss = _apply(logits, head, call, values)
-        return loss, values[0]
-    loss, values, _ = launch.run(head, call, grad=False, inplace=False)
-    return loss, values
+            loss = _apply(logits, head, call, side)
+        return loss, side[0], {}
+    loss, values, _, launcher = launch.run(head, call, grad=False, inplace=False)
+    return loss, values, row_outputs(head, launcher, call) if per_row else {}
 
 
 # ---- torch.compile ---------------------------------------------------------------------------------
@@ -96,74 +136,119 @@ def head_of(head_id: str):
     return _HEADS[head_id]()
 
 
-def compiled(head, logits: torch.Tensor, call: Call) -> tuple[torch.Tensor, torch.Tensor]:
-    loss, values, _ = torch.ops.losscodegen.head(
-        head.head_id, logits, call.labels, call.mask, call.teacher, list(call.tokens), call.topk_ids,
-        call.topk_logprobs, call.segment_ids, call.num_segments, call.divisor, call.reduction,
-        collectives.group_name(call.group), collectives.group_name(call.segment_group),
-        logits.requires_grad and torch.is_grad_enabled())
-    return loss, values
+# The op's arguments, declared once: (name, schema type, how ``compiled`` fills it from the head, the
+# logits and the Call). The schema, the op's and its fake's parameters, the Call the op rebuilds and
+# the backward's gradient tuple are all derived from this list.
+_OP_ARGS: tuple[tuple[str, str, Callable[..., Any]], ...] = (
+    ("head_id", "str", lambda head, x, call: head.head_id),
+    ("logits", "Tensor", lambda head, x, call: x),
+    ("labels", "Tensor?", lambda head, x, call: call.labels),
+    ("loss_mask", "Tensor?", lambda head, x, call: call.mask),
+    ("teacher", "Tensor?", lambda head, x, call: call.teacher),
+    ("tokens", "Tensor[]", lambda head, x, call: list(call.tokens)),
+    ("topk_ids", "Tensor?", lambda head, x, call: call.topk_ids),
+    ("topk_logprobs", "Tensor?", lambda head, x, call: call.topk_logprobs),
+    ("segment_ids", "Tensor?", lambda head, x, call: call.segment_ids),
+    ("num_segments", "int?", lambda head, x, call: call.num_segments),
+    ("divisor", "Tensor?", lambda head, x, call: call.divisor),
+    ("reduction", "str", lambda head, x, call: call.reduction),
+    ("process_group", "str?", lambda head, x, call: collectives.group_name(call.group)),
+    ("segment_group", "str?", lambda head, x, call: collectives.group_name(call.segment_group)),
+    ("grad", "bool", lambda head, x, call: x.requires_grad and torch.is_grad_enabled()),
+)
+_OP_NAMES = tuple(name for name, _, _ in _OP_ARGS)
+# outputs: the loss, the values, every output's rows ([ROW_VALUES, *rows] under reduction="none",
+# else [0]) and the handle of what backward needs
+_OP_RETURNS = "(Tensor, Tensor, Tensor, Tensor)"
+
+
+def op_args(head, logits: torch.Tensor, call: Call) -> list[Any]:
+    """The op's arguments for a call, in the declared order."""
+    return [fill(head, logits, call) for _, _, fill in _OP_ARGS]
+
+
+def compiled(head, logits: torch.Tensor, call: Call) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    loss, values, rows, _ = torch.ops.losscodegen.head(*op_args(head, logits, call))
+    if call.reduction != "none":
+        return loss, values, {}
+    k = head.kernel
+    return loss, values, {n: rows[k.ROW_VALUES.index(n)] for n in k.OUTPUTS}
 
 
 # The ops are defined with a schema and a plain kernel, not with ``torch.library.custom_op``, whose
 # Python wrapper runs on every call (an aliasing check, a dynamo shim): docs/decisions.md.
 _LIB = torch.library.Library("losscodegen", "DEF")
-_LIB.define("head(str head_id, Tensor logits, Tensor? labels, Tensor? loss_mask, Tensor? teacher, "
-            "Tensor[] tokens, Tensor? topk_ids, Tensor? topk_logprobs, Tensor? segment_ids, "
-            "int? num_segments, Tensor? divisor, str reduction, str? process_group, str? segment_group, "
-            "bool grad) -> (Tensor, Tensor, Tensor)")
-_LIB.define("head_grad(Tensor handle, Tensor grad_loss, int[] shape, ScalarType dtype, Device device) -> Tensor")
+_LIB.define(f"head({', '.join(f'{t} {n}' for n, t, _ in _OP_ARGS)}) -> {_OP_RETURNS}")
+_LIB.define("head_grad(Tensor handle, Tensor grad_loss, Tensor? grad_rows, Tensor? logits, int[] shape, "
+            "ScalarType dtype, Device device) -> Tensor")
 
 
-def _head_op(head_id: str, logits: torch.Tensor, labels: torch.Tensor | None, loss_mask: torch.Tensor | None,
-             teacher: torch.Tensor | None, tokens: list[torch.Tensor], topk_ids: torch.Tensor | None,
-             topk_logprobs: torch.Tensor | None, segment_ids: torch.Tensor | None, num_segments: int | None,
-             divisor: torch.Tensor | None, reduction: str, process_group: str | None,
-             segment_group: str | None, grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    head = head_of(head_id)
+def _head_op(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    a = dict(zip(_OP_NAMES, args))
+    head, logits = head_of(a["head_id"]), a["logits"]
     call = Call(tuple(logits.shape[:-1]), logits.shape[-1], logits.device,
-                rows_view(logits, logits.shape[-1]), labels, loss_mask, teacher, tuple(tokens),
-                topk_ids, topk_logprobs, segment_ids, num_segments, divisor, reduction,
-                collectives.resolve(process_group), collectives.resolve(segment_group))
+                rows_view(logits, logits.shape[-1]), a["labels"], a["loss_mask"], a["teacher"],
+                tuple(a["tokens"]), a["topk_ids"], a["topk_logprobs"], a["segment_ids"], a["num_segments"],
+                a["divisor"], a["reduction"], collectives.resolve(a["process_group"]),
+                collectives.resolve(a["segment_group"]))
     # Inductor may reuse the logits' memory once the op has read them: the gradient gets its own.
-    loss, values, grad_buf = launch.run(head, call, grad=grad, inplace=False)
-    return loss.clone(), values, _keep(grad_buf)  # (outputs of an op never alias each other)
+    loss, values, grad_buf, launcher = launch.run(head, call, grad=a["grad"], inplace=False)
+    if call.reduction == "none":
+        rows = launcher.ws.rows(call).clone()   # (outputs of an op never alias each other)
+        backward = launcher if a["grad"] else None
+    else:
+        rows, backward = logits.new_empty((0,), dtype=torch.float32), grad_buf
+    return loss.clone(), values, rows, _keep(head, backward)
 
 
-def _head_fake(head_id, logits, labels, loss_mask, teacher, tokens, topk_ids, topk_logprobs, segment_ids,
-               num_segments, divisor, reduction, process_group, segment_group, grad):
-    n_outputs = len(head_of(head_id).kernel.OUTPUTS)
-    loss_shape = logits.shape[:-1] if reduction == "none" else ()
+def _head_fake(*args: Any):
+    a = dict(zip(_OP_NAMES, args))
+    k, logits = head_of(a["head_id"]).kernel, a["logits"]
+    per_row = a["reduction"] == "none"
+    loss_shape = logits.shape[:-1] if per_row else ()
+    rows_shape = (len(k.ROW_VALUES), *logits.shape[:-1]) if per_row else (0,)
     return (logits.new_empty(loss_shape, dtype=torch.float32),
-            logits.new_empty((n_outputs,), dtype=torch.float32), torch.empty(1, dtype=torch.int64))
+            logits.new_empty((len(k.OUTPUTS),), dtype=torch.float32),
+            logits.new_empty(rows_shape, dtype=torch.float32), torch.empty(1, dtype=torch.int64))
 
 
 def _setup_context(ctx, inputs, output):
-    logits = inputs[1]
+    a = dict(zip(_OP_NAMES, inputs))
+    logits = a["logits"]
     ctx.shape, ctx.dtype, ctx.device = list(logits.shape), logits.dtype, logits.device
-    ctx.n_tokens = len(inputs[5])
-    ctx.save_for_backward(output[2])
-    ctx.mark_non_differentiable(output[1], output[2])
+    ctx.n_tokens = len(a["tokens"])
+    # (reduction="none": the deferred gradient launch reads the logits again, so they are saved)
+    ctx.save_for_backward(output[3], logits if a["reduction"] == "none" and a["grad"] else None)
+    ctx.mark_non_differentiable(output[1], output[3])
 
 
-def _backward(ctx, grad_loss, _grad_values, _grad_handle):
+def _backward(ctx, grad_loss, _grad_values, grad_rows, _grad_handle):
     # (Under torch.compile this runs while tracing, without grad mode; AOTAutograd itself refuses
     # a double backward through a compiled graph.)
     refuse_create_graph("HeadLoss")
-    (handle,) = ctx.saved_tensors
-    grad = torch.ops.losscodegen.head_grad(handle, grad_loss, ctx.shape, ctx.dtype, ctx.device)
-    # one entry an input, the tokens' list included
-    return (None, grad, None, None, None, [None] * ctx.n_tokens) + (None,) * 9
+    handle, logits = ctx.saved_tensors
+    grad = torch.ops.losscodegen.head_grad(handle, grad_loss, grad_rows, logits, ctx.shape, ctx.dtype, ctx.device)
+    return tuple(grad if name == "logits" else [None] * ctx.n_tokens if kind == "Tensor[]" else None
+                 for name, kind, _ in _OP_ARGS)
 
 
-def _head_grad_op(handle: torch.Tensor, grad_loss: torch.Tensor, shape: list[int], dtype: torch.dtype,
+
+def _head_grad_op(handle: torch.Tensor, grad_loss: torch.Tensor, grad_rows: torch.Tensor | None,
+                  logits: torch.Tensor | None, shape: list[int], dtype: torch.dtype,
                   device: torch.device) -> torch.Tensor:
-    grad = _take(handle)
-    launch.scale_rows(grad, grad_loss)
+    head, kept = _take(handle)
+    if isinstance(kept, launch.Launcher):    # reduction="none": the deferred gradient launch
+        k = head.kernel
+        terms = [None if grad_rows is None else grad_rows[k.ROW_VALUES.index(n)] for n in k.ROW_LOSS_TERMS]
+        kept.call.x = rows_view(logits, logits.shape[-1])   # (the saved logits, which autograd kept)
+        grad = launch.backward(kept, grad_loss, terms, inplace=False)
+    else:
+        grad = kept
+        launch.scale_rows(grad, grad_loss)
     return grad.view(shape)
 
 
-def _head_grad_fake(handle, grad_loss, shape, dtype, device):
+def _head_grad_fake(handle, grad_loss, grad_rows, logits, shape, dtype, device):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
@@ -176,22 +261,24 @@ torch.library.register_autograd("losscodegen::head", _backward, setup_context=_s
 
 # Gradient buffers between a compiled forward and its backward, by handle. An entry whose handle is
 # gone (its graph freed without a backward) is dropped at the next call.
-_GRADS: dict[int, tuple[StorageWeakRef, torch.Tensor]] = {}
+_GRADS: dict[int, tuple[StorageWeakRef, Any, Any]] = {}
 _handles = itertools.count()
 
 
-def _keep(grad: torch.Tensor | None) -> torch.Tensor:
-    for key in [key for key, (ref, _) in _GRADS.items() if ref.expired()]:
+def _keep(head, kept: Any) -> torch.Tensor:
+    """A handle to what backward needs: the gradient buffer, or (reduction="none") the launcher of
+    the deferred gradient launch."""
+    for key in [key for key, (ref, _, _) in _GRADS.items() if ref.expired()]:
         del _GRADS[key]
-    key = next(_handles) if grad is not None else -1
+    key = next(_handles) if kept is not None else -1
     handle = torch.tensor([key])
-    if grad is not None:
-        _GRADS[key] = (StorageWeakRef(handle.untyped_storage()), grad)
+    if kept is not None:
+        _GRADS[key] = (StorageWeakRef(handle.untyped_storage()), head, kept)
     return handle
 
 
-def _take(handle: torch.Tensor) -> torch.Tensor:
+def _take(handle: torch.Tensor) -> tuple[Any, Any]:
     entry = _GRADS.pop(handle.item(), None)
     if entry is None:
         raise RuntimeError(f"HeadLoss: {BACKWARD_TWICE}")
-    return entry[1]
+    return entry[1], entry[2]

@@ -315,10 +315,12 @@ def wrap(items: list[str], indent: str, width: int = 100) -> list[str]:
     return out
 
 
-def signatures(plan: Plan, key: str, reads_scalars: bool, per_sequence: tuple[str, ...] = ()) -> dict[str, Signature]:
+def signatures(plan: Plan, key: str, reads_scalars: bool, per_sequence: tuple[str, ...] = (),
+               row_terms: bool = True) -> dict[str, Signature]:
     """The interface of each kernel of a head's file, in signature order. ``reads_scalars``: whether
     the head's kernel reads runtime scalars (the segment kernel always does: its terms' weights);
-    ``per_sequence``: the segment terms normalised by sequence (which take no divisor)."""
+    ``per_sequence``: the segment terms normalised by sequence (which take no divisor); ``row_terms``:
+    whether the head has loss terms reduced over rows (which take per-row upstream gradients)."""
     lw = plan.lowered
     segments = [seg.name for seg in lw.segments]
     args = ["x_ptr", "x_stride", "grad_ptr", "grad_stride", "y_ptr", "mask_ptr"]
@@ -330,7 +332,8 @@ def signatures(plan: Plan, key: str, reads_scalars: bool, per_sequence: tuple[st
     if segments:
         args += ["seg_ptr", "n_seg", "off_seg_sums", "off_seg_coefs"]
     args += ["ws_ptr", "off_rows", "off_loss_rows", "off_stats", *(["off_exact"] if plan.exact else []),
-             "gathered_ptr", "peers_ptr", "epoch", "div_ptr", "flag_ptr", "row_offset", "n_rows"]
+             "gathered_ptr", "peers_ptr", "epoch", "div_ptr", "flag_ptr",
+             *(["up_loss_ptr", "up_rows_ptr"] if row_terms else []), "row_offset", "n_rows"]
     fixed = ["world", *(["scalars_ptr"] if reads_scalars else []), "logit_scale", "softcap", "V", "vocab_start",
              "n_vocab", "ignore_index"]
     constexprs = ["SUM", "PER_ROW", "STATS", "EXCHANGE", "MERGE", "EXACT", "STORE_STATS", "ROWS", "GRAD",
@@ -505,7 +508,7 @@ def emit(plan: Plan, key: str, header: str, codegen: str,
     for seg in seg_fns:
         seg["per_sequence"] = norm[seg["name"]] == "sequence"
     sigs = signatures(plan, key, any(scalar_loads[b] for b in ("reads", "rows", "grad", "finish")),
-                      tuple(seg["name"] for seg in seg_fns if seg["per_sequence"]))
+                      tuple(seg["name"] for seg in seg_fns if seg["per_sequence"]), bool(row_loss_terms))
 
     ctx = dict(
         header=header, sigs=sigs, key=key, codegen=codegen, plan=plan, lw=lw,

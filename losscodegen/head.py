@@ -3,6 +3,7 @@ the pipeline (lower, plan, emit, load) for ``explain()`` and for its kernel, and
 the input checks, then to autograd (eager or compiled) or to the fused linear path."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -40,11 +41,15 @@ def _kernel_of(head_id: str) -> ModuleType:
 @dataclass
 class HeadOutput:
     """``loss``: fp32 scalar (per-row with ``reduction="none"``), differentiable. ``terms`` and
-    ``metrics``: detached fp32 scalars, unweighted."""
+    ``metrics``: detached fp32 scalars, unweighted. ``rows`` (``reduction="none"`` only): every
+    term's and metric's per-row value, the labels' shape (0 on invalid rows), unweighted; a term's
+    rows are differentiable (one backward takes upstream gradients on any of them and on ``loss``),
+    a metric's detached."""
 
     loss: torch.Tensor
     terms: dict[str, torch.Tensor] = field(default_factory=dict)
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    rows: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class HeadLoss(torch.nn.Module):
@@ -173,19 +178,25 @@ class HeadLoss(torch.nn.Module):
         return self._output(*linear.run(self, hidden, weight, labels, bias, teacher_hidden,
                                         teacher_weight, teacher_bias, chunk_rows, inputs))
 
-    def _output(self, loss: torch.Tensor, values: torch.Tensor) -> HeadOutput:
+    def _output(self, loss: torch.Tensor, values: torch.Tensor, rows: dict[str, torch.Tensor]) -> HeadOutput:
         # the kernel's OUTPUTS: the terms, then the metrics, each a tensor of its own to autograd
         # (not a view: in-place ops on it work), sharing the workspace's memory (no device work)
         per_output = [v.detach() for v in values.unbind(0)]
         n = len(self.loss_terms)
         return HeadOutput(loss, dict(zip(self._names[:n], per_output[:n])),
-                          dict(zip(self._names[n:], per_output[n:])))
+                          dict(zip(self._names[n:], per_output[n:])), rows)
 
     # ---- what the runtime asks of a head -------------------------------------------------------
-    def launches(self, *, sharded: bool, grad: bool, split: bool, exchange: bool = False) -> tuple[Launch, ...]:
+    def launches(self, *, sharded: bool, grad: bool, split: bool, exchange: bool = False,
+                 deferred: bool = False) -> tuple[Launch, ...]:
+        """The plan's launches; ``deferred``: the gradient as a launch of its own, last, after a
+        forward that keeps the stats it needs (reduction="none": backward runs it)."""
         k = self.kernel
-        return launch_sequence(has_exact=k.HAS_EXACT, segments=bool(k.SEGMENTS), sharded=sharded,
-                               grad=grad, split=split, exchange=exchange)
+        seq = launch_sequence(has_exact=k.HAS_EXACT, segments=bool(k.SEGMENTS), sharded=sharded,
+                              grad=grad and not deferred, split=split, exchange=exchange)
+        if grad and deferred:
+            seq = (*seq[:-1], dataclasses.replace(seq[-1], store_stats=True), Launch(grad=True))
+        return seq
 
     def scalar_buffer(self, device: torch.device) -> torch.Tensor:
         """The kernel's runtime scalars (its SCALARS: weights, runtime parameters) as fp32 on

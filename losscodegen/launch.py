@@ -101,7 +101,7 @@ class Signature(NamedTuple):
 # How the launcher passes each per-launch argument a kernel may declare (its ARGS), by name: an
 # expression in the values below (``bind``'s parameters). Besides these, ``off_<region>`` is the
 # workspace's offset of that region and ``tok_<name>_ptr`` the per-row token ``name``.
-_BIND_PARAMS = "x, teacher, grad, call, ws, n_seg, gathered, peers, epoch, flags, row_offset"
+_BIND_PARAMS = "x, teacher, grad, call, ws, n_seg, gathered, peers, epoch, flags, row_offset, up_loss, up_rows"
 _LAUNCH_VALUES = {
     "x_ptr": "x", "x_stride": "x.stride(0)",
     "grad_ptr": "x if grad is None else grad", "grad_stride": "0 if grad is None else grad.stride(0)",
@@ -112,6 +112,7 @@ _LAUNCH_VALUES = {
     "seg_ptr": "call.segment_ids", "n_seg": "n_seg",
     "ws_ptr": "ws.t", "gathered_ptr": "gathered", "peers_ptr": "peers", "epoch": "epoch",
     "div_ptr": "call.divisor", "flag_ptr": "flags", "row_offset": "row_offset", "n_rows": "call.rows",
+    "up_loss_ptr": "up_loss", "up_rows_ptr": "up_rows",
 }
 
 
@@ -145,6 +146,7 @@ class _Layout:
     steps: tuple[tuple[Launch, Kernel], ...]  # each launch with the head's kernel for it (its
                                                # constexprs and the fixed arguments)
     cut: int                       # steps[:cut] run before the segment step
+    deferred: bool                 # the last step is the gradient, run in backward (reduction="none")
     count: bool                    # whether a launch counts the valid rows (the default divisor)
     bind: Callable[..., tuple]     # the head kernel's per-launch arguments (``binder``)
     bind_segments: Callable[..., tuple] | None  # the segment kernel's
@@ -158,7 +160,11 @@ def _layout(head, sig: Signature) -> _Layout:
     world, rank = collectives.group_info(sig.group)
     sharded = sig.group is not None
     config = tiles.choose(head, k, sig.V_local, sig.dtype, sig.device, sharded=sharded)
-    launches = head.launches(sharded=sharded, grad=sig.grad, split=config.split, exchange=sig.exchange)
+    # reduction="none" with a gradient: the forward keeps the stats, and backward runs the gradient
+    # launch with each row's upstream gradients as the terms' weights (out.rows are differentiable)
+    deferred = sig.grad and sig.reduction == "none"
+    launches = head.launches(sharded=sharded, grad=sig.grad, split=config.split, exchange=sig.exchange,
+                             deferred=deferred)
     cut = next((i + 1 for i, launch in enumerate(launches) if launch.then == "segments"), len(launches))
     name = f"head_loss_{k.KEY}"
     options = config.launch(sig.V_local, sig.element_size)
@@ -185,7 +191,7 @@ def _layout(head, sig: Signature) -> _Layout:
     # normalised by tokens when the call gives no divisor (segment terms count their own rows).
     norms = {k.NORMALIZE[n] for n in k.OUTPUTS if n not in k.SEGMENTS}
     count = "mean" in norms or ("tokens" in norms and not sig.divisor and sig.reduction != "sum")
-    return _Layout(world, sig.V_local * world, tuple(zip(launches, kernels)), cut, count, binder(k, k.ARGS),
+    return _Layout(world, sig.V_local * world, tuple(zip(launches, kernels)), cut, deferred, count, binder(k, k.ARGS),
                    binder(k, k.SEGMENT_ARGS) if k.SEGMENTS else None, segment_kernel)
 
 
@@ -252,6 +258,11 @@ class Workspace:
         width = len(self.k.EXACT)
         return self.t[self.off_exact + start * width:self.off_exact + stop * width]
 
+    def rows(self, call) -> torch.Tensor:
+        """Every row value (ROW_VALUES: the terms' and metrics' per-row values), ``[n, *rows]``."""
+        n = len(self.k.ROW_VALUES)
+        return self.t.narrow(0, self.off_rows, n * self.n_rows).view(n, *call.shape)
+
     def seg_sums(self, n_seg: int) -> torch.Tensor:
         return self.t[self.off_seg_sums:self.off_seg_sums + max(n_seg, 1) * (len(self.k.SEGMENT_MEANS) + 1)]
 
@@ -291,11 +302,14 @@ class Launcher:
                                  k.COUNT)
 
     def run(self, launches: tuple[tuple[Launch, Kernel], ...], x: torch.Tensor, teacher: torch.Tensor | None,
-            grad: torch.Tensor | None, row_offset: int = 0) -> None:
+            grad: torch.Tensor | None, row_offset: int = 0, up_loss: torch.Tensor | None = None,
+            up_rows: torch.Tensor | None = None) -> None:
         """``launches`` (from ``passes``) over rows ``[row_offset, row_offset + len(x))`` of the call,
-        whose logits (and teacher logits) are ``x`` (``teacher``); the gradient goes to ``grad``."""
+        whose logits (and teacher logits) are ``x`` (``teacher``); the gradient goes to ``grad``.
+        ``up_loss`` (``[rows]``) and ``up_rows`` (``[ROW_LOSS_TERMS, rows]``), fp32: the upstream
+        gradients of a deferred gradient launch."""
         for launch, kernel in launches:
-            self._launch(launch, kernel, x, teacher, grad, row_offset)
+            self._launch(launch, kernel, x, teacher, grad, row_offset, up_loss, up_rows)
             if launch.then == "gather":
                 n = x.shape[0]
                 gathered = torch.empty(self.layout.world * n * len(self.k.COLUMNS), device=x.device)
@@ -306,9 +320,28 @@ class Launcher:
 
     def passes(self) -> tuple[tuple[tuple[Launch, Kernel], ...], tuple[tuple[Launch, Kernel], ...]]:
         """The launches (each with its kernel) before the segment step (it needs every row's
-        values: all chunks of rows go through the first part before it), and those after it."""
+        values: all chunks of rows go through the first part before it), and those after it, but
+        a deferred gradient launch (``deferred``)."""
         steps, cut = self.layout.steps, self.layout.cut
-        return steps[:cut], steps[cut:]
+        end = len(steps) - self.layout.deferred
+        return steps[:min(cut, end)], steps[cut:end]
+
+    def deferred(self) -> tuple[tuple[Launch, Kernel], ...]:
+        """The gradient launch that backward runs (reduction="none" with a gradient), or none."""
+        return self.layout.steps[-1:] if self.layout.deferred else ()
+
+    def upstream(self, grad_loss: torch.Tensor | None,
+                 grad_rows: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A deferred gradient launch's ``up_loss`` and ``up_rows`` (fp32, flat) from the upstream
+        gradients on ``out.loss`` and on each of ROW_LOSS_TERMS' rows (None: none)."""
+        rows = self.call.rows
+        up_loss = grad_loss.reshape(rows).float().contiguous() if grad_loss is not None \
+            else torch.zeros(rows, device=self.call.device)
+        up_rows = None
+        if any(g is not None for g in grad_rows):
+            up_rows = torch.stack([g.reshape(rows).float() if g is not None else up_loss.new_zeros(rows)
+                                   for g in grad_rows])
+        return up_loss, up_rows
 
     def segments(self) -> None:
         """The segment step, between the passes: the segment kernel (after summing the segments
@@ -319,31 +352,44 @@ class Launcher:
             if kernel is None:
                 kernel = layout.segment_kernels[block] = layout.segment_kernel(block)
             segments.run(self.call, self.ws, self.n_seg, kernel, layout.bind_segments(
-                None, None, None, self.call, self.ws, self.n_seg, None, None, 0, self.flags, 0))
+                None, None, None, self.call, self.ws, self.n_seg, None, None, 0, self.flags, 0, None, None))
 
-    def _launch(self, launch: Launch, kernel: Kernel, x, teacher, grad, row_offset: int) -> None:
+    def _launch(self, launch: Launch, kernel: Kernel, x, teacher, grad, row_offset: int, up_loss, up_rows) -> None:
         gathered, peers, epoch = (self.gathered if launch.merge else None), None, 0
         if launch.exchange:
             gathered, peers, epoch = self.exchange.next(x.shape[0], len(self.k.COLUMNS))
         kernel(x.shape[0], *self.layout.bind(x, teacher, grad, self.call, self.ws, self.n_seg, gathered, peers,
-                                             epoch, self.flags, row_offset))
+                                             epoch, self.flags, row_offset, up_loss, up_rows))
 
 
-def run(head, call, *, grad: bool, inplace: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """One call on whole logits: (loss, values of the outputs, gradient buffer or None). With
-    ``inplace`` the gradient buffer is the logits' own storage."""
+def run(head, call, *, grad: bool, inplace: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Launcher]:
+    """One call on whole logits: (loss, values of the outputs, gradient buffer or None, the
+    launcher). With ``inplace`` the gradient buffer is the logits' own storage. Under
+    reduction="none" the gradient is deferred (``backward``): no buffer."""
     device = call.device
     flags = head.checks.before(device) if head.validate else None
     width = max(call.x.element_size(), call.teacher.element_size() if call.teacher is not None else 0)
     launcher = Launcher(head, call, grad=grad, flags=flags, dtype=call.x.dtype, element_size=width)
     grad_buf = None
-    if grad:
+    if grad and not launcher.layout.deferred:
         # laid out for the kernel, [rows, V] with unit column stride, whatever the logits' strides
-        grad_buf = call.x if inplace else torch.empty(call.x.shape, dtype=call.x.dtype, device=device)
+        grad_buf = call.x if inplace else torch.empty(call.x.shape, dtype=call.x.dtype, device=call.device)
     first, second = launcher.passes()
     launcher.run(first, call.x, call.teacher, grad_buf)
     launcher.segments()
     launcher.run(second, call.x, call.teacher, grad_buf)
     if flags is not None:
         head.checks.after(device, launcher.vocab, launcher.n_seg)
-    return launcher.ws.loss(call), launcher.ws.values(), grad_buf
+    return launcher.ws.loss(call), launcher.ws.values(), grad_buf, launcher
+
+
+def backward(launcher: Launcher, grad_loss: torch.Tensor | None, grad_rows: list[torch.Tensor | None], *,
+             inplace: bool) -> torch.Tensor:
+    """A reduction="none" call's deferred gradient launch, on whole logits: dL/dlogits for the
+    upstream gradients on its per-row loss and on each loss term's rows (``grad_rows``, in
+    ROW_LOSS_TERMS' order), in one pass."""
+    call = launcher.call
+    # (laid out for the kernel, [rows, V] with unit column stride, whatever the logits' strides)
+    grad = call.x if inplace else torch.empty(call.x.shape, dtype=call.x.dtype, device=call.device)
+    launcher.run(launcher.deferred(), call.x, call.teacher, grad, 0, *launcher.upstream(grad_loss, grad_rows))
+    return grad

@@ -10,8 +10,10 @@ forward ends with every gradient known, and backward only scales them by the ups
 - Segment terms need every row's values before any gradient: a first pass over the chunks writes
   the rows' values and segment sums, the segment kernel runs, and a second pass computes each
   chunk's logits again for its gradient (one more product of the logits' size).
-- ``reduction="none"`` has an upstream gradient per row, which must scale dL/dlogits before the
-  products that mix rows: the forward computes values only, and backward runs the chunks again.
+- ``reduction="none"`` has upstream gradients per row (on the per-row loss and on each term's
+  ``out.rows``), which must weigh dL/dlogits before the products that mix rows: the forward computes
+  the values and keeps the packed stats; backward makes each chunk's logits again and runs only the
+  gradient launch on them, its terms weighted per row by the upstream gradients, then the products.
 - Vocab-parallel: ``weight`` (and bias, teacher weight and bias) hold this rank's vocabulary rows; the
   packed stats are exchanged once per chunk, and dL/dhidden is all-reduced over the group once.
 """
@@ -24,7 +26,7 @@ from typing import Any
 import torch
 
 from . import collectives
-from .autograd import BACKWARD_TWICE, refuse_create_graph
+from .autograd import BACKWARD_TWICE, refuse_create_graph, row_outputs
 from .inputs import _FLOATS, check_logits, check_rows
 from .launch import Launcher, scale_rows
 
@@ -54,44 +56,71 @@ class _Fused:
     teacher_bias: torch.Tensor | None
     chunk: int
 
-    def run(self, *, grad: tuple[bool, bool, bool] | None, upstream: torch.Tensor | None = None):
-        """(loss, values, gradients or None). ``grad``: which of hidden, weight, bias want one;
-        ``upstream``: per-row upstream gradients to apply before the products (reduction="none")."""
+    def run(self, *, grad: tuple[bool, bool, bool] | None):
+        """(loss, values, gradients or None, the launcher). ``grad``: which of hidden, weight, bias
+        want one. Under reduction="none" the gradients are deferred to ``backward``."""
         head, call, dev = self.head, self.call, self.hidden.device
         flags = head.checks.before(dev) if head.validate else None
         width = max(self.hidden.element_size(),
                     self.teacher_hidden.element_size() if self.teacher_hidden is not None else 0)
         launcher = Launcher(head, call, grad=grad is not None, flags=flags, dtype=self.hidden.dtype,
                             element_size=width)
-        grads = self._gradients(grad) if grad is not None else None
-        buf = torch.empty(self.chunk, call.V_local, dtype=self.hidden.dtype, device=dev)
-        tbuf = None if self.teacher_hidden is None else \
-            torch.empty(self.chunk, call.V_local, dtype=self.teacher_hidden.dtype, device=dev)
+        grads = self._gradients(grad) if grad is not None and not launcher.layout.deferred else None
+        buffers = self._buffers()
         first, second = launcher.passes()
         for launches, last in ((first, not second), (second, True)):
             if not launches:
                 continue
             for start in range(0, call.rows, self.chunk):
                 stop = min(start + self.chunk, call.rows)
-                x = _affine(self.hidden[start:stop], self.weight, self.bias, buf[:stop - start])
-                t = None if tbuf is None else _affine(self.teacher_hidden[start:stop], self.teacher_weight,
-                                                      self.teacher_bias, tbuf[:stop - start])
+                x, t = self._logits(start, stop, *buffers)
                 with_grad = grads is not None and last
                 launcher.run(launches, x, t, x if with_grad else None, row_offset=start)
                 if with_grad:
-                    if upstream is not None:
-                        scale_rows(x, upstream[start:stop])
                     self._add(grads, x, start, stop)
             if launches is first:
                 launcher.segments()
         if grads is not None:
-            if grads.hidden is not None and call.group is not None:
-                collectives.all_reduce(grads.hidden, call.group)
-            if grads.bias is not None:
-                grads.bias = grads.bias.to(self.bias.dtype)
+            self._finish(grads)
         if flags is not None:
             head.checks.after(dev, launcher.vocab, launcher.n_seg)
-        return launcher.ws.loss(call), launcher.ws.values(), grads
+        return launcher.ws.loss(call), launcher.ws.values(), grads, launcher
+
+    def backward(self, launcher: Launcher, want: tuple[bool, bool, bool], grad_loss: torch.Tensor | None,
+                 grad_rows: list[torch.Tensor | None]) -> _Gradients:
+        """reduction="none": each chunk's logits made again, its deferred gradient launch (the stats
+        kept by the forward; the terms weighted per row by the upstream gradients on the per-row loss
+        and on their rows), and the products."""
+        grads = self._gradients(want)
+        up_loss, up_rows = launcher.upstream(grad_loss, grad_rows)
+        buffers = self._buffers()
+        for start in range(0, self.call.rows, self.chunk):
+            stop = min(start + self.chunk, self.call.rows)
+            x, t = self._logits(start, stop, *buffers)
+            launcher.run(launcher.deferred(), x, t, x, start, up_loss, up_rows)
+            self._add(grads, x, start, stop)
+        self._finish(grads)
+        return grads
+
+    def _buffers(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One chunk of logits (and of the teacher's), which every chunk reuses."""
+        V, dev = self.call.V_local, self.hidden.device
+        return (torch.empty(self.chunk, V, dtype=self.hidden.dtype, device=dev),
+                None if self.teacher_hidden is None else
+                torch.empty(self.chunk, V, dtype=self.teacher_hidden.dtype, device=dev))
+
+    def _logits(self, start: int, stop: int, buf: torch.Tensor, tbuf: torch.Tensor | None):
+        """Rows [start, stop)'s logits and the teacher's, in the buffers."""
+        x = _affine(self.hidden[start:stop], self.weight, self.bias, buf[:stop - start])
+        t = None if tbuf is None else _affine(self.teacher_hidden[start:stop], self.teacher_weight,
+                                              self.teacher_bias, tbuf[:stop - start])
+        return x, t
+
+    def _finish(self, grads: _Gradients) -> None:
+        if grads.hidden is not None and self.call.group is not None:
+            collectives.all_reduce(grads.hidden, self.call.group)
+        if grads.bias is not None:
+            grads.bias = grads.bias.to(self.bias.dtype)
 
     def _gradients(self, want: tuple[bool, bool, bool]) -> _Gradients:
         h, w, b = want
@@ -121,48 +150,61 @@ def _affine(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch
 
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, fused):
+    def forward(ctx, hidden, weight, bias, fused, side):
         want = tuple(ctx.needs_input_grad[:3])
         ctx.fused, ctx.want, ctx.shape = fused, want, hidden.shape
-        if fused.call.reduction == "none":
-            loss, values, _ = fused.run(grad=None)
-            ctx.grads = None
-        else:
-            loss, values, ctx.grads = fused.run(grad=want)
+        loss, values, ctx.grads, launcher = fused.run(grad=want)
         ctx.mark_non_differentiable(values)
         ctx.set_materialize_grads(False)
-        return loss, values
+        ctx.launcher = None
+        if fused.call.reduction != "none":
+            return loss, values
+        # the terms' rows are outputs with a gradient (the metrics' rows leave through ``side``)
+        ctx.launcher = launcher
+        rows = row_outputs(fused.head, launcher, fused.call)
+        side.append(rows)
+        return (loss, values, *[rows[n] for n in fused.head.kernel.ROW_LOSS_TERMS])
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_values):
+    def backward(ctx, grad_loss, _grad_values, *grad_rows):
         refuse_create_graph("HeadLoss.linear")
-        if grad_loss is None:
-            return None, None, None, None
         if ctx.fused.call.reduction == "none":
-            grads = ctx.fused.run(grad=ctx.want, upstream=grad_loss.reshape(-1))[2]
+            launcher, ctx.launcher = ctx.launcher, None
+            if launcher is None:
+                raise RuntimeError(f"HeadLoss.linear: {BACKWARD_TWICE}")
+            if grad_loss is None and all(g is None for g in grad_rows):
+                return None, None, None, None, None
+            grads = ctx.fused.backward(launcher, ctx.want, grad_loss, list(grad_rows))
         else:
+            if grad_loss is None:
+                return None, None, None, None, None
             grads, ctx.grads = ctx.grads, None
             if grads is None:
                 raise RuntimeError(f"HeadLoss.linear: {BACKWARD_TWICE}")
             for g in (grads.hidden, grads.weight, grads.bias):
                 if g is not None:
                     scale_rows(g.view(-1, g.shape[-1]), grad_loss)
-        return (None if grads.hidden is None else grads.hidden.view(ctx.shape), grads.weight, grads.bias, None)
+        return (None if grads.hidden is None else grads.hidden.view(ctx.shape), grads.weight, grads.bias, None,
+                None)
 
 
 # Eager even inside a compiled function (a graph break): Dynamo would trace into the chunk loop and
 # the kernels' launches, which it cannot (docs/api.md).
 @torch.compiler.disable
 def run(head, hidden, weight, labels, bias, teacher_hidden, teacher_weight, teacher_bias, chunk_rows,
-        inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     hidden, weight, bias = _as_linear(hidden, weight, bias)
     teacher_hidden, teacher_weight, teacher_bias = _as_linear(teacher_hidden, teacher_weight, teacher_bias)
     fused = _check(head, hidden, weight, labels, bias, teacher_hidden, teacher_weight, teacher_bias,
                    chunk_rows, inputs)
+    per_row = fused.call.reduction == "none"
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
-        return _LinearFunction.apply(hidden, weight, bias, fused)
-    loss, values, _ = fused.run(grad=None)
-    return loss, values
+        side: list = []
+        loss, values, *term_rows = _LinearFunction.apply(hidden, weight, bias, fused, side)
+        rows = {**side[0], **dict(zip(head.kernel.ROW_LOSS_TERMS, term_rows))} if per_row else {}
+        return loss, values, rows
+    loss, values, _, launcher = fused.run(grad=None)
+    return loss, values, row_outputs(head, launcher, fused.call) if per_row else {}
 
 
 def _as_linear(hidden: Any, weight: Any, bias: Any) -> tuple[Any, Any, Any]:

@@ -70,4 +70,4 @@ def test_an_argument_the_launcher_cannot_pass_is_named():
     call = type("Call", (), {"rows": 7, "tokens": ("a", "b", "c")})()
     ws = type("Ws", (), {"off_stats": 42})()
     position = k.TOKENS.index("advantages")
-    assert bind(None, None, None, call, ws, 0, None, None, 0, None, 0) == (7, 42, call.tokens[position])
+    assert bind(None, None, None, call, ws, 0, None, None, 0, None, 0, None, None) == (7, 42, call.tokens[position])

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import losscodegen as lcg
+from losscodegen import autograd
 from losscodegen.inputs import check_call
 from helpers import check_head, make_inputs, policy_inputs, topk_inputs
 
@@ -52,17 +53,16 @@ def test_compiled_fullgraph_equals_eager_without_recompiling(name):
         assert torch.equal(grad, x.grad)
 
 
-@pytest.mark.parametrize("name", ["tokens", "segments"])
-def test_the_compile_op_is_registered_consistently(name):
+@pytest.mark.parametrize("name,reduction", [("tokens", "mean"), ("segments", "mean"), ("teacher", "none")])
+def test_the_compile_op_is_registered_consistently(name, reduction):
     """torch.library's own checks of the op: its schema, its fake (shapes only) against the real
     outputs, and its autograd registration. (Its AOT check compares two calls' outputs, and the
-    gradient handle differs from call to call by design.)"""
+    gradient handle differs from call to call by design.) The arguments come from the op's one
+    declaration (autograd.op_args), as the compiled path's do."""
     head, logits, labels, inputs = _case(name)
-    call = check_call(head, head.kernel, logits, labels, inputs)
-    args = (head.head_id, logits.requires_grad_(), call.labels, call.mask, call.teacher, list(call.tokens),
-            call.topk_ids, call.topk_logprobs, call.segment_ids, call.num_segments, call.divisor,
-            call.reduction, None, None, True)
-    results = torch.library.opcheck(torch.ops.losscodegen.head.default, args,
+    call = check_call(head, head.kernel, logits, labels, dict(inputs, reduction=reduction))
+    args = autograd.op_args(head, logits.requires_grad_(), call)
+    results = torch.library.opcheck(torch.ops.losscodegen.head.default, tuple(args),
                                     test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
     assert set(results.values()) == {"SUCCESS"}, results
 
