@@ -35,7 +35,7 @@ from triton.language.extra import libdevice
 
 KEY = "2e7b8aa488a0d8ec"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "e486479fd2b4"
+CODEGEN = "9bcd0cc95287"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -87,6 +87,9 @@ FIXED_SLOTS = 5
 
 # Triton's interpreter (CPU) lacks the GPU's approximate log and reciprocal instructions
 INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y"))
+# what a -inf input element is read as where a product with it would be 0 * -inf: exp of it is
+# still 0, and a square of it still finite (so 0 * z * z is 0 too)
+FLOOR = tl.constexpr(-1.0e18)
 
 
 @triton.jit
@@ -105,13 +108,6 @@ def _rcp(x):
         return 1.0 / x
     else:
         return libdevice.fast_dividef(1.0, x)
-
-
-@triton.jit
-def _dead_as_zero(v, dead):
-    # 0 * log 0 = 0: a summand or gradient element that is NaN where an input element is -inf
-    # (0 * -inf, -inf - -inf) counts as 0; a NaN anywhere else stays NaN
-    return tl.where(dead & (v != v), 0.0, v)
 
 
 @triton.jit
@@ -206,6 +202,7 @@ def head_loss_2e7b8aa488a0d8ec(
                 m_new = tl.maximum(m, block_max)
                 # the exponents' reference: 0 while every logit so far is -inf (-inf - -inf is NaN)
                 m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+
                 s0 = tl.exp2(-1.4426950408889634*m_ref + 1.4426950408889634*z)
                 r0 = tl.exp2(1.4426950408889634*m - 1.4426950408889634*m_ref)
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
@@ -249,7 +246,7 @@ def head_loss_2e7b8aa488a0d8ec(
             z_y = tl.load(stats_row + 1)
             acc0 = tl.load(stats_row + 2)
         # a row whose logits (or teacher logits) are all -inf has no distribution: its values are NaN
-        finite_row = (m > float("-inf"))
+        finite_row = (m > FLOOR)
 
         N0 = m + _log(acc0)
 
@@ -308,6 +305,7 @@ def head_loss_2e7b8aa488a0d8ec(
                 x = x_tile.to(tl.float32)
                 z = _logits(x, logit_scale, softcap)
                 is_y = tl.where(cols == y_local, 1.0, 0.0)
+
                 dz = g0*tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*z) + g1*is_y
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
@@ -369,4 +367,4 @@ def head_loss_2e7b8aa488a0d8ec(
             tl.store(ws_ptr + 1, value_z_loss)
             tl.store(ws_ptr + 2, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "153c5834279974fea35f631c9fe1994f3c85d687ca9b4b35b7933aef0756e799"
+TEXT_HASH = "e6d87b734b6ad82b801ac89fbb950149f99ce7f5a0407496212268db72a761ad"

@@ -42,7 +42,7 @@ from triton.language.extra import libdevice
 
 KEY = "4b44cfbdd10c9539"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "e486479fd2b4"
+CODEGEN = "9bcd0cc95287"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_fraction', 'ratio_mean', 'kl_new_old']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -95,6 +95,9 @@ FIXED_SLOTS = 8
 
 # Triton's interpreter (CPU) lacks the GPU's approximate log and reciprocal instructions
 INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y"))
+# what a -inf input element is read as where a product with it would be 0 * -inf: exp of it is
+# still 0, and a square of it still finite (so 0 * z * z is 0 too)
+FLOOR = tl.constexpr(-1.0e18)
 
 
 @triton.jit
@@ -113,13 +116,6 @@ def _rcp(x):
         return 1.0 / x
     else:
         return libdevice.fast_dividef(1.0, x)
-
-
-@triton.jit
-def _dead_as_zero(v, dead):
-    # 0 * log 0 = 0: a summand or gradient element that is NaN where an input element is -inf
-    # (0 * -inf, -inf - -inf) counts as 0; a NaN anywhere else stays NaN
-    return tl.where(dead & (v != v), 0.0, v)
 
 
 @triton.jit
@@ -217,11 +213,13 @@ def head_loss_4b44cfbdd10c9539(
                 m_new = tl.maximum(m, block_max)
                 # the exponents' reference: 0 while every logit so far is -inf (-inf - -inf is NaN)
                 m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-                dead = (z == float("-inf"))
+                # -inf as FLOOR (a NaN stays NaN): its probability is still 0, and 0 * FLOOR is 0 where 0 * -inf is NaN
+                z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
+
                 s0 = tl.exp2(-1.4426950408889634*m_ref + 1.4426950408889634*z)
                 r0 = tl.exp2(1.4426950408889634*m - 1.4426950408889634*m_ref)
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
-                part0 = tl.sum(tl.join(tl.where(in_row, _dead_as_zero(s0*z, dead), 0.0), tl.where(in_row, s0, 0.0)), 0)
+                part0 = tl.sum(tl.join(tl.where(in_row, s0*z, 0.0), tl.where(in_row, s0, 0.0)), 0)
                 acc0_tile, acc1_tile = tl.split(part0)
                 acc0 = acc0 * r0 + acc0_tile
                 acc1 = acc1 * r0 + acc1_tile
@@ -267,7 +265,7 @@ def head_loss_4b44cfbdd10c9539(
             acc0 = tl.load(stats_row + 2)
             acc1 = tl.load(stats_row + 3)
         # a row whose logits (or teacher logits) are all -inf has no distribution: its values are NaN
-        finite_row = (m > float("-inf"))
+        finite_row = (m > FLOOR)
 
         N0 = m + _log(acc1)
 
@@ -324,8 +322,9 @@ def head_loss_4b44cfbdd10c9539(
             c3 = _rcp(tl.where((c1 == c2), 1.0, 0.0) + 1.0)
             c4 = c0 - 1.0
             c5 = c1*tl.where(((c4 <= p_grpo__eps_high) & (c4 >= -p_grpo__eps_low)), 1.0, 0.0)*tl.where((c1 >= c2), c3, 0.0) + c1*tl.where((c1 <= c2), c3, 0.0)
-            g0 = c5*w_grpo
-            g1 = -c5*w_grpo
+            g0 = tl.where(finite_row, c5*w_grpo, float("nan"))
+            g1 = tl.where(finite_row, -c5*w_grpo, float("nan"))
+            # (a row of -inf read as FLOOR would look uniform: its gradient is NaN, as its values are)
             # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
             # Tiles last to first, each loaded one iteration ahead (its loads overlap the math).
             n_blocks = tl.cdiv(V, BLOCK_V)
@@ -341,6 +340,7 @@ def head_loss_4b44cfbdd10c9539(
                 x = x_tile.to(tl.float32)
                 z = _logits(x, logit_scale, softcap)
                 is_y = tl.where(cols == y_local, 1.0, 0.0)
+
                 dz = g0*tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*z) + g1*is_y
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
@@ -412,4 +412,4 @@ def head_loss_4b44cfbdd10c9539(
             tl.store(ws_ptr + 4, value_kl_new_old)
             tl.store(ws_ptr + 5, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "f7080f52d398738de0d586c2431efdde96c93727a6eb22e68c8b6b50836af007"
+TEXT_HASH = "bda57f0d1c47b32e81127279a983b4f7f732c45eebbe1f1da004fdd6db152a14"

@@ -37,7 +37,7 @@ from triton.language.extra import libdevice
 
 KEY = "61bded9c9d8c364d"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "e486479fd2b4"
+CODEGEN = "9bcd0cc95287"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['reverse_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -89,6 +89,9 @@ FIXED_SLOTS = 4
 
 # Triton's interpreter (CPU) lacks the GPU's approximate log and reciprocal instructions
 INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y"))
+# what a -inf input element is read as where a product with it would be 0 * -inf: exp of it is
+# still 0, and a square of it still finite (so 0 * z * z is 0 too)
+FLOOR = tl.constexpr(-1.0e18)
 
 
 @triton.jit
@@ -107,13 +110,6 @@ def _rcp(x):
         return 1.0 / x
     else:
         return libdevice.fast_dividef(1.0, x)
-
-
-@triton.jit
-def _dead_as_zero(v, dead):
-    # 0 * log 0 = 0: a summand or gradient element that is NaN where an input element is -inf
-    # (0 * -inf, -inf - -inf) counts as 0; a NaN anywhere else stays NaN
-    return tl.where(dead & (v != v), 0.0, v)
 
 
 @triton.jit
@@ -218,13 +214,16 @@ def head_loss_61bded9c9d8c364d(
                 t = t_tile.to(tl.float32)
                 m_t_new = tl.maximum(m_t, tl.max(tl.where(in_row, t, float("-inf")), 0))
                 m_t_ref = tl.where(m_t_new == float("-inf"), 0.0, m_t_new)
-                dead = (z == float("-inf")) | (t == float("-inf"))
+                # -inf as FLOOR (a NaN stays NaN): its probability is still 0, and 0 * FLOOR is 0 where 0 * -inf is NaN
+                z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
+                t = tl.maximum(t, FLOOR, propagate_nan=tl.PropagateNan.ALL)
+
                 s0 = tl.exp2(-1.4426950408889634*m_ref + 1.4426950408889634*z)
                 r0 = tl.exp2(1.4426950408889634*m - 1.4426950408889634*m_ref)
                 s1 = tl.exp2(-1.4426950408889634*m_t_ref + 1.4426950408889634*t)
                 r1 = tl.exp2(1.4426950408889634*m_t - 1.4426950408889634*m_t_ref)
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
-                part0 = tl.sum(tl.join(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, _dead_as_zero(s0*z, dead), 0.0)), tl.join(tl.where(in_row, _dead_as_zero(s0*t, dead), 0.0), tl.where(in_row, s1, 0.0))), 0)
+                part0 = tl.sum(tl.join(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, s0*z, 0.0)), tl.join(tl.where(in_row, s0*t, 0.0), tl.where(in_row, s1, 0.0))), 0)
                 part1, part2 = tl.split(part0)
                 acc0_tile, acc1_tile = tl.split(part1)
                 acc2_tile, acc3_tile = tl.split(part2)
@@ -282,9 +281,7 @@ def head_loss_61bded9c9d8c364d(
             acc2 = tl.load(stats_row + 4)
             acc3 = tl.load(stats_row + 5)
         # a row whose logits (or teacher logits) are all -inf has no distribution: its values are NaN
-        finite_row = (m > float("-inf")) & (m_t > float("-inf"))
-        # what a -inf input element is compared with in the reads below: NaN (equal to nothing) in such a row
-        ninf = tl.where(finite_row, float("-inf"), float("nan"))
+        finite_row = (m > FLOOR) & (m_t > FLOOR)
 
         N0 = m + _log(acc0)
         N1 = m_t + _log(acc3)
@@ -325,8 +322,9 @@ def head_loss_61bded9c9d8c364d(
             else:
                 w_reverse_kl = weight_reverse_kl * grad_scale
             c0 = tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*m)
-            g0 = w_reverse_kl
-            g1 = w_reverse_kl*(N0 - N1 - acc1*c0 + acc2*c0 - 1.0)
+            g0 = tl.where(finite_row, w_reverse_kl, float("nan"))
+            g1 = tl.where(finite_row, w_reverse_kl*(N0 - N1 - acc1*c0 + acc2*c0 - 1.0), float("nan"))
+            # (a row of -inf read as FLOOR would look uniform: its gradient is NaN, as its values are)
             # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
             # Tiles last to first, each loaded one iteration ahead (its loads overlap the math).
             n_blocks = tl.cdiv(V, BLOCK_V)
@@ -346,10 +344,13 @@ def head_loss_61bded9c9d8c364d(
                 x = x_tile.to(tl.float32)
                 z = _logits(x, logit_scale, softcap)
                 t = t_tile.to(tl.float32)
-                dead = (z == ninf) | (t == ninf)
+                # -inf as FLOOR (a NaN stays NaN): its probability is still 0, and 0 * FLOOR is 0 where 0 * -inf is NaN
+                z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
+                t = tl.maximum(t, FLOOR, propagate_nan=tl.PropagateNan.ALL)
+
                 d0 = N0 - z
                 d1 = tl.exp2(-1.4426950408889634*d0)
-                dz = _dead_as_zero(d1*g1 + g0*(d1*(N1 - d0 - t) + d1), dead)
+                dz = d1*g1 + g0*(d1*(N1 - d0 - t) + d1)
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
     else:
@@ -406,4 +407,4 @@ def head_loss_61bded9c9d8c364d(
             tl.store(ws_ptr + 0, value_reverse_kl)
             tl.store(ws_ptr + 1, weight_reverse_kl * value_reverse_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "207663688f657fab796c6dcc3f931789d78a69b362b5f6dc9b16b3de452539ec"
+TEXT_HASH = "c378d395076b10fe0b65e95765996f0e92d6e876951e2994546e514904ae8415"

@@ -37,7 +37,7 @@ from triton.language.extra import libdevice
 
 KEY = "7fef8addf6d59cde"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "e486479fd2b4"
+CODEGEN = "9bcd0cc95287"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -89,6 +89,9 @@ FIXED_SLOTS = 4
 
 # Triton's interpreter (CPU) lacks the GPU's approximate log and reciprocal instructions
 INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y"))
+# what a -inf input element is read as where a product with it would be 0 * -inf: exp of it is
+# still 0, and a square of it still finite (so 0 * z * z is 0 too)
+FLOOR = tl.constexpr(-1.0e18)
 
 
 @triton.jit
@@ -107,13 +110,6 @@ def _rcp(x):
         return 1.0 / x
     else:
         return libdevice.fast_dividef(1.0, x)
-
-
-@triton.jit
-def _dead_as_zero(v, dead):
-    # 0 * log 0 = 0: a summand or gradient element that is NaN where an input element is -inf
-    # (0 * -inf, -inf - -inf) counts as 0; a NaN anywhere else stays NaN
-    return tl.where(dead & (v != v), 0.0, v)
 
 
 @triton.jit
@@ -218,13 +214,16 @@ def head_loss_7fef8addf6d59cde(
                 t = t_tile.to(tl.float32)
                 m_t_new = tl.maximum(m_t, tl.max(tl.where(in_row, t, float("-inf")), 0))
                 m_t_ref = tl.where(m_t_new == float("-inf"), 0.0, m_t_new)
-                dead = (z == float("-inf")) | (t == float("-inf"))
+                # -inf as FLOOR (a NaN stays NaN): its probability is still 0, and 0 * FLOOR is 0 where 0 * -inf is NaN
+                z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
+                t = tl.maximum(t, FLOOR, propagate_nan=tl.PropagateNan.ALL)
+
                 s0 = tl.exp2(-1.4426950408889634*m_t_ref + 1.4426950408889634*t)
                 r0 = tl.exp2(1.4426950408889634*m_t - 1.4426950408889634*m_t_ref)
                 s1 = tl.exp2(-1.4426950408889634*m_ref + 1.4426950408889634*z)
                 r1 = tl.exp2(1.4426950408889634*m - 1.4426950408889634*m_ref)
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
-                part0 = tl.sum(tl.join(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, _dead_as_zero(s0*t, dead), 0.0)), tl.join(tl.where(in_row, _dead_as_zero(s0*z, dead), 0.0), tl.where(in_row, s1, 0.0))), 0)
+                part0 = tl.sum(tl.join(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, s0*t, 0.0)), tl.join(tl.where(in_row, s0*z, 0.0), tl.where(in_row, s1, 0.0))), 0)
                 part1, part2 = tl.split(part0)
                 acc0_tile, acc1_tile = tl.split(part1)
                 acc2_tile, acc3_tile = tl.split(part2)
@@ -282,7 +281,7 @@ def head_loss_7fef8addf6d59cde(
             acc2 = tl.load(stats_row + 4)
             acc3 = tl.load(stats_row + 5)
         # a row whose logits (or teacher logits) are all -inf has no distribution: its values are NaN
-        finite_row = (m > float("-inf")) & (m_t > float("-inf"))
+        finite_row = (m > FLOOR) & (m_t > FLOOR)
 
         N0 = m_t + _log(acc0)
         N1 = m + _log(acc3)
@@ -322,8 +321,9 @@ def head_loss_7fef8addf6d59cde(
                     w_forward_kl += tl.load(up_rows_ptr + 0 * n_rows + grow)
             else:
                 w_forward_kl = weight_forward_kl * grad_scale
-            g0 = w_forward_kl
-            g1 = w_forward_kl
+            g0 = tl.where(finite_row, w_forward_kl, float("nan"))
+            g1 = tl.where(finite_row, w_forward_kl, float("nan"))
+            # (a row of -inf read as FLOOR would look uniform: its gradient is NaN, as its values are)
             # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
             # Tiles last to first, each loaded one iteration ahead (its loads overlap the math).
             n_blocks = tl.cdiv(V, BLOCK_V)
@@ -343,6 +343,7 @@ def head_loss_7fef8addf6d59cde(
                 x = x_tile.to(tl.float32)
                 z = _logits(x, logit_scale, softcap)
                 t = t_tile.to(tl.float32)
+
                 dz = -g0*tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*t) + g1*tl.exp2(-1.4426950408889634*N1 + 1.4426950408889634*z)
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
@@ -400,4 +401,4 @@ def head_loss_7fef8addf6d59cde(
             tl.store(ws_ptr + 0, value_forward_kl)
             tl.store(ws_ptr + 1, weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "9ea7de01b97c6cf08127dad6bc474b593a59348399333d0231aa6d51703645aa"
+TEXT_HASH = "8bcea4826d07f87f7e844c032b89859ccbb583a84e53320854238c7b8b2d0cf6"

@@ -40,7 +40,7 @@ from triton.language.extra import libdevice
 
 KEY = "b035e884472ee995"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "e486479fd2b4"
+CODEGEN = "9bcd0cc95287"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['jsd']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -92,6 +92,9 @@ FIXED_SLOTS = 4
 
 # Triton's interpreter (CPU) lacks the GPU's approximate log and reciprocal instructions
 INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y"))
+# what a -inf input element is read as where a product with it would be 0 * -inf: exp of it is
+# still 0, and a square of it still finite (so 0 * z * z is 0 too)
+FLOOR = tl.constexpr(-1.0e18)
 
 
 @triton.jit
@@ -110,13 +113,6 @@ def _rcp(x):
         return 1.0 / x
     else:
         return libdevice.fast_dividef(1.0, x)
-
-
-@triton.jit
-def _dead_as_zero(v, dead):
-    # 0 * log 0 = 0: a summand or gradient element that is NaN where an input element is -inf
-    # (0 * -inf, -inf - -inf) counts as 0; a NaN anywhere else stays NaN
-    return tl.where(dead & (v != v), 0.0, v)
 
 
 @triton.jit
@@ -221,6 +217,7 @@ def head_loss_b035e884472ee995(
                 t = t_tile.to(tl.float32)
                 m_t_new = tl.maximum(m_t, tl.max(tl.where(in_row, t, float("-inf")), 0))
                 m_t_ref = tl.where(m_t_new == float("-inf"), 0.0, m_t_new)
+
                 s0 = tl.exp2(-1.4426950408889634*m_ref + 1.4426950408889634*z)
                 r0 = tl.exp2(1.4426950408889634*m - 1.4426950408889634*m_ref)
                 s1 = tl.exp2(-1.4426950408889634*m_t_ref + 1.4426950408889634*t)
@@ -272,7 +269,7 @@ def head_loss_b035e884472ee995(
             acc0 = tl.load(stats_row + 2)
             acc2 = tl.load(stats_row + 3)
         # a row whose logits (or teacher logits) are all -inf has no distribution: its values are NaN
-        finite_row = (m > float("-inf")) & (m_t > float("-inf"))
+        finite_row = (m > FLOOR) & (m_t > FLOOR)
         # what a -inf input element is compared with in the reads below: NaN (equal to nothing) in such a row
         ninf = tl.where(finite_row, float("-inf"), float("nan"))
 
@@ -302,7 +299,13 @@ def head_loss_b035e884472ee995(
                                  other=0.0)
                 z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
                 t = t_tile.to(tl.float32)
-                dead = (z == ninf) | (t == ninf)
+                # an entry where every input is -inf (padded, masked) is not part of the row
+                gone = (z == ninf) & (t == ninf)
+                in_row = in_row & ~gone
+                # -inf as FLOOR (a NaN stays NaN): its probability is still 0, and 0 * FLOOR is 0 where 0 * -inf is NaN
+                z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
+                t = tl.maximum(t, FLOOR, propagate_nan=tl.PropagateNan.ALL)
+
                 e0 = N0 - z
                 e1 = tl.exp2(-1.4426950408889634*e0)
                 e2 = e1*p_jsd__beta
@@ -311,8 +314,8 @@ def head_loss_b035e884472ee995(
                 e5 = e2 + e4*(1.0 - p_jsd__beta)
                 e6 = _log(e5)
                 e7 = e1*(-e0 - e6)
-                e8 = e2/e5
-                part0 = tl.sum(tl.join(tl.join(tl.where(in_row, _dead_as_zero(e7, dead), 0.0), tl.where(in_row, _dead_as_zero(e4*(-e3 - e6), dead), 0.0)), tl.join(tl.where(in_row, _dead_as_zero(e1*(e8 - 1.0) - e7, dead), 0.0), tl.where(in_row, _dead_as_zero(e4*e8, dead), 0.0))), 0)
+                e8 = e2*_rcp(e5)
+                part0 = tl.sum(tl.join(tl.join(tl.where(in_row, e7, 0.0), tl.where(in_row, e4*(-e3 - e6), 0.0)), tl.join(tl.where(in_row, e1*(e8 - 1.0) - e7, 0.0), tl.where(in_row, e4*e8, 0.0))), 0)
                 part1, part2 = tl.split(part0)
                 acc1_tile, acc3_tile = tl.split(part1)
                 acc4_tile, acc5_tile = tl.split(part2)
@@ -389,14 +392,20 @@ def head_loss_b035e884472ee995(
                 x = x_tile.to(tl.float32)
                 z = _logits(x, logit_scale, softcap)
                 t = t_tile.to(tl.float32)
-                dead = (z == ninf) | (t == ninf)
+                # an entry where every input is -inf (padded, masked) is not part of the row
+                gone = (z == ninf) & (t == ninf)
+                # -inf as FLOOR (a NaN stays NaN): its probability is still 0, and 0 * FLOOR is 0 where 0 * -inf is NaN
+                z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
+                t = tl.maximum(t, FLOOR, propagate_nan=tl.PropagateNan.ALL)
+
                 d0 = N0 - z
                 d1 = tl.exp2(-1.4426950408889634*d0)
                 d2 = tl.exp2(-1.4426950408889634*N1 + 1.4426950408889634*t)
                 d3 = d1*p_jsd__beta
                 d4 = d2*(1.0 - p_jsd__beta) + d3
-                d5 = d3/d4
-                dz = _dead_as_zero(d1*g2 - d2*d5*g1 + g0*(d1*(1.0 - d5) + d1*(-d0 - _log(d4))), dead)
+                d5 = d3*_rcp(d4)
+                dz = d1*g2 - d2*d5*g1 + g0*(d1*(1.0 - d5) + d1*(-d0 - _log(d4)))
+                dz = tl.where(gone, 0.0, dz)
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
     else:
@@ -453,4 +462,4 @@ def head_loss_b035e884472ee995(
             tl.store(ws_ptr + 0, value_jsd)
             tl.store(ws_ptr + 1, weight_jsd * value_jsd)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "c4982142dddf1d11d80a8c652c3341aefc892a240b24b3a8d15e3e3222364630"
+TEXT_HASH = "26063226031d4a07dedcf8ee67551c5ed212ca8344a15c4aaea37aacddfc552c"

@@ -40,7 +40,7 @@ from triton.language.extra import libdevice
 
 KEY = "b6ac30aa276abf3a"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "e486479fd2b4"
+CODEGEN = "9bcd0cc95287"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss', 'entropy', 'token_accuracy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -92,6 +92,9 @@ FIXED_SLOTS = 7
 
 # Triton's interpreter (CPU) lacks the GPU's approximate log and reciprocal instructions
 INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y"))
+# what a -inf input element is read as where a product with it would be 0 * -inf: exp of it is
+# still 0, and a square of it still finite (so 0 * z * z is 0 too)
+FLOOR = tl.constexpr(-1.0e18)
 
 
 @triton.jit
@@ -110,13 +113,6 @@ def _rcp(x):
         return 1.0 / x
     else:
         return libdevice.fast_dividef(1.0, x)
-
-
-@triton.jit
-def _dead_as_zero(v, dead):
-    # 0 * log 0 = 0: a summand or gradient element that is NaN where an input element is -inf
-    # (0 * -inf, -inf - -inf) counts as 0; a NaN anywhere else stays NaN
-    return tl.where(dead & (v != v), 0.0, v)
 
 
 @triton.jit
@@ -217,11 +213,13 @@ def head_loss_b6ac30aa276abf3a(
                 # strictly greater: the first index wins ties, like torch.argmax
                 block_arg = tl.argmax(tl.where(in_row, z, float("-inf")), 0)
                 argmax = tl.where(block_max > m, (vocab_start + start + block_arg).to(tl.float32), argmax)
-                dead = (z == float("-inf"))
+                # -inf as FLOOR (a NaN stays NaN): its probability is still 0, and 0 * FLOOR is 0 where 0 * -inf is NaN
+                z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
+
                 s0 = tl.exp2(-1.4426950408889634*m_ref + 1.4426950408889634*z)
                 r0 = tl.exp2(1.4426950408889634*m - 1.4426950408889634*m_ref)
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
-                part0 = tl.sum(tl.join(tl.where(in_row, _dead_as_zero(s0*z, dead), 0.0), tl.where(in_row, s0, 0.0)), 0)
+                part0 = tl.sum(tl.join(tl.where(in_row, s0*z, 0.0), tl.where(in_row, s0, 0.0)), 0)
                 acc0_tile, acc1_tile = tl.split(part0)
                 acc0 = acc0 * r0 + acc0_tile
                 acc1 = acc1 * r0 + acc1_tile
@@ -273,7 +271,7 @@ def head_loss_b6ac30aa276abf3a(
             acc0 = tl.load(stats_row + 3)
             acc1 = tl.load(stats_row + 4)
         # a row whose logits (or teacher logits) are all -inf has no distribution: its values are NaN
-        finite_row = (m > float("-inf"))
+        finite_row = (m > FLOOR)
 
         N0 = m + _log(acc1)
 
@@ -321,8 +319,9 @@ def head_loss_b6ac30aa276abf3a(
             else:
                 w_cross_entropy = weight_cross_entropy * grad_scale
                 w_z_loss = weight_z_loss * grad_scale
-            g0 = 2.0*N0*w_z_loss + w_cross_entropy
-            g1 = -w_cross_entropy
+            g0 = tl.where(finite_row, 2.0*N0*w_z_loss + w_cross_entropy, float("nan"))
+            g1 = tl.where(finite_row, -w_cross_entropy, float("nan"))
+            # (a row of -inf read as FLOOR would look uniform: its gradient is NaN, as its values are)
             # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
             # Tiles last to first, each loaded one iteration ahead (its loads overlap the math).
             n_blocks = tl.cdiv(V, BLOCK_V)
@@ -338,6 +337,7 @@ def head_loss_b6ac30aa276abf3a(
                 x = x_tile.to(tl.float32)
                 z = _logits(x, logit_scale, softcap)
                 is_y = tl.where(cols == y_local, 1.0, 0.0)
+
                 dz = g0*tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*z) + g1*is_y
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
@@ -407,4 +407,4 @@ def head_loss_b6ac30aa276abf3a(
             tl.store(ws_ptr + 3, value_token_accuracy)
             tl.store(ws_ptr + 4, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "3da98e7f2fc8e87380e2bbfc82acd19c8702e215fbcbb92e42aa7aef62ca2dfa"
+TEXT_HASH = "6d1fd2f0fbc481d6691e60f1b1fe849f5b9195f55dff28c6cbc90232c27bd4e0"

@@ -33,7 +33,7 @@ from triton.language.extra import libdevice
 
 KEY = "c642f27271603bf7"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "e486479fd2b4"
+CODEGEN = "9bcd0cc95287"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -85,6 +85,9 @@ FIXED_SLOTS = 4
 
 # Triton's interpreter (CPU) lacks the GPU's approximate log and reciprocal instructions
 INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y"))
+# what a -inf input element is read as where a product with it would be 0 * -inf: exp of it is
+# still 0, and a square of it still finite (so 0 * z * z is 0 too)
+FLOOR = tl.constexpr(-1.0e18)
 
 
 @triton.jit
@@ -106,13 +109,6 @@ def _rcp(x):
 
 
 @triton.jit
-def _dead_as_zero(v, dead):
-    # 0 * log 0 = 0: a summand or gradient element that is NaN where an input element is -inf
-    # (0 * -inf, -inf - -inf) counts as 0; a NaN anywhere else stays NaN
-    return tl.where(dead & (v != v), 0.0, v)
-
-
-@triton.jit
 def _handshake(peers_ptr, world, rank, at, stride, epoch):
     # Flag [rank * stride + at] of every rank's exchange flags set to the launch's number (release:
     # what this program stored before is visible first), then a wait until flag [r * stride + at] of
@@ -131,13 +127,13 @@ def _handshake(peers_ptr, world, rank, at, stride, epoch):
 @triton.jit
 def _logits(x, logit_scale, softcap):
     # z, the logits the formulas speak of
-    return logit_scale*softcap*(2.0 / (1.0 + tl.exp(-2.0*x/softcap)) - 1.0)
+    return logit_scale*softcap*(2.0 / (1.0 + tl.exp((-2.0*x)*_rcp(softcap))) - 1.0)
 
 
 @triton.jit
 def _dlogits(x, logit_scale, softcap):
     # dz/dx, to carry dL/dz back to the raw logits
-    return logit_scale*(1.0 - (((2.0 / (1.0 + tl.exp(-2.0*x/softcap)) - 1.0)) * ((2.0 / (1.0 + tl.exp(-2.0*x/softcap)) - 1.0))))
+    return logit_scale*(1.0 - (((2.0 / (1.0 + tl.exp((-2.0*x)*_rcp(softcap))) - 1.0)) * ((2.0 / (1.0 + tl.exp((-2.0*x)*_rcp(softcap))) - 1.0))))
 
 
 @triton.jit(do_not_specialize=[
@@ -204,6 +200,7 @@ def head_loss_c642f27271603bf7(
                 m_new = tl.maximum(m, block_max)
                 # the exponents' reference: 0 while every logit so far is -inf (-inf - -inf is NaN)
                 m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+
                 s0 = tl.exp2(-1.4426950408889634*m_ref + 1.4426950408889634*z)
                 r0 = tl.exp2(1.4426950408889634*m - 1.4426950408889634*m_ref)
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
@@ -247,7 +244,7 @@ def head_loss_c642f27271603bf7(
             z_y = tl.load(stats_row + 1)
             acc0 = tl.load(stats_row + 2)
         # a row whose logits (or teacher logits) are all -inf has no distribution: its values are NaN
-        finite_row = (m > float("-inf"))
+        finite_row = (m > FLOOR)
 
         N0 = m + _log(acc0)
 
@@ -299,6 +296,7 @@ def head_loss_c642f27271603bf7(
                 x = x_tile.to(tl.float32)
                 z = _logits(x, logit_scale, softcap)
                 is_y = tl.where(cols == y_local, 1.0, 0.0)
+
                 dz = g0*tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*z) + g1*is_y
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
@@ -356,4 +354,4 @@ def head_loss_c642f27271603bf7(
             tl.store(ws_ptr + 0, value_cross_entropy)
             tl.store(ws_ptr + 1, weight_cross_entropy * value_cross_entropy)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "5ecc61c24df7834099b127bee6cf0b64e653b99929ea03b167a0ece4a8f2d6bb"
+TEXT_HASH = "28b16310f22261f4809e268a6648a53221d12384cdb453ab42c13d33ce7ad588"

@@ -37,7 +37,7 @@ from triton.language.extra import libdevice
 
 KEY = "d4ac32833fba1c40"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "e486479fd2b4"
+CODEGEN = "9bcd0cc95287"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['topk_forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -90,6 +90,9 @@ FIXED_SLOTS = 4
 
 # Triton's interpreter (CPU) lacks the GPU's approximate log and reciprocal instructions
 INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y"))
+# what a -inf input element is read as where a product with it would be 0 * -inf: exp of it is
+# still 0, and a square of it still finite (so 0 * z * z is 0 too)
+FLOOR = tl.constexpr(-1.0e18)
 
 
 @triton.jit
@@ -108,13 +111,6 @@ def _rcp(x):
         return 1.0 / x
     else:
         return libdevice.fast_dividef(1.0, x)
-
-
-@triton.jit
-def _dead_as_zero(v, dead):
-    # 0 * log 0 = 0: a summand or gradient element that is NaN where an input element is -inf
-    # (0 * -inf, -inf - -inf) counts as 0; a NaN anywhere else stays NaN
-    return tl.where(dead & (v != v), 0.0, v)
 
 
 @triton.jit
@@ -207,7 +203,9 @@ def head_loss_d4ac32833fba1c40(
         x_k = tl.load(x_row + topk_ids, mask=in_k, other=0.0).to(tl.float32)
         z_k = _logits(x_k, logit_scale, softcap)
         l_k = tl.load(topk_lp_ptr + grow * topk_stride + k, mask=k < K, other=0.0).to(tl.float32)
-        dead_k = (z_k == float("-inf")) | (l_k == float("-inf"))
+        # -inf at a top-k entry as FLOOR: its probability is still 0, and 0 * FLOOR is 0
+        z_k = tl.maximum(z_k, FLOOR, propagate_nan=tl.PropagateNan.ALL)
+        l_k = tl.maximum(l_k, FLOOR, propagate_nan=tl.PropagateNan.ALL)
 
         if STATS:
             # First read: the running max and every online accumulator, rescaled when the max grows.
@@ -229,6 +227,7 @@ def head_loss_d4ac32833fba1c40(
                 m_new = tl.maximum(m, block_max)
                 # the exponents' reference: 0 while every logit so far is -inf (-inf - -inf is NaN)
                 m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+
                 s0 = tl.exp2(-1.4426950408889634*m_ref + 1.4426950408889634*z)
                 r0 = tl.exp2(1.4426950408889634*m - 1.4426950408889634*m_ref)
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
@@ -236,8 +235,8 @@ def head_loss_d4ac32833fba1c40(
                 acc3 = acc3 * r0 + acc3_tile
                 m = m_new
             acc0 = tl.sum(tl.where(in_k, tl.exp2(1.4426950408889634*l_k), 0.0), 0)
-            acc1 = tl.sum(tl.where(in_k, _dead_as_zero(l_k*tl.exp2(1.4426950408889634*l_k), dead_k), 0.0), 0)
-            acc2 = tl.sum(tl.where(in_k, _dead_as_zero(z_k*tl.exp2(1.4426950408889634*l_k), dead_k), 0.0), 0)
+            acc1 = tl.sum(tl.where(in_k, l_k*tl.exp2(1.4426950408889634*l_k), 0.0), 0)
+            acc2 = tl.sum(tl.where(in_k, z_k*tl.exp2(1.4426950408889634*l_k), 0.0), 0)
             if EXCHANGE:
                 # Every vocab shard's packed stats without leaving the kernel: this row's go to slot
                 # [rank, row] of every rank's exchange buffer (peer GPU memory, mapped), then a flag
@@ -281,7 +280,7 @@ def head_loss_d4ac32833fba1c40(
             acc2 = tl.load(stats_row + 3)
             acc3 = tl.load(stats_row + 4)
         # a row whose logits (or teacher logits) are all -inf has no distribution: its values are NaN
-        finite_row = (m > float("-inf"))
+        finite_row = (m > FLOOR)
 
         N0 = m + _log(acc3)
 
@@ -334,6 +333,7 @@ def head_loss_d4ac32833fba1c40(
                                  other=0.0, eviction_policy="evict_first")
                 x = x_tile.to(tl.float32)
                 z = _logits(x, logit_scale, softcap)
+
                 dz = g1*tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*z)
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
@@ -396,4 +396,4 @@ def head_loss_d4ac32833fba1c40(
             tl.store(ws_ptr + 0, value_topk_forward_kl)
             tl.store(ws_ptr + 1, weight_topk_forward_kl * value_topk_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "8499e7a2cc8701cdff4472a71b2c1dfb091819dc8ece2f28635a3b5794664739"
+TEXT_HASH = "144d0d145dfa5162ca9dac600952cd2897a6eb2363d8cbd6320d8364b5092c54"

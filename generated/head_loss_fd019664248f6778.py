@@ -35,7 +35,7 @@ from triton.language.extra import libdevice
 
 KEY = "fd019664248f6778"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "e486479fd2b4"
+CODEGEN = "9bcd0cc95287"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -87,6 +87,9 @@ FIXED_SLOTS = 4
 
 # Triton's interpreter (CPU) lacks the GPU's approximate log and reciprocal instructions
 INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y"))
+# what a -inf input element is read as where a product with it would be 0 * -inf: exp of it is
+# still 0, and a square of it still finite (so 0 * z * z is 0 too)
+FLOOR = tl.constexpr(-1.0e18)
 
 
 @triton.jit
@@ -105,13 +108,6 @@ def _rcp(x):
         return 1.0 / x
     else:
         return libdevice.fast_dividef(1.0, x)
-
-
-@triton.jit
-def _dead_as_zero(v, dead):
-    # 0 * log 0 = 0: a summand or gradient element that is NaN where an input element is -inf
-    # (0 * -inf, -inf - -inf) counts as 0; a NaN anywhere else stays NaN
-    return tl.where(dead & (v != v), 0.0, v)
 
 
 @triton.jit
@@ -208,11 +204,13 @@ def head_loss_fd019664248f6778(
                 m_new = tl.maximum(m, block_max)
                 # the exponents' reference: 0 while every logit so far is -inf (-inf - -inf is NaN)
                 m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-                dead = (z == float("-inf"))
+                # -inf as FLOOR (a NaN stays NaN): its probability is still 0, and 0 * FLOOR is 0 where 0 * -inf is NaN
+                z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
+
                 s1 = tl.exp2(-1.4426950408889634*m_ref + 1.4426950408889634*z)
                 r1 = tl.exp2(1.4426950408889634*m - 1.4426950408889634*m_ref)
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
-                part0 = tl.sum(tl.join(tl.where(in_row, _dead_as_zero(z, dead), 0.0), tl.where(in_row, s1, 0.0)), 0)
+                part0 = tl.sum(tl.join(tl.where(in_row, z, 0.0), tl.where(in_row, s1, 0.0)), 0)
                 acc0_tile, acc1_tile = tl.split(part0)
                 acc0 = acc0 + acc0_tile
                 acc1 = acc1 * r1 + acc1_tile
@@ -258,7 +256,7 @@ def head_loss_fd019664248f6778(
             acc0 = tl.load(stats_row + 2)
             acc1 = tl.load(stats_row + 3)
         # a row whose logits (or teacher logits) are all -inf has no distribution: its values are NaN
-        finite_row = (m > float("-inf"))
+        finite_row = (m > FLOOR)
 
         N0 = m + _log(acc1)
 
@@ -271,7 +269,7 @@ def head_loss_fd019664248f6778(
         if ROWS:
             weight_cross_entropy = tl.load(scalars_ptr + 0)
             p_cross_entropy__label_smoothing = tl.load(scalars_ptr + 1)
-            v0 = tl.where(finite_row, p_cross_entropy__label_smoothing*(N0 - acc0/vocab_size) + (1.0 - p_cross_entropy__label_smoothing)*(N0 - z_y), float("nan"))  # cross_entropy
+            v0 = tl.where(finite_row, p_cross_entropy__label_smoothing*(N0 + (-acc0)*_rcp(vocab_size)) + (1.0 - p_cross_entropy__label_smoothing)*(N0 - z_y), float("nan"))  # cross_entropy
             tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, weight_cross_entropy * v0)
@@ -296,9 +294,10 @@ def head_loss_fd019664248f6778(
                     w_cross_entropy += tl.load(up_rows_ptr + 0 * n_rows + grow)
             else:
                 w_cross_entropy = weight_cross_entropy * grad_scale
-            g0 = -p_cross_entropy__label_smoothing*w_cross_entropy/vocab_size
-            g1 = w_cross_entropy
-            g2 = w_cross_entropy*(p_cross_entropy__label_smoothing - 1.0)
+            g0 = tl.where(finite_row, (-p_cross_entropy__label_smoothing*w_cross_entropy)*_rcp(vocab_size), float("nan"))
+            g1 = tl.where(finite_row, w_cross_entropy, float("nan"))
+            g2 = tl.where(finite_row, w_cross_entropy*(p_cross_entropy__label_smoothing - 1.0), float("nan"))
+            # (a row of -inf read as FLOOR would look uniform: its gradient is NaN, as its values are)
             # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
             # Tiles last to first, each loaded one iteration ahead (its loads overlap the math).
             n_blocks = tl.cdiv(V, BLOCK_V)
@@ -314,6 +313,7 @@ def head_loss_fd019664248f6778(
                 x = x_tile.to(tl.float32)
                 z = _logits(x, logit_scale, softcap)
                 is_y = tl.where(cols == y_local, 1.0, 0.0)
+
                 dz = g0 + g1*tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*z) + g2*is_y
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
@@ -371,4 +371,4 @@ def head_loss_fd019664248f6778(
             tl.store(ws_ptr + 0, value_cross_entropy)
             tl.store(ws_ptr + 1, weight_cross_entropy * value_cross_entropy)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "f5b406c09ba8f530803ea079c0e66117a22566f6fa9426a42bea0b51d6f44962"
+TEXT_HASH = "85c862c1587da24042c7ec6fbd63dc043d660d0b801a47836f4524c95721696c"
