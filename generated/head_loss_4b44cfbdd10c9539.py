@@ -42,7 +42,7 @@ from triton.language.extra import libdevice
 
 KEY = "4b44cfbdd10c9539"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "9bcd0cc95287"
+CODEGEN = "5218362c5adf"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_fraction', 'ratio_mean', 'kl_new_old']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -116,6 +116,23 @@ def _rcp(x):
         return 1.0 / x
     else:
         return libdevice.fast_dividef(1.0, x)
+
+
+@triton.jit
+def _tanh(x):
+    # tanh within a few ulp of the value (not of 1): libdevice's on the GPU; in the interpreter, the
+    # odd Taylor series to u**17 for |u| < 0.55 (where 1 - 2/(exp(2|u|) + 1) would cancel), that form
+    # beyond (exp's argument clamped: tanh is 1.0 in fp32 from |u| = 9.1 on)
+    if INTERPRET:
+        a = tl.abs(x)
+        s = a * a
+        p = -1.0 / 3.0 + s * (2.0 / 15.0 + s * (-17.0 / 315.0 + s * (62.0 / 2835.0 + s * (
+            -1382.0 / 155925.0 + s * (21844.0 / 6081075.0 + s * (-929569.0 / 638512875.0
+                                                                 + s * (6404582.0 / 10854718875.0)))))))
+        r = tl.where(a < 0.55, a + a * s * p, 1.0 - 2.0 / (tl.exp(2.0 * tl.minimum(a, 16.0)) + 1.0))
+        return tl.where(x < 0, -r, r)
+    else:
+        return libdevice.tanh(x)
 
 
 @triton.jit
@@ -412,4 +429,4 @@ def head_loss_4b44cfbdd10c9539(
             tl.store(ws_ptr + 4, value_kl_new_old)
             tl.store(ws_ptr + 5, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "bda57f0d1c47b32e81127279a983b4f7f732c45eebbe1f1da004fdd6db152a14"
+TEXT_HASH = "06751d2e3c89630370a31bda57b20d25cfff95c349c1023c17bdc808c84f6a03"
