@@ -9,31 +9,30 @@
 #
 # lowered:
 #   row values:
-#     cross_entropy = N0 - z_y
-#     z_loss = N0**2
-#     forward_kl = N0 - N1 + acc1*exp(-N1 + m_t) - acc2*exp(-N1 + m_t)
-#     entropy = N0 - acc3*exp(-N0 + m)
+#     cross_entropy = -zym + log(acc3)
+#     z_loss = (m + log(acc3))**2
+#     forward_kl = m - m_t - log(acc0) + log(acc3) + acc1/acc0
+#     entropy = -acc2/acc3 + m + log(acc3)
 #   normalisers:
-#     N0 = m + log(acc4)
+#     N0 = m + log(acc3)
 #     N1 = m_t + log(acc0)
-#   accumulators:
+#   accumulators (4; 5 before combining the sums that share a weight):
 #     acc0 = sum_i exp(1*(t - m_t)) * 1    [online]
-#     acc1 = sum_i exp(1*(t - m_t)) * t    [online]
-#     acc2 = sum_i exp(1*(t - m_t)) * z    [online]
-#     acc3 = sum_i exp(1*(z - m)) * z    [online]
-#     acc4 = sum_i exp(1*(z - m)) * 1    [online]
+#     acc1 = sum_i exp(1*(t - m_t)) * (t - z)    [online]
+#     acc2 = sum_i exp(1*(z - m)) * z    [online]
+#     acc3 = sum_i exp(1*(z - m)) * 1    [online]
 #   gradient (derived by sympy):
 #     g0 = w_forward_kl
-#     g1 = 2*N0*w_z_loss + w_cross_entropy + w_forward_kl
+#     g1 = w_cross_entropy + w_forward_kl + 2*w_z_loss*(m + log(acc3))
 #     g2 = -w_cross_entropy
-#     dL/dz_i = -g0*exp(-N1 + t) + g1*exp(-N0 + z) + g2*is_y
+#     dL/dz_i = -g0*exp(-L_N1 + tm) + g1*exp(-L_N0 + zm) + g2*is_y
 #
 # plan:
 #   reads of the vocabulary: 1 for the loss (online stats) + 1 for the gradient
 #   bytes per element (bf16 in, bf16 grad): 10
-#   packed per-row stats (8 fp32): m:max, m_t:max, z_y:sum, acc0:scaled, acc1:scaled, acc2:scaled, acc3:scaled, acc4:scaled
+#   packed per-row stats (7 fp32): m:max, m_t:max, z_y:sum, acc0:scaled, acc1:scaled, acc2:scaled, acc3:scaled
 #   vocab-parallel: one all-gather of the packed stats
-#   per-element state ('xt', 5, 0); reads stats forward, grad backward
+#   per-element state ('xt', 4, 0); reads stats forward, grad backward
 #   single device: 1 launch(es): [stats+rows+grad]
 #   sharded: 2 launch(es): [stats] gather -> [merge+rows+grad]
 #   sharded, in-kernel exchange: 1 launch(es): [stats+exchange+merge+rows+grad]
@@ -45,13 +44,13 @@ from triton.language.extra import libdevice
 
 KEY = "203180df93923b8c"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "5218362c5adf"
+CODEGEN = "7e02c199872c"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss', 'forward_kl', 'entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
 ROW_VALUES = ['cross_entropy', 'z_loss', 'forward_kl', 'entropy']
 # the first read's packed per-row stats (the header's plan gives how vocab shards' stats merge)
-COLUMNS = ['m', 'm_t', 'z_y', 'acc0', 'acc1', 'acc2', 'acc3', 'acc4']
+COLUMNS = ['m', 'm_t', 'z_y', 'acc0', 'acc1', 'acc2', 'acc3']
 # sums of the exact read (summed across vocab shards)
 EXACT = []
 TOKENS = []
@@ -73,7 +72,7 @@ SEGMENTS = []
 SEGMENT_MEANS = []
 # what decides the tile (the runtime's choice, losscodegen/tiles.py): the streams the first read
 # loads, its running sums, the exact read's sums
-STATE = ('xt', 5, 0)
+STATE = ('xt', 4, 0)
 # Each kernel's interface, in its signature's order (both written from emit.signatures; launch.py
 # passes every argument by these names): the arguments of each launch, then those that are the
 # same at every launch of a head on one vocab shard, then the constexprs.
@@ -188,7 +187,7 @@ def head_loss_203180df93923b8c(
     x_row = x_ptr + row * x_stride
     t_row = t_ptr + row * t_stride
     grad_row = grad_ptr + row * grad_stride
-    stats_row = ws_ptr + off_stats + grow * 8
+    stats_row = ws_ptr + off_stats + grow * 7
     y = -1
     live = True
     if y_ptr is not None:
@@ -218,7 +217,6 @@ def head_loss_203180df93923b8c(
             acc1 = 0.0
             acc2 = 0.0
             acc3 = 0.0
-            acc4 = 0.0
             # Tiles first to last, each loaded one iteration ahead (its loads overlap the math).
             n_blocks = tl.cdiv(V, BLOCK_V)
             cols = tl.arange(0, BLOCK_V)
@@ -246,21 +244,19 @@ def head_loss_203180df93923b8c(
                 z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
                 t = tl.maximum(t, FLOOR, propagate_nan=tl.PropagateNan.ALL)
 
-                s0 = tl.exp2(-1.4426950408889634*m_t_ref + 1.4426950408889634*t)
-                r0 = tl.exp2(1.4426950408889634*m_t - 1.4426950408889634*m_t_ref)
-                s1 = tl.exp2(-1.4426950408889634*m_ref + 1.4426950408889634*z)
-                r1 = tl.exp2(1.4426950408889634*m - 1.4426950408889634*m_ref)
+                s0 = tl.exp2(1.4426950408889634 * (-m_t_ref + t))
+                r0 = tl.exp2(1.4426950408889634 * (m_t - m_t_ref))
+                s1 = tl.exp2(1.4426950408889634 * (-m_ref + z))
+                r1 = tl.exp2(1.4426950408889634 * (m - m_ref))
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
-                part0 = tl.sum(tl.join(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, s0*t, 0.0)), tl.join(tl.where(in_row, s0*z, 0.0), tl.where(in_row, s1*z, 0.0))), 0)
+                part0 = tl.sum(tl.join(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, s0*(t - z), 0.0)), tl.join(tl.where(in_row, s1*z, 0.0), tl.where(in_row, s1, 0.0))), 0)
                 part1, part2 = tl.split(part0)
                 acc0_tile, acc1_tile = tl.split(part1)
                 acc2_tile, acc3_tile = tl.split(part2)
-                acc4_tile = tl.sum(tl.where(in_row, s1, 0.0), 0)
                 acc0 = acc0 * r0 + acc0_tile
                 acc1 = acc1 * r0 + acc1_tile
-                acc2 = acc2 * r0 + acc2_tile
+                acc2 = acc2 * r1 + acc2_tile
                 acc3 = acc3 * r1 + acc3_tile
-                acc4 = acc4 * r1 + acc4_tile
                 m = m_new
                 m_t = m_t_new
             z_y = tl.where(y_here, _logits(tl.load(x_row + y_local, mask=y_here, other=0.0).to(tl.float32),
@@ -273,7 +269,7 @@ def head_loss_203180df93923b8c(
                 n_launch = tl.num_programs(0).to(tl.int64)
                 rank = vocab_start // V
                 for r in range(world):
-                    at = tl.load(peers_ptr + r).to(tl.pointer_type(tl.float32)) + (rank * n_launch + row) * 8
+                    at = tl.load(peers_ptr + r).to(tl.pointer_type(tl.float32)) + (rank * n_launch + row) * 7
                     tl.store(at + 0, m)
                     tl.store(at + 1, m_t)
                     tl.store(at + 2, z_y)
@@ -281,15 +277,14 @@ def head_loss_203180df93923b8c(
                     tl.store(at + 4, acc1)
                     tl.store(at + 5, acc2)
                     tl.store(at + 6, acc3)
-                    tl.store(at + 7, acc4)
                 tl.debug_barrier()
                 _handshake(peers_ptr, world, rank, world + row, n_launch, epoch)  # (row flags follow the launch flags)
                 tl.debug_barrier()
         if MERGE:
-            # The packed stats of every vocab shard, gathered ([world, rows of this launch, 8]),
+            # The packed stats of every vocab shard, gathered ([world, rows of this launch, 7]),
             # merged by each column's rule: maxima first, then the sums rescaled to them.
-            part = gathered_ptr + row * 8
-            step = tl.num_programs(0).to(tl.int64) * 8
+            part = gathered_ptr + row * 7
+            step = tl.num_programs(0).to(tl.int64) * 7
             m = float("-inf")
             m_t = float("-inf")
             z_y = 0.0
@@ -297,7 +292,6 @@ def head_loss_203180df93923b8c(
             acc1 = 0.0
             acc2 = 0.0
             acc3 = 0.0
-            acc4 = 0.0
             for r in range(world):
                 m = tl.maximum(m, tl.load(part + r * step + 0))
                 m_t = tl.maximum(m_t, tl.load(part + r * step + 1))
@@ -306,11 +300,10 @@ def head_loss_203180df93923b8c(
                 m_r = tl.load(at + 0)
                 m_t_r = tl.load(at + 1)
                 z_y += tl.load(at + 2)
-                acc0 += tl.load(at + 3) * tl.exp2(-1.4426950408889634*m_t + 1.4426950408889634*m_t_r)
-                acc1 += tl.load(at + 4) * tl.exp2(-1.4426950408889634*m_t + 1.4426950408889634*m_t_r)
-                acc2 += tl.load(at + 5) * tl.exp2(-1.4426950408889634*m_t + 1.4426950408889634*m_t_r)
-                acc3 += tl.load(at + 6) * tl.exp2(-1.4426950408889634*m + 1.4426950408889634*m_r)
-                acc4 += tl.load(at + 7) * tl.exp2(-1.4426950408889634*m + 1.4426950408889634*m_r)
+                acc0 += tl.load(at + 3) * tl.exp2(1.4426950408889634 * (-m_t + m_t_r))
+                acc1 += tl.load(at + 4) * tl.exp2(1.4426950408889634 * (-m_t + m_t_r))
+                acc2 += tl.load(at + 5) * tl.exp2(1.4426950408889634 * (-m + m_r))
+                acc3 += tl.load(at + 6) * tl.exp2(1.4426950408889634 * (-m + m_r))
         elif not STATS:
             m = tl.load(stats_row + 0)
             m_t = tl.load(stats_row + 1)
@@ -319,12 +312,14 @@ def head_loss_203180df93923b8c(
             acc1 = tl.load(stats_row + 4)
             acc2 = tl.load(stats_row + 5)
             acc3 = tl.load(stats_row + 6)
-            acc4 = tl.load(stats_row + 7)
         # a row whose logits (or teacher logits) are all -inf has no distribution: its values are NaN
         finite_row = (m > FLOOR) & (m_t > FLOOR)
 
-        N0 = m + _log(acc4)
-        N1 = m_t + _log(acc0)
+        L_N0 = _log(acc3)
+        N0 = L_N0 + m
+        L_N1 = _log(acc0)
+        N1 = L_N1 + m_t
+        zym = z_y - m
 
         if STORE_STATS:
             tl.store(stats_row + 0, m)
@@ -334,20 +329,20 @@ def head_loss_203180df93923b8c(
             tl.store(stats_row + 4, acc1)
             tl.store(stats_row + 5, acc2)
             tl.store(stats_row + 6, acc3)
-            tl.store(stats_row + 7, acc4)
 
         if ROWS:
             weight_cross_entropy = tl.load(scalars_ptr + 0)
             weight_z_loss = tl.load(scalars_ptr + 1)
             weight_forward_kl = tl.load(scalars_ptr + 2)
-            r0 = tl.exp2(-1.4426950408889634*N1 + 1.4426950408889634*m_t)
-            v0 = tl.where(finite_row, N0 - z_y, float("nan"))  # cross_entropy
+            r0 = _log(acc3)
+            r1 = m + r0
+            v0 = tl.where(finite_row, r0 - zym, float("nan"))  # cross_entropy
             tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
-            v1 = tl.where(finite_row, (N0 * N0), float("nan"))  # z_loss
+            v1 = tl.where(finite_row, (r1 * r1), float("nan"))  # z_loss
             tl.store(ws_ptr + off_rows + 1 * n_rows + grow, v1)
-            v2 = tl.where(finite_row, N0 - N1 + acc1*r0 - acc2*r0, float("nan"))  # forward_kl
+            v2 = tl.where(finite_row, -m_t + r1 - _log(acc0) + acc1*_rcp(acc0), float("nan"))  # forward_kl
             tl.store(ws_ptr + off_rows + 2 * n_rows + grow, v2)
-            v3 = tl.where(finite_row, N0 - acc3*tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*m), float("nan"))  # entropy
+            v3 = tl.where(finite_row, (-acc2)*_rcp(acc3) + r1, float("nan"))  # entropy
             tl.store(ws_ptr + off_rows + 3 * n_rows + grow, v3)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, weight_cross_entropy * v0 + weight_z_loss * v1 + weight_forward_kl * v2)
@@ -380,7 +375,7 @@ def head_loss_203180df93923b8c(
                 w_z_loss = weight_z_loss * grad_scale
                 w_forward_kl = weight_forward_kl * grad_scale
             g0 = tl.where(finite_row, w_forward_kl, float("nan"))
-            g1 = tl.where(finite_row, 2.0*N0*w_z_loss + w_cross_entropy + w_forward_kl, float("nan"))
+            g1 = tl.where(finite_row, w_cross_entropy + w_forward_kl + 2.0*w_z_loss*(m + _log(acc3)), float("nan"))
             g2 = tl.where(finite_row, -w_cross_entropy, float("nan"))
             # (a row of -inf read as FLOOR would look uniform: its gradient is NaN, as its values are)
             # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
@@ -401,10 +396,12 @@ def head_loss_203180df93923b8c(
                                  other=0.0, eviction_policy="evict_first")
                 x = x_tile.to(tl.float32)
                 z = _logits(x, logit_scale, softcap)
+                zm = z - m
                 t = t_tile.to(tl.float32)
+                tm = t - m_t
                 is_y = tl.where(cols == y_local, 1.0, 0.0)
 
-                dz = -g0*tl.exp2(-1.4426950408889634*N1 + 1.4426950408889634*t) + g1*tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*z) + g2*is_y
+                dz = -g0*tl.exp2(1.4426950408889634 * (-L_N1 + tm)) + g1*tl.exp2(1.4426950408889634 * (-L_N0 + zm)) + g2*is_y
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
     else:
@@ -474,4 +471,4 @@ def head_loss_203180df93923b8c(
             tl.store(ws_ptr + 3, value_entropy)
             tl.store(ws_ptr + 4, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss + weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "718fdaf96ee7a5e9dc09a28a55efc38e6c3a03dad88b8676af2959ee91f8cce5"
+TEXT_HASH = "90406509f99ef56c918f3f6cc15f4c9d585b1ec02868fec655eb551b2950c73c"

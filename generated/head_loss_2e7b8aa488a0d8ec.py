@@ -7,16 +7,16 @@
 #
 # lowered:
 #   row values:
-#     cross_entropy = N0 - z_y
-#     z_loss = N0**2
+#     cross_entropy = -zym + log(acc0)
+#     z_loss = (m + log(acc0))**2
 #   normalisers:
 #     N0 = m + log(acc0)
-#   accumulators:
+#   accumulators (1):
 #     acc0 = sum_i exp(1*(z - m)) * 1    [online]
 #   gradient (derived by sympy):
-#     g0 = 2*N0*w_z_loss + w_cross_entropy
+#     g0 = w_cross_entropy + 2*w_z_loss*(m + log(acc0))
 #     g1 = -w_cross_entropy
-#     dL/dz_i = g0*exp(-N0 + z) + g1*is_y
+#     dL/dz_i = g0*exp(-L_N0 + zm) + g1*is_y
 #
 # plan:
 #   reads of the vocabulary: 1 for the loss (online stats) + 1 for the gradient
@@ -35,7 +35,7 @@ from triton.language.extra import libdevice
 
 KEY = "2e7b8aa488a0d8ec"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "5218362c5adf"
+CODEGEN = "7e02c199872c"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -220,8 +220,8 @@ def head_loss_2e7b8aa488a0d8ec(
                 # the exponents' reference: 0 while every logit so far is -inf (-inf - -inf is NaN)
                 m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
 
-                s0 = tl.exp2(-1.4426950408889634*m_ref + 1.4426950408889634*z)
-                r0 = tl.exp2(1.4426950408889634*m - 1.4426950408889634*m_ref)
+                s0 = tl.exp2(1.4426950408889634 * (-m_ref + z))
+                r0 = tl.exp2(1.4426950408889634 * (m - m_ref))
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
                 acc0_tile = tl.sum(tl.where(in_row, s0, 0.0), 0)
                 acc0 = acc0 * r0 + acc0_tile
@@ -257,7 +257,7 @@ def head_loss_2e7b8aa488a0d8ec(
                 at = part + r * step
                 m_r = tl.load(at + 0)
                 z_y += tl.load(at + 1)
-                acc0 += tl.load(at + 2) * tl.exp2(-1.4426950408889634*m + 1.4426950408889634*m_r)
+                acc0 += tl.load(at + 2) * tl.exp2(1.4426950408889634 * (-m + m_r))
         elif not STATS:
             m = tl.load(stats_row + 0)
             z_y = tl.load(stats_row + 1)
@@ -265,7 +265,9 @@ def head_loss_2e7b8aa488a0d8ec(
         # a row whose logits (or teacher logits) are all -inf has no distribution: its values are NaN
         finite_row = (m > FLOOR)
 
-        N0 = m + _log(acc0)
+        L_N0 = _log(acc0)
+        N0 = L_N0 + m
+        zym = z_y - m
 
         if STORE_STATS:
             tl.store(stats_row + 0, m)
@@ -275,9 +277,10 @@ def head_loss_2e7b8aa488a0d8ec(
         if ROWS:
             weight_cross_entropy = tl.load(scalars_ptr + 0)
             weight_z_loss = tl.load(scalars_ptr + 1)
-            v0 = tl.where(finite_row, N0 - z_y, float("nan"))  # cross_entropy
+            r0 = _log(acc0)
+            v0 = tl.where(finite_row, r0 - zym, float("nan"))  # cross_entropy
             tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
-            v1 = tl.where(finite_row, (N0 * N0), float("nan"))  # z_loss
+            v1 = tl.where(finite_row, ((m + r0) * (m + r0)), float("nan"))  # z_loss
             tl.store(ws_ptr + off_rows + 1 * n_rows + grow, v1)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, weight_cross_entropy * v0 + weight_z_loss * v1)
@@ -305,7 +308,7 @@ def head_loss_2e7b8aa488a0d8ec(
             else:
                 w_cross_entropy = weight_cross_entropy * grad_scale
                 w_z_loss = weight_z_loss * grad_scale
-            g0 = 2.0*N0*w_z_loss + w_cross_entropy
+            g0 = w_cross_entropy + 2.0*w_z_loss*(m + _log(acc0))
             g1 = -w_cross_entropy
             # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
             # Tiles last to first, each loaded one iteration ahead (its loads overlap the math).
@@ -321,9 +324,10 @@ def head_loss_2e7b8aa488a0d8ec(
                                  other=0.0, eviction_policy="evict_first")
                 x = x_tile.to(tl.float32)
                 z = _logits(x, logit_scale, softcap)
+                zm = z - m
                 is_y = tl.where(cols == y_local, 1.0, 0.0)
 
-                dz = g0*tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*z) + g1*is_y
+                dz = g0*tl.exp2(1.4426950408889634 * (-L_N0 + zm)) + g1*is_y
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
     else:
@@ -384,4 +388,4 @@ def head_loss_2e7b8aa488a0d8ec(
             tl.store(ws_ptr + 1, value_z_loss)
             tl.store(ws_ptr + 2, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "0cafdf3edc9bc79666722a1ab3ebc1ef311871ff2d3fe52f9edaf8aad7c26091"
+TEXT_HASH = "44c062d3213cd677ee80fc55fa1918f6bf92a9df38ab7595477feb3699a549a2"

@@ -8,18 +8,18 @@
 #
 # lowered:
 #   row values:
-#     grpo = p_grpo__kl_beta*(-N0 - tok_ref_logprobs + z_y + exp(N0 + tok_ref_logprobs - z_y) - 1) - Min(tok_advantages*exp(-N0 - tok_old_logprobs + z_y), tok_advantages*clamp(exp(-N0 - tok_old_logprobs + z_y), 1 - p_grpo__eps_low, p_grpo__eps_high + 1))
-#     entropy = N0 - acc0*exp(-N0 + m)
-#     clip_fraction = Piecewise((1, (p_grpo__eps_high < exp(-N0 - tok_old_logprobs + z_y) - 1) | (p_grpo__eps_low < 1 - exp(-N0 - tok_old_logprobs + z_y))), (0, True))
+#     grpo = p_grpo__kl_beta*(acc1*exp(tok_ref_logprobs - zym) - tok_ref_logprobs + zym - log(acc1) - 1) - Min(tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1), tok_advantages*exp(-tok_old_logprobs + zym)/acc1)
+#     entropy = -acc0/acc1 + m + log(acc1)
+#     clip_fraction = Piecewise((1, (p_grpo__eps_high < -1 + exp(-tok_old_logprobs + zym)/acc1) | (p_grpo__eps_low < 1 - exp(-tok_old_logprobs + zym)/acc1)), (0, True))
 #   normalisers:
 #     N0 = m + log(acc1)
-#   accumulators:
+#   accumulators (2):
 #     acc0 = sum_i exp(1*(z - m)) * z    [online]
 #     acc1 = sum_i exp(1*(z - m)) * 1    [online]
 #   gradient (derived by sympy):
-#     g0 = w_grpo*(p_grpo__kl_beta*(exp(N0 + tok_ref_logprobs - z_y) - 1) + tok_advantages*Piecewise((1, (p_grpo__eps_high >= exp(-N0 - tok_old_logprobs + z_y) - 1) & (p_grpo__eps_low >= 1 - exp(-N0 - tok_old_logprobs + z_y))), (0, True))*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-N0 - tok_old_logprobs + z_y), tok_advantages*clamp(exp(-N0 - tok_old_logprobs + z_y), 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-N0 - tok_old_logprobs + z_y) >= tok_advantages*clamp(exp(-N0 - tok_old_logprobs + z_y), 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-N0 - tok_old_logprobs + z_y) + tok_advantages*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-N0 - tok_old_logprobs + z_y), tok_advantages*clamp(exp(-N0 - tok_old_logprobs + z_y), 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-N0 - tok_old_logprobs + z_y) <= tok_advantages*clamp(exp(-N0 - tok_old_logprobs + z_y), 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-N0 - tok_old_logprobs + z_y))
-#     g1 = w_grpo*(p_grpo__kl_beta*(1 - exp(N0 + tok_ref_logprobs - z_y)) - tok_advantages*Piecewise((1, (p_grpo__eps_high >= exp(-N0 - tok_old_logprobs + z_y) - 1) & (p_grpo__eps_low >= 1 - exp(-N0 - tok_old_logprobs + z_y))), (0, True))*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-N0 - tok_old_logprobs + z_y), tok_advantages*clamp(exp(-N0 - tok_old_logprobs + z_y), 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-N0 - tok_old_logprobs + z_y) >= tok_advantages*clamp(exp(-N0 - tok_old_logprobs + z_y), 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-N0 - tok_old_logprobs + z_y) - tok_advantages*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-N0 - tok_old_logprobs + z_y), tok_advantages*clamp(exp(-N0 - tok_old_logprobs + z_y), 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-N0 - tok_old_logprobs + z_y) <= tok_advantages*clamp(exp(-N0 - tok_old_logprobs + z_y), 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-N0 - tok_old_logprobs + z_y))
-#     dL/dz_i = g0*exp(-N0 + z) + g1*is_y
+#     g0 = w_grpo*(p_grpo__kl_beta*(acc1*exp(tok_ref_logprobs - zym) - 1) + tok_advantages*Piecewise((1, (p_grpo__eps_high >= -1 + exp(-tok_old_logprobs + zym)/acc1) & (p_grpo__eps_low >= 1 - exp(-tok_old_logprobs + zym)/acc1)), (0, True))*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-tok_old_logprobs + zym)/acc1, tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-tok_old_logprobs + zym)/acc1 >= tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-tok_old_logprobs + zym)/acc1 + tok_advantages*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-tok_old_logprobs + zym)/acc1, tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-tok_old_logprobs + zym)/acc1 <= tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-tok_old_logprobs + zym)/acc1)
+#     g1 = w_grpo*(p_grpo__kl_beta*(-acc1*exp(tok_ref_logprobs - zym) + 1) - tok_advantages*Piecewise((1, (p_grpo__eps_high >= -1 + exp(-tok_old_logprobs + zym)/acc1) & (p_grpo__eps_low >= 1 - exp(-tok_old_logprobs + zym)/acc1)), (0, True))*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-tok_old_logprobs + zym)/acc1, tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-tok_old_logprobs + zym)/acc1 >= tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-tok_old_logprobs + zym)/acc1 - tok_advantages*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-tok_old_logprobs + zym)/acc1, tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-tok_old_logprobs + zym)/acc1 <= tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-tok_old_logprobs + zym)/acc1)
+#     dL/dz_i = g0*exp(-L_N0 + zm) + g1*is_y
 #
 # plan:
 #   reads of the vocabulary: 1 for the loss (online stats) + 1 for the gradient
@@ -38,7 +38,7 @@ from triton.language.extra import libdevice
 
 KEY = "39f035c152db4d19"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "5218362c5adf"
+CODEGEN = "7e02c199872c"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_fraction']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -231,8 +231,8 @@ def head_loss_39f035c152db4d19(
                 # -inf as FLOOR (a NaN stays NaN): its probability is still 0, and 0 * FLOOR is 0 where 0 * -inf is NaN
                 z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
 
-                s0 = tl.exp2(-1.4426950408889634*m_ref + 1.4426950408889634*z)
-                r0 = tl.exp2(1.4426950408889634*m - 1.4426950408889634*m_ref)
+                s0 = tl.exp2(1.4426950408889634 * (-m_ref + z))
+                r0 = tl.exp2(1.4426950408889634 * (m - m_ref))
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
                 part0 = tl.sum(tl.join(tl.where(in_row, s0*z, 0.0), tl.where(in_row, s0, 0.0)), 0)
                 acc0_tile, acc1_tile = tl.split(part0)
@@ -272,8 +272,8 @@ def head_loss_39f035c152db4d19(
                 at = part + r * step
                 m_r = tl.load(at + 0)
                 z_y += tl.load(at + 1)
-                acc0 += tl.load(at + 2) * tl.exp2(-1.4426950408889634*m + 1.4426950408889634*m_r)
-                acc1 += tl.load(at + 3) * tl.exp2(-1.4426950408889634*m + 1.4426950408889634*m_r)
+                acc0 += tl.load(at + 2) * tl.exp2(1.4426950408889634 * (-m + m_r))
+                acc1 += tl.load(at + 3) * tl.exp2(1.4426950408889634 * (-m + m_r))
         elif not STATS:
             m = tl.load(stats_row + 0)
             z_y = tl.load(stats_row + 1)
@@ -282,7 +282,9 @@ def head_loss_39f035c152db4d19(
         # a row whose logits (or teacher logits) are all -inf has no distribution: its values are NaN
         finite_row = (m > FLOOR)
 
-        N0 = m + _log(acc1)
+        L_N0 = _log(acc1)
+        N0 = L_N0 + m
+        zym = z_y - m
 
         if STORE_STATS:
             tl.store(stats_row + 0, m)
@@ -295,15 +297,18 @@ def head_loss_39f035c152db4d19(
             p_grpo__eps_high = tl.load(scalars_ptr + 1)
             p_grpo__eps_low = tl.load(scalars_ptr + 2)
             p_grpo__kl_beta = tl.load(scalars_ptr + 3)
-            r0 = N0 - z_y
-            r1 = r0 + tok_ref_logprobs
-            r2 = tl.exp2(-1.4426950408889634*r0 - 1.4426950408889634*tok_old_logprobs)
-            r3 = r2 - 1.0
-            v0 = tl.where(finite_row, p_grpo__kl_beta*(-r1 + tl.exp2(1.4426950408889634*r1) - 1.0) - tl.where(r2*tok_advantages < tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(r2 > 1.0 - p_grpo__eps_low, r2, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(r2 > 1.0 - p_grpo__eps_low, r2, 1.0 - p_grpo__eps_low)), r2*tok_advantages, tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(r2 > 1.0 - p_grpo__eps_low, r2, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(r2 > 1.0 - p_grpo__eps_low, r2, 1.0 - p_grpo__eps_low))), float("nan"))  # grpo
+            r0 = _log(acc1)
+            r1 = -zym
+            r2 = r1 + tok_ref_logprobs
+            r3 = _rcp(acc1)
+            r4 = tl.exp2(1.4426950408889634 * (-(r1 + tok_old_logprobs)))
+            r5 = r3*r4
+            r6 = -r3*r4 + 1.0
+            v0 = tl.where(finite_row, p_grpo__kl_beta*(acc1*tl.exp2(1.4426950408889634 * r2) - r0 - r2 - 1.0) - tl.where(r5*tok_advantages < tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(r5 > 1.0 - p_grpo__eps_low, r5, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(r5 > 1.0 - p_grpo__eps_low, r5, 1.0 - p_grpo__eps_low)), r5*tok_advantages, tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(r5 > 1.0 - p_grpo__eps_low, r5, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(r5 > 1.0 - p_grpo__eps_low, r5, 1.0 - p_grpo__eps_low))), float("nan"))  # grpo
             tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
-            v1 = tl.where(finite_row, N0 - acc0*tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*m), float("nan"))  # entropy
+            v1 = tl.where(finite_row, -acc0*r3 + m + r0, float("nan"))  # entropy
             tl.store(ws_ptr + off_rows + 1 * n_rows + grow, v1)
-            v2 = tl.where(finite_row, tl.where(((p_grpo__eps_high < r3) | (p_grpo__eps_low < -r3)), 1.0, 0.0), float("nan"))  # clip_fraction
+            v2 = tl.where(finite_row, tl.where(((p_grpo__eps_low < r6) | (p_grpo__eps_high < -r6)), 1.0, 0.0), float("nan"))  # clip_fraction
             tl.store(ws_ptr + off_rows + 2 * n_rows + grow, v2)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, weight_grpo * v0)
@@ -330,16 +335,18 @@ def head_loss_39f035c152db4d19(
                     w_grpo += tl.load(up_rows_ptr + 0 * n_rows + grow)
             else:
                 w_grpo = weight_grpo * grad_scale
-            c0 = N0 - z_y
-            c1 = tl.exp2(1.4426950408889634*c0 + 1.4426950408889634*tok_ref_logprobs) - 1.0
-            c2 = tl.exp2(-1.4426950408889634*c0 - 1.4426950408889634*tok_old_logprobs)
-            c3 = c2*tok_advantages
-            c4 = tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(c2 > 1.0 - p_grpo__eps_low, c2, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(c2 > 1.0 - p_grpo__eps_low, c2, 1.0 - p_grpo__eps_low))
-            c5 = _rcp(tl.where((c3 == c4), 1.0, 0.0) + 1.0)
-            c6 = c2 - 1.0
-            c7 = c3*tl.where(((c6 <= p_grpo__eps_high) & (c6 >= -p_grpo__eps_low)), 1.0, 0.0)*tl.where((c3 >= c4), c5, 0.0) + c3*tl.where((c3 <= c4), c5, 0.0)
-            g0 = tl.where(finite_row, w_grpo*(c1*p_grpo__kl_beta + c7), float("nan"))
-            g1 = tl.where(finite_row, w_grpo*(-c1*p_grpo__kl_beta - c7), float("nan"))
+            c0 = -zym
+            c1 = acc1*tl.exp2(1.4426950408889634 * (c0 + tok_ref_logprobs)) - 1.0
+            c2 = _rcp(acc1)
+            c3 = tl.exp2(1.4426950408889634 * (-(c0 + tok_old_logprobs)))
+            c4 = c2*c3
+            c5 = c4*tok_advantages
+            c6 = tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(c4 > 1.0 - p_grpo__eps_low, c4, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(c4 > 1.0 - p_grpo__eps_low, c4, 1.0 - p_grpo__eps_low))
+            c7 = _rcp(tl.where((c5 == c6), 1.0, 0.0) + 1.0)
+            c8 = -c2*c3 + 1.0
+            c9 = c5*tl.where(((c8 <= p_grpo__eps_low) & (c8 >= -p_grpo__eps_high)), 1.0, 0.0)*tl.where((c5 >= c6), c7, 0.0) + c5*tl.where((c5 <= c6), c7, 0.0)
+            g0 = tl.where(finite_row, w_grpo*(c1*p_grpo__kl_beta + c9), float("nan"))
+            g1 = tl.where(finite_row, w_grpo*(-c1*p_grpo__kl_beta - c9), float("nan"))
             # (a row of -inf read as FLOOR would look uniform: its gradient is NaN, as its values are)
             # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
             # Tiles last to first, each loaded one iteration ahead (its loads overlap the math).
@@ -355,9 +362,10 @@ def head_loss_39f035c152db4d19(
                                  other=0.0, eviction_policy="evict_first")
                 x = x_tile.to(tl.float32)
                 z = _logits(x, logit_scale, softcap)
+                zm = z - m
                 is_y = tl.where(cols == y_local, 1.0, 0.0)
 
-                dz = g0*tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*z) + g1*is_y
+                dz = g0*tl.exp2(1.4426950408889634 * (-L_N0 + zm)) + g1*is_y
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
     else:
@@ -422,4 +430,4 @@ def head_loss_39f035c152db4d19(
             tl.store(ws_ptr + 2, value_clip_fraction)
             tl.store(ws_ptr + 3, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "1151a3b838d0b92a38db62b020063c2cfa1e7d4ce40c558a8231762074bda6f8"
+TEXT_HASH = "e5b3d4220666d78dd1825084cc74c327ec38c46cbe3dac7c6df95b8f2013cf40"

@@ -7,19 +7,19 @@
 #
 # lowered:
 #   row values:
-#     gspo_U0 = -N0 - tok_old_logprobs + z_y
+#     gspo_U0 = -tok_old_logprobs + zym - log(acc1)
 #     gspo_U1 = tok_advantages
-#     entropy = N0 - acc0*exp(-N0 + m)
+#     entropy = -acc0/acc1 + m + log(acc1)
 #     segment term gspo = -Min(gspo_U1*exp(gspo_U0), gspo_U1*clamp(exp(gspo_U0), 1 - p_gspo__eps_low, p_gspo__eps_high + 1))
 #   normalisers:
 #     N0 = m + log(acc1)
-#   accumulators:
+#   accumulators (2):
 #     acc0 = sum_i exp(1*(z - m)) * z    [online]
 #     acc1 = sum_i exp(1*(z - m)) * 1    [online]
 #   gradient (derived by sympy):
 #     g0 = -gspo_U0_coef
 #     g1 = gspo_U0_coef
-#     dL/dz_i = g0*exp(-N0 + z) + g1*is_y
+#     dL/dz_i = g0*exp(-L_N0 + zm) + g1*is_y
 #
 # plan:
 #   reads of the vocabulary: 1 for the loss (online stats) + 1 for the gradient
@@ -38,7 +38,7 @@ from triton.language.extra import libdevice
 
 KEY = "3d268cb74e027a19"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "5218362c5adf"
+CODEGEN = "7e02c199872c"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['gspo', 'entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -247,8 +247,8 @@ def head_loss_3d268cb74e027a19(
                 # -inf as FLOOR (a NaN stays NaN): its probability is still 0, and 0 * FLOOR is 0 where 0 * -inf is NaN
                 z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
 
-                s0 = tl.exp2(-1.4426950408889634*m_ref + 1.4426950408889634*z)
-                r0 = tl.exp2(1.4426950408889634*m - 1.4426950408889634*m_ref)
+                s0 = tl.exp2(1.4426950408889634 * (-m_ref + z))
+                r0 = tl.exp2(1.4426950408889634 * (m - m_ref))
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
                 part0 = tl.sum(tl.join(tl.where(in_row, s0*z, 0.0), tl.where(in_row, s0, 0.0)), 0)
                 acc0_tile, acc1_tile = tl.split(part0)
@@ -288,8 +288,8 @@ def head_loss_3d268cb74e027a19(
                 at = part + r * step
                 m_r = tl.load(at + 0)
                 z_y += tl.load(at + 1)
-                acc0 += tl.load(at + 2) * tl.exp2(-1.4426950408889634*m + 1.4426950408889634*m_r)
-                acc1 += tl.load(at + 3) * tl.exp2(-1.4426950408889634*m + 1.4426950408889634*m_r)
+                acc0 += tl.load(at + 2) * tl.exp2(1.4426950408889634 * (-m + m_r))
+                acc1 += tl.load(at + 3) * tl.exp2(1.4426950408889634 * (-m + m_r))
         elif not STATS:
             m = tl.load(stats_row + 0)
             z_y = tl.load(stats_row + 1)
@@ -298,7 +298,9 @@ def head_loss_3d268cb74e027a19(
         # a row whose logits (or teacher logits) are all -inf has no distribution: its values are NaN
         finite_row = (m > FLOOR)
 
-        N0 = m + _log(acc1)
+        L_N0 = _log(acc1)
+        N0 = L_N0 + m
+        zym = z_y - m
 
         if STORE_STATS:
             tl.store(stats_row + 0, m)
@@ -307,11 +309,12 @@ def head_loss_3d268cb74e027a19(
             tl.store(stats_row + 3, acc1)
 
         if ROWS:
-            v0 = tl.where(finite_row, -N0 - tok_old_logprobs + z_y, float("nan"))  # gspo_U0
+            r0 = _log(acc1)
+            v0 = tl.where(finite_row, -r0 - tok_old_logprobs + zym, float("nan"))  # gspo_U0
             tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
             v1 = tl.where(finite_row, tok_advantages, float("nan"))  # gspo_U1
             tl.store(ws_ptr + off_rows + 1 * n_rows + grow, v1)
-            v2 = tl.where(finite_row, N0 - acc0*tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*m), float("nan"))  # entropy
+            v2 = tl.where(finite_row, (-acc0)*_rcp(acc1) + m + r0, float("nan"))  # entropy
             tl.store(ws_ptr + off_rows + 2 * n_rows + grow, v2)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, 0.0)
@@ -359,9 +362,10 @@ def head_loss_3d268cb74e027a19(
                                  other=0.0, eviction_policy="evict_first")
                 x = x_tile.to(tl.float32)
                 z = _logits(x, logit_scale, softcap)
+                zm = z - m
                 is_y = tl.where(cols == y_local, 1.0, 0.0)
 
-                dz = g0*tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*z) + g1*is_y
+                dz = g0*tl.exp2(1.4426950408889634 * (-L_N0 + zm)) + g1*is_y
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
     else:
@@ -468,7 +472,7 @@ def segments_3d268cb74e027a19(
                           mask=in_seg, other=0.0) * inv_count
         gspo_U1 = tl.load(sums_ptr + idx * 3 + 2,
                           mask=in_seg, other=0.0) * inv_count
-        gspo_u0 = tl.exp2(1.4426950408889634*gspo_U0)
+        gspo_u0 = tl.exp2(1.4426950408889634 * gspo_U0)
         gspo_u1 = gspo_U1*gspo_u0
         gspo_u2 = 1.0 - p_gspo__eps_low
         gspo_u3 = p_gspo__eps_high + 1.0
@@ -488,4 +492,4 @@ def segments_3d268cb74e027a19(
     loss += weight_gspo * (gspo / div)
     tl.store(ws_ptr + 2, loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "3134dac6ea746f8afac3996932db431c8658fb973b201c5942151026b0d42f16"
+TEXT_HASH = "3f4f92876facb3d6c0e5d3a94630b5cdc58259ea0b9f8c1394db0699bfbcac8c"

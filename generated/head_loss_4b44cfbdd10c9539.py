@@ -10,20 +10,20 @@
 #
 # lowered:
 #   row values:
-#     grpo = -Min(tok_advantages*exp(-N0 - tok_old_logprobs + z_y), tok_advantages*clamp(exp(-N0 - tok_old_logprobs + z_y), 1 - p_grpo__eps_low, p_grpo__eps_high + 1))
-#     entropy = N0 - acc0*exp(-N0 + m)
-#     clip_fraction = Piecewise((1, (p_grpo__eps_high < exp(-N0 - tok_old_logprobs + z_y) - 1) | (p_grpo__eps_low < 1 - exp(-N0 - tok_old_logprobs + z_y))), (0, True))
-#     ratio_mean = exp(-N0 - tok_old_logprobs + z_y)
-#     kl_new_old = N0 + tok_old_logprobs - z_y + exp(-N0 - tok_old_logprobs + z_y) - 1
+#     grpo = -Min(tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1), tok_advantages*exp(-tok_old_logprobs + zym)/acc1)
+#     entropy = -acc0/acc1 + m + log(acc1)
+#     clip_fraction = Piecewise((1, (p_grpo__eps_high < -1 + exp(-tok_old_logprobs + zym)/acc1) | (p_grpo__eps_low < 1 - exp(-tok_old_logprobs + zym)/acc1)), (0, True))
+#     ratio_mean = exp(-tok_old_logprobs + zym)/acc1
+#     kl_new_old = tok_old_logprobs - zym + log(acc1) - 1 + exp(-tok_old_logprobs + zym)/acc1
 #   normalisers:
 #     N0 = m + log(acc1)
-#   accumulators:
+#   accumulators (2):
 #     acc0 = sum_i exp(1*(z - m)) * z    [online]
 #     acc1 = sum_i exp(1*(z - m)) * 1    [online]
 #   gradient (derived by sympy):
-#     g0 = -w_grpo*(-tok_advantages*Piecewise((1, (p_grpo__eps_high >= exp(-N0 - tok_old_logprobs + z_y) - 1) & (p_grpo__eps_low >= 1 - exp(-N0 - tok_old_logprobs + z_y))), (0, True))*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-N0 - tok_old_logprobs + z_y), tok_advantages*clamp(exp(-N0 - tok_old_logprobs + z_y), 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-N0 - tok_old_logprobs + z_y) >= tok_advantages*clamp(exp(-N0 - tok_old_logprobs + z_y), 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-N0 - tok_old_logprobs + z_y) - tok_advantages*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-N0 - tok_old_logprobs + z_y), tok_advantages*clamp(exp(-N0 - tok_old_logprobs + z_y), 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-N0 - tok_old_logprobs + z_y) <= tok_advantages*clamp(exp(-N0 - tok_old_logprobs + z_y), 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-N0 - tok_old_logprobs + z_y))
-#     g1 = -w_grpo*(tok_advantages*Piecewise((1, (p_grpo__eps_high >= exp(-N0 - tok_old_logprobs + z_y) - 1) & (p_grpo__eps_low >= 1 - exp(-N0 - tok_old_logprobs + z_y))), (0, True))*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-N0 - tok_old_logprobs + z_y), tok_advantages*clamp(exp(-N0 - tok_old_logprobs + z_y), 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-N0 - tok_old_logprobs + z_y) >= tok_advantages*clamp(exp(-N0 - tok_old_logprobs + z_y), 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-N0 - tok_old_logprobs + z_y) + tok_advantages*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-N0 - tok_old_logprobs + z_y), tok_advantages*clamp(exp(-N0 - tok_old_logprobs + z_y), 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-N0 - tok_old_logprobs + z_y) <= tok_advantages*clamp(exp(-N0 - tok_old_logprobs + z_y), 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-N0 - tok_old_logprobs + z_y))
-#     dL/dz_i = g0*exp(-N0 + z) + g1*is_y
+#     g0 = -w_grpo*(-tok_advantages*Piecewise((1, (p_grpo__eps_high >= -1 + exp(-tok_old_logprobs + zym)/acc1) & (p_grpo__eps_low >= 1 - exp(-tok_old_logprobs + zym)/acc1)), (0, True))*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-tok_old_logprobs + zym)/acc1, tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-tok_old_logprobs + zym)/acc1 >= tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-tok_old_logprobs + zym)/acc1 - tok_advantages*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-tok_old_logprobs + zym)/acc1, tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-tok_old_logprobs + zym)/acc1 <= tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-tok_old_logprobs + zym)/acc1)
+#     g1 = -w_grpo*(tok_advantages*Piecewise((1, (p_grpo__eps_high >= -1 + exp(-tok_old_logprobs + zym)/acc1) & (p_grpo__eps_low >= 1 - exp(-tok_old_logprobs + zym)/acc1)), (0, True))*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-tok_old_logprobs + zym)/acc1, tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-tok_old_logprobs + zym)/acc1 >= tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-tok_old_logprobs + zym)/acc1 + tok_advantages*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-tok_old_logprobs + zym)/acc1, tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-tok_old_logprobs + zym)/acc1 <= tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-tok_old_logprobs + zym)/acc1)
+#     dL/dz_i = g0*exp(-L_N0 + zm) + g1*is_y
 #
 # plan:
 #   reads of the vocabulary: 1 for the loss (online stats) + 1 for the gradient
@@ -42,7 +42,7 @@ from triton.language.extra import libdevice
 
 KEY = "4b44cfbdd10c9539"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "5218362c5adf"
+CODEGEN = "7e02c199872c"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_fraction', 'ratio_mean', 'kl_new_old']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -233,8 +233,8 @@ def head_loss_4b44cfbdd10c9539(
                 # -inf as FLOOR (a NaN stays NaN): its probability is still 0, and 0 * FLOOR is 0 where 0 * -inf is NaN
                 z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
 
-                s0 = tl.exp2(-1.4426950408889634*m_ref + 1.4426950408889634*z)
-                r0 = tl.exp2(1.4426950408889634*m - 1.4426950408889634*m_ref)
+                s0 = tl.exp2(1.4426950408889634 * (-m_ref + z))
+                r0 = tl.exp2(1.4426950408889634 * (m - m_ref))
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
                 part0 = tl.sum(tl.join(tl.where(in_row, s0*z, 0.0), tl.where(in_row, s0, 0.0)), 0)
                 acc0_tile, acc1_tile = tl.split(part0)
@@ -274,8 +274,8 @@ def head_loss_4b44cfbdd10c9539(
                 at = part + r * step
                 m_r = tl.load(at + 0)
                 z_y += tl.load(at + 1)
-                acc0 += tl.load(at + 2) * tl.exp2(-1.4426950408889634*m + 1.4426950408889634*m_r)
-                acc1 += tl.load(at + 3) * tl.exp2(-1.4426950408889634*m + 1.4426950408889634*m_r)
+                acc0 += tl.load(at + 2) * tl.exp2(1.4426950408889634 * (-m + m_r))
+                acc1 += tl.load(at + 3) * tl.exp2(1.4426950408889634 * (-m + m_r))
         elif not STATS:
             m = tl.load(stats_row + 0)
             z_y = tl.load(stats_row + 1)
@@ -284,7 +284,9 @@ def head_loss_4b44cfbdd10c9539(
         # a row whose logits (or teacher logits) are all -inf has no distribution: its values are NaN
         finite_row = (m > FLOOR)
 
-        N0 = m + _log(acc1)
+        L_N0 = _log(acc1)
+        N0 = L_N0 + m
+        zym = z_y - m
 
         if STORE_STATS:
             tl.store(stats_row + 0, m)
@@ -296,18 +298,21 @@ def head_loss_4b44cfbdd10c9539(
             weight_grpo = tl.load(scalars_ptr + 0)
             p_grpo__eps_high = tl.load(scalars_ptr + 1)
             p_grpo__eps_low = tl.load(scalars_ptr + 2)
-            r0 = N0 + tok_old_logprobs - z_y
-            r1 = tl.exp2(-1.4426950408889634*r0)
-            r2 = r1 - 1.0
-            v0 = tl.where(finite_row, -tl.where(r1*tok_advantages < tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(r1 > 1.0 - p_grpo__eps_low, r1, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(r1 > 1.0 - p_grpo__eps_low, r1, 1.0 - p_grpo__eps_low)), r1*tok_advantages, tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(r1 > 1.0 - p_grpo__eps_low, r1, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(r1 > 1.0 - p_grpo__eps_low, r1, 1.0 - p_grpo__eps_low))), float("nan"))  # grpo
+            r0 = _rcp(acc1)
+            r1 = tok_old_logprobs - zym
+            r2 = tl.exp2(1.4426950408889634 * (-r1))
+            r3 = r0*r2
+            r4 = _log(acc1)
+            r5 = -r0*r2 + 1.0
+            v0 = tl.where(finite_row, -tl.where(r3*tok_advantages < tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(r3 > 1.0 - p_grpo__eps_low, r3, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(r3 > 1.0 - p_grpo__eps_low, r3, 1.0 - p_grpo__eps_low)), r3*tok_advantages, tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(r3 > 1.0 - p_grpo__eps_low, r3, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(r3 > 1.0 - p_grpo__eps_low, r3, 1.0 - p_grpo__eps_low))), float("nan"))  # grpo
             tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
-            v1 = tl.where(finite_row, N0 - acc0*tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*m), float("nan"))  # entropy
+            v1 = tl.where(finite_row, -acc0*r0 + m + r4, float("nan"))  # entropy
             tl.store(ws_ptr + off_rows + 1 * n_rows + grow, v1)
-            v2 = tl.where(finite_row, tl.where(((p_grpo__eps_high < r2) | (p_grpo__eps_low < -r2)), 1.0, 0.0), float("nan"))  # clip_fraction
+            v2 = tl.where(finite_row, tl.where(((p_grpo__eps_low < r5) | (p_grpo__eps_high < -r5)), 1.0, 0.0), float("nan"))  # clip_fraction
             tl.store(ws_ptr + off_rows + 2 * n_rows + grow, v2)
-            v3 = tl.where(finite_row, r1, float("nan"))  # ratio_mean
+            v3 = tl.where(finite_row, r3, float("nan"))  # ratio_mean
             tl.store(ws_ptr + off_rows + 3 * n_rows + grow, v3)
-            v4 = tl.where(finite_row, r0 + r2, float("nan"))  # kl_new_old
+            v4 = tl.where(finite_row, r1 + r3 + r4 - 1.0, float("nan"))  # kl_new_old
             tl.store(ws_ptr + off_rows + 4 * n_rows + grow, v4)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, weight_grpo * v0)
@@ -333,14 +338,16 @@ def head_loss_4b44cfbdd10c9539(
                     w_grpo += tl.load(up_rows_ptr + 0 * n_rows + grow)
             else:
                 w_grpo = weight_grpo * grad_scale
-            c0 = tl.exp2(-1.4426950408889634*N0 - 1.4426950408889634*tok_old_logprobs + 1.4426950408889634*z_y)
-            c1 = c0*tok_advantages
-            c2 = tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(c0 > 1.0 - p_grpo__eps_low, c0, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(c0 > 1.0 - p_grpo__eps_low, c0, 1.0 - p_grpo__eps_low))
-            c3 = _rcp(tl.where((c1 == c2), 1.0, 0.0) + 1.0)
-            c4 = c0 - 1.0
-            c5 = c1*tl.where(((c4 <= p_grpo__eps_high) & (c4 >= -p_grpo__eps_low)), 1.0, 0.0)*tl.where((c1 >= c2), c3, 0.0) + c1*tl.where((c1 <= c2), c3, 0.0)
-            g0 = tl.where(finite_row, c5*w_grpo, float("nan"))
-            g1 = tl.where(finite_row, -c5*w_grpo, float("nan"))
+            c0 = _rcp(acc1)
+            c1 = tl.exp2(1.4426950408889634 * (-tok_old_logprobs + zym))
+            c2 = c0*c1
+            c3 = c2*tok_advantages
+            c4 = tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(c2 > 1.0 - p_grpo__eps_low, c2, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(c2 > 1.0 - p_grpo__eps_low, c2, 1.0 - p_grpo__eps_low))
+            c5 = _rcp(tl.where((c3 == c4), 1.0, 0.0) + 1.0)
+            c6 = -c0*c1 + 1.0
+            c7 = c3*tl.where(((c6 <= p_grpo__eps_low) & (c6 >= -p_grpo__eps_high)), 1.0, 0.0)*tl.where((c3 >= c4), c5, 0.0) + c3*tl.where((c3 <= c4), c5, 0.0)
+            g0 = tl.where(finite_row, c7*w_grpo, float("nan"))
+            g1 = tl.where(finite_row, -c7*w_grpo, float("nan"))
             # (a row of -inf read as FLOOR would look uniform: its gradient is NaN, as its values are)
             # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
             # Tiles last to first, each loaded one iteration ahead (its loads overlap the math).
@@ -356,9 +363,10 @@ def head_loss_4b44cfbdd10c9539(
                                  other=0.0, eviction_policy="evict_first")
                 x = x_tile.to(tl.float32)
                 z = _logits(x, logit_scale, softcap)
+                zm = z - m
                 is_y = tl.where(cols == y_local, 1.0, 0.0)
 
-                dz = g0*tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*z) + g1*is_y
+                dz = g0*tl.exp2(1.4426950408889634 * (-L_N0 + zm)) + g1*is_y
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
     else:
@@ -429,4 +437,4 @@ def head_loss_4b44cfbdd10c9539(
             tl.store(ws_ptr + 4, value_kl_new_old)
             tl.store(ws_ptr + 5, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "06751d2e3c89630370a31bda57b20d25cfff95c349c1023c17bdc808c84f6a03"
+TEXT_HASH = "80e8db9d0ce2b719c1d67fb9546012a240265375589d26941bf50aefffec195d"

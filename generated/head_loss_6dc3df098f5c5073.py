@@ -8,18 +8,18 @@
 #
 # lowered:
 #   row values:
-#     cispo = -tok_advantages*(-N0 + z_y)*Min(p_cispo__eps_high + 1, exp(-N0 - tok_old_logprobs + z_y))
-#     entropy = N0 - acc0*exp(-N0 + m)
-#     cispo_clip_ratio = Piecewise((1, (tok_advantages > 0) & (p_cispo__eps_high < exp(-N0 - tok_old_logprobs + z_y) - 1)), (0, True))
+#     cispo = -tok_advantages*(zym - log(acc1))*Min(exp(-tok_old_logprobs + zym)/acc1, p_cispo__eps_high + 1)
+#     entropy = -acc0/acc1 + m + log(acc1)
+#     cispo_clip_ratio = Piecewise((1, (tok_advantages > 0) & (p_cispo__eps_high < -1 + exp(-tok_old_logprobs + zym)/acc1)), (0, True))
 #   normalisers:
 #     N0 = m + log(acc1)
-#   accumulators:
+#   accumulators (2):
 #     acc0 = sum_i exp(1*(z - m)) * z    [online]
 #     acc1 = sum_i exp(1*(z - m)) * 1    [online]
 #   gradient (derived by sympy):
-#     g0 = tok_advantages*w_cispo*Min(p_cispo__eps_high + 1, exp(-N0 - tok_old_logprobs + z_y))
-#     g1 = -tok_advantages*w_cispo*Min(p_cispo__eps_high + 1, exp(-N0 - tok_old_logprobs + z_y))
-#     dL/dz_i = g0*exp(-N0 + z) + g1*is_y
+#     g0 = tok_advantages*w_cispo*Min(exp(-tok_old_logprobs + zym)/acc1, p_cispo__eps_high + 1)
+#     g1 = -tok_advantages*w_cispo*Min(exp(-tok_old_logprobs + zym)/acc1, p_cispo__eps_high + 1)
+#     dL/dz_i = g0*exp(-L_N0 + zm) + g1*is_y
 #
 # plan:
 #   reads of the vocabulary: 1 for the loss (online stats) + 1 for the gradient
@@ -38,7 +38,7 @@ from triton.language.extra import libdevice
 
 KEY = "6dc3df098f5c5073"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "5218362c5adf"
+CODEGEN = "7e02c199872c"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cispo', 'entropy', 'cispo_clip_ratio']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -229,8 +229,8 @@ def head_loss_6dc3df098f5c5073(
                 # -inf as FLOOR (a NaN stays NaN): its probability is still 0, and 0 * FLOOR is 0 where 0 * -inf is NaN
                 z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
 
-                s0 = tl.exp2(-1.4426950408889634*m_ref + 1.4426950408889634*z)
-                r0 = tl.exp2(1.4426950408889634*m - 1.4426950408889634*m_ref)
+                s0 = tl.exp2(1.4426950408889634 * (-m_ref + z))
+                r0 = tl.exp2(1.4426950408889634 * (m - m_ref))
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
                 part0 = tl.sum(tl.join(tl.where(in_row, s0*z, 0.0), tl.where(in_row, s0, 0.0)), 0)
                 acc0_tile, acc1_tile = tl.split(part0)
@@ -270,8 +270,8 @@ def head_loss_6dc3df098f5c5073(
                 at = part + r * step
                 m_r = tl.load(at + 0)
                 z_y += tl.load(at + 1)
-                acc0 += tl.load(at + 2) * tl.exp2(-1.4426950408889634*m + 1.4426950408889634*m_r)
-                acc1 += tl.load(at + 3) * tl.exp2(-1.4426950408889634*m + 1.4426950408889634*m_r)
+                acc0 += tl.load(at + 2) * tl.exp2(1.4426950408889634 * (-m + m_r))
+                acc1 += tl.load(at + 3) * tl.exp2(1.4426950408889634 * (-m + m_r))
         elif not STATS:
             m = tl.load(stats_row + 0)
             z_y = tl.load(stats_row + 1)
@@ -280,7 +280,9 @@ def head_loss_6dc3df098f5c5073(
         # a row whose logits (or teacher logits) are all -inf has no distribution: its values are NaN
         finite_row = (m > FLOOR)
 
-        N0 = m + _log(acc1)
+        L_N0 = _log(acc1)
+        N0 = L_N0 + m
+        zym = z_y - m
 
         if STORE_STATS:
             tl.store(stats_row + 0, m)
@@ -291,13 +293,14 @@ def head_loss_6dc3df098f5c5073(
         if ROWS:
             weight_cispo = tl.load(scalars_ptr + 0)
             p_cispo__eps_high = tl.load(scalars_ptr + 1)
-            r0 = N0 - z_y
-            r1 = tl.exp2(-1.4426950408889634*r0 - 1.4426950408889634*tok_old_logprobs)
-            v0 = tl.where(finite_row, r0*tok_advantages*tl.where(r1 < p_cispo__eps_high + 1.0, r1, p_cispo__eps_high + 1.0), float("nan"))  # cispo
+            r0 = _log(acc1)
+            r1 = _rcp(acc1)
+            r2 = tl.exp2(1.4426950408889634 * (-tok_old_logprobs + zym))
+            v0 = tl.where(finite_row, -tok_advantages*(-r0 + zym)*tl.where(r1*r2 < p_cispo__eps_high + 1.0, r1*r2, p_cispo__eps_high + 1.0), float("nan"))  # cispo
             tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
-            v1 = tl.where(finite_row, N0 - acc0*tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*m), float("nan"))  # entropy
+            v1 = tl.where(finite_row, -acc0*r1 + m + r0, float("nan"))  # entropy
             tl.store(ws_ptr + off_rows + 1 * n_rows + grow, v1)
-            v2 = tl.where(finite_row, tl.where(((tok_advantages > 0.0) & (p_cispo__eps_high < r1 - 1.0)), 1.0, 0.0), float("nan"))  # cispo_clip_ratio
+            v2 = tl.where(finite_row, tl.where(((tok_advantages > 0.0) & (p_cispo__eps_high < r1*r2 - 1.0)), 1.0, 0.0), float("nan"))  # cispo_clip_ratio
             tl.store(ws_ptr + off_rows + 2 * n_rows + grow, v2)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, weight_cispo * v0)
@@ -322,7 +325,7 @@ def head_loss_6dc3df098f5c5073(
                     w_cispo += tl.load(up_rows_ptr + 0 * n_rows + grow)
             else:
                 w_cispo = weight_cispo * grad_scale
-            c0 = tok_advantages*w_cispo*tl.where(p_cispo__eps_high + 1.0 < tl.exp2(-1.4426950408889634*N0 - 1.4426950408889634*tok_old_logprobs + 1.4426950408889634*z_y), p_cispo__eps_high + 1.0, tl.exp2(-1.4426950408889634*N0 - 1.4426950408889634*tok_old_logprobs + 1.4426950408889634*z_y))
+            c0 = tok_advantages*w_cispo*tl.where(p_cispo__eps_high + 1.0 < tl.exp2(1.4426950408889634 * (-tok_old_logprobs + zym))*_rcp(acc1), p_cispo__eps_high + 1.0, tl.exp2(1.4426950408889634 * (-tok_old_logprobs + zym))*_rcp(acc1))
             g0 = tl.where(finite_row, c0, float("nan"))
             g1 = tl.where(finite_row, -c0, float("nan"))
             # (a row of -inf read as FLOOR would look uniform: its gradient is NaN, as its values are)
@@ -340,9 +343,10 @@ def head_loss_6dc3df098f5c5073(
                                  other=0.0, eviction_policy="evict_first")
                 x = x_tile.to(tl.float32)
                 z = _logits(x, logit_scale, softcap)
+                zm = z - m
                 is_y = tl.where(cols == y_local, 1.0, 0.0)
 
-                dz = g0*tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*z) + g1*is_y
+                dz = g0*tl.exp2(1.4426950408889634 * (-L_N0 + zm)) + g1*is_y
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
     else:
@@ -407,4 +411,4 @@ def head_loss_6dc3df098f5c5073(
             tl.store(ws_ptr + 2, value_cispo_clip_ratio)
             tl.store(ws_ptr + 3, weight_cispo * value_cispo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "d317f4816867971187b0b3f0f1a581960f9928b4c2072635f53ab2a180600bcf"
+TEXT_HASH = "df317d2eb955862433251b96ea0ee08e3f116da6a46ddf281ee3e479fe7b65ce"

@@ -6,26 +6,25 @@
 #
 # lowered:
 #   row values:
-#     forward_kl = -N0 + N1 + acc1*exp(-N0 + m_t) - acc2*exp(-N0 + m_t)
+#     forward_kl = m - m_t - log(acc0) + log(acc2) + acc1/acc0
 #   normalisers:
 #     N0 = m_t + log(acc0)
-#     N1 = m + log(acc3)
-#   accumulators:
+#     N1 = m + log(acc2)
+#   accumulators (3; 4 before combining the sums that share a weight):
 #     acc0 = sum_i exp(1*(t - m_t)) * 1    [online]
-#     acc1 = sum_i exp(1*(t - m_t)) * t    [online]
-#     acc2 = sum_i exp(1*(t - m_t)) * z    [online]
-#     acc3 = sum_i exp(1*(z - m)) * 1    [online]
+#     acc1 = sum_i exp(1*(t - m_t)) * (t - z)    [online]
+#     acc2 = sum_i exp(1*(z - m)) * 1    [online]
 #   gradient (derived by sympy):
 #     g0 = w_forward_kl
 #     g1 = w_forward_kl
-#     dL/dz_i = -g0*exp(-N0 + t) + g1*exp(-N1 + z)
+#     dL/dz_i = -g0*exp(-L_N0 + tm) + g1*exp(-L_N1 + zm)
 #
 # plan:
 #   reads of the vocabulary: 1 for the loss (online stats) + 1 for the gradient
 #   bytes per element (bf16 in, bf16 grad): 10
-#   packed per-row stats (6 fp32): m:max, m_t:max, acc0:scaled, acc1:scaled, acc2:scaled, acc3:scaled
+#   packed per-row stats (5 fp32): m:max, m_t:max, acc0:scaled, acc1:scaled, acc2:scaled
 #   vocab-parallel: one all-gather of the packed stats
-#   per-element state ('xt', 4, 0); reads stats forward, grad backward
+#   per-element state ('xt', 3, 0); reads stats forward, grad backward
 #   single device: 1 launch(es): [stats+rows+grad]
 #   sharded: 2 launch(es): [stats] gather -> [merge+rows+grad]
 #   sharded, in-kernel exchange: 1 launch(es): [stats+exchange+merge+rows+grad]
@@ -37,13 +36,13 @@ from triton.language.extra import libdevice
 
 KEY = "7fef8addf6d59cde"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "5218362c5adf"
+CODEGEN = "7e02c199872c"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
 ROW_VALUES = ['forward_kl']
 # the first read's packed per-row stats (the header's plan gives how vocab shards' stats merge)
-COLUMNS = ['m', 'm_t', 'acc0', 'acc1', 'acc2', 'acc3']
+COLUMNS = ['m', 'm_t', 'acc0', 'acc1', 'acc2']
 # sums of the exact read (summed across vocab shards)
 EXACT = []
 TOKENS = []
@@ -65,7 +64,7 @@ SEGMENTS = []
 SEGMENT_MEANS = []
 # what decides the tile (the runtime's choice, losscodegen/tiles.py): the streams the first read
 # loads, its running sums, the exact read's sums
-STATE = ('xt', 4, 0)
+STATE = ('xt', 3, 0)
 # Each kernel's interface, in its signature's order (both written from emit.signatures; launch.py
 # passes every argument by these names): the arguments of each launch, then those that are the
 # same at every launch of a head on one vocab shard, then the constexprs.
@@ -180,7 +179,7 @@ def head_loss_7fef8addf6d59cde(
     x_row = x_ptr + row * x_stride
     t_row = t_ptr + row * t_stride
     grad_row = grad_ptr + row * grad_stride
-    stats_row = ws_ptr + off_stats + grow * 6
+    stats_row = ws_ptr + off_stats + grow * 5
     y = -1
     live = True
     if y_ptr is not None:
@@ -207,7 +206,6 @@ def head_loss_7fef8addf6d59cde(
             acc0 = 0.0
             acc1 = 0.0
             acc2 = 0.0
-            acc3 = 0.0
             # Tiles first to last, each loaded one iteration ahead (its loads overlap the math).
             n_blocks = tl.cdiv(V, BLOCK_V)
             cols = tl.arange(0, BLOCK_V)
@@ -235,19 +233,17 @@ def head_loss_7fef8addf6d59cde(
                 z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
                 t = tl.maximum(t, FLOOR, propagate_nan=tl.PropagateNan.ALL)
 
-                s0 = tl.exp2(-1.4426950408889634*m_t_ref + 1.4426950408889634*t)
-                r0 = tl.exp2(1.4426950408889634*m_t - 1.4426950408889634*m_t_ref)
-                s1 = tl.exp2(-1.4426950408889634*m_ref + 1.4426950408889634*z)
-                r1 = tl.exp2(1.4426950408889634*m - 1.4426950408889634*m_ref)
+                s0 = tl.exp2(1.4426950408889634 * (-m_t_ref + t))
+                r0 = tl.exp2(1.4426950408889634 * (m_t - m_t_ref))
+                s1 = tl.exp2(1.4426950408889634 * (-m_ref + z))
+                r1 = tl.exp2(1.4426950408889634 * (m - m_ref))
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
-                part0 = tl.sum(tl.join(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, s0*t, 0.0)), tl.join(tl.where(in_row, s0*z, 0.0), tl.where(in_row, s1, 0.0))), 0)
-                part1, part2 = tl.split(part0)
-                acc0_tile, acc1_tile = tl.split(part1)
-                acc2_tile, acc3_tile = tl.split(part2)
+                part0 = tl.sum(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, s0*(t - z), 0.0)), 0)
+                acc0_tile, acc1_tile = tl.split(part0)
+                acc2_tile = tl.sum(tl.where(in_row, s1, 0.0), 0)
                 acc0 = acc0 * r0 + acc0_tile
                 acc1 = acc1 * r0 + acc1_tile
-                acc2 = acc2 * r0 + acc2_tile
-                acc3 = acc3 * r1 + acc3_tile
+                acc2 = acc2 * r1 + acc2_tile
                 m = m_new
                 m_t = m_t_new
             if EXCHANGE:
@@ -258,27 +254,25 @@ def head_loss_7fef8addf6d59cde(
                 n_launch = tl.num_programs(0).to(tl.int64)
                 rank = vocab_start // V
                 for r in range(world):
-                    at = tl.load(peers_ptr + r).to(tl.pointer_type(tl.float32)) + (rank * n_launch + row) * 6
+                    at = tl.load(peers_ptr + r).to(tl.pointer_type(tl.float32)) + (rank * n_launch + row) * 5
                     tl.store(at + 0, m)
                     tl.store(at + 1, m_t)
                     tl.store(at + 2, acc0)
                     tl.store(at + 3, acc1)
                     tl.store(at + 4, acc2)
-                    tl.store(at + 5, acc3)
                 tl.debug_barrier()
                 _handshake(peers_ptr, world, rank, world + row, n_launch, epoch)  # (row flags follow the launch flags)
                 tl.debug_barrier()
         if MERGE:
-            # The packed stats of every vocab shard, gathered ([world, rows of this launch, 6]),
+            # The packed stats of every vocab shard, gathered ([world, rows of this launch, 5]),
             # merged by each column's rule: maxima first, then the sums rescaled to them.
-            part = gathered_ptr + row * 6
-            step = tl.num_programs(0).to(tl.int64) * 6
+            part = gathered_ptr + row * 5
+            step = tl.num_programs(0).to(tl.int64) * 5
             m = float("-inf")
             m_t = float("-inf")
             acc0 = 0.0
             acc1 = 0.0
             acc2 = 0.0
-            acc3 = 0.0
             for r in range(world):
                 m = tl.maximum(m, tl.load(part + r * step + 0))
                 m_t = tl.maximum(m_t, tl.load(part + r * step + 1))
@@ -286,22 +280,22 @@ def head_loss_7fef8addf6d59cde(
                 at = part + r * step
                 m_r = tl.load(at + 0)
                 m_t_r = tl.load(at + 1)
-                acc0 += tl.load(at + 2) * tl.exp2(-1.4426950408889634*m_t + 1.4426950408889634*m_t_r)
-                acc1 += tl.load(at + 3) * tl.exp2(-1.4426950408889634*m_t + 1.4426950408889634*m_t_r)
-                acc2 += tl.load(at + 4) * tl.exp2(-1.4426950408889634*m_t + 1.4426950408889634*m_t_r)
-                acc3 += tl.load(at + 5) * tl.exp2(-1.4426950408889634*m + 1.4426950408889634*m_r)
+                acc0 += tl.load(at + 2) * tl.exp2(1.4426950408889634 * (-m_t + m_t_r))
+                acc1 += tl.load(at + 3) * tl.exp2(1.4426950408889634 * (-m_t + m_t_r))
+                acc2 += tl.load(at + 4) * tl.exp2(1.4426950408889634 * (-m + m_r))
         elif not STATS:
             m = tl.load(stats_row + 0)
             m_t = tl.load(stats_row + 1)
             acc0 = tl.load(stats_row + 2)
             acc1 = tl.load(stats_row + 3)
             acc2 = tl.load(stats_row + 4)
-            acc3 = tl.load(stats_row + 5)
         # a row whose logits (or teacher logits) are all -inf has no distribution: its values are NaN
         finite_row = (m > FLOOR) & (m_t > FLOOR)
 
-        N0 = m_t + _log(acc0)
-        N1 = m + _log(acc3)
+        L_N0 = _log(acc0)
+        N0 = L_N0 + m_t
+        L_N1 = _log(acc2)
+        N1 = L_N1 + m
 
         if STORE_STATS:
             tl.store(stats_row + 0, m)
@@ -309,12 +303,10 @@ def head_loss_7fef8addf6d59cde(
             tl.store(stats_row + 2, acc0)
             tl.store(stats_row + 3, acc1)
             tl.store(stats_row + 4, acc2)
-            tl.store(stats_row + 5, acc3)
 
         if ROWS:
             weight_forward_kl = tl.load(scalars_ptr + 0)
-            r0 = tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*m_t)
-            v0 = tl.where(finite_row, -N0 + N1 + acc1*r0 - acc2*r0, float("nan"))  # forward_kl
+            v0 = tl.where(finite_row, m - m_t - _log(acc0) + _log(acc2) + acc1*_rcp(acc0), float("nan"))  # forward_kl
             tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, weight_forward_kl * v0)
@@ -359,9 +351,11 @@ def head_loss_7fef8addf6d59cde(
                                  other=0.0, eviction_policy="evict_first")
                 x = x_tile.to(tl.float32)
                 z = _logits(x, logit_scale, softcap)
+                zm = z - m
                 t = t_tile.to(tl.float32)
+                tm = t - m_t
 
-                dz = -g0*tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*t) + g1*tl.exp2(-1.4426950408889634*N1 + 1.4426950408889634*z)
+                dz = -g0*tl.exp2(1.4426950408889634 * (-L_N0 + tm)) + g1*tl.exp2(1.4426950408889634 * (-L_N1 + zm))
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
     else:
@@ -418,4 +412,4 @@ def head_loss_7fef8addf6d59cde(
             tl.store(ws_ptr + 0, value_forward_kl)
             tl.store(ws_ptr + 1, weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "c1c41c19802cc34fcbc936486f58743d6a6df45ff42e2af4f65c82abb6ee3961"
+TEXT_HASH = "876b1a29786f9dc82eea8820608a77696303aafee62159c2e55ab029e2f2edf2"

@@ -7,31 +7,30 @@
 #
 # lowered:
 #   row values:
-#     cross_entropy = N0 - z_y
-#     forward_kl = -N1 + N2 + acc1*exp(-N1 + m_t/2)/2 - acc2*exp(-N1 + m_t/2)/2
+#     cross_entropy = -zym + log(acc2)
+#     forward_kl = m/2 - m_t/2 - log(acc0) + log(acc3) + acc1/(2*acc0)
 #   normalisers:
-#     N0 = m + log(acc3)
+#     N0 = m + log(acc2)
 #     N1 = m_t/2 + log(acc0)
-#     N2 = m/2 + log(acc4)
-#   accumulators:
+#     N2 = m/2 + log(acc3)
+#   accumulators (4; 5 before combining the sums that share a weight):
 #     acc0 = sum_i exp(1/2*(t - m_t)) * 1    [online]
-#     acc1 = sum_i exp(1/2*(t - m_t)) * t    [online]
-#     acc2 = sum_i exp(1/2*(t - m_t)) * z    [online]
-#     acc3 = sum_i exp(1*(z - m)) * 1    [online]
-#     acc4 = sum_i exp(1/2*(z - m)) * 1    [online]
+#     acc1 = sum_i exp(1/2*(t - m_t)) * (t - z)    [online]
+#     acc2 = sum_i exp(1*(z - m)) * 1    [online]
+#     acc3 = sum_i exp(1/2*(z - m)) * 1    [online]
 #   gradient (derived by sympy):
 #     g0 = w_forward_kl
 #     g1 = w_cross_entropy
 #     g2 = w_forward_kl
 #     g3 = -w_cross_entropy
-#     dL/dz_i = -g0*exp(-N1 + t/2)/2 + g1*exp(-N0 + z) + g2*exp(-N2 + z/2)/2 + g3*is_y
+#     dL/dz_i = -g0*exp(-L_N1 + tm/2)/2 + g1*exp(-L_N0 + zm) + g2*exp(-L_N2 + zm/2)/2 + g3*is_y
 #
 # plan:
 #   reads of the vocabulary: 1 for the loss (online stats) + 1 for the gradient
 #   bytes per element (bf16 in, bf16 grad): 10
-#   packed per-row stats (8 fp32): m:max, m_t:max, z_y:sum, acc0:scaled, acc1:scaled, acc2:scaled, acc3:scaled, acc4:scaled
+#   packed per-row stats (7 fp32): m:max, m_t:max, z_y:sum, acc0:scaled, acc1:scaled, acc2:scaled, acc3:scaled
 #   vocab-parallel: one all-gather of the packed stats
-#   per-element state ('xt', 5, 0); reads stats forward, grad backward
+#   per-element state ('xt', 4, 0); reads stats forward, grad backward
 #   single device: 1 launch(es): [stats+rows+grad]
 #   sharded: 2 launch(es): [stats] gather -> [merge+rows+grad]
 #   sharded, in-kernel exchange: 1 launch(es): [stats+exchange+merge+rows+grad]
@@ -43,13 +42,13 @@ from triton.language.extra import libdevice
 
 KEY = "97832387ccf65118"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "5218362c5adf"
+CODEGEN = "7e02c199872c"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
 ROW_VALUES = ['cross_entropy', 'forward_kl']
 # the first read's packed per-row stats (the header's plan gives how vocab shards' stats merge)
-COLUMNS = ['m', 'm_t', 'z_y', 'acc0', 'acc1', 'acc2', 'acc3', 'acc4']
+COLUMNS = ['m', 'm_t', 'z_y', 'acc0', 'acc1', 'acc2', 'acc3']
 # sums of the exact read (summed across vocab shards)
 EXACT = []
 TOKENS = []
@@ -71,7 +70,7 @@ SEGMENTS = []
 SEGMENT_MEANS = []
 # what decides the tile (the runtime's choice, losscodegen/tiles.py): the streams the first read
 # loads, its running sums, the exact read's sums
-STATE = ('xt', 5, 0)
+STATE = ('xt', 4, 0)
 # Each kernel's interface, in its signature's order (both written from emit.signatures; launch.py
 # passes every argument by these names): the arguments of each launch, then those that are the
 # same at every launch of a head on one vocab shard, then the constexprs.
@@ -186,7 +185,7 @@ def head_loss_97832387ccf65118(
     x_row = x_ptr + row * x_stride
     t_row = t_ptr + row * t_stride
     grad_row = grad_ptr + row * grad_stride
-    stats_row = ws_ptr + off_stats + grow * 8
+    stats_row = ws_ptr + off_stats + grow * 7
     y = -1
     live = True
     if y_ptr is not None:
@@ -216,7 +215,6 @@ def head_loss_97832387ccf65118(
             acc1 = 0.0
             acc2 = 0.0
             acc3 = 0.0
-            acc4 = 0.0
             # Tiles first to last, each loaded one iteration ahead (its loads overlap the math).
             n_blocks = tl.cdiv(V, BLOCK_V)
             cols = tl.arange(0, BLOCK_V)
@@ -244,23 +242,21 @@ def head_loss_97832387ccf65118(
                 z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
                 t = tl.maximum(t, FLOOR, propagate_nan=tl.PropagateNan.ALL)
 
-                s0 = tl.exp2(-0.7213475204444817*m_t_ref + 0.7213475204444817*t)
-                r0 = tl.exp2(0.7213475204444817*m_t - 0.7213475204444817*m_t_ref)
-                s1 = tl.exp2(-1.4426950408889634*m_ref + 1.4426950408889634*z)
-                r1 = tl.exp2(1.4426950408889634*m - 1.4426950408889634*m_ref)
-                s2 = tl.exp2(-0.7213475204444817*m_ref + 0.7213475204444817*z)
-                r2 = tl.exp2(0.7213475204444817*m - 0.7213475204444817*m_ref)
+                s0 = tl.exp2(1.4426950408889634 * ((0.5)*(-m_t_ref + t)))
+                r0 = tl.exp2(1.4426950408889634 * ((0.5)*(m_t - m_t_ref)))
+                s1 = tl.exp2(1.4426950408889634 * (-m_ref + z))
+                r1 = tl.exp2(1.4426950408889634 * (m - m_ref))
+                s2 = tl.exp2(1.4426950408889634 * ((0.5)*(-m_ref + z)))
+                r2 = tl.exp2(1.4426950408889634 * ((0.5)*(m - m_ref)))
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
-                part0 = tl.sum(tl.join(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, s0*t, 0.0)), tl.join(tl.where(in_row, s0*z, 0.0), tl.where(in_row, s1, 0.0))), 0)
+                part0 = tl.sum(tl.join(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, s0*(t - z), 0.0)), tl.join(tl.where(in_row, s1, 0.0), tl.where(in_row, s2, 0.0))), 0)
                 part1, part2 = tl.split(part0)
                 acc0_tile, acc1_tile = tl.split(part1)
                 acc2_tile, acc3_tile = tl.split(part2)
-                acc4_tile = tl.sum(tl.where(in_row, s2, 0.0), 0)
                 acc0 = acc0 * r0 + acc0_tile
                 acc1 = acc1 * r0 + acc1_tile
-                acc2 = acc2 * r0 + acc2_tile
-                acc3 = acc3 * r1 + acc3_tile
-                acc4 = acc4 * r2 + acc4_tile
+                acc2 = acc2 * r1 + acc2_tile
+                acc3 = acc3 * r2 + acc3_tile
                 m = m_new
                 m_t = m_t_new
             z_y = tl.where(y_here, _logits(tl.load(x_row + y_local, mask=y_here, other=0.0).to(tl.float32),
@@ -273,7 +269,7 @@ def head_loss_97832387ccf65118(
                 n_launch = tl.num_programs(0).to(tl.int64)
                 rank = vocab_start // V
                 for r in range(world):
-                    at = tl.load(peers_ptr + r).to(tl.pointer_type(tl.float32)) + (rank * n_launch + row) * 8
+                    at = tl.load(peers_ptr + r).to(tl.pointer_type(tl.float32)) + (rank * n_launch + row) * 7
                     tl.store(at + 0, m)
                     tl.store(at + 1, m_t)
                     tl.store(at + 2, z_y)
@@ -281,15 +277,14 @@ def head_loss_97832387ccf65118(
                     tl.store(at + 4, acc1)
                     tl.store(at + 5, acc2)
                     tl.store(at + 6, acc3)
-                    tl.store(at + 7, acc4)
                 tl.debug_barrier()
                 _handshake(peers_ptr, world, rank, world + row, n_launch, epoch)  # (row flags follow the launch flags)
                 tl.debug_barrier()
         if MERGE:
-            # The packed stats of every vocab shard, gathered ([world, rows of this launch, 8]),
+            # The packed stats of every vocab shard, gathered ([world, rows of this launch, 7]),
             # merged by each column's rule: maxima first, then the sums rescaled to them.
-            part = gathered_ptr + row * 8
-            step = tl.num_programs(0).to(tl.int64) * 8
+            part = gathered_ptr + row * 7
+            step = tl.num_programs(0).to(tl.int64) * 7
             m = float("-inf")
             m_t = float("-inf")
             z_y = 0.0
@@ -297,7 +292,6 @@ def head_loss_97832387ccf65118(
             acc1 = 0.0
             acc2 = 0.0
             acc3 = 0.0
-            acc4 = 0.0
             for r in range(world):
                 m = tl.maximum(m, tl.load(part + r * step + 0))
                 m_t = tl.maximum(m_t, tl.load(part + r * step + 1))
@@ -306,11 +300,10 @@ def head_loss_97832387ccf65118(
                 m_r = tl.load(at + 0)
                 m_t_r = tl.load(at + 1)
                 z_y += tl.load(at + 2)
-                acc0 += tl.load(at + 3) * tl.exp2(-0.7213475204444817*m_t + 0.7213475204444817*m_t_r)
-                acc1 += tl.load(at + 4) * tl.exp2(-0.7213475204444817*m_t + 0.7213475204444817*m_t_r)
-                acc2 += tl.load(at + 5) * tl.exp2(-0.7213475204444817*m_t + 0.7213475204444817*m_t_r)
-                acc3 += tl.load(at + 6) * tl.exp2(-1.4426950408889634*m + 1.4426950408889634*m_r)
-                acc4 += tl.load(at + 7) * tl.exp2(-0.7213475204444817*m + 0.7213475204444817*m_r)
+                acc0 += tl.load(at + 3) * tl.exp2(1.4426950408889634 * ((0.5)*(-m_t + m_t_r)))
+                acc1 += tl.load(at + 4) * tl.exp2(1.4426950408889634 * ((0.5)*(-m_t + m_t_r)))
+                acc2 += tl.load(at + 5) * tl.exp2(1.4426950408889634 * (-m + m_r))
+                acc3 += tl.load(at + 6) * tl.exp2(1.4426950408889634 * ((0.5)*(-m + m_r)))
         elif not STATS:
             m = tl.load(stats_row + 0)
             m_t = tl.load(stats_row + 1)
@@ -319,13 +312,16 @@ def head_loss_97832387ccf65118(
             acc1 = tl.load(stats_row + 4)
             acc2 = tl.load(stats_row + 5)
             acc3 = tl.load(stats_row + 6)
-            acc4 = tl.load(stats_row + 7)
         # a row whose logits (or teacher logits) are all -inf has no distribution: its values are NaN
         finite_row = (m > FLOOR) & (m_t > FLOOR)
 
-        N0 = m + _log(acc3)
-        N1 = (0.5)*m_t + _log(acc0)
-        N2 = (0.5)*m + _log(acc4)
+        L_N0 = _log(acc2)
+        N0 = L_N0 + m
+        L_N1 = _log(acc0)
+        N1 = L_N1 + (0.5)*m_t
+        L_N2 = _log(acc3)
+        N2 = L_N2 + (0.5)*m
+        zym = z_y - m
 
         if STORE_STATS:
             tl.store(stats_row + 0, m)
@@ -335,15 +331,13 @@ def head_loss_97832387ccf65118(
             tl.store(stats_row + 4, acc1)
             tl.store(stats_row + 5, acc2)
             tl.store(stats_row + 6, acc3)
-            tl.store(stats_row + 7, acc4)
 
         if ROWS:
             weight_cross_entropy = tl.load(scalars_ptr + 0)
             weight_forward_kl = tl.load(scalars_ptr + 1)
-            r0 = tl.exp2(-1.4426950408889634*N1 + 0.7213475204444817*m_t)
-            v0 = tl.where(finite_row, N0 - z_y, float("nan"))  # cross_entropy
+            v0 = tl.where(finite_row, -zym + _log(acc2), float("nan"))  # cross_entropy
             tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
-            v1 = tl.where(finite_row, -N1 + N2 + (0.5)*acc1*r0 - 0.5*acc2*r0, float("nan"))  # forward_kl
+            v1 = tl.where(finite_row, (0.5)*m - 0.5*m_t - _log(acc0) + _log(acc3) + ((0.5)*acc1)*_rcp(acc0), float("nan"))  # forward_kl
             tl.store(ws_ptr + off_rows + 1 * n_rows + grow, v1)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, weight_cross_entropy * v0 + weight_forward_kl * v1)
@@ -394,10 +388,12 @@ def head_loss_97832387ccf65118(
                                  other=0.0, eviction_policy="evict_first")
                 x = x_tile.to(tl.float32)
                 z = _logits(x, logit_scale, softcap)
+                zm = z - m
                 t = t_tile.to(tl.float32)
+                tm = t - m_t
                 is_y = tl.where(cols == y_local, 1.0, 0.0)
 
-                dz = -0.5*g0*tl.exp2(-1.4426950408889634*N1 + 0.7213475204444817*t) + g1*tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*z) + (0.5)*g2*tl.exp2(-1.4426950408889634*N2 + 0.7213475204444817*z) + g3*is_y
+                dz = -0.5*g0*tl.exp2(1.4426950408889634 * (-L_N1 + (0.5)*tm)) + g1*tl.exp2(1.4426950408889634 * (-L_N0 + zm)) + (0.5)*g2*tl.exp2(1.4426950408889634 * (-L_N2 + (0.5)*zm)) + g3*is_y
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
     else:
@@ -458,4 +454,4 @@ def head_loss_97832387ccf65118(
             tl.store(ws_ptr + 1, value_forward_kl)
             tl.store(ws_ptr + 2, weight_cross_entropy * value_cross_entropy + weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "27d60016f91002f5b3251e9cfa64a56c2060abb0221fbbd0848e3cb82d5b682f"
+TEXT_HASH = "c8fb10ecf63e4a68121c928787b4277ec1daf9b2a64656d8c729c91b6cfa178f"

@@ -10,18 +10,18 @@
 #   normalisers:
 #     N0 = m + log(acc0)
 #     N1 = m_t + log(acc2)
-#   accumulators:
+#   accumulators (6):
 #     acc0 = sum_i exp(1*(z - m)) * 1    [online]
-#     acc1 = sum_i (-N0 + z - log(p_jsd__beta*exp(-N0 + z) + (1 - p_jsd__beta)*exp(-N1 + t)))*exp(-N0 + z)    [exact: needs the final normalisers]
+#     acc1 = sum_i (-L_N0 + zm - log(p_jsd__beta*exp(-L_N0 + zm) + (1 - p_jsd__beta)*exp(-L_N1 + tm)))*exp(-L_N0 + zm)    [exact: needs the final normalisers]
 #     acc2 = sum_i exp(1*(t - m_t)) * 1    [online]
-#     acc3 = sum_i (-N1 + t - log(p_jsd__beta*exp(-N0 + z) + (1 - p_jsd__beta)*exp(-N1 + t)))*exp(-N1 + t)    [exact: needs the final normalisers]
-#     acc4 = sum_i (p_jsd__beta*exp(-N0 + z)/(p_jsd__beta*exp(-N0 + z) + (1 - p_jsd__beta)*exp(-N1 + t)) - 1)*exp(-N0 + z) - (-N0 + z - log(p_jsd__beta*exp(-N0 + z) + (1 - p_jsd__beta)*exp(-N1 + t)))*exp(-N0 + z)    [exact: needs the final normalisers]
-#     acc5 = sum_i p_jsd__beta*exp(-N0 + z)*exp(-N1 + t)/(p_jsd__beta*exp(-N0 + z) + (1 - p_jsd__beta)*exp(-N1 + t))    [exact: needs the final normalisers]
+#     acc3 = sum_i (-L_N1 + tm - log(p_jsd__beta*exp(-L_N0 + zm) + (1 - p_jsd__beta)*exp(-L_N1 + tm)))*exp(-L_N1 + tm)    [exact: needs the final normalisers]
+#     acc4 = sum_i (p_jsd__beta*exp(-L_N0 + zm)/(p_jsd__beta*exp(-L_N0 + zm) + (1 - p_jsd__beta)*exp(-L_N1 + tm)) - 1)*exp(-L_N0 + zm) - (-L_N0 + zm - log(p_jsd__beta*exp(-L_N0 + zm) + (1 - p_jsd__beta)*exp(-L_N1 + tm)))*exp(-L_N0 + zm)    [exact: needs the final normalisers]
+#     acc5 = sum_i p_jsd__beta*exp(-L_N0 - L_N1 + tm + zm)/(p_jsd__beta*exp(-L_N0 + zm) + (1 - p_jsd__beta)*exp(-L_N1 + tm))    [exact: needs the final normalisers]
 #   gradient (derived by sympy):
 #     g0 = p_jsd__beta*w_jsd
 #     g1 = w_jsd*(1 - p_jsd__beta)
 #     g2 = acc4*p_jsd__beta*w_jsd + acc5*w_jsd*(1 - p_jsd__beta)
-#     dL/dz_i = g0*((-p_jsd__beta*exp(-N0 + z)/(p_jsd__beta*exp(-N0 + z) + (1 - p_jsd__beta)*exp(-N1 + t)) + 1)*exp(-N0 + z) + (-N0 + z - log(p_jsd__beta*exp(-N0 + z) + (1 - p_jsd__beta)*exp(-N1 + t)))*exp(-N0 + z)) - g1*p_jsd__beta*exp(-N0 + z)*exp(-N1 + t)/(p_jsd__beta*exp(-N0 + z) + (1 - p_jsd__beta)*exp(-N1 + t)) + g2*exp(-N0 + z)
+#     dL/dz_i = g0*((-p_jsd__beta*exp(-L_N0 + zm)/(p_jsd__beta*exp(-L_N0 + zm) + (1 - p_jsd__beta)*exp(-L_N1 + tm)) + 1)*exp(-L_N0 + zm) + (-L_N0 + zm - log(p_jsd__beta*exp(-L_N0 + zm) + (1 - p_jsd__beta)*exp(-L_N1 + tm)))*exp(-L_N0 + zm)) - g1*p_jsd__beta*exp(-L_N0 - L_N1 + tm + zm)/(p_jsd__beta*exp(-L_N0 + zm) + (1 - p_jsd__beta)*exp(-L_N1 + tm)) + g2*exp(-L_N0 + zm)
 #
 # plan:
 #   reads of the vocabulary: 2 for the loss (online stats + exact) + 1 for the gradient
@@ -40,7 +40,7 @@ from triton.language.extra import libdevice
 
 KEY = "b035e884472ee995"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "5218362c5adf"
+CODEGEN = "7e02c199872c"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['jsd']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -235,10 +235,10 @@ def head_loss_b035e884472ee995(
                 m_t_new = tl.maximum(m_t, tl.max(tl.where(in_row, t, float("-inf")), 0))
                 m_t_ref = tl.where(m_t_new == float("-inf"), 0.0, m_t_new)
 
-                s0 = tl.exp2(-1.4426950408889634*m_ref + 1.4426950408889634*z)
-                r0 = tl.exp2(1.4426950408889634*m - 1.4426950408889634*m_ref)
-                s1 = tl.exp2(-1.4426950408889634*m_t_ref + 1.4426950408889634*t)
-                r1 = tl.exp2(1.4426950408889634*m_t - 1.4426950408889634*m_t_ref)
+                s0 = tl.exp2(1.4426950408889634 * (-m_ref + z))
+                r0 = tl.exp2(1.4426950408889634 * (m - m_ref))
+                s1 = tl.exp2(1.4426950408889634 * (-m_t_ref + t))
+                r1 = tl.exp2(1.4426950408889634 * (m_t - m_t_ref))
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
                 part0 = tl.sum(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, s1, 0.0)), 0)
                 acc0_tile, acc2_tile = tl.split(part0)
@@ -278,8 +278,8 @@ def head_loss_b035e884472ee995(
                 at = part + r * step
                 m_r = tl.load(at + 0)
                 m_t_r = tl.load(at + 1)
-                acc0 += tl.load(at + 2) * tl.exp2(-1.4426950408889634*m + 1.4426950408889634*m_r)
-                acc2 += tl.load(at + 3) * tl.exp2(-1.4426950408889634*m_t + 1.4426950408889634*m_t_r)
+                acc0 += tl.load(at + 2) * tl.exp2(1.4426950408889634 * (-m + m_r))
+                acc2 += tl.load(at + 3) * tl.exp2(1.4426950408889634 * (-m_t + m_t_r))
         elif not STATS:
             m = tl.load(stats_row + 0)
             m_t = tl.load(stats_row + 1)
@@ -287,11 +287,11 @@ def head_loss_b035e884472ee995(
             acc2 = tl.load(stats_row + 3)
         # a row whose logits (or teacher logits) are all -inf has no distribution: its values are NaN
         finite_row = (m > FLOOR) & (m_t > FLOOR)
-        # what a -inf input element is compared with in the reads below: NaN (equal to nothing) in such a row
-        ninf = tl.where(finite_row, float("-inf"), float("nan"))
 
-        N0 = m + _log(acc0)
-        N1 = m_t + _log(acc2)
+        L_N0 = _log(acc0)
+        N0 = L_N0 + m
+        L_N1 = _log(acc2)
+        N1 = L_N1 + m_t
 
         if EXACT:
             # Second read: sums that need the final normalisers inside a non-exponential function.
@@ -315,24 +315,20 @@ def head_loss_b035e884472ee995(
                 t_next = tl.load(t_row + cols - BLOCK_V, mask=cols >= BLOCK_V,
                                  other=0.0)
                 z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
+                zm = z - m
                 t = t_tile.to(tl.float32)
-                # an entry where every input is -inf (padded, masked) is not part of the row
-                gone = (z == ninf) & (t == ninf)
-                in_row = in_row & ~gone
-                # -inf as FLOOR (a NaN stays NaN): its probability is still 0, and 0 * FLOOR is 0 where 0 * -inf is NaN
-                z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
-                t = tl.maximum(t, FLOOR, propagate_nan=tl.PropagateNan.ALL)
+                tm = t - m_t
 
-                e0 = N0 - z
-                e1 = tl.exp2(-1.4426950408889634*e0)
+                e0 = L_N0 - zm
+                e1 = tl.exp2(1.4426950408889634 * (-e0))
                 e2 = e1*p_jsd__beta
-                e3 = N1 - t
-                e4 = tl.exp2(-1.4426950408889634*e3)
+                e3 = L_N1 - tm
+                e4 = tl.exp2(1.4426950408889634 * (-e3))
                 e5 = e2 + e4*(1.0 - p_jsd__beta)
                 e6 = _log(e5)
                 e7 = e1*(-e0 - e6)
-                e8 = e2*_rcp(e5)
-                part0 = tl.sum(tl.join(tl.join(tl.where(in_row, e7, 0.0), tl.where(in_row, e4*(-e3 - e6), 0.0)), tl.join(tl.where(in_row, e1*(e8 - 1.0) - e7, 0.0), tl.where(in_row, e4*e8, 0.0))), 0)
+                e8 = _rcp(e5)
+                part0 = tl.sum(tl.join(tl.join(tl.where(in_row, e7, 0.0), tl.where(in_row, e4*(-e3 - e6), 0.0)), tl.join(tl.where(in_row, e1*(e2*e8 - 1.0) - e7, 0.0), tl.where(in_row, e8*p_jsd__beta*tl.exp2(1.4426950408889634 * (-(e0 + e3))), 0.0))), 0)
                 part1, part2 = tl.split(part0)
                 acc1_tile, acc3_tile = tl.split(part1)
                 acc4_tile, acc5_tile = tl.split(part2)
@@ -408,21 +404,17 @@ def head_loss_b035e884472ee995(
                                  other=0.0, eviction_policy="evict_first")
                 x = x_tile.to(tl.float32)
                 z = _logits(x, logit_scale, softcap)
+                zm = z - m
                 t = t_tile.to(tl.float32)
-                # an entry where every input is -inf (padded, masked) is not part of the row
-                gone = (z == ninf) & (t == ninf)
-                # -inf as FLOOR (a NaN stays NaN): its probability is still 0, and 0 * FLOOR is 0 where 0 * -inf is NaN
-                z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
-                t = tl.maximum(t, FLOOR, propagate_nan=tl.PropagateNan.ALL)
+                tm = t - m_t
 
-                d0 = N0 - z
-                d1 = tl.exp2(-1.4426950408889634*d0)
-                d2 = tl.exp2(-1.4426950408889634*N1 + 1.4426950408889634*t)
+                d0 = L_N0 - zm
+                d1 = tl.exp2(1.4426950408889634 * (-d0))
+                d2 = L_N1 - tm
                 d3 = d1*p_jsd__beta
-                d4 = d2*(1.0 - p_jsd__beta) + d3
-                d5 = d3*_rcp(d4)
-                dz = d1*g2 - d2*d5*g1 + g0*(d1*(1.0 - d5) + d1*(-d0 - _log(d4)))
-                dz = tl.where(gone, 0.0, dz)
+                d4 = d3 + (1.0 - p_jsd__beta)*tl.exp2(1.4426950408889634 * (-d2))
+                d5 = _rcp(d4)
+                dz = d1*g2 - d5*g1*p_jsd__beta*tl.exp2(1.4426950408889634 * (-(d0 + d2))) + g0*(d1*(-d0 - _log(d4)) + d1*(-d3*d5 + 1.0))
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
     else:
@@ -479,4 +471,4 @@ def head_loss_b035e884472ee995(
             tl.store(ws_ptr + 0, value_jsd)
             tl.store(ws_ptr + 1, weight_jsd * value_jsd)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "cff92faa860c8f1709256f34c45a50b72e405253f7efeca7f960f2d4d762265a"
+TEXT_HASH = "cc949e937fefe1e385adec42a0f81708d7b4b65814d139e0a57a12d45795d527"

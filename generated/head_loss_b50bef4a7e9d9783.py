@@ -10,20 +10,20 @@
 #
 # lowered:
 #   row values:
-#     grpo = p_grpo__kl_beta*(p_grpo__kl_bias_correction*(exp(-N0 - tok_old_logprobs + z_y) - 1) + 1)*(-N0 - tok_ref_logprobs + z_y + exp(N0 + tok_ref_logprobs - z_y) - 1) - Min(tok_advantages*exp(-N0 - tok_old_logprobs + z_y), tok_advantages*clamp(exp(-N0 - tok_old_logprobs + z_y), 1 - p_grpo__eps_low, p_grpo__eps_high + 1))
-#     entropy = N0 - acc0*exp(-N0 + m)
-#     clip_ratio_low = Piecewise((1, (tok_advantages < 0) & (p_grpo__eps_low < 1 - exp(-N0 - tok_old_logprobs + z_y))), (0, True))
-#     clip_ratio_high = Piecewise((1, (tok_advantages > 0) & (p_grpo__eps_high < exp(-N0 - tok_old_logprobs + z_y) - 1)), (0, True))
-#     clip_ratio_region = Piecewise((1, ((tok_advantages > 0) & (p_grpo__eps_high < exp(-N0 - tok_old_logprobs + z_y) - 1)) | ((tok_advantages < 0) & (p_grpo__eps_low < 1 - exp(-N0 - tok_old_logprobs + z_y)))), (0, True))
+#     grpo = p_grpo__kl_beta*(p_grpo__kl_bias_correction*(-1 + exp(-tok_old_logprobs + zym)/acc1) + 1)*(acc1*exp(tok_ref_logprobs - zym) - tok_ref_logprobs + zym - log(acc1) - 1) - Min(tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1), tok_advantages*exp(-tok_old_logprobs + zym)/acc1)
+#     entropy = -acc0/acc1 + m + log(acc1)
+#     clip_ratio_low = Piecewise((1, (tok_advantages < 0) & (p_grpo__eps_low < 1 - exp(-tok_old_logprobs + zym)/acc1)), (0, True))
+#     clip_ratio_high = Piecewise((1, (tok_advantages > 0) & (p_grpo__eps_high < -1 + exp(-tok_old_logprobs + zym)/acc1)), (0, True))
+#     clip_ratio_region = Piecewise((1, ((tok_advantages > 0) & (p_grpo__eps_high < -1 + exp(-tok_old_logprobs + zym)/acc1)) | ((tok_advantages < 0) & (p_grpo__eps_low < 1 - exp(-tok_old_logprobs + zym)/acc1))), (0, True))
 #   normalisers:
 #     N0 = m + log(acc1)
-#   accumulators:
+#   accumulators (2):
 #     acc0 = sum_i exp(1*(z - m)) * z    [online]
 #     acc1 = sum_i exp(1*(z - m)) * 1    [online]
 #   gradient (derived by sympy):
-#     g0 = w_grpo*(-p_grpo__kl_beta*p_grpo__kl_bias_correction*(-N0 - tok_ref_logprobs + z_y + exp(N0 + tok_ref_logprobs - z_y) - 1)*exp(-N0 - tok_old_logprobs + z_y) + p_grpo__kl_beta*(p_grpo__kl_bias_correction*(exp(-N0 - tok_old_logprobs + z_y) - 1) + 1)*(exp(N0 + tok_ref_logprobs - z_y) - 1) + tok_advantages*Piecewise((1, (p_grpo__eps_high >= exp(-N0 - tok_old_logprobs + z_y) - 1) & (p_grpo__eps_low >= 1 - exp(-N0 - tok_old_logprobs + z_y))), (0, True))*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-N0 - tok_old_logprobs + z_y), tok_advantages*clamp(exp(-N0 - tok_old_logprobs + z_y), 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-N0 - tok_old_logprobs + z_y) >= tok_advantages*clamp(exp(-N0 - tok_old_logprobs + z_y), 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-N0 - tok_old_logprobs + z_y) + tok_advantages*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-N0 - tok_old_logprobs + z_y), tok_advantages*clamp(exp(-N0 - tok_old_logprobs + z_y), 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-N0 - tok_old_logprobs + z_y) <= tok_advantages*clamp(exp(-N0 - tok_old_logprobs + z_y), 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-N0 - tok_old_logprobs + z_y))
-#     g1 = w_grpo*(p_grpo__kl_beta*p_grpo__kl_bias_correction*(-N0 - tok_ref_logprobs + z_y + exp(N0 + tok_ref_logprobs - z_y) - 1)*exp(-N0 - tok_old_logprobs + z_y) + p_grpo__kl_beta*(1 - exp(N0 + tok_ref_logprobs - z_y))*(p_grpo__kl_bias_correction*(exp(-N0 - tok_old_logprobs + z_y) - 1) + 1) - tok_advantages*Piecewise((1, (p_grpo__eps_high >= exp(-N0 - tok_old_logprobs + z_y) - 1) & (p_grpo__eps_low >= 1 - exp(-N0 - tok_old_logprobs + z_y))), (0, True))*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-N0 - tok_old_logprobs + z_y), tok_advantages*clamp(exp(-N0 - tok_old_logprobs + z_y), 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-N0 - tok_old_logprobs + z_y) >= tok_advantages*clamp(exp(-N0 - tok_old_logprobs + z_y), 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-N0 - tok_old_logprobs + z_y) - tok_advantages*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-N0 - tok_old_logprobs + z_y), tok_advantages*clamp(exp(-N0 - tok_old_logprobs + z_y), 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-N0 - tok_old_logprobs + z_y) <= tok_advantages*clamp(exp(-N0 - tok_old_logprobs + z_y), 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-N0 - tok_old_logprobs + z_y))
-#     dL/dz_i = g0*exp(-N0 + z) + g1*is_y
+#     g0 = w_grpo*(p_grpo__kl_beta*(acc1*exp(tok_ref_logprobs - zym) - 1)*(p_grpo__kl_bias_correction*(-1 + exp(-tok_old_logprobs + zym)/acc1) + 1) - p_grpo__kl_beta*p_grpo__kl_bias_correction*(acc1*exp(tok_ref_logprobs - zym) - tok_ref_logprobs + zym - log(acc1) - 1)*exp(-tok_old_logprobs + zym)/acc1 + tok_advantages*Piecewise((1, (p_grpo__eps_high >= -1 + exp(-tok_old_logprobs + zym)/acc1) & (p_grpo__eps_low >= 1 - exp(-tok_old_logprobs + zym)/acc1)), (0, True))*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-tok_old_logprobs + zym)/acc1, tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-tok_old_logprobs + zym)/acc1 >= tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-tok_old_logprobs + zym)/acc1 + tok_advantages*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-tok_old_logprobs + zym)/acc1, tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-tok_old_logprobs + zym)/acc1 <= tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-tok_old_logprobs + zym)/acc1)
+#     g1 = w_grpo*(p_grpo__kl_beta*(-acc1*exp(tok_ref_logprobs - zym) + 1)*(p_grpo__kl_bias_correction*(-1 + exp(-tok_old_logprobs + zym)/acc1) + 1) + p_grpo__kl_beta*p_grpo__kl_bias_correction*(acc1*exp(tok_ref_logprobs - zym) - tok_ref_logprobs + zym - log(acc1) - 1)*exp(-tok_old_logprobs + zym)/acc1 - tok_advantages*Piecewise((1, (p_grpo__eps_high >= -1 + exp(-tok_old_logprobs + zym)/acc1) & (p_grpo__eps_low >= 1 - exp(-tok_old_logprobs + zym)/acc1)), (0, True))*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-tok_old_logprobs + zym)/acc1, tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-tok_old_logprobs + zym)/acc1 >= tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-tok_old_logprobs + zym)/acc1 - tok_advantages*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-tok_old_logprobs + zym)/acc1, tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-tok_old_logprobs + zym)/acc1 <= tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-tok_old_logprobs + zym)/acc1)
+#     dL/dz_i = g0*exp(-L_N0 + zm) + g1*is_y
 #
 # plan:
 #   reads of the vocabulary: 1 for the loss (online stats) + 1 for the gradient
@@ -42,7 +42,7 @@ from triton.language.extra import libdevice
 
 KEY = "b50bef4a7e9d9783"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "5218362c5adf"
+CODEGEN = "7e02c199872c"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_ratio_low', 'clip_ratio_high', 'clip_ratio_region']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -235,8 +235,8 @@ def head_loss_b50bef4a7e9d9783(
                 # -inf as FLOOR (a NaN stays NaN): its probability is still 0, and 0 * FLOOR is 0 where 0 * -inf is NaN
                 z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
 
-                s0 = tl.exp2(-1.4426950408889634*m_ref + 1.4426950408889634*z)
-                r0 = tl.exp2(1.4426950408889634*m - 1.4426950408889634*m_ref)
+                s0 = tl.exp2(1.4426950408889634 * (-m_ref + z))
+                r0 = tl.exp2(1.4426950408889634 * (m - m_ref))
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
                 part0 = tl.sum(tl.join(tl.where(in_row, s0*z, 0.0), tl.where(in_row, s0, 0.0)), 0)
                 acc0_tile, acc1_tile = tl.split(part0)
@@ -276,8 +276,8 @@ def head_loss_b50bef4a7e9d9783(
                 at = part + r * step
                 m_r = tl.load(at + 0)
                 z_y += tl.load(at + 1)
-                acc0 += tl.load(at + 2) * tl.exp2(-1.4426950408889634*m + 1.4426950408889634*m_r)
-                acc1 += tl.load(at + 3) * tl.exp2(-1.4426950408889634*m + 1.4426950408889634*m_r)
+                acc0 += tl.load(at + 2) * tl.exp2(1.4426950408889634 * (-m + m_r))
+                acc1 += tl.load(at + 3) * tl.exp2(1.4426950408889634 * (-m + m_r))
         elif not STATS:
             m = tl.load(stats_row + 0)
             z_y = tl.load(stats_row + 1)
@@ -286,7 +286,9 @@ def head_loss_b50bef4a7e9d9783(
         # a row whose logits (or teacher logits) are all -inf has no distribution: its values are NaN
         finite_row = (m > FLOOR)
 
-        N0 = m + _log(acc1)
+        L_N0 = _log(acc1)
+        N0 = L_N0 + m
+        zym = z_y - m
 
         if STORE_STATS:
             tl.store(stats_row + 0, m)
@@ -300,21 +302,25 @@ def head_loss_b50bef4a7e9d9783(
             p_grpo__eps_low = tl.load(scalars_ptr + 2)
             p_grpo__kl_beta = tl.load(scalars_ptr + 3)
             p_grpo__kl_bias_correction = tl.load(scalars_ptr + 4)
-            r0 = N0 - z_y
-            r1 = tl.exp2(-1.4426950408889634*r0 - 1.4426950408889634*tok_old_logprobs)
-            r2 = r1 - 1.0
-            r3 = r0 + tok_ref_logprobs
-            r4 = ((tok_advantages < 0.0) & (p_grpo__eps_low < -r2))
-            r5 = ((tok_advantages > 0.0) & (p_grpo__eps_high < r2))
-            v0 = tl.where(finite_row, p_grpo__kl_beta*(p_grpo__kl_bias_correction*r2 + 1.0)*(-r3 + tl.exp2(1.4426950408889634*r3) - 1.0) - tl.where(r1*tok_advantages < tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(r1 > 1.0 - p_grpo__eps_low, r1, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(r1 > 1.0 - p_grpo__eps_low, r1, 1.0 - p_grpo__eps_low)), r1*tok_advantages, tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(r1 > 1.0 - p_grpo__eps_low, r1, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(r1 > 1.0 - p_grpo__eps_low, r1, 1.0 - p_grpo__eps_low))), float("nan"))  # grpo
+            r0 = _rcp(acc1)
+            r1 = -zym
+            r2 = tl.exp2(1.4426950408889634 * (-(r1 + tok_old_logprobs)))
+            r3 = r0*r2
+            r4 = -r0*r2 + 1.0
+            r5 = -r4
+            r6 = _log(acc1)
+            r7 = r1 + tok_ref_logprobs
+            r8 = ((p_grpo__eps_low < r4) & (tok_advantages < 0.0))
+            r9 = ((tok_advantages > 0.0) & (p_grpo__eps_high < r5))
+            v0 = tl.where(finite_row, p_grpo__kl_beta*(p_grpo__kl_bias_correction*r5 + 1.0)*(acc1*tl.exp2(1.4426950408889634 * r7) - r6 - r7 - 1.0) - tl.where(r3*tok_advantages < tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(r3 > 1.0 - p_grpo__eps_low, r3, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(r3 > 1.0 - p_grpo__eps_low, r3, 1.0 - p_grpo__eps_low)), r3*tok_advantages, tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(r3 > 1.0 - p_grpo__eps_low, r3, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(r3 > 1.0 - p_grpo__eps_low, r3, 1.0 - p_grpo__eps_low))), float("nan"))  # grpo
             tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
-            v1 = tl.where(finite_row, N0 - acc0*tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*m), float("nan"))  # entropy
+            v1 = tl.where(finite_row, -acc0*r0 + m + r6, float("nan"))  # entropy
             tl.store(ws_ptr + off_rows + 1 * n_rows + grow, v1)
-            v2 = tl.where(finite_row, tl.where(r4, 1.0, 0.0), float("nan"))  # clip_ratio_low
+            v2 = tl.where(finite_row, tl.where(r8, 1.0, 0.0), float("nan"))  # clip_ratio_low
             tl.store(ws_ptr + off_rows + 2 * n_rows + grow, v2)
-            v3 = tl.where(finite_row, tl.where(r5, 1.0, 0.0), float("nan"))  # clip_ratio_high
+            v3 = tl.where(finite_row, tl.where(r9, 1.0, 0.0), float("nan"))  # clip_ratio_high
             tl.store(ws_ptr + off_rows + 3 * n_rows + grow, v3)
-            v4 = tl.where(finite_row, tl.where((r4 | r5), 1.0, 0.0), float("nan"))  # clip_ratio_region
+            v4 = tl.where(finite_row, tl.where((r8 | r9), 1.0, 0.0), float("nan"))  # clip_ratio_region
             tl.store(ws_ptr + off_rows + 4 * n_rows + grow, v4)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, weight_grpo * v0)
@@ -342,21 +348,24 @@ def head_loss_b50bef4a7e9d9783(
                     w_grpo += tl.load(up_rows_ptr + 0 * n_rows + grow)
             else:
                 w_grpo = weight_grpo * grad_scale
-            c0 = N0 - z_y
+            c0 = -zym
             c1 = c0 + tok_ref_logprobs
-            c2 = tl.exp2(1.4426950408889634*c1)
+            c2 = acc1*tl.exp2(1.4426950408889634 * c1)
             c3 = c2 - 1.0
-            c4 = tl.exp2(-1.4426950408889634*c0 - 1.4426950408889634*tok_old_logprobs)
-            c5 = c4 - 1.0
-            c6 = p_grpo__kl_beta*(c5*p_grpo__kl_bias_correction + 1.0)
-            c7 = c4*p_grpo__kl_beta*p_grpo__kl_bias_correction*(-c1 + c2 - 1.0)
-            c8 = c4*tok_advantages
-            c9 = tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(c4 > 1.0 - p_grpo__eps_low, c4, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(c4 > 1.0 - p_grpo__eps_low, c4, 1.0 - p_grpo__eps_low))
-            c10 = _rcp(tl.where((c8 == c9), 1.0, 0.0) + 1.0)
-            c11 = c8*tl.where((c8 <= c9), c10, 0.0)
-            c12 = c8*tl.where(((c5 <= p_grpo__eps_high) & (c5 >= -p_grpo__eps_low)), 1.0, 0.0)*tl.where((c8 >= c9), c10, 0.0)
-            g0 = tl.where(finite_row, w_grpo*(c11 + c12 + c3*c6 - c7), float("nan"))
-            g1 = tl.where(finite_row, w_grpo*(-c11 - c12 - c3*c6 + c7), float("nan"))
+            c4 = _rcp(acc1)
+            c5 = tl.exp2(1.4426950408889634 * (-(c0 + tok_old_logprobs)))
+            c6 = -c4*c5 + 1.0
+            c7 = -c6
+            c8 = p_grpo__kl_beta*(c7*p_grpo__kl_bias_correction + 1.0)
+            c9 = c4*c5
+            c10 = c9*p_grpo__kl_beta*p_grpo__kl_bias_correction*(-c1 + c2 - _log(acc1) - 1.0)
+            c11 = c9*tok_advantages
+            c12 = tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(c9 > 1.0 - p_grpo__eps_low, c9, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(c9 > 1.0 - p_grpo__eps_low, c9, 1.0 - p_grpo__eps_low))
+            c13 = _rcp(tl.where((c11 == c12), 1.0, 0.0) + 1.0)
+            c14 = c11*tl.where((c11 <= c12), c13, 0.0)
+            c15 = c11*tl.where(((c6 <= p_grpo__eps_low) & (c7 <= p_grpo__eps_high)), 1.0, 0.0)*tl.where((c11 >= c12), c13, 0.0)
+            g0 = tl.where(finite_row, w_grpo*(-c10 + c14 + c15 + c3*c8), float("nan"))
+            g1 = tl.where(finite_row, w_grpo*(c10 - c14 - c15 - c3*c8), float("nan"))
             # (a row of -inf read as FLOOR would look uniform: its gradient is NaN, as its values are)
             # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
             # Tiles last to first, each loaded one iteration ahead (its loads overlap the math).
@@ -372,9 +381,10 @@ def head_loss_b50bef4a7e9d9783(
                                  other=0.0, eviction_policy="evict_first")
                 x = x_tile.to(tl.float32)
                 z = _logits(x, logit_scale, softcap)
+                zm = z - m
                 is_y = tl.where(cols == y_local, 1.0, 0.0)
 
-                dz = g0*tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*z) + g1*is_y
+                dz = g0*tl.exp2(1.4426950408889634 * (-L_N0 + zm)) + g1*is_y
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
     else:
@@ -445,4 +455,4 @@ def head_loss_b50bef4a7e9d9783(
             tl.store(ws_ptr + 4, value_clip_ratio_region)
             tl.store(ws_ptr + 5, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "62ed7c0b1addfffa68b13420c7165c0517601e1a440a7adb1feb129b5f8dc992"
+TEXT_HASH = "0c94801d78013b971ad7692692090b222043c1782fc0ccc76c9147f95f5f216a"

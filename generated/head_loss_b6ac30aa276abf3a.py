@@ -9,19 +9,19 @@
 #
 # lowered:
 #   row values:
-#     cross_entropy = N0 - z_y
-#     z_loss = N0**2
-#     entropy = N0 - acc0*exp(-N0 + m)
+#     cross_entropy = -zym + log(acc1)
+#     z_loss = (m + log(acc1))**2
+#     entropy = -acc0/acc1 + m + log(acc1)
 #     token_accuracy = Piecewise((1, Eq(argmax, label)), (0, True))
 #   normalisers:
 #     N0 = m + log(acc1)
-#   accumulators:
+#   accumulators (2):
 #     acc0 = sum_i exp(1*(z - m)) * z    [online]
 #     acc1 = sum_i exp(1*(z - m)) * 1    [online]
 #   gradient (derived by sympy):
-#     g0 = 2*N0*w_z_loss + w_cross_entropy
+#     g0 = w_cross_entropy + 2*w_z_loss*(m + log(acc1))
 #     g1 = -w_cross_entropy
-#     dL/dz_i = g0*exp(-N0 + z) + g1*is_y
+#     dL/dz_i = g0*exp(-L_N0 + zm) + g1*is_y
 #
 # plan:
 #   reads of the vocabulary: 1 for the loss (online stats) + 1 for the gradient
@@ -40,7 +40,7 @@ from triton.language.extra import libdevice
 
 KEY = "b6ac30aa276abf3a"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "5218362c5adf"
+CODEGEN = "7e02c199872c"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss', 'entropy', 'token_accuracy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -233,8 +233,8 @@ def head_loss_b6ac30aa276abf3a(
                 # -inf as FLOOR (a NaN stays NaN): its probability is still 0, and 0 * FLOOR is 0 where 0 * -inf is NaN
                 z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
 
-                s0 = tl.exp2(-1.4426950408889634*m_ref + 1.4426950408889634*z)
-                r0 = tl.exp2(1.4426950408889634*m - 1.4426950408889634*m_ref)
+                s0 = tl.exp2(1.4426950408889634 * (-m_ref + z))
+                r0 = tl.exp2(1.4426950408889634 * (m - m_ref))
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
                 part0 = tl.sum(tl.join(tl.where(in_row, s0*z, 0.0), tl.where(in_row, s0, 0.0)), 0)
                 acc0_tile, acc1_tile = tl.split(part0)
@@ -279,8 +279,8 @@ def head_loss_b6ac30aa276abf3a(
                 z_y += tl.load(at + 1)
                 argmax = tl.where(m_r > best, tl.load(at + 2), argmax)
                 best = tl.maximum(best, m_r)
-                acc0 += tl.load(at + 3) * tl.exp2(-1.4426950408889634*m + 1.4426950408889634*m_r)
-                acc1 += tl.load(at + 4) * tl.exp2(-1.4426950408889634*m + 1.4426950408889634*m_r)
+                acc0 += tl.load(at + 3) * tl.exp2(1.4426950408889634 * (-m + m_r))
+                acc1 += tl.load(at + 4) * tl.exp2(1.4426950408889634 * (-m + m_r))
         elif not STATS:
             m = tl.load(stats_row + 0)
             z_y = tl.load(stats_row + 1)
@@ -290,7 +290,9 @@ def head_loss_b6ac30aa276abf3a(
         # a row whose logits (or teacher logits) are all -inf has no distribution: its values are NaN
         finite_row = (m > FLOOR)
 
-        N0 = m + _log(acc1)
+        L_N0 = _log(acc1)
+        N0 = L_N0 + m
+        zym = z_y - m
 
         if STORE_STATS:
             tl.store(stats_row + 0, m)
@@ -302,11 +304,13 @@ def head_loss_b6ac30aa276abf3a(
         if ROWS:
             weight_cross_entropy = tl.load(scalars_ptr + 0)
             weight_z_loss = tl.load(scalars_ptr + 1)
-            v0 = tl.where(finite_row, N0 - z_y, float("nan"))  # cross_entropy
+            r0 = _log(acc1)
+            r1 = m + r0
+            v0 = tl.where(finite_row, r0 - zym, float("nan"))  # cross_entropy
             tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
-            v1 = tl.where(finite_row, (N0 * N0), float("nan"))  # z_loss
+            v1 = tl.where(finite_row, (r1 * r1), float("nan"))  # z_loss
             tl.store(ws_ptr + off_rows + 1 * n_rows + grow, v1)
-            v2 = tl.where(finite_row, N0 - acc0*tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*m), float("nan"))  # entropy
+            v2 = tl.where(finite_row, (-acc0)*_rcp(acc1) + r1, float("nan"))  # entropy
             tl.store(ws_ptr + off_rows + 2 * n_rows + grow, v2)
             v3 = tl.where(finite_row, tl.where((argmax == label), 1.0, 0.0), float("nan"))  # token_accuracy
             tl.store(ws_ptr + off_rows + 3 * n_rows + grow, v3)
@@ -336,7 +340,7 @@ def head_loss_b6ac30aa276abf3a(
             else:
                 w_cross_entropy = weight_cross_entropy * grad_scale
                 w_z_loss = weight_z_loss * grad_scale
-            g0 = tl.where(finite_row, 2.0*N0*w_z_loss + w_cross_entropy, float("nan"))
+            g0 = tl.where(finite_row, w_cross_entropy + 2.0*w_z_loss*(m + _log(acc1)), float("nan"))
             g1 = tl.where(finite_row, -w_cross_entropy, float("nan"))
             # (a row of -inf read as FLOOR would look uniform: its gradient is NaN, as its values are)
             # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
@@ -353,9 +357,10 @@ def head_loss_b6ac30aa276abf3a(
                                  other=0.0, eviction_policy="evict_first")
                 x = x_tile.to(tl.float32)
                 z = _logits(x, logit_scale, softcap)
+                zm = z - m
                 is_y = tl.where(cols == y_local, 1.0, 0.0)
 
-                dz = g0*tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*z) + g1*is_y
+                dz = g0*tl.exp2(1.4426950408889634 * (-L_N0 + zm)) + g1*is_y
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
     else:
@@ -424,4 +429,4 @@ def head_loss_b6ac30aa276abf3a(
             tl.store(ws_ptr + 3, value_token_accuracy)
             tl.store(ws_ptr + 4, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "f36f167a06c55c31ee17ce3211133141b2b5ec64c04125c5f78559d1eba7ec8a"
+TEXT_HASH = "0ad680b2c45cf7462bcb5594de58392cb2eaf7d7fed83778a3ac515f9b45ac87"

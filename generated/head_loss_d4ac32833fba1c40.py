@@ -6,24 +6,23 @@
 #
 # lowered:
 #   row values:
-#     topk_forward_kl = N0*acc0 + acc1 - acc2
+#     topk_forward_kl = acc0*(m + log(acc2)) + acc1
 #   normalisers:
-#     N0 = m + log(acc3)
-#   accumulators:
+#     N0 = m + log(acc2)
+#   accumulators (3; 4 before combining the sums that share a weight):
 #     acc0 = sum_k 1 * exp(l_k)    [online]
-#     acc1 = sum_k 1 * l_k*exp(l_k)    [online]
-#     acc2 = sum_k 1 * z_k*exp(l_k)    [online]
-#     acc3 = sum_i exp(1*(z - m)) * 1    [online]
+#     acc1 = sum_k 1 * (l_k*exp(l_k) - z_k*exp(l_k))    [online]
+#     acc2 = sum_i exp(1*(z - m)) * 1    [online]
 #   gradient (derived by sympy):
 #     g0 = w_topk_forward_kl
 #     g1 = acc0*w_topk_forward_kl
-#     dL/dz_i = g1*exp(-N0 + z)
+#     dL/dz_i = g1*exp(-L_N0 + zm)
 #     dL/dz_(id_k) += -g0*exp(l_k)
 #
 # plan:
 #   reads of the vocabulary: 1 for the loss (online stats) + 1 for the gradient
 #   bytes per element (bf16 in, bf16 grad): 6
-#   packed per-row stats (5 fp32): m:max, acc0:scaled, acc1:scaled, acc2:scaled, acc3:scaled
+#   packed per-row stats (4 fp32): m:max, acc0:scaled, acc1:scaled, acc2:scaled
 #   vocab-parallel: one all-gather of the packed stats
 #   per-element state ('x', 1, 0); reads stats forward, grad backward
 #   single device: 1 launch(es): [stats+rows+grad]
@@ -37,13 +36,13 @@ from triton.language.extra import libdevice
 
 KEY = "d4ac32833fba1c40"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "5218362c5adf"
+CODEGEN = "7e02c199872c"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['topk_forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
 ROW_VALUES = ['topk_forward_kl']
 # the first read's packed per-row stats (the header's plan gives how vocab shards' stats merge)
-COLUMNS = ['m', 'acc0', 'acc1', 'acc2', 'acc3']
+COLUMNS = ['m', 'acc0', 'acc1', 'acc2']
 # sums of the exact read (summed across vocab shards)
 EXACT = []
 TOKENS = []
@@ -180,7 +179,7 @@ def head_loss_d4ac32833fba1c40(
     grow = row_offset + row
     x_row = x_ptr + row * x_stride
     grad_row = grad_ptr + row * grad_stride
-    stats_row = ws_ptr + off_stats + grow * 5
+    stats_row = ws_ptr + off_stats + grow * 4
     y = -1
     live = True
     if y_ptr is not None:
@@ -227,7 +226,7 @@ def head_loss_d4ac32833fba1c40(
         if STATS:
             # First read: the running max and every online accumulator, rescaled when the max grows.
             m = float("-inf")
-            acc3 = 0.0
+            acc2 = 0.0
             # Tiles first to last, each loaded one iteration ahead (its loads overlap the math).
             n_blocks = tl.cdiv(V, BLOCK_V)
             cols = tl.arange(0, BLOCK_V)
@@ -245,15 +244,14 @@ def head_loss_d4ac32833fba1c40(
                 # the exponents' reference: 0 while every logit so far is -inf (-inf - -inf is NaN)
                 m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
 
-                s0 = tl.exp2(-1.4426950408889634*m_ref + 1.4426950408889634*z)
-                r0 = tl.exp2(1.4426950408889634*m - 1.4426950408889634*m_ref)
+                s0 = tl.exp2(1.4426950408889634 * (-m_ref + z))
+                r0 = tl.exp2(1.4426950408889634 * (m - m_ref))
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
-                acc3_tile = tl.sum(tl.where(in_row, s0, 0.0), 0)
-                acc3 = acc3 * r0 + acc3_tile
+                acc2_tile = tl.sum(tl.where(in_row, s0, 0.0), 0)
+                acc2 = acc2 * r0 + acc2_tile
                 m = m_new
-            acc0 = tl.sum(tl.where(in_k, tl.exp2(1.4426950408889634*l_k), 0.0), 0)
-            acc1 = tl.sum(tl.where(in_k, l_k*tl.exp2(1.4426950408889634*l_k), 0.0), 0)
-            acc2 = tl.sum(tl.where(in_k, z_k*tl.exp2(1.4426950408889634*l_k), 0.0), 0)
+            acc0 = tl.sum(tl.where(in_k, tl.exp2(1.4426950408889634 * l_k), 0.0), 0)
+            acc1 = tl.sum(tl.where(in_k, l_k*tl.exp2(1.4426950408889634 * l_k) - z_k*tl.exp2(1.4426950408889634 * l_k), 0.0), 0)
             if EXCHANGE:
                 # Every vocab shard's packed stats without leaving the kernel: this row's go to slot
                 # [rank, row] of every rank's exchange buffer (peer GPU memory, mapped), then a flag
@@ -262,25 +260,23 @@ def head_loss_d4ac32833fba1c40(
                 n_launch = tl.num_programs(0).to(tl.int64)
                 rank = vocab_start // V
                 for r in range(world):
-                    at = tl.load(peers_ptr + r).to(tl.pointer_type(tl.float32)) + (rank * n_launch + row) * 5
+                    at = tl.load(peers_ptr + r).to(tl.pointer_type(tl.float32)) + (rank * n_launch + row) * 4
                     tl.store(at + 0, m)
                     tl.store(at + 1, acc0)
                     tl.store(at + 2, acc1)
                     tl.store(at + 3, acc2)
-                    tl.store(at + 4, acc3)
                 tl.debug_barrier()
                 _handshake(peers_ptr, world, rank, world + row, n_launch, epoch)  # (row flags follow the launch flags)
                 tl.debug_barrier()
         if MERGE:
-            # The packed stats of every vocab shard, gathered ([world, rows of this launch, 5]),
+            # The packed stats of every vocab shard, gathered ([world, rows of this launch, 4]),
             # merged by each column's rule: maxima first, then the sums rescaled to them.
-            part = gathered_ptr + row * 5
-            step = tl.num_programs(0).to(tl.int64) * 5
+            part = gathered_ptr + row * 4
+            step = tl.num_programs(0).to(tl.int64) * 4
             m = float("-inf")
             acc0 = 0.0
             acc1 = 0.0
             acc2 = 0.0
-            acc3 = 0.0
             for r in range(world):
                 m = tl.maximum(m, tl.load(part + r * step + 0))
             for r in range(world):
@@ -288,29 +284,27 @@ def head_loss_d4ac32833fba1c40(
                 m_r = tl.load(at + 0)
                 acc0 += tl.load(at + 1) * 1.0
                 acc1 += tl.load(at + 2) * 1.0
-                acc2 += tl.load(at + 3) * 1.0
-                acc3 += tl.load(at + 4) * tl.exp2(-1.4426950408889634*m + 1.4426950408889634*m_r)
+                acc2 += tl.load(at + 3) * tl.exp2(1.4426950408889634 * (-m + m_r))
         elif not STATS:
             m = tl.load(stats_row + 0)
             acc0 = tl.load(stats_row + 1)
             acc1 = tl.load(stats_row + 2)
             acc2 = tl.load(stats_row + 3)
-            acc3 = tl.load(stats_row + 4)
         # a row whose logits (or teacher logits) are all -inf has no distribution: its values are NaN
         finite_row = (m > FLOOR)
 
-        N0 = m + _log(acc3)
+        L_N0 = _log(acc2)
+        N0 = L_N0 + m
 
         if STORE_STATS:
             tl.store(stats_row + 0, m)
             tl.store(stats_row + 1, acc0)
             tl.store(stats_row + 2, acc1)
             tl.store(stats_row + 3, acc2)
-            tl.store(stats_row + 4, acc3)
 
         if ROWS:
             weight_topk_forward_kl = tl.load(scalars_ptr + 0)
-            v0 = tl.where(finite_row, N0*acc0 + acc1 - acc2, float("nan"))  # topk_forward_kl
+            v0 = tl.where(finite_row, acc0*(m + _log(acc2)) + acc1, float("nan"))  # topk_forward_kl
             tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, weight_topk_forward_kl * v0)
@@ -350,13 +344,14 @@ def head_loss_d4ac32833fba1c40(
                                  other=0.0, eviction_policy="evict_first")
                 x = x_tile.to(tl.float32)
                 z = _logits(x, logit_scale, softcap)
+                zm = z - m
 
-                dz = g1*tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*z)
+                dz = g1*tl.exp2(1.4426950408889634 * (-L_N0 + zm))
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
             # Sparse part at the top-k ids, added after every thread's dense stores are visible.
             tl.debug_barrier()
-            dz_k = (-g0*tl.exp2(1.4426950408889634*l_k)) * _dlogits(x_k, logit_scale, softcap)
+            dz_k = (-g0*tl.exp2(1.4426950408889634 * l_k)) * _dlogits(x_k, logit_scale, softcap)
             g_k = tl.load(grad_row + topk_ids, mask=in_k, other=0.0).to(tl.float32)
             tl.store(grad_row + topk_ids, (g_k + dz_k).to(grad_ptr.dtype.element_ty), mask=in_k)
     else:
@@ -413,4 +408,4 @@ def head_loss_d4ac32833fba1c40(
             tl.store(ws_ptr + 0, value_topk_forward_kl)
             tl.store(ws_ptr + 1, weight_topk_forward_kl * value_topk_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "37f007878e147fb8a331c45b1da00b3de2d4e35a4574982c9bb229f7b62508f1"
+TEXT_HASH = "8f3d68d0fafeafa352e65409091cfecb30e9b53ffce3a82e06a12dbbe7c55f88"

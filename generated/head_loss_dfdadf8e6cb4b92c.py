@@ -6,15 +6,15 @@
 #
 # lowered:
 #   row values:
-#     cross_entropy = N0 - z_y
+#     cross_entropy = -zym + log(acc0)
 #   normalisers:
 #     N0 = m + log(acc0)
-#   accumulators:
+#   accumulators (1):
 #     acc0 = sum_i exp(1*(z - m)) * 1    [online]
 #   gradient (derived by sympy):
 #     g0 = w_cross_entropy
 #     g1 = -w_cross_entropy
-#     dL/dz_i = g0*exp(-N0 + z) + g1*is_y
+#     dL/dz_i = g0*exp(-L_N0 + zm) + g1*is_y
 #
 # plan:
 #   reads of the vocabulary: 1 for the loss (online stats) + 1 for the gradient
@@ -33,7 +33,7 @@ from triton.language.extra import libdevice
 
 KEY = "dfdadf8e6cb4b92c"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "5218362c5adf"
+CODEGEN = "7e02c199872c"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -218,8 +218,8 @@ def head_loss_dfdadf8e6cb4b92c(
                 # the exponents' reference: 0 while every logit so far is -inf (-inf - -inf is NaN)
                 m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
 
-                s0 = tl.exp2(-1.4426950408889634*m_ref + 1.4426950408889634*z)
-                r0 = tl.exp2(1.4426950408889634*m - 1.4426950408889634*m_ref)
+                s0 = tl.exp2(1.4426950408889634 * (-m_ref + z))
+                r0 = tl.exp2(1.4426950408889634 * (m - m_ref))
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
                 acc0_tile = tl.sum(tl.where(in_row, s0, 0.0), 0)
                 acc0 = acc0 * r0 + acc0_tile
@@ -255,7 +255,7 @@ def head_loss_dfdadf8e6cb4b92c(
                 at = part + r * step
                 m_r = tl.load(at + 0)
                 z_y += tl.load(at + 1)
-                acc0 += tl.load(at + 2) * tl.exp2(-1.4426950408889634*m + 1.4426950408889634*m_r)
+                acc0 += tl.load(at + 2) * tl.exp2(1.4426950408889634 * (-m + m_r))
         elif not STATS:
             m = tl.load(stats_row + 0)
             z_y = tl.load(stats_row + 1)
@@ -263,7 +263,9 @@ def head_loss_dfdadf8e6cb4b92c(
         # a row whose logits (or teacher logits) are all -inf has no distribution: its values are NaN
         finite_row = (m > FLOOR)
 
-        N0 = m + _log(acc0)
+        L_N0 = _log(acc0)
+        N0 = L_N0 + m
+        zym = z_y - m
 
         if STORE_STATS:
             tl.store(stats_row + 0, m)
@@ -272,7 +274,7 @@ def head_loss_dfdadf8e6cb4b92c(
 
         if ROWS:
             weight_cross_entropy = tl.load(scalars_ptr + 0)
-            v0 = tl.where(finite_row, N0 - z_y, float("nan"))  # cross_entropy
+            v0 = tl.where(finite_row, -zym + _log(acc0), float("nan"))  # cross_entropy
             tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, weight_cross_entropy * v0)
@@ -312,9 +314,10 @@ def head_loss_dfdadf8e6cb4b92c(
                                  other=0.0, eviction_policy="evict_first")
                 x = x_tile.to(tl.float32)
                 z = _logits(x, logit_scale, softcap)
+                zm = z - m
                 is_y = tl.where(cols == y_local, 1.0, 0.0)
 
-                dz = g0*tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*z) + g1*is_y
+                dz = g0*tl.exp2(1.4426950408889634 * (-L_N0 + zm)) + g1*is_y
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
     else:
@@ -371,4 +374,4 @@ def head_loss_dfdadf8e6cb4b92c(
             tl.store(ws_ptr + 0, value_cross_entropy)
             tl.store(ws_ptr + 1, weight_cross_entropy * value_cross_entropy)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "4defc83c2eb60e3e1a5265e8820aabb432fc08c9c0d06bd8713afb6391cd8d15"
+TEXT_HASH = "b669e17b52bfaa923e0a6d26099517554a22f529870f1e59481206d5430c117a"

@@ -6,17 +6,17 @@
 #
 # lowered:
 #   row values:
-#     cross_entropy = p_cross_entropy__label_smoothing*(N0 - acc0/vocab_size) + (1 - p_cross_entropy__label_smoothing)*(N0 - z_y)
+#     cross_entropy = p_cross_entropy__label_smoothing*(-acc0/vocab_size + m + log(acc1)) + (1 - p_cross_entropy__label_smoothing)*(-zym + log(acc1))
 #   normalisers:
 #     N0 = m + log(acc1)
-#   accumulators:
+#   accumulators (2):
 #     acc0 = sum_i 1 * z    [online]
 #     acc1 = sum_i exp(1*(z - m)) * 1    [online]
 #   gradient (derived by sympy):
 #     g0 = -p_cross_entropy__label_smoothing*w_cross_entropy/vocab_size
 #     g1 = w_cross_entropy
 #     g2 = w_cross_entropy*(p_cross_entropy__label_smoothing - 1)
-#     dL/dz_i = g0 + g1*exp(-N0 + z) + g2*is_y
+#     dL/dz_i = g0 + g1*exp(-L_N0 + zm) + g2*is_y
 #
 # plan:
 #   reads of the vocabulary: 1 for the loss (online stats) + 1 for the gradient
@@ -35,7 +35,7 @@ from triton.language.extra import libdevice
 
 KEY = "fd019664248f6778"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "5218362c5adf"
+CODEGEN = "7e02c199872c"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -224,8 +224,8 @@ def head_loss_fd019664248f6778(
                 # -inf as FLOOR (a NaN stays NaN): its probability is still 0, and 0 * FLOOR is 0 where 0 * -inf is NaN
                 z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
 
-                s1 = tl.exp2(-1.4426950408889634*m_ref + 1.4426950408889634*z)
-                r1 = tl.exp2(1.4426950408889634*m - 1.4426950408889634*m_ref)
+                s1 = tl.exp2(1.4426950408889634 * (-m_ref + z))
+                r1 = tl.exp2(1.4426950408889634 * (m - m_ref))
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
                 part0 = tl.sum(tl.join(tl.where(in_row, z, 0.0), tl.where(in_row, s1, 0.0)), 0)
                 acc0_tile, acc1_tile = tl.split(part0)
@@ -266,7 +266,7 @@ def head_loss_fd019664248f6778(
                 m_r = tl.load(at + 0)
                 z_y += tl.load(at + 1)
                 acc0 += tl.load(at + 2) * 1.0
-                acc1 += tl.load(at + 3) * tl.exp2(-1.4426950408889634*m + 1.4426950408889634*m_r)
+                acc1 += tl.load(at + 3) * tl.exp2(1.4426950408889634 * (-m + m_r))
         elif not STATS:
             m = tl.load(stats_row + 0)
             z_y = tl.load(stats_row + 1)
@@ -275,7 +275,9 @@ def head_loss_fd019664248f6778(
         # a row whose logits (or teacher logits) are all -inf has no distribution: its values are NaN
         finite_row = (m > FLOOR)
 
-        N0 = m + _log(acc1)
+        L_N0 = _log(acc1)
+        N0 = L_N0 + m
+        zym = z_y - m
 
         if STORE_STATS:
             tl.store(stats_row + 0, m)
@@ -286,7 +288,8 @@ def head_loss_fd019664248f6778(
         if ROWS:
             weight_cross_entropy = tl.load(scalars_ptr + 0)
             p_cross_entropy__label_smoothing = tl.load(scalars_ptr + 1)
-            v0 = tl.where(finite_row, p_cross_entropy__label_smoothing*(N0 + (-acc0)*_rcp(vocab_size)) + (1.0 - p_cross_entropy__label_smoothing)*(N0 - z_y), float("nan"))  # cross_entropy
+            r0 = _log(acc1)
+            v0 = tl.where(finite_row, p_cross_entropy__label_smoothing*((-acc0)*_rcp(vocab_size) + m + r0) + (1.0 - p_cross_entropy__label_smoothing)*(r0 - zym), float("nan"))  # cross_entropy
             tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, weight_cross_entropy * v0)
@@ -329,9 +332,10 @@ def head_loss_fd019664248f6778(
                                  other=0.0, eviction_policy="evict_first")
                 x = x_tile.to(tl.float32)
                 z = _logits(x, logit_scale, softcap)
+                zm = z - m
                 is_y = tl.where(cols == y_local, 1.0, 0.0)
 
-                dz = g0 + g1*tl.exp2(-1.4426950408889634*N0 + 1.4426950408889634*z) + g2*is_y
+                dz = g0 + g1*tl.exp2(1.4426950408889634 * (-L_N0 + zm)) + g2*is_y
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
     else:
@@ -388,4 +392,4 @@ def head_loss_fd019664248f6778(
             tl.store(ws_ptr + 0, value_cross_entropy)
             tl.store(ws_ptr + 1, weight_cross_entropy * value_cross_entropy)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "3cbf90ad54a706f0a017ca9f513fadfd7023281e3eed27a5335921ed321e33f1"
+TEXT_HASH = "72ba755f12e02b378adcd3c1ad6d29428179677c3c279b3b9af0d423ddf82d58"

@@ -19,7 +19,7 @@ import sympy as sp
 from sympy.printing.pycode import PythonCodePrinter, _print_known_const, _print_known_func
 
 from . import symbols as S
-from .lower import IS_Y, M, MT
+from .lower import IS_Y, M, MT, ZYM
 from .plan import Plan, pow2
 from .resources import TEMPLATES
 
@@ -173,10 +173,10 @@ class TritonPrinter(_ArrayPrinter):
     module = "tl"
 
     def _print_exp(self, expr: sp.exp) -> str:
-        # exp(E) = exp2(E * log2(e)), the constant folded into E's coefficients: tl.exp would
-        # multiply by log2(e) itself, one instruction more per element
-        folded = sp.Add(*[term * _LOG2E for term in sp.Add.make_args(expr.args[0])])
-        return f"tl.exp2({self._print(folded)})"
+        # exp(E) = exp2(log2(e) * E), E summed before the multiply (a common numeric factor taken
+        # out first): log2(e) folded into each term of E would round each term on its own, an
+        # error of an ulp of |z| or |m| in an exponent that is itself small
+        return f"tl.exp2({float(_LOG2E)!r} * {self.parenthesize(sp.factor_terms(expr.args[0]), 100)})"
 
     def _print_log(self, expr: sp.log) -> str:
         return f"_log({self._print(expr.args[0])})"  # defined by the template (a fast base-2 log)
@@ -532,7 +532,9 @@ def emit(plan: Plan, key: str, header: str, codegen: str,
         exact=list(zip([a.name for a in exact], exact_bodies)), exact_temps=exact_temps,
         exact_tile_sums=_tile_sums(list(zip([a.name for a in exact], exact_bodies))),
         topk_exact=list(zip([a.name for a in topk_exact], tk_bodies)), topk_temps=tk_temps,
-        normalizers=[(n.symbol.name, _TL.doprint(n.value)) for n in lw.normalizers],
+        normalizers=[(name, _TL.doprint(value)) for n in lw.normalizers
+                     for name, value in ((n.log_acc.name, sp.log(sp.Symbol(n.acc, real=True))),
+                                         (n.symbol.name, n.alpha * M + n.beta * MT + n.log_acc))],
         row_temps=row_temps, rows=list(zip(row_names, row_exprs)),
         rows_p2=pow2(len(row_names)),
         coef_temps=coef_temps, coefs=list(zip([s.name for s, _ in lw.grad_coefs], coef_exprs)),
@@ -559,6 +561,7 @@ def emit(plan: Plan, key: str, header: str, codegen: str,
         seg_coefs=[c.name for s in lw.segments for c in s.coefs],
         segments=seg_fns, seg_means=seg_means, seg_mean_rows=[row_names.index(u) for u in seg_means],
         uses_label=any(e.has(S.label) for _, e in lw.row_values),
+        uses_zym=any(e.has(ZYM) for _, e in lw.row_values + lw.grad_coefs),
         uses_vocab_size=any(e.has(S.vocab_size) for e in [lw.grad_vocab, lw.grad_topk]
                             + [e for _, e in lw.row_values + lw.grad_coefs]
                             + [a.body for a in lw.accumulators]),

@@ -24,6 +24,9 @@ from . import symbols as S
 M = sp.Symbol("m", real=True)          # max_i z_i
 MT = sp.Symbol("m_t", real=True)       # max_i t_i
 IS_Y = sp.Symbol("is_y", real=True)    # element: [i == y]
+ZM = sp.Symbol("zm", real=True)        # element: z_i - m, exact in fp32 near the max (the reads after the first)
+TM = sp.Symbol("tm", real=True)        # element: t_i - m_t
+ZYM = sp.Symbol("zym", real=True)      # row: z_y - m
 
 # row symbols known before the first read (not the target logit: on a vocab shard it is known only
 # after the shards' stats are merged, so a vocabulary sum that reads it is an exact one)
@@ -50,7 +53,8 @@ class Accumulator:
         scale = " + ".join(f"{c}*({v} - {mx})" for c, v, mx in
                            ((self.alpha, var[0], "m"), (self.beta, var[1], "m_t")) if c != 0)
         factor = f"exp({scale})" if scale else "1"
-        return f"{self.name} = {where} {factor} * {self.body}    [online]"
+        body = f"({self.body})" if isinstance(self.body, sp.Add) else self.body
+        return f"{self.name} = {where} {factor} * {body}    [online]"
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,11 @@ class Normalizer:
     @property
     def value(self) -> sp.Expr:
         return self.alpha * M + self.beta * MT + sp.log(sp.Symbol(self.acc, real=True))
+
+    @property
+    def log_acc(self) -> sp.Symbol:
+        """``log(acc)``, the normaliser less its maxima, a row value of the kernel's later reads."""
+        return sp.Symbol(f"L_{self.symbol.name}", real=True)
 
 
 @dataclass(frozen=True)
@@ -94,6 +103,11 @@ class Lowered:
     uses_teacher: bool
     uses_topk: bool
     uses_argmax: bool
+    uncombined: int = 0                          # accumulators before sums of one weight were combined
+
+    @property
+    def grad_uses_teacher(self) -> bool:
+        return self.grad_vocab.has(S.teacher_logit, TM)
 
     @property
     def has_exact(self) -> bool:
@@ -106,7 +120,10 @@ class Lowered:
             lines.append(f"  segment term {seg.name} = {seg.formula}")
         lines.append("normalisers:")
         lines += [f"  {n.symbol} = {n.value}" for n in self.normalizers]
-        lines.append("accumulators:")
+        count = f"accumulators ({len(self.accumulators)}"
+        if self.uncombined > len(self.accumulators):
+            count += f"; {self.uncombined} before combining the sums that share a weight"
+        lines.append(count + "):")
         lines += [f"  {a}" for a in self.accumulators]
         lines.append("gradient (derived by sympy):")
         lines += [f"  {s} = {e}" for s, e in self.grad_coefs]
@@ -288,6 +305,67 @@ def _value(expr: sp.Expr) -> sp.Expr:
     return expr.replace(S.stop_gradient, lambda x: x)
 
 
+def _combine(accs: list[Accumulator], fixed: set[str], normalizers: set[sp.Symbol], exprs: list[sp.Expr]):
+    """Sums that every expression reads only through one combination ``A + k*B`` become one sum of
+    the combined summand: forward KL's ``sum q t - sum q z`` becomes ``sum q (t - z)``, one running
+    sum fewer and no cancellation between two large sums. Two online sums must share their weight
+    ``exp(alpha*z + beta*t)`` and ``k`` be known in the first read (labels, tokens); two exact sums
+    may take a ``k`` in the first read's statistics and the normalisers too. ``A + k*B`` is the only
+    way an expression ``E`` reads ``A`` and ``B`` exactly when ``dE/dB = k * dE/dA`` for every ``E``;
+    then ``E`` with ``A`` the combined sum and ``B = 0`` is the same function. ``fixed``: sums read
+    by name (the normalisers' and any that a summand reads), never combined.
+    Returns the accumulators left and the expressions rewritten."""
+    accs, exprs = list(accs), list(exprs)
+    first_read = set(_BEFORE_STATS)
+    after_stats = first_read | {M, MT} | normalizers
+
+    def known(k: sp.Expr, online: bool) -> bool:
+        return all(s in (first_read if online else after_stats) or s.name.startswith(S.TOKEN_PREFIX)
+                   for s in k.free_symbols)
+
+    def ratio(a: Accumulator, b: Accumulator):
+        A, B = sp.Symbol(a.name, real=True), sp.Symbol(b.name, real=True)
+        k = None
+        for e in exprs:
+            da, db = e.diff(A), e.diff(B)
+            if da == 0 and db == 0:
+                continue
+            if da == 0 or db == 0:
+                return None
+            r = sp.simplify(db / da)
+            if k is None:
+                k = r
+            elif sp.simplify(r - k) != 0:
+                return None
+        return k if k is not None and known(k, a.online) else None
+
+    merged = True
+    while merged:
+        merged = False
+        for i, a in enumerate(accs):
+            for b in accs[i + 1:]:
+                if ({a.name, b.name} & fixed or
+                        (a.domain, a.online, a.alpha, a.beta) != (b.domain, b.online, b.alpha, b.beta)):
+                    continue
+                k = ratio(a, b)
+                if k is None:
+                    continue
+                accs[i] = Accumulator(a.name, a.domain, a.online, a.alpha, a.beta, a.body + k * b.body)
+                accs.remove(b)
+                exprs = [e.xreplace({sp.Symbol(b.name, real=True): sp.S.Zero}) for e in exprs]
+                merged = True
+                break
+            if merged:
+                break
+    return accs, exprs
+
+
+def _piecewise(expr: sp.Expr) -> sp.Expr:
+    """Min/Max/Abs as Piecewise, so that sympy differentiates them branch by branch."""
+    return expr.replace(lambda e: isinstance(e, (sp.Min, sp.Max, sp.Abs)),
+                        lambda e: e.rewrite(sp.Piecewise))
+
+
 def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
     """``terms``: (name, bound formula, is_metric) for each term of the head, in output order."""
     lw = _Lowering()
@@ -375,18 +453,39 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
         Normalizer(sym, key[0], key[1], lw.accs[("vocab", True, key[0], key[1], sp.S.One)].name)
         for key, sym in lw.norms.items())
 
-    # A normaliser's own accumulator is exp(N - alpha*m - beta*m_t): writing it so lets sympy cancel
-    # products such as acc*exp(m - N) (the total probability, 1) exactly.
-    unit = {sp.Symbol(n.acc, real=True): sp.exp(n.symbol - n.alpha * M - n.beta * MT)
-            for n in normalizers}
+    # Row math reads each normaliser as its parts, alpha*m + beta*m_t + log(acc), and the target
+    # logit as m + (z_y - m): sympy then cancels products such as acc*exp(m - N) (the total
+    # probability, 1) exactly, exp(m_t - N) is 1/acc, lse - z_y is log(acc) - zym, and N1 - N0 is
+    # (m - m_t) + log(acc2) - log(acc0): sums of small terms, where the rounded N (an ulp of |N|,
+    # 1e-6 at N = 20) would cost a confident row's cross-entropy most of its digits.
+    parts = {n.symbol: n.value for n in normalizers}
+    parts[S.target_logit] = ZYM + M   # so that m cancels from lse - z_y: log(acc) - zym
 
     def finish(expr: sp.Expr) -> sp.Expr:
-        return sp.powsimp(_value(expr).xreplace(lowered_red).xreplace(unit), deep=True, combine="exp")
+        return sp.powsimp(_value(expr).xreplace(lowered_red).xreplace(parts), deep=True, combine="exp")
 
     row_values = [(n, finish(e)) for n, e in row_values]
     coefs = [(s, finish(e)) for s, e in coefs]
-    accumulators, rename = _prune(list(lw.accs.values()), normalizers,
-                                  [e for _, e in row_values] + [e for _, e in coefs])
+
+    # Per-element expressions of the reads after the first see each element relative to the final
+    # maxima and each normaliser as maxima + log(acc): exp(z - N) is exp(zm - L_N), whose exponent
+    # is exact up to an ulp of itself, where z - N would carry the rounding of |N| (the gradient
+    # of a row with logits near 100 off by 5e-6 relative, 30x torch's).
+    relative = {n.symbol: n.alpha * M + n.beta * MT + n.log_acc for n in normalizers}
+    relative.update({S.logit: ZM + M, S.teacher_logit: TM + MT})
+
+    def per_element(expr: sp.Expr) -> sp.Expr:
+        return sp.powsimp(expr.xreplace(relative), deep=True, combine="exp")
+    grad_vocab = per_element(grad_vocab)
+    lw.accs = {k: (a if a.online else Accumulator(a.name, a.domain, False, a.alpha, a.beta, per_element(a.body)))
+               for k, a in lw.accs.items()}
+    exprs = [e for _, e in row_values] + [e for _, e in coefs]
+    uncombined = len(_prune(list(lw.accs.values()), normalizers, exprs)[0])
+    fixed = {n.acc for n in normalizers} | {s.name for a in lw.accs.values() for s in a.body.free_symbols}
+    accs, exprs = _combine(list(lw.accs.values()), fixed, set(lw.norm_of), exprs)
+    row_values = [(n, e) for (n, _), e in zip(row_values, exprs)]
+    coefs = [(s, e) for (s, _), e in zip(coefs, exprs[len(row_values):])]
+    accumulators, rename = _prune(accs, normalizers, exprs)
     normalizers = tuple(Normalizer(n.symbol, n.alpha, n.beta, rename[n.acc]) for n in normalizers)
     subs = {sp.Symbol(old, real=True): sp.Symbol(new, real=True) for old, new in rename.items()}
     row_values = [(n, e.xreplace(subs)) for n, e in row_values]
@@ -410,8 +509,9 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
         grad_vocab=grad_vocab,
         grad_topk=grad_topk,
         tokens=tokens,
-        uses_labels=bool(free & {S.target_logit, S.label, IS_Y}),
-        uses_teacher=bool(free & {S.teacher_logit, MT}) or any(b != 0 for _, b in lw.norms),
+        uses_labels=bool(free & {S.target_logit, S.label, IS_Y, ZYM}),
+        uses_teacher=bool(free & {S.teacher_logit, MT, TM}) or any(b != 0 for _, b in lw.norms),
         uses_topk=any(a.domain == "topk" for a in accumulators),
         uses_argmax=S.argmax in free,
+        uncombined=uncombined,
     )

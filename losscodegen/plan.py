@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import sympy as sp
 
-from . import symbols as S
 from .lower import Lowered
 
 
@@ -86,7 +85,7 @@ class Plan:
         """The reads of a row in one launch, in order: stats, exact (when the head has one), grad."""
         lw = self.lowered
         streams = ("x", "t") if lw.uses_teacher else ("x",)
-        grad_streams = ("x", "t") if lw.grad_vocab.has(S.teacher_logit) else ("x",)
+        grad_streams = ("x", "t") if lw.grad_uses_teacher else ("x",)
         exact = (Sweep("exact", True, streams, False),) if lw.has_exact else ()
         return (Sweep("stats", False, streams, False), *exact,
                 Sweep("grad", not lw.has_exact, grad_streams, True, True))

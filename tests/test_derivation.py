@@ -19,11 +19,13 @@ def evaluate(lowered, z, y, teacher=None, ids=None, lps=None, tokens=()):
     """Row values [R] and dL/dz [R, V] (weights 1) of a lowered head, in float64 torch."""
     R, V = z.shape
     ns = dict(tokens)
-    ns.update(z=z, m=z.max(-1, keepdim=True).values, z_y=z.gather(1, y[:, None]),
+    m = z.max(-1, keepdim=True).values
+    ns.update(z=z, m=m, z_y=z.gather(1, y[:, None]), zm=z - m, zym=z.gather(1, y[:, None]) - m,
               label=y[:, None].double(), argmax=z.argmax(-1, keepdim=True).double(),
               vocab_size=float(V), is_y=torch.nn.functional.one_hot(y, V).double())
     if teacher is not None:
-        ns.update(t=teacher, m_t=teacher.max(-1, keepdim=True).values)
+        m_t = teacher.max(-1, keepdim=True).values
+        ns.update(t=teacher, m_t=m_t, tm=teacher - m_t)
     if ids is not None:
         ns.update(z_k=z.gather(1, ids), l_k=lps)
     for w in lowered.weights:
@@ -36,6 +38,7 @@ def evaluate(lowered, z, y, teacher=None, ids=None, lps=None, tokens=()):
         ns[acc.name] = torch.as_tensor(body).expand(R, -1).sum(-1, keepdim=True)
     for n in lowered.normalizers:
         ns[n.symbol.name] = _eval(n.value, ns)
+        ns[n.log_acc.name] = torch.log(ns[n.acc])
     for acc in (a for a in lowered.accumulators if not a.online):
         ns[acc.name] = _eval(acc.body, ns).sum(-1, keepdim=True)
     values = {name: torch.as_tensor(_eval(e, ns)).expand(R, 1)[:, 0] for name, e in lowered.row_values}

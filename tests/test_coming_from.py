@@ -1,0 +1,208 @@
+"""Every equivalence docs/coming-from.md states, checked: the peer's call written here in plain torch
+from its documented formula (Liger-Kernel, flash-attn and TRL are not dependencies), against the
+losscodegen call the page gives, value and gradient."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import losscodegen as lcg
+from losscodegen import symbols as S
+
+R, V, H = 12, 96, 16
+
+
+@pytest.fixture
+def data():
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(R, V, generator=g) * 2
+    t = torch.randn(R, V, generator=g) * 2
+    y = torch.randint(0, V, (R,), generator=g)
+    y[[2, 7]] = -100
+    return z, t, y, g
+
+
+def same(ours_fn, theirs_fn, z, atol=1e-5):
+    """Value and dvalue/dz of two scalar functions of the logits agree."""
+    a, b = z.clone().requires_grad_(), z.clone().requires_grad_()
+    va, vb = ours_fn(a), theirs_fn(b)
+    va.backward(), vb.backward()
+    torch.testing.assert_close(va.detach(), vb.detach(), atol=atol, rtol=1e-5)
+    torch.testing.assert_close(a.grad, b.grad, atol=atol, rtol=1e-4)
+
+
+# ---- Liger-Kernel, re-derived from its documented formulas ----------------------------------------
+def liger_jsd(log_q, log_p, labels, beta):
+    """LigerJSD(beta)(log_q = student log-probs, log_p = teacher log-probs, shift_labels): beta
+    weights the teacher P; beta = 0 is forward KL(P || Q), beta = 1 reverse KL(Q || P); summed over
+    the vocabulary, divided by the rows whose label is not -100."""
+    Q, P = log_q.exp(), log_p.exp()
+    if beta == 0:
+        rows = (P * (log_p - log_q)).sum(-1)
+    elif beta == 1:
+        rows = (Q * (log_q - log_p)).sum(-1)
+    else:
+        M = beta * P + (1 - beta) * Q
+        rows = (beta * P * log_p + (1 - beta) * Q * log_q - M * M.log()).sum(-1)
+    valid = labels != -100
+    return torch.where(valid, rows, 0).sum() / valid.sum()
+
+
+@pytest.mark.parametrize("beta", [0.1, 0.5, 0.9])
+def test_liger_jsd_beta_is_our_one_minus_beta(data, beta):
+    z, t, y, _ = data
+    same(lambda x: lcg.HeadLoss(lcg.JSD(beta=1 - beta))(x, y, teacher_logits=t).loss,
+         lambda x: liger_jsd(torch.log_softmax(x, -1), torch.log_softmax(t, -1), y, beta), z)
+
+
+def test_liger_jsd_ends_are_forward_and_reverse_kl_ours_are_zero(data):
+    z, t, y, _ = data
+    same(lambda x: lcg.HeadLoss(lcg.ForwardKL())(x, y, teacher_logits=t).loss,
+         lambda x: liger_jsd(torch.log_softmax(x, -1), torch.log_softmax(t, -1), y, 0.0), z)
+    same(lambda x: lcg.HeadLoss(lcg.ReverseKL())(x, y, teacher_logits=t).loss,
+         lambda x: liger_jsd(torch.log_softmax(x, -1), torch.log_softmax(t, -1), y, 1.0), z)
+    for beta in (0.0, 1.0):
+        assert lcg.HeadLoss(lcg.JSD(beta=beta))(z, y, teacher_logits=t).loss.abs().item() < 1e-6
+
+
+def test_liger_kl_div_batchmean_is_forward_kl_over_all_rows(data):
+    # LigerKLDIVLoss(reduction="batchmean")(y_pred = log-probs, y_true = probs): sum / rows
+    z, t, _, _ = data
+    same(lambda x: lcg.HeadLoss(lcg.ForwardKL())(x, teacher_logits=t).loss,
+         lambda x: F.kl_div(torch.log_softmax(x, -1), torch.softmax(t, -1), reduction="batchmean"), z)
+
+
+def test_liger_cross_entropy_options(data):
+    # LigerCrossEntropyLoss(lse_square_scale=c, label_smoothing=s, softcap=cap): the mean over
+    # valid rows of CE + c * lse**2, on cap * tanh(x / cap)
+    z, _, y, _ = data
+    c, s, cap = 1e-3, 0.1, 20.0
+
+    def liger(x):
+        zz = cap * torch.tanh(x / cap)
+        valid = y != -100
+        ce = F.cross_entropy(zz, y, label_smoothing=s, reduction="none")
+        return torch.where(valid, ce + c * torch.logsumexp(zz, -1) ** 2, 0).sum() / valid.sum()
+    head = lcg.HeadLoss(lcg.CrossEntropy(label_smoothing=s), lcg.ZLoss(weight=c), softcap=cap)
+    same(lambda x: head(x, y).loss, liger, z)
+
+
+def test_liger_fused_linear_jsd_distillation(data):
+    # LigerFusedLinearJSDLoss(weight_hard_loss=a, weight_soft_loss=b, beta, temperature=T): a * CE
+    # (at T = 1) + b * Liger's JSD(beta) of logits / T, both over the valid rows
+    _, _, y, g = data
+    a, b, beta, T = 0.3, 0.7, 0.2, 2.0
+    h, th = torch.randn(R, H, generator=g), torch.randn(R, H, generator=g)
+    w, tw = torch.randn(V, H, generator=g) * 0.5, torch.randn(V, H, generator=g) * 0.5
+
+    def liger(hh):
+        zs, zt = hh @ w.T, th @ tw.T
+        ce = F.cross_entropy(zs, y, ignore_index=-100)
+        return a * ce + b * liger_jsd(torch.log_softmax(zs / T, -1), torch.log_softmax(zt / T, -1), y, beta)
+    head = lcg.HeadLoss(lcg.CrossEntropy(weight=a), lcg.JSD(beta=1 - beta, temperature=T, weight=b))
+    same(lambda hh: head.linear(hh, w, y, teacher_hidden=th, teacher_weight=tw).loss, liger, h)
+
+
+# ---- torch ----------------------------------------------------------------------------------------
+def test_torch_cross_entropy_and_kl_div(data):
+    z, t, y, _ = data
+    same(lambda x: lcg.HeadLoss(lcg.CrossEntropy(label_smoothing=0.1))(x, y).loss,
+         lambda x: F.cross_entropy(x, y, label_smoothing=0.1), z)
+    # a knowledge-distillation recipe's T**2 goes in the weight; temperature divides both sides
+    T = 2.0
+    same(lambda x: lcg.HeadLoss(lcg.ForwardKL(temperature=T, weight=T * T))(x, teacher_logits=t).loss,
+         lambda x: F.kl_div(torch.log_softmax(x / T, -1), torch.log_softmax(t / T, -1), log_target=True,
+                            reduction="batchmean") * T * T, z)
+
+
+# ---- flash-attn -------------------------------------------------------------------------------------
+def test_flash_attn_cross_entropy_per_row(data):
+    # flash_attn cross_entropy_loss(logits, labels, label_smoothing=s, logit_scale=k,
+    # lse_square_scale=c) -> per-row losses, z-loss included, 0 on ignored rows
+    z, _, y, _ = data
+    s, k, c = 0.1, 0.5, 1e-3
+
+    def flash(x):
+        zz = x * k
+        lse = torch.logsumexp(zz, -1)
+        zy = zz.gather(-1, y.clamp_min(0)[:, None])[:, 0]
+        rows = (1 - s) * (lse - zy) + s * (lse - zz.mean(-1)) + c * lse ** 2
+        return torch.where(y != -100, rows, 0)
+    head = lcg.HeadLoss(lcg.CrossEntropy(label_smoothing=s), lcg.ZLoss(weight=c), logit_scale=k)
+    weights = torch.linspace(0.5, 1.5, R)   # per-row upstream gradients: the rows match one by one
+    same(lambda x: (head(x, y, reduction="none").loss * weights).sum(), lambda x: (flash(x) * weights).sum(), z)
+
+
+# ---- TRL / Liger GRPO -----------------------------------------------------------------------------
+def _policy(z, y, g):
+    with torch.no_grad():
+        l = torch.log_softmax(z, -1).gather(-1, y.clamp_min(0)[:, None])[:, 0]
+    return dict(advantages=torch.randn(R, generator=g), old_logprobs=l + 0.3 * torch.randn(R, generator=g),
+                ref_logprobs=l + 0.1 * torch.randn(R, generator=g))
+
+
+def test_trl_grpo_token_level_with_temperature(data):
+    # TRL / Liger GRPO, loss_type "dapo"/"bnpo": -min(r A, clip(r) A) + beta * k3 summed over the
+    # completion tokens / their count; log-probs of logits / temperature
+    z, _, y, g = data
+    inp = _policy(z, y, g)
+    T, eps_lo, eps_hi, beta = 0.7, 0.2, 0.28, 0.04
+
+    def trl(x):
+        l = torch.log_softmax(x / T, -1).gather(-1, y.clamp_min(0)[:, None])[:, 0]
+        r, A = torch.exp(l - inp["old_logprobs"]), inp["advantages"]
+        d = inp["ref_logprobs"] - l
+        rows = -torch.min(r * A, r.clamp(1 - eps_lo, 1 + eps_hi) * A) + beta * (d.exp() - d - 1)
+        valid = y != -100
+        return torch.where(valid, rows, 0).sum() / valid.sum()
+    head = lcg.HeadLoss(lcg.GRPO(eps_low=eps_lo, eps_high=eps_hi, kl_beta=beta), logit_scale=1 / T)
+    same(lambda x: head(x, y, **inp).loss, trl, z)
+
+
+def test_clip_fraction_counts_both_sides_trl_counts_the_side_of_the_advantage(data):
+    z, _, y, g = data
+    inp = _policy(z, y, g)
+    r = torch.exp(torch.log_softmax(z, -1).gather(-1, y.clamp_min(0)[:, None])[:, 0] - inp["old_logprobs"])
+    A, valid = inp["advantages"], y != -100
+    ours = ((r < 0.8) | (r > 1.2))[valid].float().mean()
+    trl = (((r < 0.8) & (A < 0)) | ((r > 1.2) & (A > 0)))[valid].float().mean()
+    head = lcg.HeadLoss(metrics=(lcg.ClipFraction(),))
+    torch.testing.assert_close(head(z, y, **inp).metrics["clip_fraction"], ours)
+    assert ours > trl   # these inputs clip on the side that does not matter too
+    # TRL's clip_ratio/region_mean, declared
+    ratio = S.exp(S.target_logit - S.lse - S.token("old_logprobs"))
+    adv = S.token("advantages")
+    region = lcg.declare_term("clip_ratio_region", S.Piecewise(
+        (1, ((ratio < 0.8) & (adv < 0)) | ((ratio > 1.2) & (adv > 0))), (0, True)), metric_only=True)
+    out = lcg.HeadLoss(metrics=(region(),))(z, y, **inp)
+    torch.testing.assert_close(out.metrics["clip_ratio_region"], trl)
+
+
+def test_gspo_divides_by_non_empty_sequences_liger_by_the_batch(data):
+    # importance_sampling_level="sequence", loss_type="grpo" in Liger/TRL: the sum over sequences
+    # divided by the batch size, empty sequences included; ours by the non-empty segments
+    z, _, y, g = data
+    inp = _policy(z, y, g)
+    seg = torch.arange(R) // 3                   # 4 sequences of 3 tokens
+    y = y.clone()
+    y[3:6] = -100                                # sequence 1 is empty
+    A = inp["advantages"].view(4, 3).mean(-1, keepdim=True).expand(4, 3).reshape(R)  # per sequence
+
+    def liger(x):
+        l = torch.log_softmax(x, -1).gather(-1, y.clamp_min(0)[:, None])[:, 0]
+        mask = (y != -100).view(4, 3).float()
+        lr = ((l - inp["old_logprobs"]).view(4, 3) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        coef, a = lr.exp(), A.view(4, 3)[:, 0]
+        per_seq = -torch.min(coef * a, coef.clamp(1 - 3e-4, 1 + 4e-4) * a)
+        per_token = per_seq[:, None].expand(4, 3)
+        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / 4
+    head = lcg.HeadLoss(lcg.GSPO())
+    n_nonempty = 3
+    same(lambda x: head(x, y, segment_ids=seg, advantages=A, old_logprobs=inp["old_logprobs"]).loss,
+         lambda x: liger(x) * 4 / n_nonempty, z)
+    same(lambda x: head(x, y, segment_ids=seg, advantages=A, old_logprobs=inp["old_logprobs"],
+                        divisor=4.0).loss, liger, z)
+
+
+def test_assert_parity_one_liner():
+    lcg.testing.assert_parity(lcg.HeadLoss(lcg.JSD(beta=0.3)), rows=6, vocab=64, dtypes=(torch.float32,))
