@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 
 import losscodegen as lcg
-from losscodegen import symbols as S
 
 R, V, H = 12, 96, 16
 
@@ -169,12 +168,8 @@ def test_clip_fraction_counts_both_sides_trl_counts_the_side_of_the_advantage(da
     head = lcg.HeadLoss(metrics=(lcg.ClipFraction(),))
     torch.testing.assert_close(head(z, y, **inp).metrics["clip_fraction"], ours)
     assert ours > trl   # these inputs clip on the side that does not matter too
-    # TRL's clip_ratio/region_mean, declared
-    ratio = S.exp(S.target_logit - S.lse - S.token("old_logprobs"))
-    adv = S.token("advantages")
-    region = lcg.declare_term("clip_ratio_region", S.Piecewise(
-        (1, ((ratio < 0.8) & (adv < 0)) | ((ratio > 1.2) & (adv > 0))), (0, True)), metric_only=True)
-    out = lcg.HeadLoss(metrics=(region(),))(z, y, **inp)
+    # TRL's clip_ratio/region_mean
+    out = lcg.HeadLoss(metrics=(lcg.ClipRatioRegion(),))(z, y, **inp)
     torch.testing.assert_close(out.metrics["clip_ratio_region"], trl)
 
 
@@ -206,3 +201,32 @@ def test_gspo_divides_by_non_empty_sequences_liger_by_the_batch(data):
 
 def test_assert_parity_one_liner():
     lcg.testing.assert_parity(lcg.HeadLoss(lcg.JSD(beta=0.3)), rows=6, vocab=64, dtypes=(torch.float32,))
+
+
+def test_trl_cispo_and_sapo(data):
+    # TRL loss_type="cispo": -clamp(coef_1, max=epsilon_high).detach() * A * logp (+ beta * k3);
+    # loss_type="sapo": -sigmoid(tau * (coef_1 - 1)) * 4 / tau * A, tau by the advantage's sign
+    z, _, y, g = data
+    inp = _policy(z, y, g)
+    E, beta, tau_pos, tau_neg = 1.1, 0.04, 1.0, 1.05
+    valid = y != -100
+
+    def parts(x):
+        l = torch.log_softmax(x, -1).gather(-1, y.clamp_min(0)[:, None])[:, 0]
+        r, A, d = torch.exp(l - inp["old_logprobs"]), inp["advantages"], inp["ref_logprobs"] - l
+        return l, r, A, d.exp() - d - 1
+
+    def cispo(x):
+        l, r, A, kl = parts(x)
+        rows = -torch.clamp(r, max=E).detach() * A * l + beta * kl
+        return torch.where(valid, rows, 0).sum() / valid.sum()
+
+    def sapo(x):
+        l, r, A, kl = parts(x)
+        tau = torch.where(A > 0, tau_pos, tau_neg)
+        rows = -torch.sigmoid(tau * (r - 1)) * 4 / tau * A
+        return torch.where(valid, rows, 0).sum() / valid.sum()
+    head = lcg.HeadLoss(lcg.CISPO(eps_high=E - 1), lcg.RefKL(weight=beta))
+    same(lambda x: head(x, y, **inp).loss, cispo, z)
+    head = lcg.HeadLoss(lcg.SAPO(temperature_pos=tau_pos, temperature_neg=tau_neg))
+    same(lambda x: head(x, y, **inp).loss, sapo, z)

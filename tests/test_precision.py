@@ -188,6 +188,17 @@ def _grpo(z, y, I, kl_beta):
     return -torch.min(r * A, r.clamp(0.8, 1.2) * A) + kl_beta * (torch.exp(d) - d - 1)
 
 
+def _ref_kl(z, y, I):
+    d = I["ref_logprobs"].to(z.dtype) - _at(_lsm(z), y)
+    return torch.exp(d) - d - 1
+
+
+def _sapo(z, y, I):
+    A = I["advantages"].to(z.dtype)
+    tau = torch.where(A > 0, 1.0, 1.05).to(z.dtype)
+    return -torch.sigmoid(tau * (_logratio(z, y, I).exp() - 1)) * 4 / tau * A
+
+
 def _topk(z, I):
     l = I["teacher_topk_logprobs"].to(z.dtype)
     return (l.exp() * (l - _lsm(z).gather(-1, I["teacher_topk_ids"]))).sum(-1)
@@ -221,16 +232,32 @@ TERMS = {
     "jsd_beta_0.1": (lcg.JSD(beta=0.1), lambda z, y, I: _jsd(z, I["t"], 0.1)),
     "topk_forward_kl": (lcg.TopKForwardKL(), lambda z, y, I: _topk(z, I)),
     "grpo": (lcg.GRPO(kl_beta=0.04), lambda z, y, I: _grpo(z, y, I, 0.04)),
+    "ref_kl": (lcg.RefKL(), lambda z, y, I: _ref_kl(z, y, I)),
+    "cispo": (lcg.CISPO(), lambda z, y, I: -torch.clamp(_logratio(z, y, I).exp(), max=5.0).detach()
+              * I["advantages"].to(z.dtype) * _at(_lsm(z), y)),
+    "sapo": (lcg.SAPO(), lambda z, y, I: _sapo(z, y, I)),
+    "logprob": (lcg.LogProb(), lambda z, y, I: _at(_lsm(z), y)),
     "gspo": (lcg.GSPO(), _gspo),
 }
 METRICS = {
     "token_accuracy": (lcg.TokenAccuracy(), lambda z, y, I: (z.argmax(-1) == y).to(z.dtype)),
     "ratio_mean": (lcg.RatioMean(), lambda z, y, I: _logratio(z, y, I).exp()),
     "kl_new_old": (lcg.KLNewOld(), lambda z, y, I: _logratio(z, y, I).exp() - _logratio(z, y, I) - 1),
-    "logprob": (lcg.LogProb(), lambda z, y, I: _at(_lsm(z), y)),
     "clip_fraction": (lcg.ClipFraction(), lambda z, y, I: (
         (_logratio(z, y, I).exp() < 0.8) | (_logratio(z, y, I).exp() > 1.2)).to(z.dtype)),
+    "clip_ratio_low": (lcg.ClipRatioLow(), lambda z, y, I: _clipped(z, y, I)[0].to(z.dtype)),
+    "clip_ratio_high": (lcg.ClipRatioHigh(), lambda z, y, I: _clipped(z, y, I)[1].to(z.dtype)),
+    "clip_ratio_region": (lcg.ClipRatioRegion(), lambda z, y, I: (
+        _clipped(z, y, I)[0] | _clipped(z, y, I)[1]).to(z.dtype)),
+    "cispo_clip_ratio": (lcg.CISPOClipRatio(), lambda z, y, I: (
+        (_logratio(z, y, I).exp() > 5.0) & (I["advantages"] > 0)).to(z.dtype)),
 }
+
+
+def _clipped(z, y, I):
+    """TRL's sign-aware clip sides: (low with A < 0, high with A > 0), eps 0.2."""
+    r, A = _logratio(z, y, I).exp(), I["advantages"]
+    return (r < 0.8) & (A < 0), (r > 1.2) & (A > 0)
 # Not on par yet, measured (issue 25): the sums these read hold z (or t) itself, not z - max, so
 # a row of large logits cancels them (entropy = lse - sum p z); JSD is NaN where p and q both
 # underflow (0 * log 0 in the mixture's log).
