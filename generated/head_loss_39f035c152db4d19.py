@@ -8,17 +8,17 @@
 #
 # lowered:
 #   row values:
-#     grpo = p_grpo__kl_beta*(acc1*exp(tok_ref_logprobs - zym) - tok_ref_logprobs + zym - log(acc1) - 1) - Min(tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1), tok_advantages*exp(-tok_old_logprobs + zym)/acc1)
+#     grpo = p_grpo__kl_beta*(acc1*exp(m + tok_ref_logprobs - z_y) - m - tok_ref_logprobs + z_y - log(acc1) - 1) - Min(tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1)
 #     entropy = -acc0/acc1 + m + log(acc1)
-#     clip_fraction = Piecewise((1, (p_grpo__eps_high < -1 + exp(-tok_old_logprobs + zym)/acc1) | (p_grpo__eps_low < 1 - exp(-tok_old_logprobs + zym)/acc1)), (0, True))
+#     clip_fraction = Piecewise((1, (p_grpo__eps_high < -1 + exp(-m - tok_old_logprobs + z_y)/acc1) | (p_grpo__eps_low < 1 - exp(-m - tok_old_logprobs + z_y)/acc1)), (0, True))
 #   normalisers:
 #     N0 = m + log(acc1)
 #   accumulators (2):
 #     acc0 = sum_i exp(1*(z - m)) * z    [online]
 #     acc1 = sum_i exp(1*(z - m)) * 1    [online]
 #   gradient (derived by sympy):
-#     g0 = w_grpo*(p_grpo__kl_beta*(acc1*exp(tok_ref_logprobs - zym) - 1) + tok_advantages*Piecewise((1, (p_grpo__eps_high >= -1 + exp(-tok_old_logprobs + zym)/acc1) & (p_grpo__eps_low >= 1 - exp(-tok_old_logprobs + zym)/acc1)), (0, True))*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-tok_old_logprobs + zym)/acc1, tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-tok_old_logprobs + zym)/acc1 >= tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-tok_old_logprobs + zym)/acc1 + tok_advantages*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-tok_old_logprobs + zym)/acc1, tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-tok_old_logprobs + zym)/acc1 <= tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-tok_old_logprobs + zym)/acc1)
-#     g1 = w_grpo*(p_grpo__kl_beta*(-acc1*exp(tok_ref_logprobs - zym) + 1) - tok_advantages*Piecewise((1, (p_grpo__eps_high >= -1 + exp(-tok_old_logprobs + zym)/acc1) & (p_grpo__eps_low >= 1 - exp(-tok_old_logprobs + zym)/acc1)), (0, True))*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-tok_old_logprobs + zym)/acc1, tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-tok_old_logprobs + zym)/acc1 >= tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-tok_old_logprobs + zym)/acc1 - tok_advantages*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-tok_old_logprobs + zym)/acc1, tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-tok_old_logprobs + zym)/acc1 <= tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-tok_old_logprobs + zym)/acc1)
+#     g0 = w_grpo*(p_grpo__kl_beta*(acc1*exp(m + tok_ref_logprobs - z_y) - 1) + tok_advantages*Piecewise((1, (p_grpo__eps_high >= -1 + exp(-m - tok_old_logprobs + z_y)/acc1) & (p_grpo__eps_low >= 1 - exp(-m - tok_old_logprobs + z_y)/acc1)), (0, True))*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1, tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1 >= tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-m - tok_old_logprobs + z_y)/acc1 + tok_advantages*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1, tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1 <= tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-m - tok_old_logprobs + z_y)/acc1)
+#     g1 = w_grpo*(p_grpo__kl_beta*(-acc1*exp(m + tok_ref_logprobs - z_y) + 1) - tok_advantages*Piecewise((1, (p_grpo__eps_high >= -1 + exp(-m - tok_old_logprobs + z_y)/acc1) & (p_grpo__eps_low >= 1 - exp(-m - tok_old_logprobs + z_y)/acc1)), (0, True))*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1, tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1 >= tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-m - tok_old_logprobs + z_y)/acc1 - tok_advantages*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1, tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1 <= tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-m - tok_old_logprobs + z_y)/acc1)
 #     dL/dz_i = g0*exp(-L_N0 + zm) + g1*is_y
 #
 # plan:
@@ -38,7 +38,7 @@ from triton.language.extra import libdevice
 
 KEY = "39f035c152db4d19"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "7e02c199872c"
+CODEGEN = "401eb78a9202"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_fraction']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -284,7 +284,6 @@ def head_loss_39f035c152db4d19(
 
         L_N0 = _log(acc1)
         N0 = L_N0 + m
-        zym = z_y - m
 
         if STORE_STATS:
             tl.store(stats_row + 0, m)
@@ -298,7 +297,7 @@ def head_loss_39f035c152db4d19(
             p_grpo__eps_low = tl.load(scalars_ptr + 2)
             p_grpo__kl_beta = tl.load(scalars_ptr + 3)
             r0 = _log(acc1)
-            r1 = -zym
+            r1 = m - z_y
             r2 = r1 + tok_ref_logprobs
             r3 = _rcp(acc1)
             r4 = tl.exp2(1.4426950408889634 * (-(r1 + tok_old_logprobs)))
@@ -335,7 +334,7 @@ def head_loss_39f035c152db4d19(
                     w_grpo += tl.load(up_rows_ptr + 0 * n_rows + grow)
             else:
                 w_grpo = weight_grpo * grad_scale
-            c0 = -zym
+            c0 = m - z_y
             c1 = acc1*tl.exp2(1.4426950408889634 * (c0 + tok_ref_logprobs)) - 1.0
             c2 = _rcp(acc1)
             c3 = tl.exp2(1.4426950408889634 * (-(c0 + tok_old_logprobs)))
@@ -430,4 +429,4 @@ def head_loss_39f035c152db4d19(
             tl.store(ws_ptr + 2, value_clip_fraction)
             tl.store(ws_ptr + 3, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "e5b3d4220666d78dd1825084cc74c327ec38c46cbe3dac7c6df95b8f2013cf40"
+TEXT_HASH = "acc140430005d992697cad18f031ab12c5a831c709c995d7b790879855ec9791"

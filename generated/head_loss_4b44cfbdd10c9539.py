@@ -10,9 +10,9 @@
 #
 # lowered:
 #   row values:
-#     grpo = -Min(tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1), tok_advantages*exp(-tok_old_logprobs + zym)/acc1)
+#     grpo = -Min(tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1)
 #     entropy = -acc0/acc1 + m + log(acc1)
-#     clip_fraction = Piecewise((1, (p_grpo__eps_high < -1 + exp(-tok_old_logprobs + zym)/acc1) | (p_grpo__eps_low < 1 - exp(-tok_old_logprobs + zym)/acc1)), (0, True))
+#     clip_fraction = Piecewise((1, (p_grpo__eps_high < -1 + exp(-m - tok_old_logprobs + z_y)/acc1) | (p_grpo__eps_low < 1 - exp(-m - tok_old_logprobs + z_y)/acc1)), (0, True))
 #     ratio_mean = exp(-tok_old_logprobs + zym)/acc1
 #     kl_new_old = tok_old_logprobs - zym + log(acc1) - 1 + exp(-tok_old_logprobs + zym)/acc1
 #   normalisers:
@@ -21,8 +21,8 @@
 #     acc0 = sum_i exp(1*(z - m)) * z    [online]
 #     acc1 = sum_i exp(1*(z - m)) * 1    [online]
 #   gradient (derived by sympy):
-#     g0 = -w_grpo*(-tok_advantages*Piecewise((1, (p_grpo__eps_high >= -1 + exp(-tok_old_logprobs + zym)/acc1) & (p_grpo__eps_low >= 1 - exp(-tok_old_logprobs + zym)/acc1)), (0, True))*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-tok_old_logprobs + zym)/acc1, tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-tok_old_logprobs + zym)/acc1 >= tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-tok_old_logprobs + zym)/acc1 - tok_advantages*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-tok_old_logprobs + zym)/acc1, tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-tok_old_logprobs + zym)/acc1 <= tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-tok_old_logprobs + zym)/acc1)
-#     g1 = -w_grpo*(tok_advantages*Piecewise((1, (p_grpo__eps_high >= -1 + exp(-tok_old_logprobs + zym)/acc1) & (p_grpo__eps_low >= 1 - exp(-tok_old_logprobs + zym)/acc1)), (0, True))*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-tok_old_logprobs + zym)/acc1, tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-tok_old_logprobs + zym)/acc1 >= tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-tok_old_logprobs + zym)/acc1 + tok_advantages*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-tok_old_logprobs + zym)/acc1, tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-tok_old_logprobs + zym)/acc1 <= tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-tok_old_logprobs + zym)/acc1)
+#     g0 = -w_grpo*(-tok_advantages*Piecewise((1, (p_grpo__eps_high >= -1 + exp(-m - tok_old_logprobs + z_y)/acc1) & (p_grpo__eps_low >= 1 - exp(-m - tok_old_logprobs + z_y)/acc1)), (0, True))*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1, tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1 >= tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-m - tok_old_logprobs + z_y)/acc1 - tok_advantages*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1, tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1 <= tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-m - tok_old_logprobs + z_y)/acc1)
+#     g1 = -w_grpo*(tok_advantages*Piecewise((1, (p_grpo__eps_high >= -1 + exp(-m - tok_old_logprobs + z_y)/acc1) & (p_grpo__eps_low >= 1 - exp(-m - tok_old_logprobs + z_y)/acc1)), (0, True))*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1, tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1 >= tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-m - tok_old_logprobs + z_y)/acc1 + tok_advantages*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1, tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1 <= tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-m - tok_old_logprobs + z_y)/acc1)
 #     dL/dz_i = g0*exp(-L_N0 + zm) + g1*is_y
 #
 # plan:
@@ -42,7 +42,7 @@ from triton.language.extra import libdevice
 
 KEY = "4b44cfbdd10c9539"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "7e02c199872c"
+CODEGEN = "401eb78a9202"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_fraction', 'ratio_mean', 'kl_new_old']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -299,20 +299,21 @@ def head_loss_4b44cfbdd10c9539(
             p_grpo__eps_high = tl.load(scalars_ptr + 1)
             p_grpo__eps_low = tl.load(scalars_ptr + 2)
             r0 = _rcp(acc1)
-            r1 = tok_old_logprobs - zym
-            r2 = tl.exp2(1.4426950408889634 * (-r1))
-            r3 = r0*r2
-            r4 = _log(acc1)
-            r5 = -r0*r2 + 1.0
-            v0 = tl.where(finite_row, -tl.where(r3*tok_advantages < tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(r3 > 1.0 - p_grpo__eps_low, r3, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(r3 > 1.0 - p_grpo__eps_low, r3, 1.0 - p_grpo__eps_low)), r3*tok_advantages, tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(r3 > 1.0 - p_grpo__eps_low, r3, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(r3 > 1.0 - p_grpo__eps_low, r3, 1.0 - p_grpo__eps_low))), float("nan"))  # grpo
+            r1 = tl.exp2(1.4426950408889634 * (-m - tok_old_logprobs + z_y))
+            r2 = r0*r1
+            r3 = _log(acc1)
+            r4 = -r0*r1 + 1.0
+            r5 = tok_old_logprobs - zym
+            r6 = r0*tl.exp2(1.4426950408889634 * (-r5))
+            v0 = tl.where(finite_row, -tl.where(r2*tok_advantages < tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(r2 > 1.0 - p_grpo__eps_low, r2, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(r2 > 1.0 - p_grpo__eps_low, r2, 1.0 - p_grpo__eps_low)), r2*tok_advantages, tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(r2 > 1.0 - p_grpo__eps_low, r2, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(r2 > 1.0 - p_grpo__eps_low, r2, 1.0 - p_grpo__eps_low))), float("nan"))  # grpo
             tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
-            v1 = tl.where(finite_row, -acc0*r0 + m + r4, float("nan"))  # entropy
+            v1 = tl.where(finite_row, -acc0*r0 + m + r3, float("nan"))  # entropy
             tl.store(ws_ptr + off_rows + 1 * n_rows + grow, v1)
-            v2 = tl.where(finite_row, tl.where(((p_grpo__eps_low < r5) | (p_grpo__eps_high < -r5)), 1.0, 0.0), float("nan"))  # clip_fraction
+            v2 = tl.where(finite_row, tl.where(((p_grpo__eps_low < r4) | (p_grpo__eps_high < -r4)), 1.0, 0.0), float("nan"))  # clip_fraction
             tl.store(ws_ptr + off_rows + 2 * n_rows + grow, v2)
-            v3 = tl.where(finite_row, r3, float("nan"))  # ratio_mean
+            v3 = tl.where(finite_row, r6, float("nan"))  # ratio_mean
             tl.store(ws_ptr + off_rows + 3 * n_rows + grow, v3)
-            v4 = tl.where(finite_row, r1 + r3 + r4 - 1.0, float("nan"))  # kl_new_old
+            v4 = tl.where(finite_row, r3 + r5 + r6 - 1.0, float("nan"))  # kl_new_old
             tl.store(ws_ptr + off_rows + 4 * n_rows + grow, v4)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, weight_grpo * v0)
@@ -339,7 +340,7 @@ def head_loss_4b44cfbdd10c9539(
             else:
                 w_grpo = weight_grpo * grad_scale
             c0 = _rcp(acc1)
-            c1 = tl.exp2(1.4426950408889634 * (-tok_old_logprobs + zym))
+            c1 = tl.exp2(1.4426950408889634 * (-m - tok_old_logprobs + z_y))
             c2 = c0*c1
             c3 = c2*tok_advantages
             c4 = tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(c2 > 1.0 - p_grpo__eps_low, c2, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(c2 > 1.0 - p_grpo__eps_low, c2, 1.0 - p_grpo__eps_low))
@@ -437,4 +438,4 @@ def head_loss_4b44cfbdd10c9539(
             tl.store(ws_ptr + 4, value_kl_new_old)
             tl.store(ws_ptr + 5, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "80e8db9d0ce2b719c1d67fb9546012a240265375589d26941bf50aefffec195d"
+TEXT_HASH = "e55fbe82a8446361b63340f8a6c37b6f0db73bc48a05fc6768cd68e215da4c19"

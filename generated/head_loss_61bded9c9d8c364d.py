@@ -36,7 +36,7 @@ from triton.language.extra import libdevice
 
 KEY = "61bded9c9d8c364d"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "7e02c199872c"
+CODEGEN = "401eb78a9202"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['reverse_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -414,4 +414,4 @@ def head_loss_61bded9c9d8c364d(
             tl.store(ws_ptr + 0, value_reverse_kl)
             tl.store(ws_ptr + 1, weight_reverse_kl * value_reverse_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "1b9acdb7e5202877a2987f7cdbdb9ee463c8106a13de2879d378954fdf30b0c4"
+TEXT_HASH = "145e8ac971375bda125b112cd8a1487160166f31571e2f73b99e1e1d33eaa0d9"

@@ -8,17 +8,17 @@
 #
 # lowered:
 #   row values:
-#     cispo = -tok_advantages*(zym - log(acc1))*Min(exp(-tok_old_logprobs + zym)/acc1, p_cispo__eps_high + 1)
+#     cispo = -tok_advantages*(-m + z_y - log(acc1))*Min(exp(-m - tok_old_logprobs + z_y)/acc1, p_cispo__eps_high + 1)
 #     entropy = -acc0/acc1 + m + log(acc1)
-#     cispo_clip_ratio = Piecewise((1, (tok_advantages > 0) & (p_cispo__eps_high < -1 + exp(-tok_old_logprobs + zym)/acc1)), (0, True))
+#     cispo_clip_ratio = Piecewise((1, (tok_advantages > 0) & (p_cispo__eps_high < -1 + exp(-m - tok_old_logprobs + z_y)/acc1)), (0, True))
 #   normalisers:
 #     N0 = m + log(acc1)
 #   accumulators (2):
 #     acc0 = sum_i exp(1*(z - m)) * z    [online]
 #     acc1 = sum_i exp(1*(z - m)) * 1    [online]
 #   gradient (derived by sympy):
-#     g0 = tok_advantages*w_cispo*Min(exp(-tok_old_logprobs + zym)/acc1, p_cispo__eps_high + 1)
-#     g1 = -tok_advantages*w_cispo*Min(exp(-tok_old_logprobs + zym)/acc1, p_cispo__eps_high + 1)
+#     g0 = tok_advantages*w_cispo*Min(exp(-m - tok_old_logprobs + z_y)/acc1, p_cispo__eps_high + 1)
+#     g1 = -tok_advantages*w_cispo*Min(exp(-m - tok_old_logprobs + z_y)/acc1, p_cispo__eps_high + 1)
 #     dL/dz_i = g0*exp(-L_N0 + zm) + g1*is_y
 #
 # plan:
@@ -38,7 +38,7 @@ from triton.language.extra import libdevice
 
 KEY = "6dc3df098f5c5073"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "7e02c199872c"
+CODEGEN = "401eb78a9202"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cispo', 'entropy', 'cispo_clip_ratio']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -282,7 +282,6 @@ def head_loss_6dc3df098f5c5073(
 
         L_N0 = _log(acc1)
         N0 = L_N0 + m
-        zym = z_y - m
 
         if STORE_STATS:
             tl.store(stats_row + 0, m)
@@ -294,13 +293,14 @@ def head_loss_6dc3df098f5c5073(
             weight_cispo = tl.load(scalars_ptr + 0)
             p_cispo__eps_high = tl.load(scalars_ptr + 1)
             r0 = _log(acc1)
-            r1 = _rcp(acc1)
-            r2 = tl.exp2(1.4426950408889634 * (-tok_old_logprobs + zym))
-            v0 = tl.where(finite_row, -tok_advantages*(-r0 + zym)*tl.where(r1*r2 < p_cispo__eps_high + 1.0, r1*r2, p_cispo__eps_high + 1.0), float("nan"))  # cispo
+            r1 = m - z_y
+            r2 = _rcp(acc1)
+            r3 = tl.exp2(1.4426950408889634 * (-(r1 + tok_old_logprobs)))
+            v0 = tl.where(finite_row, -tok_advantages*(-r0 - r1)*tl.where(r2*r3 < p_cispo__eps_high + 1.0, r2*r3, p_cispo__eps_high + 1.0), float("nan"))  # cispo
             tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
-            v1 = tl.where(finite_row, -acc0*r1 + m + r0, float("nan"))  # entropy
+            v1 = tl.where(finite_row, -acc0*r2 + m + r0, float("nan"))  # entropy
             tl.store(ws_ptr + off_rows + 1 * n_rows + grow, v1)
-            v2 = tl.where(finite_row, tl.where(((tok_advantages > 0.0) & (p_cispo__eps_high < r1*r2 - 1.0)), 1.0, 0.0), float("nan"))  # cispo_clip_ratio
+            v2 = tl.where(finite_row, tl.where(((tok_advantages > 0.0) & (p_cispo__eps_high < r2*r3 - 1.0)), 1.0, 0.0), float("nan"))  # cispo_clip_ratio
             tl.store(ws_ptr + off_rows + 2 * n_rows + grow, v2)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, weight_cispo * v0)
@@ -325,7 +325,7 @@ def head_loss_6dc3df098f5c5073(
                     w_cispo += tl.load(up_rows_ptr + 0 * n_rows + grow)
             else:
                 w_cispo = weight_cispo * grad_scale
-            c0 = tok_advantages*w_cispo*tl.where(p_cispo__eps_high + 1.0 < tl.exp2(1.4426950408889634 * (-tok_old_logprobs + zym))*_rcp(acc1), p_cispo__eps_high + 1.0, tl.exp2(1.4426950408889634 * (-tok_old_logprobs + zym))*_rcp(acc1))
+            c0 = tok_advantages*w_cispo*tl.where(p_cispo__eps_high + 1.0 < tl.exp2(1.4426950408889634 * (-m - tok_old_logprobs + z_y))*_rcp(acc1), p_cispo__eps_high + 1.0, tl.exp2(1.4426950408889634 * (-m - tok_old_logprobs + z_y))*_rcp(acc1))
             g0 = tl.where(finite_row, c0, float("nan"))
             g1 = tl.where(finite_row, -c0, float("nan"))
             # (a row of -inf read as FLOOR would look uniform: its gradient is NaN, as its values are)
@@ -411,4 +411,4 @@ def head_loss_6dc3df098f5c5073(
             tl.store(ws_ptr + 2, value_cispo_clip_ratio)
             tl.store(ws_ptr + 3, weight_cispo * value_cispo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "df317d2eb955862433251b96ea0ee08e3f116da6a46ddf281ee3e479fe7b65ce"
+TEXT_HASH = "61875438cf456183cdf25da962af2caffbb6a567a27ef9824f5f699661825fa1"

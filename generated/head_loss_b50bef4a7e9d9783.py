@@ -10,19 +10,19 @@
 #
 # lowered:
 #   row values:
-#     grpo = p_grpo__kl_beta*(p_grpo__kl_bias_correction*(-1 + exp(-tok_old_logprobs + zym)/acc1) + 1)*(acc1*exp(tok_ref_logprobs - zym) - tok_ref_logprobs + zym - log(acc1) - 1) - Min(tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1), tok_advantages*exp(-tok_old_logprobs + zym)/acc1)
+#     grpo = p_grpo__kl_beta*(p_grpo__kl_bias_correction*(-1 + exp(-m - tok_old_logprobs + z_y)/acc1) + 1)*(acc1*exp(m + tok_ref_logprobs - z_y) - m - tok_ref_logprobs + z_y - log(acc1) - 1) - Min(tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1)
 #     entropy = -acc0/acc1 + m + log(acc1)
-#     clip_ratio_low = Piecewise((1, (tok_advantages < 0) & (p_grpo__eps_low < 1 - exp(-tok_old_logprobs + zym)/acc1)), (0, True))
-#     clip_ratio_high = Piecewise((1, (tok_advantages > 0) & (p_grpo__eps_high < -1 + exp(-tok_old_logprobs + zym)/acc1)), (0, True))
-#     clip_ratio_region = Piecewise((1, ((tok_advantages > 0) & (p_grpo__eps_high < -1 + exp(-tok_old_logprobs + zym)/acc1)) | ((tok_advantages < 0) & (p_grpo__eps_low < 1 - exp(-tok_old_logprobs + zym)/acc1))), (0, True))
+#     clip_ratio_low = Piecewise((1, (tok_advantages < 0) & (p_grpo__eps_low < 1 - exp(-m - tok_old_logprobs + z_y)/acc1)), (0, True))
+#     clip_ratio_high = Piecewise((1, (tok_advantages > 0) & (p_grpo__eps_high < -1 + exp(-m - tok_old_logprobs + z_y)/acc1)), (0, True))
+#     clip_ratio_region = Piecewise((1, ((tok_advantages > 0) & (p_grpo__eps_high < -1 + exp(-m - tok_old_logprobs + z_y)/acc1)) | ((tok_advantages < 0) & (p_grpo__eps_low < 1 - exp(-m - tok_old_logprobs + z_y)/acc1))), (0, True))
 #   normalisers:
 #     N0 = m + log(acc1)
 #   accumulators (2):
 #     acc0 = sum_i exp(1*(z - m)) * z    [online]
 #     acc1 = sum_i exp(1*(z - m)) * 1    [online]
 #   gradient (derived by sympy):
-#     g0 = w_grpo*(p_grpo__kl_beta*(acc1*exp(tok_ref_logprobs - zym) - 1)*(p_grpo__kl_bias_correction*(-1 + exp(-tok_old_logprobs + zym)/acc1) + 1) - p_grpo__kl_beta*p_grpo__kl_bias_correction*(acc1*exp(tok_ref_logprobs - zym) - tok_ref_logprobs + zym - log(acc1) - 1)*exp(-tok_old_logprobs + zym)/acc1 + tok_advantages*Piecewise((1, (p_grpo__eps_high >= -1 + exp(-tok_old_logprobs + zym)/acc1) & (p_grpo__eps_low >= 1 - exp(-tok_old_logprobs + zym)/acc1)), (0, True))*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-tok_old_logprobs + zym)/acc1, tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-tok_old_logprobs + zym)/acc1 >= tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-tok_old_logprobs + zym)/acc1 + tok_advantages*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-tok_old_logprobs + zym)/acc1, tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-tok_old_logprobs + zym)/acc1 <= tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-tok_old_logprobs + zym)/acc1)
-#     g1 = w_grpo*(p_grpo__kl_beta*(-acc1*exp(tok_ref_logprobs - zym) + 1)*(p_grpo__kl_bias_correction*(-1 + exp(-tok_old_logprobs + zym)/acc1) + 1) + p_grpo__kl_beta*p_grpo__kl_bias_correction*(acc1*exp(tok_ref_logprobs - zym) - tok_ref_logprobs + zym - log(acc1) - 1)*exp(-tok_old_logprobs + zym)/acc1 - tok_advantages*Piecewise((1, (p_grpo__eps_high >= -1 + exp(-tok_old_logprobs + zym)/acc1) & (p_grpo__eps_low >= 1 - exp(-tok_old_logprobs + zym)/acc1)), (0, True))*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-tok_old_logprobs + zym)/acc1, tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-tok_old_logprobs + zym)/acc1 >= tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-tok_old_logprobs + zym)/acc1 - tok_advantages*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-tok_old_logprobs + zym)/acc1, tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-tok_old_logprobs + zym)/acc1 <= tok_advantages*clamp(exp(-tok_old_logprobs + zym)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-tok_old_logprobs + zym)/acc1)
+#     g0 = w_grpo*(p_grpo__kl_beta*(acc1*exp(m + tok_ref_logprobs - z_y) - 1)*(p_grpo__kl_bias_correction*(-1 + exp(-m - tok_old_logprobs + z_y)/acc1) + 1) - p_grpo__kl_beta*p_grpo__kl_bias_correction*(acc1*exp(m + tok_ref_logprobs - z_y) - m - tok_ref_logprobs + z_y - log(acc1) - 1)*exp(-m - tok_old_logprobs + z_y)/acc1 + tok_advantages*Piecewise((1, (p_grpo__eps_high >= -1 + exp(-m - tok_old_logprobs + z_y)/acc1) & (p_grpo__eps_low >= 1 - exp(-m - tok_old_logprobs + z_y)/acc1)), (0, True))*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1, tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1 >= tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-m - tok_old_logprobs + z_y)/acc1 + tok_advantages*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1, tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1 <= tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-m - tok_old_logprobs + z_y)/acc1)
+#     g1 = w_grpo*(p_grpo__kl_beta*(-acc1*exp(m + tok_ref_logprobs - z_y) + 1)*(p_grpo__kl_bias_correction*(-1 + exp(-m - tok_old_logprobs + z_y)/acc1) + 1) + p_grpo__kl_beta*p_grpo__kl_bias_correction*(acc1*exp(m + tok_ref_logprobs - z_y) - m - tok_ref_logprobs + z_y - log(acc1) - 1)*exp(-m - tok_old_logprobs + z_y)/acc1 - tok_advantages*Piecewise((1, (p_grpo__eps_high >= -1 + exp(-m - tok_old_logprobs + z_y)/acc1) & (p_grpo__eps_low >= 1 - exp(-m - tok_old_logprobs + z_y)/acc1)), (0, True))*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1, tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1 >= tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-m - tok_old_logprobs + z_y)/acc1 - tok_advantages*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1, tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1 <= tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-m - tok_old_logprobs + z_y)/acc1)
 #     dL/dz_i = g0*exp(-L_N0 + zm) + g1*is_y
 #
 # plan:
@@ -42,7 +42,7 @@ from triton.language.extra import libdevice
 
 KEY = "b50bef4a7e9d9783"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "7e02c199872c"
+CODEGEN = "401eb78a9202"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_ratio_low', 'clip_ratio_high', 'clip_ratio_region']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -288,7 +288,6 @@ def head_loss_b50bef4a7e9d9783(
 
         L_N0 = _log(acc1)
         N0 = L_N0 + m
-        zym = z_y - m
 
         if STORE_STATS:
             tl.store(stats_row + 0, m)
@@ -303,7 +302,7 @@ def head_loss_b50bef4a7e9d9783(
             p_grpo__kl_beta = tl.load(scalars_ptr + 3)
             p_grpo__kl_bias_correction = tl.load(scalars_ptr + 4)
             r0 = _rcp(acc1)
-            r1 = -zym
+            r1 = m - z_y
             r2 = tl.exp2(1.4426950408889634 * (-(r1 + tok_old_logprobs)))
             r3 = r0*r2
             r4 = -r0*r2 + 1.0
@@ -348,7 +347,7 @@ def head_loss_b50bef4a7e9d9783(
                     w_grpo += tl.load(up_rows_ptr + 0 * n_rows + grow)
             else:
                 w_grpo = weight_grpo * grad_scale
-            c0 = -zym
+            c0 = m - z_y
             c1 = c0 + tok_ref_logprobs
             c2 = acc1*tl.exp2(1.4426950408889634 * c1)
             c3 = c2 - 1.0
@@ -455,4 +454,4 @@ def head_loss_b50bef4a7e9d9783(
             tl.store(ws_ptr + 4, value_clip_ratio_region)
             tl.store(ws_ptr + 5, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "0c94801d78013b971ad7692692090b222043c1782fc0ccc76c9147f95f5f216a"
+TEXT_HASH = "5f9092f834cbe2d9de77bfe7a7a468ce6599af58a251eb992b3df511fdd4e4d4"

@@ -33,7 +33,7 @@ from triton.language.extra import libdevice
 
 KEY = "dfdadf8e6cb4b92c"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "7e02c199872c"
+CODEGEN = "401eb78a9202"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -374,4 +374,4 @@ def head_loss_dfdadf8e6cb4b92c(
             tl.store(ws_ptr + 0, value_cross_entropy)
             tl.store(ws_ptr + 1, weight_cross_entropy * value_cross_entropy)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "b669e17b52bfaa923e0a6d26099517554a22f529870f1e59481206d5430c117a"
+TEXT_HASH = "7187882520ebdfc2e2bff132acdc5143fee0abe7a481b8ae8b01448733af4d3c"

@@ -216,6 +216,14 @@ class _Lowering:
         return value
 
 
+def _only_smooth(expr: sp.Expr, x: sp.Symbol) -> bool:
+    """Whether ``x`` appears only in sums, products, powers, exp, log and tanh of ``expr``: no
+    condition, Min/Max/Abs or other function reads it."""
+    smooth = (sp.exp, sp.log, sp.tanh)
+    return not any(isinstance(node, (sp.core.function.Application, sp.core.relational.Relational))
+                   and not isinstance(node, smooth) and node.has(x) for node in sp.preorder_traversal(expr))
+
+
 def _merge_exp(expr: sp.Expr) -> sp.Expr:
     """One exp per product, so that exp(2*m)*exp(-2*N) is evaluated as exp(2*m - 2*N) <= 1."""
     exponent, rest = sp.S.Zero, sp.S.One
@@ -458,11 +466,15 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
     # probability, 1) exactly, exp(m_t - N) is 1/acc, lse - z_y is log(acc) - zym, and N1 - N0 is
     # (m - m_t) + log(acc2) - log(acc0): sums of small terms, where the rounded N (an ulp of |N|,
     # 1e-6 at N = 20) would cost a confident row's cross-entropy most of its digits.
+    # (z_y stays itself where a kink or a condition reads it: zym + m need not round back to z_y,
+    # and a tie that torch sees, z_y == b, must stay one.)
     parts = {n.symbol: n.value for n in normalizers}
-    parts[S.target_logit] = ZYM + M   # so that m cancels from lse - z_y: log(acc) - zym
 
     def finish(expr: sp.Expr) -> sp.Expr:
-        return sp.powsimp(_value(expr).xreplace(lowered_red).xreplace(parts), deep=True, combine="exp")
+        expr = _value(expr).xreplace(lowered_red).xreplace(parts)
+        if _only_smooth(expr, S.target_logit):
+            expr = expr.xreplace({S.target_logit: ZYM + M})
+        return sp.powsimp(expr, deep=True, combine="exp")
 
     row_values = [(n, finish(e)) for n, e in row_values]
     coefs = [(s, finish(e)) for s, e in coefs]

@@ -227,7 +227,9 @@ def test_grpo_derivative_at_the_clip_edges_is_torchs(eps, advantage):
                   if s.name in head.scalars})
     for r in (1 - eps, 1.0, 1 + eps):
         old = -math.log(r) if r != 1 else 0.0                    # l = 0, so r = exp(-old)
+        # l = z_y - lse = 0: lse, its max and log-sum, and z_y (or z_y - max) all 0
         at = {sp.Symbol("N0", real=True): 0, S.target_logit: 0, sp.Symbol("w_grpo", real=True): 1,
+              sp.Symbol("m", real=True): 0, sp.Symbol("zym", real=True): 0, sp.Symbol("acc0", real=True): 1,
               S.token("old_logprobs"): sp.log(sp.nsimplify(1 / r, rational=True)),
               S.token("advantages"): sp.nsimplify(advantage, rational=True)}
         got = float(g1.subs(at))
