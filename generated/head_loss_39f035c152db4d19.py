@@ -38,7 +38,7 @@ from triton.language.extra import libdevice
 
 KEY = "39f035c152db4d19"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "401eb78a9202"
+CODEGEN = "3d21a807180e"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_fraction']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -429,4 +429,4 @@ def head_loss_39f035c152db4d19(
             tl.store(ws_ptr + 2, value_clip_fraction)
             tl.store(ws_ptr + 3, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "acc140430005d992697cad18f031ab12c5a831c709c995d7b790879855ec9791"
+TEXT_HASH = "e2e28892c0f307f2315566b0782f1457a2fb26c0202d2c21aa1bff04a480ded3"

@@ -36,7 +36,7 @@ from triton.language.extra import libdevice
 
 KEY = "61bded9c9d8c364d"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "401eb78a9202"
+CODEGEN = "3d21a807180e"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['reverse_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -354,6 +354,9 @@ def head_loss_61bded9c9d8c364d(
                 zm = z - m
                 t = t_tile.to(tl.float32)
                 tm = t - m_t
+                # -inf as FLOOR (a NaN stays NaN): its probability is still 0, and 0 * FLOOR is 0 where 0 * -inf is NaN
+                z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
+                t = tl.maximum(t, FLOOR, propagate_nan=tl.PropagateNan.ALL)
 
                 d0 = L_N0 - zm
                 d1 = tl.exp2(1.4426950408889634 * (-d0))
@@ -414,4 +417,4 @@ def head_loss_61bded9c9d8c364d(
             tl.store(ws_ptr + 0, value_reverse_kl)
             tl.store(ws_ptr + 1, weight_reverse_kl * value_reverse_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "145e8ac971375bda125b112cd8a1487160166f31571e2f73b99e1e1d33eaa0d9"
+TEXT_HASH = "d35dc2d71db7f95b040b5dcceaa43104a0cb0db46811898cd9f0243c80d64ee2"

@@ -38,7 +38,7 @@ from triton.language.extra import libdevice
 
 KEY = "6dc3df098f5c5073"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "401eb78a9202"
+CODEGEN = "3d21a807180e"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cispo', 'entropy', 'cispo_clip_ratio']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -411,4 +411,4 @@ def head_loss_6dc3df098f5c5073(
             tl.store(ws_ptr + 2, value_cispo_clip_ratio)
             tl.store(ws_ptr + 3, weight_cispo * value_cispo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "61875438cf456183cdf25da962af2caffbb6a567a27ef9824f5f699661825fa1"
+TEXT_HASH = "09ffb2e1c9fd9905915e13360db51cd6b81855c414b8a28295f6ac14c5049d5f"

@@ -40,7 +40,7 @@ from triton.language.extra import libdevice
 
 KEY = "b035e884472ee995"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "401eb78a9202"
+CODEGEN = "3d21a807180e"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['jsd']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -287,6 +287,8 @@ def head_loss_b035e884472ee995(
             acc2 = tl.load(stats_row + 3)
         # a row whose logits (or teacher logits) are all -inf has no distribution: its values are NaN
         finite_row = (m > FLOOR) & (m_t > FLOOR)
+        # what a -inf input element is compared with in the reads below: NaN (equal to nothing) in such a row
+        ninf = tl.where(finite_row, float("-inf"), float("nan"))
 
         L_N0 = _log(acc0)
         N0 = L_N0 + m
@@ -318,6 +320,12 @@ def head_loss_b035e884472ee995(
                 zm = z - m
                 t = t_tile.to(tl.float32)
                 tm = t - m_t
+                # an entry where every input is -inf (padded, masked) is not part of the row
+                gone = (z == ninf) & (t == ninf)
+                in_row = in_row & ~gone
+                # -inf as FLOOR (a NaN stays NaN): its probability is still 0, and 0 * FLOOR is 0 where 0 * -inf is NaN
+                z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
+                t = tl.maximum(t, FLOOR, propagate_nan=tl.PropagateNan.ALL)
 
                 e0 = L_N0 - zm
                 e1 = tl.exp2(1.4426950408889634 * (-e0))
@@ -407,6 +415,11 @@ def head_loss_b035e884472ee995(
                 zm = z - m
                 t = t_tile.to(tl.float32)
                 tm = t - m_t
+                # an entry where every input is -inf (padded, masked) is not part of the row
+                gone = (z == ninf) & (t == ninf)
+                # -inf as FLOOR (a NaN stays NaN): its probability is still 0, and 0 * FLOOR is 0 where 0 * -inf is NaN
+                z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
+                t = tl.maximum(t, FLOOR, propagate_nan=tl.PropagateNan.ALL)
 
                 d0 = L_N0 - zm
                 d1 = tl.exp2(1.4426950408889634 * (-d0))
@@ -415,6 +428,7 @@ def head_loss_b035e884472ee995(
                 d4 = d3 + (1.0 - p_jsd__beta)*tl.exp2(1.4426950408889634 * (-d2))
                 d5 = _rcp(d4)
                 dz = d1*g2 - d5*g1*p_jsd__beta*tl.exp2(1.4426950408889634 * (-(d0 + d2))) + g0*(d1*(-d0 - _log(d4)) + d1*(-d3*d5 + 1.0))
+                dz = tl.where(gone, 0.0, dz)
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
     else:
@@ -471,4 +485,4 @@ def head_loss_b035e884472ee995(
             tl.store(ws_ptr + 0, value_jsd)
             tl.store(ws_ptr + 1, weight_jsd * value_jsd)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "40969ce5794339d71032a7ed35adaf9cb631b0be87e91fe469643a5333683eb7"
+TEXT_HASH = "38a7255ad99a2ff2ddcbf9255ab749eb2775170280f69b82c3eacd91ab31bdc1"

@@ -42,7 +42,7 @@ from triton.language.extra import libdevice
 
 KEY = "b50bef4a7e9d9783"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "401eb78a9202"
+CODEGEN = "3d21a807180e"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_ratio_low', 'clip_ratio_high', 'clip_ratio_region']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -454,4 +454,4 @@ def head_loss_b50bef4a7e9d9783(
             tl.store(ws_ptr + 4, value_clip_ratio_region)
             tl.store(ws_ptr + 5, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "5f9092f834cbe2d9de77bfe7a7a468ce6599af58a251eb992b3df511fdd4e4d4"
+TEXT_HASH = "c814dd9c09a73d0d14a769b80ea57aeec04495180797d914f485d01496c04060"

@@ -19,7 +19,7 @@ import sympy as sp
 from sympy.printing.pycode import PythonCodePrinter, _print_known_const, _print_known_func
 
 from . import symbols as S
-from .lower import IS_Y, M, MT, ZYM
+from .lower import IS_Y, M, MT, TM, ZM, ZYM
 from .plan import Plan, pow2
 from .resources import TEMPLATES
 
@@ -469,7 +469,8 @@ def emit(plan: Plan, key: str, header: str, codegen: str,
     transform = LOGIT_SCALE * (SOFTCAP * sp.tanh(X / SOFTCAP) if plan.softcap else X)
     # the running maxima as the exponents' reference: m_ref is 0 while every logit so far is -inf
     mn, mtn = sp.Symbol("m_ref", real=True), sp.Symbol("m_t_ref", real=True)
-    vocab, topk = S.ELEMENT_SYMBOLS, S.TOPK_SYMBOLS
+    # (the later reads see elements relative to their maxima: zm = z - m is -inf where z is)
+    vocab, topk = (*S.ELEMENT_SYMBOLS, ZM, TM), S.TOPK_SYMBOLS
 
     online = []
     for i, ((alpha, beta), accs) in enumerate(_group_online(plan).items()):

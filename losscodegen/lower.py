@@ -313,23 +313,21 @@ def _value(expr: sp.Expr) -> sp.Expr:
     return expr.replace(S.stop_gradient, lambda x: x)
 
 
-def _combine(accs: list[Accumulator], fixed: set[str], normalizers: set[sp.Symbol], exprs: list[sp.Expr]):
-    """Sums that every expression reads only through one combination ``A + k*B`` become one sum of
-    the combined summand: forward KL's ``sum q t - sum q z`` becomes ``sum q (t - z)``, one running
-    sum fewer and no cancellation between two large sums. Two online sums must share their weight
-    ``exp(alpha*z + beta*t)`` and ``k`` be known in the first read (labels, tokens); two exact sums
-    may take a ``k`` in the first read's statistics and the normalisers too. ``A + k*B`` is the only
+def _combine(accs: list[Accumulator], fixed: set[str], exprs: list[sp.Expr]):
+    """Online sums that every expression reads only through one combination ``A + k*B`` become one
+    sum of the combined summand: forward KL's ``sum q t - sum q z`` becomes ``sum q (t - z)``, one
+    running sum fewer and no cancellation between two large sums. The two must share their weight
+    ``exp(alpha*z + beta*t)`` and ``k`` be known in the first read (labels, tokens). (Exact sums stay
+    apart: each is its own unit of the 0 * log 0 = 0 convention at -inf inputs, so JSD's KL(q||m)
+    part must not vanish with its KL(p||m) part where only the teacher is -inf.) ``A + k*B`` is the only
     way an expression ``E`` reads ``A`` and ``B`` exactly when ``dE/dB = k * dE/dA`` for every ``E``;
     then ``E`` with ``A`` the combined sum and ``B = 0`` is the same function. ``fixed``: sums read
     by name (the normalisers' and any that a summand reads), never combined.
     Returns the accumulators left and the expressions rewritten."""
     accs, exprs = list(accs), list(exprs)
-    first_read = set(_BEFORE_STATS)
-    after_stats = first_read | {M, MT} | normalizers
 
-    def known(k: sp.Expr, online: bool) -> bool:
-        return all(s in (first_read if online else after_stats) or s.name.startswith(S.TOKEN_PREFIX)
-                   for s in k.free_symbols)
+    def known(k: sp.Expr) -> bool:
+        return all(s in _BEFORE_STATS or s.name.startswith(S.TOKEN_PREFIX) for s in k.free_symbols)
 
     def ratio(a: Accumulator, b: Accumulator):
         A, B = sp.Symbol(a.name, real=True), sp.Symbol(b.name, real=True)
@@ -345,15 +343,15 @@ def _combine(accs: list[Accumulator], fixed: set[str], normalizers: set[sp.Symbo
                 k = r
             elif sp.simplify(r - k) != 0:
                 return None
-        return k if k is not None and known(k, a.online) else None
+        return k if k is not None and known(k) else None
 
     merged = True
     while merged:
         merged = False
         for i, a in enumerate(accs):
             for b in accs[i + 1:]:
-                if ({a.name, b.name} & fixed or
-                        (a.domain, a.online, a.alpha, a.beta) != (b.domain, b.online, b.alpha, b.beta)):
+                if ({a.name, b.name} & fixed or not (a.online and b.online) or
+                        (a.domain, a.alpha, a.beta) != (b.domain, b.alpha, b.beta)):
                     continue
                 k = ratio(a, b)
                 if k is None:
@@ -494,7 +492,7 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
     exprs = [e for _, e in row_values] + [e for _, e in coefs]
     uncombined = len(_prune(list(lw.accs.values()), normalizers, exprs)[0])
     fixed = {n.acc for n in normalizers} | {s.name for a in lw.accs.values() for s in a.body.free_symbols}
-    accs, exprs = _combine(list(lw.accs.values()), fixed, set(lw.norm_of), exprs)
+    accs, exprs = _combine(list(lw.accs.values()), fixed, exprs)
     row_values = [(n, e) for (n, _), e in zip(row_values, exprs)]
     coefs = [(s, e) for (s, _), e in zip(coefs, exprs[len(row_values):])]
     accumulators, rename = _prune(accs, normalizers, exprs)
