@@ -38,7 +38,7 @@ from triton.language.extra import libdevice
 
 KEY = "3d268cb74e027a19"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "3d21a807180e"
+CODEGEN = "7271aaa36f4d"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['gspo', 'entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -362,9 +362,9 @@ def head_loss_3d268cb74e027a19(
                                  other=0.0, eviction_policy="evict_first")
                 x = x_tile.to(tl.float32)
                 z = _logits(x, logit_scale, softcap)
-                zm = z - m
                 is_y = tl.where(cols == y_local, 1.0, 0.0)
 
+                zm = z - m
                 dz = g0*tl.exp2(1.4426950408889634 * (-L_N0 + zm)) + g1*is_y
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
@@ -492,4 +492,4 @@ def segments_3d268cb74e027a19(
     loss += weight_gspo * (gspo / div)
     tl.store(ws_ptr + 2, loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "13cd0e132f7119bfed3738a12c47ceef0529359128cd2bff930951bc6b5b34e6"
+TEXT_HASH = "238a92d21392fba437fb233961b15d5bfacf76ff16912785930c7069d91b84d7"

@@ -36,7 +36,7 @@ from triton.language.extra import libdevice
 
 KEY = "61bded9c9d8c364d"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "3d21a807180e"
+CODEGEN = "7271aaa36f4d"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['reverse_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -351,13 +351,13 @@ def head_loss_61bded9c9d8c364d(
                                  other=0.0, eviction_policy="evict_first")
                 x = x_tile.to(tl.float32)
                 z = _logits(x, logit_scale, softcap)
-                zm = z - m
                 t = t_tile.to(tl.float32)
-                tm = t - m_t
                 # -inf as FLOOR (a NaN stays NaN): its probability is still 0, and 0 * FLOOR is 0 where 0 * -inf is NaN
                 z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
                 t = tl.maximum(t, FLOOR, propagate_nan=tl.PropagateNan.ALL)
 
+                zm = z - m
+                tm = t - m_t
                 d0 = L_N0 - zm
                 d1 = tl.exp2(1.4426950408889634 * (-d0))
                 dz = d1*g1 + g0*(d1*(L_N1 - d0 - tm) + d1)
@@ -417,4 +417,4 @@ def head_loss_61bded9c9d8c364d(
             tl.store(ws_ptr + 0, value_reverse_kl)
             tl.store(ws_ptr + 1, weight_reverse_kl * value_reverse_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "d35dc2d71db7f95b040b5dcceaa43104a0cb0db46811898cd9f0243c80d64ee2"
+TEXT_HASH = "92030bf905f104fb72abcaf907192421e66ce9e531c8b2122982df4aeca314fc"

@@ -36,7 +36,7 @@ from triton.language.extra import libdevice
 
 KEY = "7fef8addf6d59cde"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "3d21a807180e"
+CODEGEN = "7271aaa36f4d"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -351,10 +351,10 @@ def head_loss_7fef8addf6d59cde(
                                  other=0.0, eviction_policy="evict_first")
                 x = x_tile.to(tl.float32)
                 z = _logits(x, logit_scale, softcap)
-                zm = z - m
                 t = t_tile.to(tl.float32)
-                tm = t - m_t
 
+                zm = z - m
+                tm = t - m_t
                 dz = -g0*tl.exp2(1.4426950408889634 * (-L_N0 + tm)) + g1*tl.exp2(1.4426950408889634 * (-L_N1 + zm))
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
@@ -412,4 +412,4 @@ def head_loss_7fef8addf6d59cde(
             tl.store(ws_ptr + 0, value_forward_kl)
             tl.store(ws_ptr + 1, weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "5af76d48b461528d0aaac17c5b88545781b0a2d93ba8f8f0ba9138aa2f111ea7"
+TEXT_HASH = "3647dae8cbb99d963f479e2d2a21ee55f7754e35e2b7f5724efab420470cf7d7"

@@ -40,7 +40,7 @@ from triton.language.extra import libdevice
 
 KEY = "b035e884472ee995"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "3d21a807180e"
+CODEGEN = "7271aaa36f4d"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['jsd']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -317,9 +317,7 @@ def head_loss_b035e884472ee995(
                 t_next = tl.load(t_row + cols - BLOCK_V, mask=cols >= BLOCK_V,
                                  other=0.0)
                 z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
-                zm = z - m
                 t = t_tile.to(tl.float32)
-                tm = t - m_t
                 # an entry where every input is -inf (padded, masked) is not part of the row
                 gone = (z == ninf) & (t == ninf)
                 in_row = in_row & ~gone
@@ -327,6 +325,8 @@ def head_loss_b035e884472ee995(
                 z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
                 t = tl.maximum(t, FLOOR, propagate_nan=tl.PropagateNan.ALL)
 
+                zm = z - m
+                tm = t - m_t
                 e0 = L_N0 - zm
                 e1 = tl.exp2(1.4426950408889634 * (-e0))
                 e2 = e1*p_jsd__beta
@@ -412,15 +412,15 @@ def head_loss_b035e884472ee995(
                                  other=0.0, eviction_policy="evict_first")
                 x = x_tile.to(tl.float32)
                 z = _logits(x, logit_scale, softcap)
-                zm = z - m
                 t = t_tile.to(tl.float32)
-                tm = t - m_t
                 # an entry where every input is -inf (padded, masked) is not part of the row
                 gone = (z == ninf) & (t == ninf)
                 # -inf as FLOOR (a NaN stays NaN): its probability is still 0, and 0 * FLOOR is 0 where 0 * -inf is NaN
                 z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
                 t = tl.maximum(t, FLOOR, propagate_nan=tl.PropagateNan.ALL)
 
+                zm = z - m
+                tm = t - m_t
                 d0 = L_N0 - zm
                 d1 = tl.exp2(1.4426950408889634 * (-d0))
                 d2 = L_N1 - tm
@@ -485,4 +485,4 @@ def head_loss_b035e884472ee995(
             tl.store(ws_ptr + 0, value_jsd)
             tl.store(ws_ptr + 1, weight_jsd * value_jsd)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "38a7255ad99a2ff2ddcbf9255ab749eb2775170280f69b82c3eacd91ab31bdc1"
+TEXT_HASH = "bb3ec1f8d24dcd35d437739754a703dca2e4c1697e651ec47eae977686146d48"

@@ -36,7 +36,7 @@ from triton.language.extra import libdevice
 
 KEY = "d4ac32833fba1c40"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "3d21a807180e"
+CODEGEN = "7271aaa36f4d"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['topk_forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -344,8 +344,8 @@ def head_loss_d4ac32833fba1c40(
                                  other=0.0, eviction_policy="evict_first")
                 x = x_tile.to(tl.float32)
                 z = _logits(x, logit_scale, softcap)
-                zm = z - m
 
+                zm = z - m
                 dz = g1*tl.exp2(1.4426950408889634 * (-L_N0 + zm))
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
@@ -408,4 +408,4 @@ def head_loss_d4ac32833fba1c40(
             tl.store(ws_ptr + 0, value_topk_forward_kl)
             tl.store(ws_ptr + 1, weight_topk_forward_kl * value_topk_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "532b8950194ca9db4f785a0e7d634dd749854a22b720ed2802c31766823ab541"
+TEXT_HASH = "9e235c08d2ea6f51ab7bd9cf7cedeb4ac91cbd250e255224e8d524c6ffc1a56a"
