@@ -124,8 +124,11 @@ class _Fused:
 
     def _gradients(self, want: tuple[bool, bool, bool]) -> _Gradients:
         h, w, b = want
+        # (dL/dweight is written by the first chunk's product; with no rows there is no chunk, and the
+        # gradient of an empty sum is 0)
+        weight = torch.empty_like if self.call.rows else torch.zeros_like
         return _Gradients(torch.empty_like(self.hidden) if h else None,
-                          torch.empty_like(self.weight) if w else None,
+                          weight(self.weight) if w else None,
                           torch.zeros(self.weight.shape[0], device=self.weight.device) if b else None)
 
     def _add(self, grads: _Gradients, dlogits: torch.Tensor, start: int, stop: int) -> None:

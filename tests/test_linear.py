@@ -125,6 +125,19 @@ def test_upstream_gradient_and_frozen_weight():
     torch.testing.assert_close(out.loss, head(hidden @ weight.t() + bias, labels).loss, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_no_rows_give_zero_gradients(reduction):
+    """A micro-batch whose rows were all selected away (hidden[mask] with no valid label): every
+    gradient is 0, as autograd's on the unfused formula, not the contents of an unwritten buffer."""
+    head, hidden, weight, bias, labels, inputs = _case("ce")
+    h, w, b = hidden[:0].clone().requires_grad_(), weight.clone().requires_grad_(), bias.clone().requires_grad_()
+    out = head.linear(h, w, labels[:0], bias=b, reduction=reduction)
+    out.loss.sum().backward()
+    assert out.loss.shape == ((0,) if reduction == "none" else ())
+    assert h.grad.shape == (0, hidden.shape[1])
+    assert torch.equal(w.grad, torch.zeros_like(w)) and torch.equal(b.grad, torch.zeros_like(b))
+
+
 def test_bad_inputs_name_the_argument():
     head, hidden, weight, bias, labels, inputs = _case("ce")
     with pytest.raises(ValueError, match="H = 15"):
