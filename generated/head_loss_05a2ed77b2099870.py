@@ -35,7 +35,7 @@ from triton.language.extra import libdevice
 
 KEY = "05a2ed77b2099870"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "7271aaa36f4d"
+CODEGEN = "0aecf1f3aad2"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'token_accuracy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -333,7 +333,7 @@ def head_loss_05a2ed77b2099870(
                 is_y = tl.where(cols == y_local, 1.0, 0.0)
 
                 zm = z - m
-                dz = g0*tl.exp2(1.4426950408889634 * (-L_N0 + zm)) + g1*is_y
+                dz = g0*tl.exp2(1.4426950408889634 * zm + 1.4426950408889634 * (-L_N0)) + g1*is_y
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
     else:
@@ -395,4 +395,4 @@ def head_loss_05a2ed77b2099870(
             tl.store(ws_ptr + 1, value_token_accuracy)
             tl.store(ws_ptr + 2, weight_cross_entropy * value_cross_entropy)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "9fa3c2ee201d883cfc4427cd5de4f3c9281fe96def427d60c215f8e9fb6b3c41"
+TEXT_HASH = "0713cfa11d4e65b7495319c4280048499e27af97a77ed07875de22760c5895f0"

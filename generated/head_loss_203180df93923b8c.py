@@ -44,7 +44,7 @@ from triton.language.extra import libdevice
 
 KEY = "203180df93923b8c"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "7271aaa36f4d"
+CODEGEN = "0aecf1f3aad2"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss', 'forward_kl', 'entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -401,7 +401,7 @@ def head_loss_203180df93923b8c(
 
                 zm = z - m
                 tm = t - m_t
-                dz = -g0*tl.exp2(1.4426950408889634 * (-L_N1 + tm)) + g1*tl.exp2(1.4426950408889634 * (-L_N0 + zm)) + g2*is_y
+                dz = -g0*tl.exp2(1.4426950408889634 * tm + 1.4426950408889634 * (-L_N1)) + g1*tl.exp2(1.4426950408889634 * zm + 1.4426950408889634 * (-L_N0)) + g2*is_y
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
     else:
@@ -471,4 +471,4 @@ def head_loss_203180df93923b8c(
             tl.store(ws_ptr + 3, value_entropy)
             tl.store(ws_ptr + 4, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss + weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "5fa7c553f3cbdbd98f4d9fc9d9ef474b634d11add00fdc08a4a3f41b7b748fdb"
+TEXT_HASH = "73f0ed6cdc4c7d44f5febf1e74897cf04d160efce19a8c6db4deb7eefd5dda84"

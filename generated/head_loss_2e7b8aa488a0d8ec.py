@@ -35,7 +35,7 @@ from triton.language.extra import libdevice
 
 KEY = "2e7b8aa488a0d8ec"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "7271aaa36f4d"
+CODEGEN = "0aecf1f3aad2"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -327,7 +327,7 @@ def head_loss_2e7b8aa488a0d8ec(
                 is_y = tl.where(cols == y_local, 1.0, 0.0)
 
                 zm = z - m
-                dz = g0*tl.exp2(1.4426950408889634 * (-L_N0 + zm)) + g1*is_y
+                dz = g0*tl.exp2(1.4426950408889634 * zm + 1.4426950408889634 * (-L_N0)) + g1*is_y
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
     else:
@@ -388,4 +388,4 @@ def head_loss_2e7b8aa488a0d8ec(
             tl.store(ws_ptr + 1, value_z_loss)
             tl.store(ws_ptr + 2, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "a75587fcf9c1d342b7991d7b2b310f35cca488fa2ba78a334bd782a53e930f4a"
+TEXT_HASH = "477d309e3b6cce61af479135143335a3fc8ac26a04bad3f996e6e2906b18ef9f"

@@ -38,7 +38,7 @@ from triton.language.extra import libdevice
 
 KEY = "39f035c152db4d19"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "7271aaa36f4d"
+CODEGEN = "0aecf1f3aad2"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_fraction']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -364,7 +364,7 @@ def head_loss_39f035c152db4d19(
                 is_y = tl.where(cols == y_local, 1.0, 0.0)
 
                 zm = z - m
-                dz = g0*tl.exp2(1.4426950408889634 * (-L_N0 + zm)) + g1*is_y
+                dz = g0*tl.exp2(1.4426950408889634 * zm + 1.4426950408889634 * (-L_N0)) + g1*is_y
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
     else:
@@ -429,4 +429,4 @@ def head_loss_39f035c152db4d19(
             tl.store(ws_ptr + 2, value_clip_fraction)
             tl.store(ws_ptr + 3, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "af9d7a2bff92c6d91c1a5e25b4005258679defb0ebb269834de4ded16ea19bcd"
+TEXT_HASH = "c78627ecb6e5ee2227fbd71f6ee5471818bc42a2fc548ef7d637da447d89de2c"

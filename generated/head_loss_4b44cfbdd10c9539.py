@@ -42,7 +42,7 @@ from triton.language.extra import libdevice
 
 KEY = "4b44cfbdd10c9539"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "7271aaa36f4d"
+CODEGEN = "0aecf1f3aad2"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_fraction', 'ratio_mean', 'kl_new_old']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -367,7 +367,7 @@ def head_loss_4b44cfbdd10c9539(
                 is_y = tl.where(cols == y_local, 1.0, 0.0)
 
                 zm = z - m
-                dz = g0*tl.exp2(1.4426950408889634 * (-L_N0 + zm)) + g1*is_y
+                dz = g0*tl.exp2(1.4426950408889634 * zm + 1.4426950408889634 * (-L_N0)) + g1*is_y
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
     else:
@@ -438,4 +438,4 @@ def head_loss_4b44cfbdd10c9539(
             tl.store(ws_ptr + 4, value_kl_new_old)
             tl.store(ws_ptr + 5, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "8404f6d4b1c2564ab4fd7857b34c3b16ee1c7451bddc50cfd5d176710c86e3ca"
+TEXT_HASH = "1f3ad44afbe81426122224743263a6b2160fd235513c01e704440a5aac30ea70"

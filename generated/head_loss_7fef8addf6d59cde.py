@@ -36,7 +36,7 @@ from triton.language.extra import libdevice
 
 KEY = "7fef8addf6d59cde"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "7271aaa36f4d"
+CODEGEN = "0aecf1f3aad2"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -355,7 +355,7 @@ def head_loss_7fef8addf6d59cde(
 
                 zm = z - m
                 tm = t - m_t
-                dz = -g0*tl.exp2(1.4426950408889634 * (-L_N0 + tm)) + g1*tl.exp2(1.4426950408889634 * (-L_N1 + zm))
+                dz = -g0*tl.exp2(1.4426950408889634 * tm + 1.4426950408889634 * (-L_N0)) + g1*tl.exp2(1.4426950408889634 * zm + 1.4426950408889634 * (-L_N1))
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
     else:
@@ -412,4 +412,4 @@ def head_loss_7fef8addf6d59cde(
             tl.store(ws_ptr + 0, value_forward_kl)
             tl.store(ws_ptr + 1, weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "3647dae8cbb99d963f479e2d2a21ee55f7754e35e2b7f5724efab420470cf7d7"
+TEXT_HASH = "9ca9973eaba78c0b5f11251f911f21f2a63244b283f564e7018a65ff3ca59f5b"

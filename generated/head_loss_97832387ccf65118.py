@@ -42,7 +42,7 @@ from triton.language.extra import libdevice
 
 KEY = "97832387ccf65118"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "7271aaa36f4d"
+CODEGEN = "0aecf1f3aad2"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -393,7 +393,7 @@ def head_loss_97832387ccf65118(
 
                 zm = z - m
                 tm = t - m_t
-                dz = -0.5*g0*tl.exp2(1.4426950408889634 * (-L_N1 + (0.5)*tm)) + g1*tl.exp2(1.4426950408889634 * (-L_N0 + zm)) + (0.5)*g2*tl.exp2(1.4426950408889634 * (-L_N2 + (0.5)*zm)) + g3*is_y
+                dz = -0.5*g0*tl.exp2(1.4426950408889634 * ((0.5)*tm) + 1.4426950408889634 * (-L_N1)) + g1*tl.exp2(1.4426950408889634 * zm + 1.4426950408889634 * (-L_N0)) + (0.5)*g2*tl.exp2(1.4426950408889634 * ((0.5)*zm) + 1.4426950408889634 * (-L_N2)) + g3*is_y
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
     else:
@@ -454,4 +454,4 @@ def head_loss_97832387ccf65118(
             tl.store(ws_ptr + 1, value_forward_kl)
             tl.store(ws_ptr + 2, weight_cross_entropy * value_cross_entropy + weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "b06fff6b37af07aa111789af48e23d2a56b7113438803c4465142f57a976fef4"
+TEXT_HASH = "6e07222f8278a7a09e920c94bf14bddd78e4a4ba797dd570aa08a52aeb44336c"

@@ -40,7 +40,7 @@ from triton.language.extra import libdevice
 
 KEY = "b035e884472ee995"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "7271aaa36f4d"
+CODEGEN = "0aecf1f3aad2"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['jsd']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -335,8 +335,8 @@ def head_loss_b035e884472ee995(
                 e5 = e2 + e4*(1.0 - p_jsd__beta)
                 e6 = _log(e5)
                 e7 = e1*(-e0 - e6)
-                e8 = _rcp(e5)
-                part0 = tl.sum(tl.join(tl.join(tl.where(in_row, e7, 0.0), tl.where(in_row, e4*(-e3 - e6), 0.0)), tl.join(tl.where(in_row, e1*(e2*e8 - 1.0) - e7, 0.0), tl.where(in_row, e8*p_jsd__beta*tl.exp2(1.4426950408889634 * (-(e0 + e3))), 0.0))), 0)
+                e8 = e2*_rcp(e5)
+                part0 = tl.sum(tl.join(tl.join(tl.where(in_row, e7, 0.0), tl.where(in_row, e4*(-e3 - e6), 0.0)), tl.join(tl.where(in_row, e1*(e8 - 1.0) - e7, 0.0), tl.where(in_row, e4*e8, 0.0))), 0)
                 part1, part2 = tl.split(part0)
                 acc1_tile, acc3_tile = tl.split(part1)
                 acc4_tile, acc5_tile = tl.split(part2)
@@ -423,11 +423,11 @@ def head_loss_b035e884472ee995(
                 tm = t - m_t
                 d0 = L_N0 - zm
                 d1 = tl.exp2(1.4426950408889634 * (-d0))
-                d2 = L_N1 - tm
+                d2 = tl.exp2(1.4426950408889634 * tm + 1.4426950408889634 * (-L_N1))
                 d3 = d1*p_jsd__beta
-                d4 = d3 + (1.0 - p_jsd__beta)*tl.exp2(1.4426950408889634 * (-d2))
-                d5 = _rcp(d4)
-                dz = d1*g2 - d5*g1*p_jsd__beta*tl.exp2(1.4426950408889634 * (-(d0 + d2))) + g0*(d1*(-d0 - _log(d4)) + d1*(-d3*d5 + 1.0))
+                d4 = d2*(1.0 - p_jsd__beta) + d3
+                d5 = d3*_rcp(d4)
+                dz = d1*g2 - d2*d5*g1 + g0*(d1*(1.0 - d5) + d1*(-d0 - _log(d4)))
                 dz = tl.where(gone, 0.0, dz)
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
@@ -485,4 +485,4 @@ def head_loss_b035e884472ee995(
             tl.store(ws_ptr + 0, value_jsd)
             tl.store(ws_ptr + 1, weight_jsd * value_jsd)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "bb3ec1f8d24dcd35d437739754a703dca2e4c1697e651ec47eae977686146d48"
+TEXT_HASH = "e75011fdbcb7aa35d7c226f4d00ae2838f73626b655121c7d4b60c9e70ab1416"

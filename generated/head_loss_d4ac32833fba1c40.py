@@ -36,7 +36,7 @@ from triton.language.extra import libdevice
 
 KEY = "d4ac32833fba1c40"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "7271aaa36f4d"
+CODEGEN = "0aecf1f3aad2"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['topk_forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -346,7 +346,7 @@ def head_loss_d4ac32833fba1c40(
                 z = _logits(x, logit_scale, softcap)
 
                 zm = z - m
-                dz = g1*tl.exp2(1.4426950408889634 * (-L_N0 + zm))
+                dz = g1*tl.exp2(1.4426950408889634 * zm + 1.4426950408889634 * (-L_N0))
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
             # Sparse part at the top-k ids, added after every thread's dense stores are visible.
@@ -408,4 +408,4 @@ def head_loss_d4ac32833fba1c40(
             tl.store(ws_ptr + 0, value_topk_forward_kl)
             tl.store(ws_ptr + 1, weight_topk_forward_kl * value_topk_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "9e235c08d2ea6f51ab7bd9cf7cedeb4ac91cbd250e255224e8d524c6ffc1a56a"
+TEXT_HASH = "224b30dc1adfdfb82aa7e80d2fa4bed69d134ae6bd64aa7bf7d3e00a537ad9dc"

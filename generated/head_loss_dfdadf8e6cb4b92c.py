@@ -33,7 +33,7 @@ from triton.language.extra import libdevice
 
 KEY = "dfdadf8e6cb4b92c"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "7271aaa36f4d"
+CODEGEN = "0aecf1f3aad2"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -317,7 +317,7 @@ def head_loss_dfdadf8e6cb4b92c(
                 is_y = tl.where(cols == y_local, 1.0, 0.0)
 
                 zm = z - m
-                dz = g0*tl.exp2(1.4426950408889634 * (-L_N0 + zm)) + g1*is_y
+                dz = g0*tl.exp2(1.4426950408889634 * zm + 1.4426950408889634 * (-L_N0)) + g1*is_y
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
     else:
@@ -374,4 +374,4 @@ def head_loss_dfdadf8e6cb4b92c(
             tl.store(ws_ptr + 0, value_cross_entropy)
             tl.store(ws_ptr + 1, weight_cross_entropy * value_cross_entropy)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "f0f98b5c4797f07f544e322797aec9013319dfd5db198979c62f00d19eb586f7"
+TEXT_HASH = "0d0ca33e624ad5772d91e3912a563086101823baa24e3c2836db1e7f0adac75c"
