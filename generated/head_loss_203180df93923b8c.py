@@ -44,7 +44,7 @@ from triton.language.extra import libdevice
 
 KEY = "203180df93923b8c"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "0aecf1f3aad2"
+CODEGEN = "675f539a30dd"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss', 'forward_kl', 'entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -471,4 +471,4 @@ def head_loss_203180df93923b8c(
             tl.store(ws_ptr + 3, value_entropy)
             tl.store(ws_ptr + 4, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss + weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "73f0ed6cdc4c7d44f5febf1e74897cf04d160efce19a8c6db4deb7eefd5dda84"
+TEXT_HASH = "bfc6e17a8b6d1cec80626e431f24bcd011e808ffc329d37738d1b73867760df8"

@@ -38,7 +38,7 @@ from triton.language.extra import libdevice
 
 KEY = "3d268cb74e027a19"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "0aecf1f3aad2"
+CODEGEN = "675f539a30dd"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['gspo', 'entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -492,4 +492,4 @@ def segments_3d268cb74e027a19(
     loss += weight_gspo * (gspo / div)
     tl.store(ws_ptr + 2, loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "94c253c25d6cc139108e98deda3e50c8df44be8997310585cdc1f67a863c4e6b"
+TEXT_HASH = "f2e1f9a30c9b5fb0fe322b83cf9adf0fec5d14bf61deda9dd3a545af1401e1bf"

@@ -17,10 +17,10 @@ from . import autograd, tiles
 from . import load as _load
 from . import symbols as S
 from .emit import KernelSource, emit, header
-from .inputs import check_call
+from .inputs import Call, check_call
 from .lower import Lowered, lower
 from .plan import Launch, Plan, launch_sequence, plan
-from .terms import Term, bind, is_tensor, scalar_values
+from .terms import Term, bind, is_tensor, kernel_normalize, scalar_values
 from .validation import DeviceChecks
 
 
@@ -74,6 +74,10 @@ class HeadLoss(torch.nn.Module):
         for t in terms:
             if t.metric_only:
                 raise ValueError(f"{t.name} is a metric only: pass it in metrics=(...)")
+        for t in metrics:
+            if t.class_weight is not None:
+                raise ValueError(f"{t.name}: a metric is a mean over the valid rows and takes no "
+                                 "class_weight; pass the term in the head's terms (weight=0.0 to log it)")
         names = self._names = [t.name for t in terms + metrics]
         if len(set(names)) != len(names):
             raise ValueError(f"term names must be unique in a head, got {names}")
@@ -99,13 +103,23 @@ class HeadLoss(torch.nn.Module):
         # and their fp32 buffer on each device (``scalar_buffer``)
         self.scalars = scalar_values(terms, metrics)
         self.tensor_scalars = any(is_tensor(v) for v in self.scalars.values())
+        # each class-weighted term's [V] weights: a buffer ``class_weight_<term>`` (head.to(device)
+        # moves it, as nn.CrossEntropyLoss's weight) left out of state_dict (a head inside a model
+        # leaves its checkpoints as they were). By the per-row token it fills (inputs.py): the
+        # term, and whether the term is a mean over its rows (its class weights then divide it)
+        self.class_weight_tokens: dict[str, tuple[str, bool]] = {}
+        for t in terms:
+            if t.class_weight is not None:
+                token = S.class_weight(t.name).name[len(S.TOKEN_PREFIX):]
+                self.class_weight_tokens[token] = (t.name, t.normalize == "tokens")
+                self.register_buffer(f"class_weight_{t.name}", t.class_weight.detach(), persistent=False)
         self._scalar_buffers: dict[torch.device, tuple[torch.Tensor, list]] = {}
         self._kernel: ModuleType | None = None
         self.layouts: dict[tuple, Any] = {}        # launch.py's per-signature layouts
         self.tile_override: Any = None             # a tiles.Config every call takes (tune.py)
         self.spec_text = "\n".join(
             [f"{'metric' if m else 'loss'} {n} {sp.srepr(f)}" for n, f, m in self._bound]
-            + [f"normalize {t.name} {t.normalize}" for t in terms if t.normalize != "tokens"]
+            + [f"normalize {t.name} {kernel_normalize(t)}" for t in terms if kernel_normalize(t) != "tokens"]
             + [f"softcap {softcap is not None}"])
         self.key = _load.kernel_key(self.spec_text)
         self._attach()
@@ -151,7 +165,7 @@ class HeadLoss(torch.nn.Module):
     def source(self) -> KernelSource:
         p = self.plan()
         return emit(p, self.key, header(self._bound, p), _load.codegen_version(),
-                    normalize={t.name: t.normalize for t in self.loss_terms})
+                    normalize={t.name: kernel_normalize(t) for t in self.loss_terms})
 
     def explain(self) -> str:
         """Formulas, reductions, the derived gradient, the reads and the kernel file serving it."""
@@ -167,7 +181,7 @@ class HeadLoss(torch.nn.Module):
     def forward(self, logits: torch.Tensor, labels: torch.Tensor | None = None, **inputs: Any) -> HeadOutput:
         call = check_call(self, self.kernel, logits, labels, inputs)
         run = autograd.compiled if torch.compiler.is_compiling() else autograd.eager
-        return self._output(*run(self, logits, call))
+        return self._output(*run(self, logits, call), call)
 
     def linear(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor | None = None, *,
                bias: torch.Tensor | None = None, teacher_hidden: torch.Tensor | None = None,
@@ -178,10 +192,12 @@ class HeadLoss(torch.nn.Module):
         return self._output(*linear.run(self, hidden, weight, labels, bias, teacher_hidden,
                                         teacher_weight, teacher_bias, chunk_rows, inputs))
 
-    def _output(self, loss: torch.Tensor, values: torch.Tensor, rows: dict[str, torch.Tensor]) -> HeadOutput:
+    def _output(self, loss: torch.Tensor, values: torch.Tensor, rows: dict[str, torch.Tensor], call: Call) -> HeadOutput:
         # the kernel's OUTPUTS: the terms, then the metrics, each a tensor of its own to autograd
         # (not a view: in-place ops on it work), sharing the workspace's memory (no device work)
         per_output = [v.detach() for v in values.unbind(0)]
+        for i, divisor in call.value_divisors:
+            per_output[i] = per_output[i] / divisor
         n = len(self.loss_terms)
         return HeadOutput(loss, dict(zip(self._names[:n], per_output[:n])),
                           dict(zip(self._names[n:], per_output[n:])), rows)

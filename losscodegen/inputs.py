@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import torch
 
+from . import collectives
 from .launch import INTERPRETED
 from .symbols import STANDARD_INPUTS  # (declared with the formula language: no token takes these names)
 
@@ -45,6 +46,9 @@ class Call:
     reduction: str
     group: Any = None                       # vocab-parallel process group
     segment_group: Any = None               # sequence-parallel group for segment terms
+    # reduction="none": (output index, divisor) of each class-weighted term, whose kernel value is
+    # its rows' sum (inputs.class_weight_rows): out.terms holds that sum divided
+    value_divisors: tuple[tuple[int, torch.Tensor], ...] = ()
     rows: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -86,7 +90,8 @@ def check_rows(head, kernel: ModuleType, shape: tuple[int, ...], V_local: int, d
         raise ValueError("the inputs are CPU tensors, which losscodegen's kernels take only in "
                          "Triton's interpreter: set TRITON_INTERPRET=1 in the environment before "
                          "importing triton or losscodegen (or pass CUDA tensors)")
-    unknown = [k for k in inputs if k not in _ACCEPTED and k not in kernel.TOKENS] if inputs else ()
+    unknown = [k for k in inputs if k not in _ACCEPTED and (k not in kernel.TOKENS or k in head.class_weight_tokens)] \
+        if inputs else ()
     if unknown:
         raise TypeError(f"HeadLoss got unexpected keyword argument(s) {sorted(unknown)}")
     reduction = inputs.get("reduction", "mean")
@@ -108,17 +113,55 @@ def check_rows(head, kernel: ModuleType, shape: tuple[int, ...], V_local: int, d
         if num_segments is not None and (not isinstance(num_segments, int) or isinstance(num_segments, bool)
                                          or num_segments < 0):
             raise ValueError(f"num_segments must be a non-negative int, got {num_segments!r}")
+    mask = check_rowwise("loss_mask", inputs.get("loss_mask"), shape, dev, boolean=True)
+    divisor = check_divisor(inputs.get("divisor"), reduction, dev)
+    tokens, value_divisors = [], []
+    for name in kernel.TOKENS:
+        if name in head.class_weight_tokens:
+            rows, value_divisor = class_weight_rows(head, name, labels, mask, V_local, divisor, reduction, inputs)
+            if value_divisor is not None:
+                value_divisors.append((kernel.OUTPUTS.index(head.class_weight_tokens[name][0]), value_divisor))
+        else:
+            rows = check_rowwise(name, inputs.get(name), shape, dev, required=True, needed_by=head.terms_reading)
+        tokens.append(rows)
     return Call(
-        shape=shape, V_local=V_local, device=dev, x=x, labels=labels,
-        mask=check_rowwise("loss_mask", inputs.get("loss_mask"), shape, dev, boolean=True),
-        teacher=teacher,
-        tokens=tuple([check_rowwise(name, inputs.get(name), shape, dev, required=True,
-                                    needed_by=head.terms_reading)
-                      for name in kernel.TOKENS]),
-        topk_ids=topk_ids, topk_logprobs=topk_logprobs,
-        segment_ids=segment_ids, num_segments=num_segments,
-        divisor=check_divisor(inputs.get("divisor"), reduction, dev),
-        reduction=reduction, group=inputs.get("process_group"), segment_group=inputs.get("segment_group"))
+        shape=shape, V_local=V_local, device=dev, x=x, labels=labels, mask=mask, teacher=teacher,
+        tokens=tuple(tokens), topk_ids=topk_ids, topk_logprobs=topk_logprobs,
+        segment_ids=segment_ids, num_segments=num_segments, divisor=divisor,
+        reduction=reduction, group=inputs.get("process_group"), segment_group=inputs.get("segment_group"),
+        value_divisors=tuple(value_divisors))
+
+
+def class_weight_rows(head, token: str, labels: torch.Tensor, mask: torch.Tensor | None, V_local: int,
+                      divisor: torch.Tensor | None, reduction: str,
+                      inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The per-row token of a term with class weights (``S.class_weight``): its ``class_weight`` at
+    each valid row's label (0 on the others), divided by the term's divisor where the call takes a
+    mean: the call's ``divisor``, else the valid rows' sum of class weights (a sum of 0 divides
+    nothing: every row's weight is 0 then). The kernel sums the term's rows (``kernel_normalize``),
+    so ``F.cross_entropy(weight=)``'s mean is its sum of these. Under reduction="none" the rows keep
+    their class weights undivided (torch's per-row values) and the divisor comes back second, for
+    the term's value in ``out.terms`` (``Call.value_divisors``). A few small ops on [rows], no wait
+    for the device; under vocab parallelism ``class_weight`` covers the whole vocabulary, as the
+    labels do, and every rank computes the same."""
+    term, mean_of_rows = head.class_weight_tokens[token]
+    weights = getattr(head, f"class_weight_{term}")
+    world = collectives.group_info(inputs.get("process_group"))[0]
+    if weights.shape[0] != V_local * world:
+        raise ValueError(f"class_weight of {term} must have one weight per class of the vocabulary "
+                         f"({V_local * world}), got {weights.shape[0]}")
+    if weights.device != labels.device:
+        raise ValueError(f"class_weight of {term} is on {weights.device} but logits are on {labels.device} "
+                         "(head.to(device) moves it)")
+    valid = labels != head.ignore_index
+    if mask is not None:
+        valid = valid & mask
+    # (clamped: a label outside the vocabulary reads no memory out of bounds; the kernel flags it)
+    rows = weights[labels.clamp(0, weights.shape[0] - 1)].float() * valid   # (weights are finite: checked)
+    if reduction == "sum" or not mean_of_rows:
+        return rows, None
+    div = divisor if divisor is not None else rows.sum().clamp_min(torch.finfo(torch.float32).tiny)
+    return (rows, div) if reduction == "none" else (rows / div, None)
 
 
 def check_divisor(divisor: Any, reduction: str, device: torch.device) -> torch.Tensor | None:

@@ -195,7 +195,8 @@ class _LinearFunction(torch.autograd.Function):
 # the kernels' launches, which it cannot (docs/api.md).
 @torch.compiler.disable
 def run(head, hidden, weight, labels, bias, teacher_hidden, teacher_weight, teacher_bias, chunk_rows,
-        inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], Any]:
+    """(loss, values, rows, the checked call)."""
     hidden, weight, bias = _as_linear(hidden, weight, bias)
     teacher_hidden, teacher_weight, teacher_bias = _as_linear(teacher_hidden, teacher_weight, teacher_bias)
     fused = _check(head, hidden, weight, labels, bias, teacher_hidden, teacher_weight, teacher_bias,
@@ -205,9 +206,9 @@ def run(head, hidden, weight, labels, bias, teacher_hidden, teacher_weight, teac
         side: list = []
         loss, values, *term_rows = _LinearFunction.apply(hidden, weight, bias, fused, side)
         rows = {**side[0], **dict(zip(head.kernel.ROW_LOSS_TERMS, term_rows))} if per_row else {}
-        return loss, values, rows
+        return loss, values, rows, fused.call
     loss, values, _, launcher = fused.run(grad=None)
-    return loss, values, row_outputs(head, launcher, fused.call) if per_row else {}
+    return loss, values, row_outputs(head, launcher, fused.call) if per_row else {}, fused.call
 
 
 def _as_linear(hidden: Any, weight: Any, bias: Any) -> tuple[Any, Any, Any]:

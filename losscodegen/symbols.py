@@ -67,6 +67,17 @@ def token(name: str) -> sp.Symbol:
     return _real(TOKEN_PREFIX + name)
 
 
+# The per-row token of a term given class weights (``Term(class_weight=...)``): the term's
+# class_weight at the row's label. The head fills it at each call (inputs.py); no user passes it,
+# and no declared token may take a name with this prefix.
+CLASS_WEIGHT_PREFIX = "class_weight__"
+
+
+def class_weight(term: str) -> sp.Symbol:
+    """The per-row class weight of term ``term``, a token the head fills (``class_weight[label]``)."""
+    return token(CLASS_WEIGHT_PREFIX + term)
+
+
 def param(name: str) -> sp.Symbol:
     """A parameter, given its value when the term is built (``Term(name=value)``): a kernel argument
     (``runtime``), or a number in the kernel where it decides the plan (terms.planned_params)."""

@@ -56,11 +56,13 @@ class Term:
     params: tuple[tuple[str, Any], ...] = ()
     metric_only: bool = False
     normalize: str = "tokens"             # "tokens" | "sequence" | "sum" (NORMALIZE)
+    class_weight: Any = None              # a [V] float tensor: each row's value times class_weight[label]
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params)
         norm = "" if self.normalize == "tokens" else f", normalize={self.normalize!r}"
-        return f"{self.name}({args}; weight={self.weight!r}{norm}): {self.formula}"
+        cw = "" if self.class_weight is None else f", class_weight=[{self.class_weight.shape[0]}]"
+        return f"{self.name}({args}; weight={self.weight!r}{norm}{cw}): {self.formula}"
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,8 @@ class TermFactory:
     defaults: Mapping[str, Any] = field(default_factory=dict)
     metric_only: bool = False
 
-    def __call__(self, weight: Any = 1.0, *, normalize: str = "tokens", **params: Any) -> Term:
+    def __call__(self, weight: Any = 1.0, *, normalize: str = "tokens", class_weight: Any = None,
+                 **params: Any) -> Term:
         unknown = set(params) - set(self.defaults) - self._param_names()
         if unknown:
             raise TypeError(f"{self.name}: unknown parameter(s) {sorted(unknown)}; "
@@ -83,6 +86,8 @@ class TermFactory:
         if normalize != "tokens" and self.formula.has(S.segment_mean):
             raise ValueError(f"{self.name}: a term of segment means is normalised per segment already; "
                              f"normalize={normalize!r} is for row terms")
+        if class_weight is not None:
+            self._check_class_weight(class_weight, normalize)
         values = {**self.defaults, **params}
         missing = self._param_names() - set(values)
         if missing:
@@ -102,7 +107,33 @@ class TermFactory:
                     or all(a == 0 for a in lse.args):
                 raise ValueError(f"{self.name}: a temperature must be > 0 (got {lse}, from {params})")
         return Term(self.name, self.formula, weight if is_tensor(weight) else float(weight),
-                    tuple(sorted(values.items())), self.metric_only, normalize)
+                    tuple(sorted(values.items())), self.metric_only, normalize, class_weight)
+
+    def _check_class_weight(self, class_weight: Any, normalize: str) -> None:
+        """``class_weight``: a [V] float tensor of finite, non-negative values (looked at once, here:
+        the one wait for the device it costs), for a loss term of rows that reads the labels."""
+        where = f"{self.name}: class_weight"
+        if not is_tensor(class_weight):
+            raise TypeError(f"{where} must be a 1-D float tensor of one weight per class, got "
+                            f"{type(class_weight).__name__}")
+        if class_weight.dim() != 1 or class_weight.shape[0] == 0 or not class_weight.is_floating_point():
+            raise TypeError(f"{where} must be a 1-D float tensor of one weight per class, got shape "
+                            f"{tuple(class_weight.shape)} {class_weight.dtype}")
+        if class_weight.requires_grad:
+            raise ValueError(f"{where} requires grad, but no gradient flows to it: pass "
+                             "class_weight.detach()")
+        if not bool(class_weight.isfinite().all()) or not bool((class_weight >= 0).all()):
+            raise ValueError(f"{where} must be finite and >= 0 (the mean divides by the valid rows' "
+                             "sum of it); got a negative, NaN or infinite weight")
+        if self.metric_only:
+            raise ValueError(f"{where}: {self.name} is a metric (a mean over the valid rows), which "
+                             "takes no class weights")
+        if normalize == "sequence":
+            raise ValueError(f"{where} weighs rows by their label, normalised by the sum of those "
+                             "weights: it takes normalize='tokens' or 'sum', not 'sequence'")
+        if self.formula.has(S.segment_mean) or not self.formula.has(S.target_logit, S.label):
+            raise ValueError(f"{where} weighs each row by its label's class: {self.name} is not a "
+                             "row term that reads the labels")
 
     def _param_names(self) -> set[str]:
         return {s.name[len(S.PARAM_PREFIX):] for s in self.formula.free_symbols
@@ -136,7 +167,8 @@ _SUPPORTED = (f"the functions {', '.join(f.__name__ for f in S.FUNCTIONS)}; +, -
               "losscodegen.symbols' own (vsum, topk_sum, segment_mean, lse_at, ...)")
 # the keywords a term factory takes itself: a parameter of that name could never be set
 _FACTORY_KEYWORDS = tuple(p.name for p in inspect.signature(TermFactory.__call__).parameters.values()
-                          if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and p.name != "self")
+                          if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+                          and p.name != "self")
 # the head's own call arguments and keywords: a per-row token of that name could never be passed
 _CALL_NAMES = S.CALL_ARGUMENTS + S.STANDARD_INPUTS
 
@@ -166,6 +198,9 @@ def _check_symbols(name: str, formula: sp.Expr) -> None:
                 if short in taken:
                     raise ValueError(f"{name}: {make.__name__}({short!r}) clashes with {where} "
                                      f"(names taken: {', '.join(taken)}); choose another name")
+                if make is S.token and short.startswith(S.CLASS_WEIGHT_PREFIX):
+                    raise ValueError(f"{name}: token names starting with {S.CLASS_WEIGHT_PREFIX!r} are "
+                                     "the head's own (a term's class weight at the label); choose another name")
                 break
         else:
             raise ValueError(
@@ -250,7 +285,16 @@ def bind(term: Term, head_terms: tuple[Term, ...]) -> sp.Expr:
         values[S.param(key)] = S.runtime(owner.name, key, _sign(value)) if _runtime(owner, key, value) \
             else _number(value)
     formula = term.formula.xreplace(values)
+    if term.class_weight is not None:
+        formula = S.class_weight(term.name) * formula
     return S.segment_mean(formula) if term.normalize == "sequence" else formula
+
+
+def kernel_normalize(term: Term) -> str:
+    """How the kernel reduces a term's rows. A term with class weights is a plain sum there: the
+    head divides each row's class weight by the term's divisor (the valid rows' sum of class
+    weights, or the call's divisor) before the kernel reads it (inputs.class_weight_rows)."""
+    return "sum" if term.class_weight is not None else term.normalize
 
 
 def scalar_values(terms: tuple[Term, ...], metrics: tuple[Term, ...]) -> dict[str, Any]:
@@ -272,12 +316,28 @@ def _number(value: float) -> sp.Expr:
     return sp.oo if value == math.inf else -sp.oo if value == -math.inf else sp.Rational(str(value))
 
 
+@dataclass(frozen=True)
+class _CrossEntropyFactory(TermFactory):
+    """CrossEntropy: torch's label smoothing with class weights weighs every class of the smoothing
+    sum (``-sum_i w_i log p_i``), which a per-row weight cannot express: refused, not approximated."""
+
+    def __call__(self, weight: Any = 1.0, *, normalize: str = "tokens", class_weight: Any = None,
+                 **params: Any) -> Term:
+        smoothing = params.get("label_smoothing", self.defaults["label_smoothing"])
+        if class_weight is not None and (is_tensor(smoothing) or smoothing != 0):
+            raise ValueError(
+                f"{self.name}: class_weight with label_smoothing is not supported: torch's weighted "
+                "smoothing term -sum_i class_weight[i] * log p_i reads the weight of every class, and the "
+                "kernel reads class weights at the label only (docs/decisions.md)")
+        return super().__call__(weight, normalize=normalize, class_weight=class_weight, **params)
+
+
 # ----- built-in terms ---------------------------------------------------------------------------
 _e = S.param("label_smoothing")
-CrossEntropy = declare_term(
+CrossEntropy = _CrossEntropyFactory(**vars(declare_term(
     "cross_entropy",
     (1 - _e) * (S.lse - S.target_logit) + _e * (S.lse - S.vsum(S.logit) / S.vocab_size),
-    defaults={"label_smoothing": 0.0})
+    defaults={"label_smoothing": 0.0})))
 ZLoss = declare_term("z_loss", S.lse ** 2)
 Entropy = declare_term("entropy", -S.vsum(S.softmax * S.logsoftmax))
 TokenAccuracy = declare_term(

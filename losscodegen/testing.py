@@ -134,6 +134,15 @@ class Reference:
                 ns[S.TOKEN_PREFIX + name] = value.double().reshape(R, 1)
         for name, value in head.scalars.items():     # weights and runtime parameters, as they are now
             ns[name] = torch.tensor(float(value), dtype=torch.float64, device=z.device)
+        # a term with class weights: each row's value times class_weight[label] (its formula as the
+        # head binds it reads them as S.class_weight(term)); its mean divides by their valid sum
+        class_weights = {}
+        for t in head.loss_terms:
+            if t.class_weight is not None:
+                w = getattr(head, f"class_weight_{t.name}").detach().double().to(z.device)
+                rows_w = torch.where(valid, w[y.clamp(0, V - 1)], 0.0)
+                ns[S.class_weight(t.name).name] = rows_w[:, None]
+                class_weights[t.name] = float(rows_w.sum()) or 1.0   # (a sum of 0: every row is 0)
         divisor, reduction = inputs.get("divisor"), inputs.get("reduction", "mean")
         n_valid = float(valid.sum().clamp_min(1))
         normalize = {t.name: t.normalize for t in head.loss_terms}
@@ -148,7 +157,7 @@ class Reference:
                 per_row = torch.where(valid, per_row.masked_fill(no_dist, float("nan")), 0.0)
                 # metrics: means over the valid rows; terms by their normalize= and the call's divisor
                 div = n_valid if is_metric else 1.0 if normalize[name] == "sum" or reduction == "sum" \
-                    else float(divisor) if divisor is not None else n_valid
+                    else float(divisor) if divisor is not None else class_weights.get(name, n_valid)
                 value = per_row.sum() / div
                 per_row_loss = per_row_loss + weight * per_row
             values[name] = value.detach()
@@ -210,6 +219,8 @@ def random_inputs(head: HeadLoss, rows: int = 24, vocab: int = 500, dtype: torch
     target = (labels if labels is not None else torch.zeros(rows, dtype=torch.long, device=device))
     logp = torch.log_softmax(logits.double(), -1).gather(1, target.clamp(0, vocab - 1)[:, None])[:, 0]
     for name in k.TOKENS:
+        if name in head.class_weight_tokens:    # (the head's own: its class weights at the labels)
+            continue
         noise = randn(rows, dtype=torch.float64)
         inputs[name] = (logp + 0.2 * noise if name.endswith("logprobs") else noise).float()
     if k.SEGMENTS:

@@ -114,6 +114,17 @@ def test_torch_cross_entropy_and_kl_div(data):
                             reduction="batchmean") * T * T, z)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_torch_cross_entropy_class_weights(data, reduction):
+    # F.cross_entropy(z, y, weight=w): each row times w[y]; the mean divides by the valid rows' sum of w[y]
+    z, _, y, g = data
+    w = torch.rand(V, generator=g) * 2
+    up = torch.linspace(0.5, 1.5, R)    # per-row upstream gradients under "none"
+    head = lcg.HeadLoss(lcg.CrossEntropy(class_weight=w))
+    same(lambda x: (head(x, y, reduction=reduction).loss * (up if reduction == "none" else 1)).sum(),
+         lambda x: (F.cross_entropy(x, y, weight=w, reduction=reduction) * (up if reduction == "none" else 1)).sum(), z)
+
+
 # ---- flash-attn -------------------------------------------------------------------------------------
 def test_flash_attn_cross_entropy_per_row(data):
     # flash_attn cross_entropy_loss(logits, labels, label_smoothing=s, logit_scale=k,
