@@ -44,7 +44,7 @@ from triton.language.extra import libdevice
 
 KEY = "203180df93923b8c"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "675f539a30dd"
+CODEGEN = "376b4aac57fd"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss', 'forward_kl', 'entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -471,4 +471,4 @@ def head_loss_203180df93923b8c(
             tl.store(ws_ptr + 3, value_entropy)
             tl.store(ws_ptr + 4, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss + weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "bfc6e17a8b6d1cec80626e431f24bcd011e808ffc329d37738d1b73867760df8"
+TEXT_HASH = "51334fa8523245c876bab722f778632a00baa10622cc35c7aacee8859c4ed1be"

@@ -35,7 +35,7 @@ from triton.language.extra import libdevice
 
 KEY = "2e7b8aa488a0d8ec"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "675f539a30dd"
+CODEGEN = "376b4aac57fd"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -388,4 +388,4 @@ def head_loss_2e7b8aa488a0d8ec(
             tl.store(ws_ptr + 1, value_z_loss)
             tl.store(ws_ptr + 2, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "b9fa98fd12f3d331bc315293a12bd5869b3fb83a41fda62a72b0ec8159f0a082"
+TEXT_HASH = "1d783b544e0581e2d5a1f45c485f6738e400d505388e43e007114044dc50b25c"

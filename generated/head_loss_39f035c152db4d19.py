@@ -38,7 +38,7 @@ from triton.language.extra import libdevice
 
 KEY = "39f035c152db4d19"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "675f539a30dd"
+CODEGEN = "376b4aac57fd"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_fraction']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -429,4 +429,4 @@ def head_loss_39f035c152db4d19(
             tl.store(ws_ptr + 2, value_clip_fraction)
             tl.store(ws_ptr + 3, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "d79960afd917d8d6e6eedc81c38b89de2d50171d7af1cec6c09830006d01e405"
+TEXT_HASH = "ae00ce912dcf6b9d83d2dcf99661f98fdafebf2c2263fedd50b4365700663b04"

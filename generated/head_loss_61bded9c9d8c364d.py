@@ -36,7 +36,7 @@ from triton.language.extra import libdevice
 
 KEY = "61bded9c9d8c364d"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "675f539a30dd"
+CODEGEN = "376b4aac57fd"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['reverse_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -417,4 +417,4 @@ def head_loss_61bded9c9d8c364d(
             tl.store(ws_ptr + 0, value_reverse_kl)
             tl.store(ws_ptr + 1, weight_reverse_kl * value_reverse_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "67dfb48afdedbc0d4a810fb550ee26b632a9fa1492c4f88d1a39bf9d0b88c4dc"
+TEXT_HASH = "3a70405aed3f6609d7a55191d768be103cc7401f1c17b1a64b6e39109b113ffb"

@@ -42,7 +42,7 @@ from triton.language.extra import libdevice
 
 KEY = "97832387ccf65118"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "675f539a30dd"
+CODEGEN = "376b4aac57fd"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -454,4 +454,4 @@ def head_loss_97832387ccf65118(
             tl.store(ws_ptr + 1, value_forward_kl)
             tl.store(ws_ptr + 2, weight_cross_entropy * value_cross_entropy + weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "efec74ee0fbdb4e774bea87396d43ea7c6430de8a1110776fa54d8779d3999c3"
+TEXT_HASH = "9621901127cc0a33343b0fbe4239f1c78223f3efc6963b7f0db3ed076e58e4d4"

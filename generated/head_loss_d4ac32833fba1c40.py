@@ -36,7 +36,7 @@ from triton.language.extra import libdevice
 
 KEY = "d4ac32833fba1c40"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "675f539a30dd"
+CODEGEN = "376b4aac57fd"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['topk_forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -408,4 +408,4 @@ def head_loss_d4ac32833fba1c40(
             tl.store(ws_ptr + 0, value_topk_forward_kl)
             tl.store(ws_ptr + 1, weight_topk_forward_kl * value_topk_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "04cf01665af17a69fc187aac357ae2346dfe70ec46e74d4a980d168a0e31acb5"
+TEXT_HASH = "0f6be52b4cd06bb9d9c59e0b4d1cd3d24c74e982e37ee48b39fc5ed7e4a3f90f"

@@ -8,7 +8,7 @@
 ``python -m losscodegen tune [--manifest FILE] [--vocab V ...] [--rows N] [--out FILE]``
     on a GPU: measure the fastest launch configuration of every manifest head's plan state at each
     vocabulary, kept in ``$LOSSCODEGEN_CACHE/tiles.json`` (which the runtime reads) or written to
-    ``--out`` (the form shipped as losscodegen/tiles.json).
+    ``--out`` (the form shipped as losscodegen/backends/triton/tiles.json).
 ``python -m losscodegen demo``
     a real head on random logits: its losses, gradient and plan.
 
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 import losscodegen
-from losscodegen import load
+from losscodegen import backends, load
 
 
 def _restart_in_interpreter(needed: bool) -> None:
@@ -161,9 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "tune":
         if not torch.cuda.is_available():
             raise SystemExit("python -m losscodegen tune measures on a GPU; none is available")
-        from losscodegen.tune import tune
-        tune([head for _, head in manifest_heads(args.manifest)], args.vocab, torch.device("cuda"),
-             args.rows, args.out)
+        heads = [head for _, head in manifest_heads(args.manifest)]
+        backends.get().tune(heads, args.vocab, torch.device("cuda"), args.rows, args.out)
         return 0
     differences = generate(args.out or args.manifest.parent, args.manifest, check=args.check)
     return int(differences > 0)

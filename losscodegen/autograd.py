@@ -1,5 +1,5 @@
 """Autograd for heads. The forward launch also writes dL/dlogits for an upstream gradient of 1;
-backward multiplies it by the real upstream gradient, on the device (``launch.scale_rows``), so no
+backward multiplies it by the real upstream gradient, on the device (``Backend.scale_rows``), so no
 call waits for the host and one call supports one backward.
 
 Eager calls go through ``_HeadFunction``. Under ``torch.compile`` a call is one opaque
@@ -47,7 +47,7 @@ class _HeadFunction(torch.autograd.Function):
         if head.inplace_backward:
             # The logits now hold their gradient: a node that saved them fails loudly in backward.
             torch.autograd.graph.increment_version(logits)
-        ctx.grad, ctx.shape = grad, logits.shape
+        ctx.grad, ctx.shape, ctx.scale_rows = grad, logits.shape, head.backend.scale_rows
         values_out.append(values)
         return loss
 
@@ -57,7 +57,7 @@ class _HeadFunction(torch.autograd.Function):
         grad, ctx.grad = ctx.grad, None
         if grad is None:
             raise RuntimeError(f"HeadLoss: {BACKWARD_TWICE}")
-        launch.scale_rows(grad, grad_loss)
+        ctx.scale_rows(grad, grad_loss)
         # A view even of the same shape: a new tensor over the buffer, which AccumulateGrad keeps as
         # .grad without a copy (under inplace_backward the buffer is the logits themselves, and
         # returning them would be copied: measured, peak memory +2.1 GB at 8192 x 128256).
@@ -244,7 +244,7 @@ def _head_grad_op(handle: torch.Tensor, grad_loss: torch.Tensor, grad_rows: torc
         grad = launch.backward(kept, grad_loss, terms, inplace=False)
     else:
         grad = kept
-        launch.scale_rows(grad, grad_loss)
+        head.backend.scale_rows(grad, grad_loss)
     return grad.view(shape)
 
 

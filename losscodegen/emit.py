@@ -1,32 +1,24 @@
-"""Stage 4, emit: sympy expressions printed as Triton (and torch) code, laid out by a Jinja2 template.
+"""Stage 4, emit: what every backend's rendering shares. The base printer of sympy expressions for an
+array module (``_ArrayPrinter``; ``TorchPrinter`` for the float64 reference), how a read keeps
+``0 * log 0 = 0`` at -inf inputs (``_neg_inf``), the generated file's header, the kernel interface
+declared once (``signatures``, ``check_interface``), the flag slots, and the seal of a kernel file.
 
-Every decision is made here in Python; ``templates/head_loss.py.j2`` only places the printed
-statements into loops, loads and stores.
+A backend's renderer (``losscodegen/backends/<name>/``) prints the plan with its own printer and
+lays it out with its template.
 """
 from __future__ import annotations
 
 import ast
 import builtins
 import hashlib
-import itertools
-import math
 import re
 from dataclasses import dataclass
-from typing import Mapping
 
-import jinja2
 import sympy as sp
 from sympy.printing.pycode import PythonCodePrinter, _print_known_const, _print_known_func
 
 from . import symbols as S
-from .lower import IS_Y, M, MT, TM, ZM, ZYM
-from .plan import Plan, pow2
-from .resources import TEMPLATES
-
-X = sp.Symbol("x", real=True)
-_LOG2E = sp.Float(1 / math.log(2))
-LOGIT_SCALE = sp.Symbol("logit_scale", positive=True)
-SOFTCAP = sp.Symbol("softcap", positive=True)
+from .plan import Plan
 
 
 class _ArrayPrinter(PythonCodePrinter):
@@ -169,120 +161,8 @@ for _name in dir(PythonCodePrinter):
         setattr(_ArrayPrinter, _name, _ArrayPrinter._print_unsupported)
 
 
-class TritonPrinter(_ArrayPrinter):
-    module = "tl"
-
-    def _print_exp(self, expr: sp.exp) -> str:
-        # exp(E) = exp2(log2(e) * E), E summed before the multiply (a common numeric factor taken
-        # out first): log2(e) folded into each term of E would round each term on its own, an
-        # error of an ulp of |z| or |m| in an exponent that is itself small. The one exception: an
-        # element relative to its maximum (zm <= 0) plus row terms (-log(acc) <= 0, the same sign:
-        # nothing cancels) is log2(e) * zm + log2(e) * row, one fused multiply-add per element with
-        # the row's product computed once
-        arg = sp.factor_terms(expr.args[0])
-        terms = sp.Add.make_args(arg)
-        rel = [a for a in terms if a.has(ZM, TM)]
-        if rel and len(rel) < len(terms) and not arg.has(*S.ELEMENT_SYMBOLS, *S.TOPK_SYMBOLS):
-            row = [a for a in terms if a not in rel]
-            return (f"tl.exp2({float(_LOG2E)!r} * {self.parenthesize(sp.Add(*rel), 100)}"
-                    f" + {float(_LOG2E)!r} * {self.parenthesize(sp.Add(*row), 100)})")
-        return f"tl.exp2({float(_LOG2E)!r} * {self.parenthesize(arg, 100)})"
-
-    _print_ExpFactor = _print_exp
-
-    def _print_log(self, expr: sp.log) -> str:
-        return f"_log({self._print(expr.args[0])})"  # defined by the template (a fast base-2 log)
-
-    def _print_tanh(self, expr: sp.tanh) -> str:
-        # defined by the template: an error relative to the value (softcap's c*tanh(x/c) is ~x near 0,
-        # where the saturating 2/(1 + exp(-2u)) - 1 keeps only an absolute error)
-        return f"_tanh({self._print(expr.args[0])})"
-
-    def _print_Pow(self, expr: sp.Pow, rational: bool = False) -> str:
-        base, e = expr.args
-        if e.is_Integer and int(e) < 0:
-            return f"_rcp({self._print(base ** (-e))})"  # defined by the template (a fast reciprocal)
-        return super()._print_Pow(expr, rational)
-
-    def _print_Mul(self, expr: sp.Mul) -> str:
-        # a / b as a * _rcp(b): the printer's division is the IEEE one, a long routine (measured on
-        # the H100: JSD with its runtime beta 4.84 ms against 4.50 with a reciprocal)
-        num = [f for f in expr.args if not (f.is_Pow and f.exp.is_Integer and f.exp < 0)]
-        den = [f for f in expr.args if f.is_Pow and f.exp.is_Integer and f.exp < 0]
-        if not den:
-            return super()._print_Mul(expr)
-        rcp = f"_rcp({self._print(sp.Mul(*[f.base ** -f.exp for f in den]))})"
-        if not num:
-            return rcp
-        return f"{self.parenthesize(sp.Mul(*num), 50)}*{rcp}"
-
-
 class TorchPrinter(_ArrayPrinter):
     module = "torch"
-
-
-_TL = TritonPrinter()
-
-
-class ExpFactor(sp.Function):
-    """``exp`` that sympy leaves alone: it folds ``exp(a) * exp(b)`` into ``exp(a + b)``, one more
-    special-function op per element where ``exp(a)`` and ``exp(b)`` are computed anyway (JSD's
-    ``p q / M`` with a runtime beta: 5 instead of 4 per element in each of two reads)."""
-    nargs = 1
-
-
-def _shared_exps(exprs: list[sp.Expr]) -> list[sp.Expr]:
-    """``exprs`` with each ``exp(a + b)`` whose ``exp(a)`` and ``exp(b)`` are there too written as
-    their product (``ExpFactor``s, which common-subexpression elimination then shares)."""
-    args: dict[sp.Expr, sp.Expr] = {}   # each exponent, expanded -> as written (printed as written)
-    for e in exprs:
-        for x in sorted(e.atoms(sp.exp), key=sp.default_sort_key):
-            args.setdefault(sp.expand(x.args[0]), x.args[0])
-
-    def factor(a: sp.Expr) -> sp.Expr:
-        key = sp.expand(a)
-        for b in args:
-            rest = sp.expand(key - b)
-            if b != key and rest != key and rest in args:
-                return ExpFactor(args[b]) * ExpFactor(args[rest])
-        return ExpFactor(args.get(key, a))
-    return [e.replace(sp.exp, factor) for e in exprs]
-
-
-def _statements(exprs: list[sp.Expr], prefix: str) -> tuple[list[str], list[str]]:
-    """Common subexpressions first (``prefix0 = ...``), then the printed results."""
-    temps, reduced = sp.cse(_shared_exps(exprs), symbols=sp.numbered_symbols(prefix, real=True),
-                            order="canonical")
-    return ([f"{s} = {_TL.doprint(e)}" for s, e in temps], [_TL.doprint(e) for e in reduced])
-
-
-def _tile_sums(sums: list[tuple[str, str]]) -> list[str]:
-    """Statements that sum several per-element tensors (``(name, body)``) over a tile in few
-    reductions: each run of a power-of-two count of them (the binary digits of the count) is joined
-    pairwise into one ``[BLOCK_V, 2, ..., 2]`` tensor, summed over the tile once, and split back
-    into ``<name>_tile``."""
-    leaves = [(f"tl.where(in_row, {body}, 0.0)", acc) for acc, body in sums]
-    lines: list[str] = []
-    parts = itertools.count()
-
-    def split(tree, var: str) -> None:
-        names = [f"part{next(parts)}" if isinstance(t, tuple) else f"{t}_tile" for t in tree]
-        lines.append(f"{names[0]}, {names[1]} = tl.split({var})")
-        for t, name in zip(tree, names):
-            if isinstance(t, tuple):
-                split(t, name)
-    while leaves:
-        size = 1 << (len(leaves).bit_length() - 1)
-        run, leaves = leaves[:size], leaves[size:]
-        if len(run) == 1:
-            lines.append(f"{run[0][1]}_tile = tl.sum({run[0][0]}, 0)")
-            continue
-        while len(run) > 1:
-            run = [(f"tl.join({a}, {b})", (ta, tb)) for (a, ta), (b, tb) in zip(run[::2], run[1::2])]
-        var = f"part{next(parts)}"
-        lines.append(f"{var} = tl.sum({run[0][0]}, 0)")
-        split(run[0][1], var)
-    return lines
 
 
 def _finite_at_neg_inf(expr: sp.Expr, elements: tuple[sp.Symbol, ...], *, floored: bool) -> bool:
@@ -442,44 +322,6 @@ def check_interface(text: str, sigs: dict[str, Signature]) -> None:
             raise ValueError(f"{sig.name}: declared arguments {unused} are never read by the template")
 
 
-def _group_online(plan: Plan) -> dict[tuple, list]:
-    """The first read's online accumulators over the vocabulary, grouped by their exponent (alpha,
-    beta): a group shares one rescale and one exponential a tile."""
-    groups: dict[tuple, list] = {}
-    for acc in plan.lowered.accumulators:
-        if acc.online and acc.domain == "vocab":
-            groups.setdefault((acc.alpha, acc.beta), []).append(acc)
-    return groups
-
-
-def _merge(plan: Plan) -> dict[str, list[str]]:
-    """Statements merging the packed stats of the vocab shards, by each column's rule: the maxima
-    over ranks first, then the sums, each rank's running sums rescaled from its maxima to the
-    global ones, and the argmax of the first rank that holds the maximum."""
-    at = {c.name: i for i, c in enumerate(plan.columns)}
-    init, maxima, sums = [], [], ["at = part + r * step"]
-    rank_max = {M: sp.Symbol("m_r", real=True), MT: sp.Symbol("m_t_r", real=True)}
-    for c in plan.columns:
-        if c.merge == "max":
-            init.append(f"{c.name} = float(\"-inf\")")
-            maxima.append(f"{c.name} = tl.maximum({c.name}, tl.load(part + r * step + {at[c.name]}))")
-            sums.append(f"{c.name}_r = tl.load(at + {at[c.name]})")
-    for c in plan.columns:
-        if c.merge == "sum":
-            init.append(f"{c.name} = 0.0")
-            sums.append(f"{c.name} += tl.load(at + {at[c.name]})")
-        elif c.merge == "scaled":
-            shift = c.alpha * (rank_max[M] - M) + c.beta * (rank_max[MT] - MT)
-            init.append(f"{c.name} = 0.0")
-            sums.append(f"{c.name} += tl.load(at + {at[c.name]}) * {_TL.doprint(sp.exp(shift))}")
-        elif c.merge == "argmax":
-            init += [f"{c.name} = 0.0", "best = float(\"-inf\")"]
-            sums += [f"{c.name} = tl.where(m_r > best, tl.load(at + {at[c.name]}), {c.name})",
-                     "best = tl.maximum(best, m_r)"]
-    return dict(init=init, maxima=maxima, sums=sums)
-
-
-# The kernel's flag buffer: one slot a kind of bad value, in this order (validation.py reads them).
 FLAG_SLOTS = ("label", "segment_id", "topk_id", "topk_repeated")
 _TEXT_HASH = re.compile(rb'\nTEXT_HASH = "([0-9a-f]{64})"\n\Z')
 
@@ -498,116 +340,3 @@ def intact(data: bytes) -> bool:
     return found is not None and hashlib.sha256(data[:found.start() + 1]).hexdigest() == found.group(1).decode()
 
 
-def emit(plan: Plan, key: str, header: str, codegen: str,
-         normalize: Mapping[str, str] | None = None) -> KernelSource:
-    """The kernel file of a plan. ``normalize``: each loss term's normalisation ("tokens" where not
-    given; a "sequence" term arrives as a segment term); metrics are means over the valid rows."""
-    lw = plan.lowered
-    name = f"head_loss_{key}"
-    transform = LOGIT_SCALE * (SOFTCAP * sp.tanh(X / SOFTCAP) if plan.softcap else X)
-    # the running maxima as the exponents' reference: m_ref is 0 while every logit so far is -inf
-    mn, mtn = sp.Symbol("m_ref", real=True), sp.Symbol("m_t_ref", real=True)
-    # (the later reads see elements relative to their maxima: zm = z - m is -inf where z is)
-    vocab, topk = (*S.ELEMENT_SYMBOLS, ZM, TM), S.TOPK_SYMBOLS
-
-    online = []
-    for i, ((alpha, beta), accs) in enumerate(_group_online(plan).items()):
-        exponent = alpha * (S.logit - mn) + beta * (S.teacher_logit - mtn)
-        rescale = alpha * (M - mn) + beta * (MT - mtn)
-        scale = sp.Symbol(f"s{i}", real=True) if exponent != 0 else sp.S.One
-        online.append(dict(
-            scale=None if exponent == 0 else _TL.doprint(sp.exp(exponent)),
-            rescale=None if rescale == 0 else _TL.doprint(sp.exp(rescale)),
-            index=i, accs=[(a.name, _TL.doprint(scale * a.body)) for a in accs]))
-    topk_online = [(a.name, _TL.doprint(sp.exp(a.alpha * (S.topk_logit - M)) * a.body))
-                   for a in lw.accumulators if a.online and a.domain == "topk"]
-    exact = [a for a in lw.accumulators if not a.online and a.domain == "vocab"]
-    exact_temps, exact_bodies = _statements([a.body for a in exact], "e")
-    topk_exact = [a for a in lw.accumulators if not a.online and a.domain == "topk"]
-    tk_temps, tk_bodies = _statements([a.body for a in topk_exact], "k")
-    row_temps, row_exprs = _statements([e for _, e in lw.row_values], "r")
-    coef_temps, coef_exprs = _statements([e for _, e in lw.grad_coefs], "c")
-    grad_temps, (grad_expr, topk_grad_expr) = _statements([lw.grad_vocab, lw.grad_topk], "d")
-
-    row_names = [n for n, _ in lw.row_values]
-    seg_names = [seg.name for seg in lw.segments]
-    loss_terms = [w.name[len("w_"):] for w in lw.weights]
-    row_loss_terms = [n for n in loss_terms if n not in seg_names]
-    seg_means = [U.name for seg in lw.segments for U in seg.means]
-    seg_fns = []
-    for seg in lw.segments:
-        temps, (value, *grads) = _statements([seg.formula, *seg.dformula], f"{seg.name}_u")
-        seg_fns.append(dict(name=seg.name, temps=temps, value=value, slot=lw.outputs.index(seg.name),
-                            grads=[(seg_means.index(U.name), g) for U, g in zip(seg.means, grads)]))
-    n_out = len(lw.outputs)
-
-    # Runtime scalars (each loss term's weight, then the runtime parameters) come from one fp32
-    # buffer, each loaded where a block first needs it.
-    norm = {n: (dict(normalize or {}).get(n, "tokens") if n in loss_terms else "mean") for n in lw.outputs}
-    reads_exprs = [a.body for a in lw.accumulators]
-    grad_exprs = [e for _, e in lw.grad_coefs] + [lw.grad_vocab, lw.grad_topk]
-    seg_exprs = [e for seg in lw.segments for e in (seg.formula, *seg.dformula)]
-    scalars = [f"weight_{n}" for n in loss_terms] + sorted(
-        {s.name for e in reads_exprs + grad_exprs + seg_exprs + [e for _, e in lw.row_values]
-         for s in e.free_symbols if s.name.startswith(S.RUNTIME_PREFIX)})
-
-    def loads(exprs: list[sp.Expr], weights: list[str] = ()) -> list[str]:
-        used = {s.name for e in exprs for s in e.free_symbols} | {f"weight_{w}" for w in weights}
-        return [f"{n} = tl.load(scalars_ptr + {i})" for i, n in enumerate(scalars) if n in used]
-    scalar_loads = dict(reads=loads(reads_exprs), rows=loads([e for _, e in lw.row_values], row_loss_terms),
-                        grad=loads(grad_exprs, row_loss_terms), finish=loads([], row_loss_terms),
-                        segments=loads(seg_exprs, seg_names))
-    for seg in seg_fns:
-        seg["per_sequence"] = norm[seg["name"]] == "sequence"
-    sigs = signatures(plan, key, any(scalar_loads[b] for b in ("reads", "rows", "grad", "finish")),
-                      tuple(seg["name"] for seg in seg_fns if seg["per_sequence"]), bool(row_loss_terms))
-
-    ctx = dict(
-        header=header, sigs=sigs, key=key, codegen=codegen, plan=plan, lw=lw,
-        sweeps={w.name: w for w in plan.sweeps},
-        transform=_TL.doprint(transform), dtransform=_TL.doprint(transform.diff(X)),
-        online=online, topk_online=topk_online,
-        stats_tile_sums=_tile_sums([acc for group in online for acc in group["accs"]]),
-        exact=list(zip([a.name for a in exact], exact_bodies)), exact_temps=exact_temps,
-        exact_tile_sums=_tile_sums(list(zip([a.name for a in exact], exact_bodies))),
-        topk_exact=list(zip([a.name for a in topk_exact], tk_bodies)), topk_temps=tk_temps,
-        normalizers=[(name, _TL.doprint(value)) for n in lw.normalizers
-                     for name, value in ((n.log_acc.name, sp.log(sp.Symbol(n.acc, real=True))),
-                                         (n.symbol.name, n.alpha * M + n.beta * MT + n.log_acc))],
-        row_temps=row_temps, rows=list(zip(row_names, row_exprs)),
-        rows_p2=pow2(len(row_names)),
-        coef_temps=coef_temps, coefs=list(zip([s.name for s, _ in lw.grad_coefs], coef_exprs)),
-        grad_temps=grad_temps, grad_expr=grad_expr,
-        topk_grad=None if lw.grad_topk == 0 else topk_grad_expr,
-        # what each read does for -inf input elements (see _neg_inf)
-        neg_inf=dict(stats=_neg_inf([a.body for a in lw.accumulators if a.online and a.domain == "vocab"], vocab),
-                     exact=_neg_inf([a.body for a in exact], vocab), grad=_neg_inf([lw.grad_vocab], vocab),
-                     topk=_neg_inf([sp.exp(a.alpha * S.topk_logit) * a.body for a in lw.accumulators
-                                    if a.domain == "topk"] + [lw.grad_topk], topk)),
-        uses_is_y=lw.grad_vocab.has(IS_Y),
-        columns=[c.name for c in plan.columns], exact_columns=list(plan.exact),
-        merge=_merge(plan),
-        row_loss_terms=row_loss_terms, scalars=scalars, scalar_loads=scalar_loads, normalize=norm,
-        grad_weights=[(n, f"weight_{n} * grad_scale" if norm[n] == "tokens" else f"weight_{n}")
-                      for n in row_loss_terms],
-        per_row_loss=" + ".join(f"weight_{n} * v{row_names.index(n)}" for n in row_loss_terms) or "0.0",
-        finish=[(n, row_names.index(n), lw.outputs.index(n),
-                 {"tokens": " * value_scale", "mean": " * count_scale", "sum": ""}[norm[n]])
-                for n in lw.outputs if n not in seg_names],
-        finish_loss=" + ".join(f"weight_{n} * value_{n}" for n in row_loss_terms),
-        slots=dict(loss=n_out, count=n_out + 1, done=n_out + 2, fixed=n_out + 3),
-        flag_slots={name: i for i, name in enumerate(FLAG_SLOTS)},
-        seg_coefs=[c.name for s in lw.segments for c in s.coefs],
-        segments=seg_fns, seg_means=seg_means, seg_mean_rows=[row_names.index(u) for u in seg_means],
-        uses_label=any(e.has(S.label) for _, e in lw.row_values),
-        uses_zym=any(e.has(ZYM) for _, e in lw.row_values + lw.grad_coefs),
-        uses_vocab_size=any(e.has(S.vocab_size) for e in [lw.grad_vocab, lw.grad_topk]
-                            + [e for _, e in lw.row_values + lw.grad_coefs]
-                            + [a.body for a in lw.accumulators]),
-    )
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), keep_trailing_newline=True,
-                             trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
-    env.filters["tuple_lines"] = lambda names: wrap([f"{n!r}, " for n in names], "    ")
-    text = env.get_template("head_loss.py.j2").render(**ctx)
-    check_interface(text, sigs)
-    return KernelSource(name, key, seal(text))

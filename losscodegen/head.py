@@ -13,10 +13,10 @@ from typing import Any
 import sympy as sp
 import torch
 
-from . import autograd, tiles
+from . import autograd, backends
 from . import load as _load
 from . import symbols as S
-from .emit import KernelSource, emit, header
+from .emit import KernelSource, header
 from .inputs import Call, check_call
 from .lower import Lowered, lower
 from .plan import Launch, Plan, launch_sequence, plan
@@ -35,7 +35,7 @@ def _kernel_of(head_id: str) -> ModuleType:
     # torch.compile runs this once while tracing and keeps the module as a constant: finding or
     # generating a kernel (files, sympy) is nothing Dynamo should trace.
     head = autograd.head_of(head_id)
-    return _load.load(head.key, lambda: head.source().text)
+    return _load.load(head.key, lambda: head.source().text, head.backend)
 
 
 @dataclass
@@ -116,7 +116,7 @@ class HeadLoss(torch.nn.Module):
         self._scalar_buffers: dict[torch.device, tuple[torch.Tensor, list]] = {}
         self._kernel: ModuleType | None = None
         self.layouts: dict[tuple, Any] = {}        # launch.py's per-signature layouts
-        self.tile_override: Any = None             # a tiles.Config every call takes (tune.py)
+        self.tile_override: Any = None             # a backend Config every call takes (its tune)
         self.spec_text = "\n".join(
             [f"{'metric' if m else 'loss'} {n} {sp.srepr(f)}" for n, f, m in self._bound]
             + [f"normalize {t.name} {kernel_normalize(t)}" for t in terms if kernel_normalize(t) != "tokens"]
@@ -125,15 +125,17 @@ class HeadLoss(torch.nn.Module):
         self._attach()
 
     def _attach(self) -> None:
-        """What a head holds for its calls in this process: its flag buffers and an id of its own
-        (the compiled op names heads by id), given again to a copy or an unpickled head."""
+        """What a head holds for its calls in this process: its backend, its flag buffers and an id
+        of its own (the compiled op names heads by id), given again to a copy or an unpickled head."""
+        self.backend = backends.get()
         self.checks = DeviceChecks(self.ignore_index)
         self.head_id = autograd.register(self)
 
     # A copy (deepcopy, pickle, torch.save) keeps the terms and options, and leaves behind what
     # belongs to this process and to this head: the loaded kernel module (found again from its
-    # file), the layouts (compiled kernels), the scalar buffers, the flag buffers and the id.
-    _PER_PROCESS = ("_kernel", "layouts", "_scalar_buffers", "checks", "head_id")
+    # file), the backend, the layouts (compiled kernels), the scalar buffers, the flag buffers and
+    # the id.
+    _PER_PROCESS = ("_kernel", "backend", "layouts", "_scalar_buffers", "checks", "head_id")
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -164,8 +166,8 @@ class HeadLoss(torch.nn.Module):
 
     def source(self) -> KernelSource:
         p = self.plan()
-        return emit(p, self.key, header(self._bound, p), _load.codegen_version(),
-                    normalize={t.name: kernel_normalize(t) for t in self.loss_terms})
+        return self.backend.render(p, self.key, header(self._bound, p), _load.codegen_version(self.backend),
+                                   normalize={t.name: kernel_normalize(t) for t in self.loss_terms})
 
     def explain(self) -> str:
         """Formulas, reductions, the derived gradient, the reads and the kernel file serving it."""
@@ -173,9 +175,8 @@ class HeadLoss(torch.nn.Module):
         return "\n".join([
             "terms:", *[f"  {'metric' if m else 'loss  '} {n} = {f}" for n, f, m in self._bound],
             str(p.lowered), "plan:", *["  " + line for line in str(p).splitlines()],
-            f"tile for a large vocabulary, by rule: {tiles.rule(p.state)} (on a GPU a measured table may "
-            "choose another: losscodegen/tiles.py)",
-            f"kernel: {_load.module_path(self.key)}"])
+            self.backend.describe_config(p.state),
+            f"kernel: {_load.module_path(self.key, self.backend)}"])
 
     # ---- calls ----------------------------------------------------------------------------------
     def forward(self, logits: torch.Tensor, labels: torch.Tensor | None = None, **inputs: Any) -> HeadOutput:

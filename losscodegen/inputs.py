@@ -13,7 +13,6 @@ from typing import Any, Callable
 import torch
 
 from . import collectives
-from .launch import INTERPRETED
 from .symbols import STANDARD_INPUTS  # (declared with the formula language: no token takes these names)
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -86,10 +85,7 @@ def check_rows(head, kernel: ModuleType, shape: tuple[int, ...], V_local: int, d
                labels: Any, inputs: dict[str, Any], *, x: torch.Tensor | None = None,
                teacher: torch.Tensor | None = None) -> Call:
     """Every input but the logits and the teacher's: the per-row ones shaped like ``shape``."""
-    if dev.type == "cpu" and not INTERPRETED:
-        raise ValueError("the inputs are CPU tensors, which losscodegen's kernels take only in "
-                         "Triton's interpreter: set TRITON_INTERPRET=1 in the environment before "
-                         "importing triton or losscodegen (or pass CUDA tensors)")
+    head.backend.check_device(dev)
     unknown = [k for k in inputs if k not in _ACCEPTED and (k not in kernel.TOKENS or k in head.class_weight_tokens)] \
         if inputs else ()
     if unknown:

@@ -1,11 +1,12 @@
 """Launching a head's kernels: the per-call workspace, the plan's launches with what the host does
-between them, and two small generic kernels (a prologue that zeroes the workspace's accumulators and
-counts the valid rows; scale a stored gradient by the upstream one).
+between them, and the arguments of each launch, passed by the names the kernel declares. What runs
+on the device (the head's kernels, the prologue, the tiles) comes from the head's backend
+(``losscodegen/backends``).
 
-A default call on one device is: one allocation (the workspace), the one-program prologue, and one
-launch of the head's kernel, whose last program writes the terms, the metrics and the loss. Nothing
-waits for the device. What a call's shapes decide (tiles, launches, each launch's compiled kernel:
-``dispatch.py``) is worked out once per signature and kept by the head.
+A default call on one device is: one allocation (the workspace), the backend's one-program
+prologue, and one launch of the head's kernel, whose last program writes the terms, the metrics and
+the loss. Nothing waits for the device. What a call's shapes decide (tiles, launches, each launch's
+compiled kernel) is worked out once per signature and kept by the head.
 """
 from __future__ import annotations
 
@@ -14,72 +15,21 @@ from types import ModuleType
 from typing import Any, Callable, NamedTuple
 
 import torch
-import triton
-import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
-from . import collectives, segments, tiles
-from .dispatch import Kernel, by_name
-from .plan import Launch
+from . import collectives, segments
+from .backends import Launchable
+from .plan import Launch, pow2
 
 _BLOCK_R = 256      # rows a tile when the last program reduces the rows' values
-_BLOCK_PROLOGUE = 4096
 _MAX_OFFSETS = 64   # workspace layouts a layout keeps, by row count
 
 
-@triton.jit
-def _prologue(ws_ptr, n_zero, y_ptr, mask_ptr, n_rows, ignore_index, count_slot, COUNT: tl.constexpr,
-              BLOCK: tl.constexpr):
-    # One program, before the head's kernel: zeroes what the kernel accumulates into (its first
-    # n_zero slots), then counts the valid rows, the default divisor, into its slot. (Stored, not
-    # added: exact in fp32 below 2**24 rows.)
-    i = tl.arange(0, BLOCK)
-    for start in range(0, n_zero, BLOCK):
-        tl.store(ws_ptr + start + i, tl.zeros([BLOCK], tl.float32), mask=start + i < n_zero)
-    if COUNT:
-        total = 0.0
-        for start in range(0, n_rows, BLOCK):
-            live = start + i < n_rows
-            if y_ptr is not None:
-                live = live & (tl.load(y_ptr + start + i, mask=start + i < n_rows, other=ignore_index) != ignore_index)
-            if mask_ptr is not None:
-                live = live & (tl.load(mask_ptr + start + i, mask=start + i < n_rows, other=0) != 0)
-            total += tl.sum(live.to(tl.float32), 0)
-        tl.debug_barrier()  # (after every thread's zeros)
-        tl.store(ws_ptr + count_slot, total)
-
-
-@triton.jit
-def _scale_rows(grad_ptr, grad_stride, g_ptr, g_stride, V, BLOCK_V: tl.constexpr):
-    # A gradient stored for an upstream gradient of 1, multiplied by the real one, on the device: a
-    # row is skipped entirely when it is 1, the common case, without the host ever looking at it.
-    row = tl.program_id(0).to(tl.int64)
-    g = tl.load(g_ptr + row * g_stride)
-    if g != 1.0:
-        for start in range(0, V, BLOCK_V):
-            cols = start + tl.arange(0, BLOCK_V)
-            ptr = grad_ptr + row * grad_stride + cols
-            d = tl.load(ptr, mask=cols < V, other=0.0).to(tl.float32)
-            tl.store(ptr, (d * g).to(grad_ptr.dtype.element_ty), mask=cols < V)
-
-
-# whether Triton runs kernels in its interpreter (the only way it runs them on CPU tensors): it decides
-# when a kernel is defined, from TRITON_INTERPRET
-INTERPRETED = isinstance(_prologue, InterpretedFunction)
-_PROLOGUES = {count: Kernel(_prologue, COUNT=count, BLOCK=_BLOCK_PROLOGUE, num_warps=8) for count in (False, True)}
-_SCALES: dict[int, Kernel] = {}     # by V
-
-
-def scale_rows(grad: torch.Tensor, upstream: torch.Tensor) -> None:
-    """``grad`` [rows, V] times ``upstream`` (a scalar, or one value a row), in place."""
-    g = upstream if upstream.dtype == torch.float32 else upstream.float()
-    if g.dim() > 1 or not g.is_contiguous():
-        g = g.reshape(-1).contiguous()
-    V = grad.shape[1]
-    kernel = _SCALES.get(V)
-    if kernel is None:
-        kernel = _SCALES[V] = Kernel(_scale_rows, BLOCK_V=min(tiles.pow2(V), 4096))
-    kernel(grad.shape[0], grad, grad.stride(0), g, int(g.dim() != 0), V)
+def by_name(values: dict[str, Any], names: tuple[str, ...], kernel: str) -> list[Any]:
+    """``values`` in the order of ``names`` (a kernel's declared FIXED or CONSTEXPRS), each required."""
+    missing = [n for n in names if n not in values]
+    if missing:
+        raise TypeError(f"{kernel} takes {missing}, which the launcher does not provide")
+    return [values[n] for n in names]
 
 
 class Signature(NamedTuple):
@@ -143,23 +93,24 @@ class _Layout:
 
     world: int
     vocab: int
-    steps: tuple[tuple[Launch, Kernel], ...]  # each launch with the head's kernel for it (its
-                                               # constexprs and the fixed arguments)
+    steps: tuple[tuple[Launch, Launchable], ...]  # each launch with the head's kernel for it (its
+                                                   # constexprs and the fixed arguments)
     cut: int                       # steps[:cut] run before the segment step
     deferred: bool                 # the last step is the gradient, run in backward (reduction="none")
     count: bool                    # whether a launch counts the valid rows (the default divisor)
+    prologue: Launchable           # the backend's prologue (zeroes, and counts if ``count``)
     bind: Callable[..., tuple]     # the head kernel's per-launch arguments (``binder``)
     bind_segments: Callable[..., tuple] | None  # the segment kernel's
-    segment_kernel: Callable[[int], Kernel] | None  # the segment kernel for a BLOCK_S
+    segment_kernel: Callable[[int], Launchable] | None  # the segment kernel for a BLOCK_S
     offsets: dict = field(default_factory=dict, compare=False)  # _offsets by (rows, segments)
     segment_kernels: dict = field(default_factory=dict, compare=False)  # by BLOCK_S
 
 
 def _layout(head, sig: Signature) -> _Layout:
-    k = head.kernel
+    k, backend = head.kernel, head.backend
     world, rank = collectives.group_info(sig.group)
     sharded = sig.group is not None
-    config = tiles.choose(head, k, sig.V_local, sig.dtype, sig.device, sharded=sharded)
+    config = backend.config(head, k, sig.V_local, sig.dtype, sig.device, sharded=sharded)
     # reduction="none" with a gradient: the forward keeps the stats, and backward runs the gradient
     # launch with each row's upstream gradients as the terms' weights (out.rows are differentiable)
     deferred = sig.grad and sig.reduction == "none"
@@ -172,26 +123,27 @@ def _layout(head, sig: Signature) -> _Layout:
                  vocab_start=rank * sig.V_local, n_vocab=sig.V_local * world, ignore_index=head.ignore_index,
                  scalars_ptr=head.scalar_buffer(sig.device))
     constexprs = dict(SUM=sig.reduction == "sum", PER_ROW=sig.reduction == "none", BLOCK_V=options.pop("BLOCK_V"),
-                      BLOCK_K=tiles.pow2(sig.topk) if sig.topk else 1, BLOCK_R=_BLOCK_R)
+                      BLOCK_K=pow2(sig.topk) if sig.topk else 1, BLOCK_R=_BLOCK_R)
     kernels = []
     for launch in launches:
         phases = {f.name.upper(): getattr(launch, f.name) for f in fields(Launch) if f.name != "then"}
-        kernels.append(Kernel(getattr(k, name), *by_name(fixed, k.FIXED, name),
-                              **dict(zip(k.CONSTEXPRS, by_name({**constexprs, **phases}, k.CONSTEXPRS, name))),
-                              **options))
+        kernels.append(backend.kernel(getattr(k, name), by_name(fixed, k.FIXED, name),
+                                      dict(zip(k.CONSTEXPRS, by_name({**constexprs, **phases}, k.CONSTEXPRS, name))),
+                                      options))
     segment_kernel = None
     if k.SEGMENTS:
         seg_name = f"segments_{k.KEY}"
         seg_fixed = by_name(fixed, k.SEGMENT_FIXED, seg_name)
 
-        def segment_kernel(block: int) -> Kernel:
+        def segment_kernel(block: int) -> Launchable:
             values = by_name(dict(SUM=sig.reduction == "sum", BLOCK_S=block), k.SEGMENT_CONSTEXPRS, seg_name)
-            return Kernel(getattr(k, seg_name), *seg_fixed, **dict(zip(k.SEGMENT_CONSTEXPRS, values)))
+            return backend.kernel(getattr(k, seg_name), seg_fixed, dict(zip(k.SEGMENT_CONSTEXPRS, values)), {})
     # The valid rows are counted when a row output is divided by them: a metric always, a term
     # normalised by tokens when the call gives no divisor (segment terms count their own rows).
     norms = {k.NORMALIZE[n] for n in k.OUTPUTS if n not in k.SEGMENTS}
     count = "mean" in norms or ("tokens" in norms and not sig.divisor and sig.reduction != "sum")
-    return _Layout(world, sig.V_local * world, tuple(zip(launches, kernels)), cut, deferred, count, binder(k, k.ARGS),
+    return _Layout(world, sig.V_local * world, tuple(zip(launches, kernels)), cut, deferred, count,
+                   backend.prologue(count), binder(k, k.ARGS),
                    binder(k, k.SEGMENT_ARGS) if k.SEGMENTS else None, segment_kernel)
 
 
@@ -298,10 +250,9 @@ class Launcher:
                 k, call.rows, per_row=call.reduction == "none", keep_stats=len(layout.steps) > 1, n_seg=self.n_seg)
         regions, zeroed, size = offsets
         self.ws = Workspace(workspace(size, call.device), call.rows, k, **regions)
-        _PROLOGUES[layout.count](1, self.ws.t, zeroed, call.labels, call.mask, call.rows, head.ignore_index,
-                                 k.COUNT)
+        layout.prologue(1, self.ws.t, zeroed, call.labels, call.mask, call.rows, head.ignore_index, k.COUNT)
 
-    def run(self, launches: tuple[tuple[Launch, Kernel], ...], x: torch.Tensor, teacher: torch.Tensor | None,
+    def run(self, launches: tuple[tuple[Launch, Launchable], ...], x: torch.Tensor, teacher: torch.Tensor | None,
             grad: torch.Tensor | None, row_offset: int = 0, up_loss: torch.Tensor | None = None,
             up_rows: torch.Tensor | None = None) -> None:
         """``launches`` (from ``passes``) over rows ``[row_offset, row_offset + len(x))`` of the call,
@@ -318,7 +269,7 @@ class Launcher:
             elif launch.then == "sum_exact":
                 collectives.all_reduce(self.ws.exact(row_offset, row_offset + x.shape[0]), self.call.group)
 
-    def passes(self) -> tuple[tuple[tuple[Launch, Kernel], ...], tuple[tuple[Launch, Kernel], ...]]:
+    def passes(self) -> tuple[tuple[tuple[Launch, Launchable], ...], tuple[tuple[Launch, Launchable], ...]]:
         """The launches (each with its kernel) before the segment step (it needs every row's
         values: all chunks of rows go through the first part before it), and those after it, but
         a deferred gradient launch (``deferred``)."""
@@ -326,7 +277,7 @@ class Launcher:
         end = len(steps) - self.layout.deferred
         return steps[:min(cut, end)], steps[cut:end]
 
-    def deferred(self) -> tuple[tuple[Launch, Kernel], ...]:
+    def deferred(self) -> tuple[tuple[Launch, Launchable], ...]:
         """The gradient launch that backward runs (reduction="none" with a gradient), or none."""
         return self.layout.steps[-1:] if self.layout.deferred else ()
 
@@ -347,14 +298,14 @@ class Launcher:
         """The segment step, between the passes: the segment kernel (after summing the segments
         over ``segment_group``)."""
         if self.k.SEGMENTS:
-            layout, block = self.layout, min(tiles.pow2(self.n_seg), 1024)
+            layout, block = self.layout, min(pow2(self.n_seg), 1024)
             kernel = layout.segment_kernels.get(block)
             if kernel is None:
                 kernel = layout.segment_kernels[block] = layout.segment_kernel(block)
             segments.run(self.call, self.ws, self.n_seg, kernel, layout.bind_segments(
                 None, None, None, self.call, self.ws, self.n_seg, None, None, 0, self.flags, 0, None, None))
 
-    def _launch(self, launch: Launch, kernel: Kernel, x, teacher, grad, row_offset: int, up_loss, up_rows) -> None:
+    def _launch(self, launch: Launch, kernel: Launchable, x, teacher, grad, row_offset: int, up_loss, up_rows) -> None:
         gathered, peers, epoch = (self.gathered if launch.merge else None), None, 0
         if launch.exchange:
             gathered, peers, epoch = self.exchange.next(x.shape[0], len(self.k.COLUMNS))

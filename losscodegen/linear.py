@@ -28,7 +28,7 @@ import torch
 from . import collectives
 from .autograd import BACKWARD_TWICE, refuse_create_graph, row_outputs
 from .inputs import _FLOATS, check_logits, check_rows
-from .launch import Launcher, scale_rows
+from .launch import Launcher
 
 _MIN_CHUNK = 256
 _TILE_ROWS = 256
@@ -186,7 +186,7 @@ class _LinearFunction(torch.autograd.Function):
                 raise RuntimeError(f"HeadLoss.linear: {BACKWARD_TWICE}")
             for g in (grads.hidden, grads.weight, grads.bias):
                 if g is not None:
-                    scale_rows(g.view(-1, g.shape[-1]), grad_loss)
+                    ctx.fused.head.backend.scale_rows(g.view(-1, g.shape[-1]), grad_loss)
         return (None if grads.hidden is None else grads.hidden.view(ctx.shape), grads.weight, grads.bias, None,
                 None)
 

@@ -1,8 +1,9 @@
 """Stage 5, load: find the kernel module of a head, else generate it into the cache.
 
 A kernel file is named by a hash of its spec (the bound formulas and the options that change code)
-and records the code generator that wrote it (``CODEGEN``: a hash of the generator's sources, its
-template and the sympy version). Folders are searched in order:
+and records the code generator that wrote it (``CODEGEN``: a hash of the compiler stages' sources,
+its backend's (``Backend.sources``: its renderer and template) and the sympy version). Folders are
+searched in order:
 
 1. ``LOSSCODEGEN_KERNELS=DIR[:DIR...]``: a downstream project's build-time kernels (read-only);
 2. the kernels built into the package (``losscodegen/generated``, from the repository's generated/);
@@ -30,24 +31,30 @@ from typing import Callable
 
 import sympy as sp
 
+from . import backends
 from .emit import intact
-from .resources import GENERATED, TEMPLATES
+from .resources import GENERATED
 
 _PACKAGE = Path(__file__).resolve().parent
-# The code generator's sources: a change to any of them may change what it writes. (Not terms.py:
-# a kernel's key hashes its bound formulas, so a new built-in re-stamps nothing.)
+# The compiler stages' sources: a change to any of them (or to the backend's) may change what the
+# code generator writes. (Not terms.py: a kernel's key hashes its bound formulas, so a new built-in
+# re-stamps nothing.)
 _CODEGEN_SOURCES = ("symbols.py", "lower.py", "plan.py", "emit.py")
 _CODEGEN_LINE = re.compile(r'^CODEGEN = "([0-9a-f]+)"$', re.M)
 
 
 
 
+def codegen_version(backend: backends.Backend | None = None) -> str:
+    """The CODEGEN of the files ``backend`` (None: the default one) writes."""
+    return _codegen_version(backend or backends.get())
+
+
 @functools.lru_cache(maxsize=None)
-def codegen_version() -> str:
+def _codegen_version(backend: backends.Backend) -> str:
     h = hashlib.sha256(sp.__version__.encode())
-    for name in _CODEGEN_SOURCES:
-        h.update((_PACKAGE / name).read_bytes())
-    h.update((TEMPLATES / "head_loss.py.j2").read_bytes())
+    for path in [_PACKAGE / name for name in _CODEGEN_SOURCES] + list(backend.sources):
+        h.update(path.read_bytes())
     return h.hexdigest()[:12]
 
 
@@ -81,9 +88,9 @@ def codegen_of(path: Path) -> str | None:
 _warned: set[Path] = set()
 
 
-def module_path(key: str) -> Path:
+def module_path(key: str, backend: backends.Backend | None = None) -> Path:
     """The file that serves ``key``: a current one from a kernel folder, else its place in the cache."""
-    current = codegen_version()
+    current = codegen_version(backend)
     for folder in kernel_dirs():
         path = folder / file_name(key)
         if path.exists():
@@ -135,11 +142,12 @@ def write_atomic(path: Path, text: str) -> None:
 _modules: dict[str, ModuleType] = {}
 
 
-def load(key: str, generate: Callable[[], str]) -> ModuleType:
-    """The kernel module for ``key``; ``generate()`` returns its source when no file serves it."""
+def load(key: str, generate: Callable[[], str], backend: backends.Backend | None = None) -> ModuleType:
+    """The kernel module for ``key``; ``generate()`` returns its source (``backend``'s rendering)
+    when no file serves it."""
     if key in _modules:
         return _modules[key]
-    path = module_path(key)
+    path = module_path(key, backend)
     if not path.exists():
         write_atomic(path, generate())
     elif path.parent.parent == cache_dir() and not intact(path.read_bytes()):

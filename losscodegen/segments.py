@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from . import collectives
-from .dispatch import Kernel
+from .backends import Launchable
 
 
 def count(call, ignore_index: int) -> int:
@@ -24,9 +24,10 @@ def count(call, ignore_index: int) -> int:
     return int(top.item()) + 1
 
 
-def run(call, ws, n_seg: int, kernel: Kernel, args: tuple) -> None:
-    """The segment kernel (a ``Kernel`` of the head's ``segments_<key>``, from the launcher's layout)
-    with ``args``, its SEGMENT_ARGS, after summing the segments over ``segment_group``."""
+def run(call, ws, n_seg: int, kernel: Launchable, args: tuple) -> None:
+    """The segment kernel (the head's ``segments_<key>`` as its backend launches it, from the
+    launcher's layout) with ``args``, its SEGMENT_ARGS, after summing the segments over
+    ``segment_group``."""
     if call.segment_group is not None:
         collectives.all_reduce(ws.seg_sums(n_seg), call.segment_group)
     kernel(1, *args)

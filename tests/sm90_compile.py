@@ -45,11 +45,10 @@ class _FakeExchange:
 
 def main(manifest: Path) -> None:
     JITFunction.run = _compile_instead
-    from losscodegen import dispatch
+    from losscodegen.backends.triton import dispatch, helpers
     # every launch through the JIT (its direct path needs a compiled kernel and a GPU)
     dispatch.Kernel.__call__ = dispatch.Kernel.jit
-    from losscodegen import inputs
-    inputs.INTERPRETED = True   # (CPU tensors without the interpreter: compiled, never run)
+    helpers.INTERPRETED = True   # (CPU tensors without the interpreter: compiled, never run)
     import torch.distributed as dist
 
     from losscodegen import collectives

@@ -1,5 +1,7 @@
-"""The package's import graph, read from its source: no import circle anywhere, and the compiler
-stages (declare, lower, plan, emit) import neither the runtime nor torch/triton."""
+"""The package's import graph, read from its source: no import circle anywhere; the compiler stages
+(declare, lower, plan, emit, and a backend's renderer) import neither the runtime nor torch/triton;
+and a backend is one folder: only its own modules import what it is written in (triton) or each
+other, and the runtime reaches it through ``losscodegen.backends`` alone."""
 from __future__ import annotations
 
 import ast
@@ -9,7 +11,10 @@ import losscodegen
 
 PACKAGE = Path(losscodegen.__file__).resolve().parent
 COMPILER = {"losscodegen.symbols", "losscodegen.terms", "losscodegen.lower", "losscodegen.plan",
-            "losscodegen.emit", "losscodegen.resources"}
+            "losscodegen.emit", "losscodegen.resources", "losscodegen.backends.triton.render"}
+BACKENDS = "losscodegen.backends."
+# what each backend is written in: imported by that backend's folder and nowhere else in the package
+LANGUAGES = {"triton": {"triton"}}
 
 
 def _module_name(path: Path) -> str:
@@ -71,3 +76,16 @@ def test_the_compiler_stages_import_no_runtime_and_no_torch():
         assert not seen & {"torch", "triton"}, f"{stage} reaches {sorted(seen & {'torch', 'triton'})}"
         runtime = {m for m in seen if m.startswith("losscodegen") and m not in COMPILER}
         assert not runtime, f"{stage} imports runtime modules {sorted(runtime)}"
+
+
+def test_a_backend_is_one_folder():
+    edges = graph()
+    backends = {m.split(".")[2] for m in edges if m.startswith(BACKENDS)}
+    assert backends == set(LANGUAGES), f"backends {sorted(backends)}: list what each is written in"
+    for m, imports in edges.items():
+        own = m.split(".")[2] if m.startswith(BACKENDS) else None
+        for name, language in LANGUAGES.items():
+            if name == own:
+                continue
+            reached = sorted(imports & language) + sorted(n for n in imports if n.startswith(BACKENDS + name))
+            assert not reached, f"{m} imports {reached}: only losscodegen/backends/{name}/ may"

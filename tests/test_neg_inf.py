@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import losscodegen as lcg
 from helpers import run_ranks
-from losscodegen import tiles
+from losscodegen.backends.triton import tiles
 from losscodegen.testing import TOLERANCES, reference
 
 NEG_INF = float("-inf")

@@ -128,5 +128,5 @@ def test_the_wheel_carries_templates_and_kernels(tmp_path):
     kernels = {f"losscodegen/generated/{p.name}" for p in (ROOT / "generated").glob("head_loss_*.py")}
     assert kernels and kernels <= names
     assert {"losscodegen/templates/head_loss.py.j2", "losscodegen/generated/manifest",
-            "losscodegen/tiles.json", "losscodegen/py.typed", "losscodegen/integrations/transformers.py",
+            "losscodegen/backends/triton/tiles.json", "losscodegen/py.typed", "losscodegen/integrations/transformers.py",
             "losscodegen/integrations/trl.py"} <= names

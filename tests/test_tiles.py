@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import losscodegen as lcg
-from losscodegen import tiles, tune
+from losscodegen.backends.triton import tiles, tune
 from losscodegen.testing import assert_parity
 
 

@@ -8,7 +8,7 @@ exact, rows and gradient) when that is faster than one launch holding them all. 
 configuration comes from, in order:
 
 1. the user's measurements (``$LOSSCODEGEN_CACHE/tiles.json``, written by
-   ``python -m losscodegen tune``: losscodegen/tune.py) and the table measured on an H100 that ships
+   ``python -m losscodegen tune``: tune.py) and the table measured on an H100 that ships
    with the package (``tiles.json``), keyed by GPU, state, vocabulary bucket and width;
 2. otherwise the rule (``rule``: the best of the H100 sweep at 128256 for the nearest state).
 Nothing is measured inside a user's call.
@@ -29,8 +29,8 @@ from types import ModuleType
 
 import torch
 
-from . import load
-from .plan import pow2
+from ... import load
+from ...plan import pow2
 
 
 SHARDED = {"x": (4096, 8), "xt": (4096, 4)}   # by the first read's streams

@@ -87,14 +87,6 @@ class Kernel:
         kernel.run(grid, 1, 1, stream, kernel.function, kernel.packed_metadata, metadata, enter, exit_, *args)
 
 
-def by_name(values: dict[str, Any], names: tuple[str, ...], kernel: str) -> list[Any]:
-    """``values`` in the order of ``names`` (a kernel's declared FIXED or CONSTEXPRS), each required."""
-    missing = [n for n in names if n not in values]
-    if missing:
-        raise TypeError(f"{kernel} takes {missing}, which the launcher does not provide")
-    return [values[n] for n in names]
-
-
 def _hook(hook: Any) -> Any:
     # None where no hook is set. Triton >= 3.7 keeps the hooks in a chain, empty unless a profiler
     # added one: passing an empty chain would build launch metadata and call it at every launch.

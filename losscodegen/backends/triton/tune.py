@@ -1,5 +1,5 @@
 """``python -m losscodegen tune``: measure the launch configuration of heads on this GPU and keep
-the fastest in the table the runtime reads (losscodegen/tiles.py). Opt-in, never inside a user's
+the fastest in the table the runtime reads (tiles.py). Opt-in, never inside a user's
 call: a measurement takes seconds, and timed in someone's training step it would also time their
 other work. Nothing in the runtime imports this module (it drives heads, so it sits above them)."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ from types import ModuleType
 import torch
 
 from . import tiles
-from .head import HeadLoss
-from .testing import random_inputs
+from ...head import HeadLoss
+from ...testing import random_inputs
 
 CANDIDATES = ((4096, 8), (8192, 8), (8192, 16), (16384, 16), (16384, 32), (32768, 32))
 
@@ -68,7 +68,7 @@ def measure(head: HeadLoss, V: int, dtype: torch.dtype, device: torch.device, ro
 def tune(heads: list[HeadLoss], vocabs: list[int], device: torch.device, rows: int,
          out: Path | None = None) -> dict[str, tiles.Config]:
     """The fastest configuration of each head's plan state at each vocabulary (bf16 logits), kept in
-    the user's table (or written to ``out``, the form shipped as losscodegen/tiles.json)."""
+    the user's table (or written to ``out``, the form shipped as losscodegen/backends/triton/tiles.json)."""
     found: dict[str, tiles.Config] = {}
     for head in heads:
         for V in vocabs:

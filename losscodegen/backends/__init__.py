@@ -1,0 +1,95 @@
+"""Backends: what turns the neutral plan into a kernel file, and launches that file's kernels.
+
+The compiler stages (symbols, terms, lower, plan, emit) know no backend: the ``Plan`` (plan.py) is
+the neutral IR, and emit.py holds what every backend's file shares (its header, the kernel interface
+``emit.signatures`` checked by ``emit.check_interface``, the flag slots, the seal). A backend is one
+subpackage, ``losscodegen/backends/<name>/``, whose ``BACKEND`` is a ``Backend``: it renders a plan
+into the source of a Python module (the kernel file, with the constants its template writes from the
+plan: ``ARGS``, ``FIXED``, ``CONSTEXPRS``, ``COLUMNS``...), names the files its rendering depends on
+(hashed into the file's ``CODEGEN`` by load.py, which finds or writes and imports the file), and
+launches the module's kernels with the arguments the runtime gives by the declared names. The runtime
+(head.py, inputs.py, launch.py, linear.py, autograd.py, load.py, __main__.py) reaches a backend only
+through a head's ``backend`` (``get()``) and never imports one's modules, nor what it is written in.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Mapping, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..emit import KernelSource
+    from ..plan import Plan
+
+DEFAULT = "triton"
+
+
+class Launchable(Protocol):
+    """A kernel of a generated module with its fixed arguments and constexprs bound, launched over a
+    1-D grid with each launch's own arguments (its ``ARGS``), in their declared order."""
+
+    def __call__(self, grid: int, *args: Any) -> None: ...
+
+
+class Config(Protocol):
+    """A call's launch configuration (the runtime's choice, never hashed into a kernel)."""
+
+    split: bool     # run the reads of a call as a launch each (plan.launch_sequence's ``split``)
+
+    def launch(self, V: int, element_size: int) -> dict[str, Any]:
+        """``BLOCK_V`` (a constexpr of the head's kernel) and the backend's launch options, for a
+        vocabulary of V a rank and logits of ``element_size`` bytes."""
+        ...
+
+
+class Backend(Protocol):
+    name: str
+    sources: tuple[Path, ...]   # what its rendering reads besides the compiler stages (CODEGEN)
+
+    def render(self, plan: Plan, key: str, header: str, codegen: str,
+               normalize: Mapping[str, str] | None = None) -> KernelSource:
+        """The kernel file of ``plan``: its kernels take the interface of ``emit.signatures``."""
+        ...
+
+    def check_device(self, device: torch.device) -> None:
+        """Raise ValueError, saying what to do, for inputs on a device its kernels cannot run on."""
+        ...
+
+    def config(self, head: Any, k: ModuleType, V: int, dtype: torch.dtype, device: torch.device, *,
+               sharded: bool) -> Config:
+        """The launch configuration of a call of ``head`` (kernel module ``k``) over V vocabulary
+        columns a rank of ``dtype`` logits."""
+        ...
+
+    def describe_config(self, state: tuple[str, int, int]) -> str:
+        """For ``explain()``: the configuration chosen for a large vocabulary, and how."""
+        ...
+
+    def kernel(self, fn: Any, fixed: list[Any], constexprs: dict[str, Any], options: dict[str, Any]) -> Launchable:
+        """Kernel ``fn`` of a generated module, its ``FIXED`` values (in order) and constexprs bound."""
+        ...
+
+    def prologue(self, count: bool) -> Launchable:
+        """The one-program prologue of a call: ``(1, ws, n_zero, labels, mask, n_rows, ignore_index,
+        count_slot)`` zeroes the workspace's first ``n_zero`` slots and, with ``count``, stores the
+        number of valid rows at ``count_slot``."""
+        ...
+
+    def scale_rows(self, grad: torch.Tensor, upstream: torch.Tensor) -> None:
+        """``grad`` [rows, V] times ``upstream`` (a scalar, or one value a row), in place."""
+        ...
+
+    def tune(self, heads: list[Any], vocabs: list[int], device: torch.device, rows: int,
+             out: Path | None) -> None:
+        """``python -m losscodegen tune``: measure launch configurations on this device."""
+        ...
+
+
+@functools.cache
+def get(name: str = DEFAULT) -> Backend:
+    """The backend ``losscodegen/backends/<name>/`` (its ``BACKEND``)."""
+    return importlib.import_module(f"{__name__}.{name}").BACKEND
