@@ -51,24 +51,29 @@ def _trainer(cls, model, **options):
     return trainer
 
 
-def _batch(model, old=True, ref=False, vllm=False, seed=0):
+def _batch(model, old=True, ref=False, vllm=False, seed=0, empty=False, advantages=None, shift=0.0):
+    """``empty``: the last completion has no token (as mask_truncated_completions leaves one);
+    ``advantages``: given (else random, of both signs); ``shift``: added to the old log-probs."""
     g = torch.Generator().manual_seed(seed)
-    completion_mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2, [1] * 6, [1] * 2 + [0] * 4])
+    completion_mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2, [1] * 6, [0] * 6 if empty else [1] * 2 + [0] * 4])
     inputs = dict(prompt_ids=torch.randint(4, V, (B, P), generator=g), prompt_mask=torch.ones(B, P, dtype=torch.long),
                   completion_ids=torch.randint(4, V, (B, C), generator=g), completion_mask=completion_mask,
-                  advantages=torch.randn(B, generator=g), num_items_in_batch=torch.tensor(37.0))
+                  advantages=torch.randn(B, generator=g) if advantages is None else torch.tensor(advantages),
+                  num_items_in_batch=torch.tensor(37.0))
     with torch.no_grad():   # log-probs near the model's, so ratios fall inside and outside the clip range
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
         logits = model(input_ids=ids).logits[:, P - 1:-1].float()
         logp = torch.log_softmax(logits, -1).gather(-1, inputs["completion_ids"][..., None])[..., 0]
     if old:
-        inputs["old_per_token_logps"] = logp + 0.3 * torch.randn(B, C, generator=g)
+        inputs["old_per_token_logps"] = logp + 0.3 * torch.randn(B, C, generator=g) + shift
     if ref:
         inputs["ref_per_token_logps"] = logp + 0.2 * torch.randn(B, C, generator=g)
     if vllm:
         inputs["importance_sampling_ratio"] = torch.rand(B, C, generator=g) + 0.5
     return inputs
 
+
+GSPO_BATCH = dict(advantages=[1.0, -0.5, 0.3, -1.2], shift=-0.1)
 
 CASES = {
     "dapo (TRL's default loss)": dict(loss_type="dapo"),
@@ -89,6 +94,43 @@ CASES = {
     "entropy bonus, cispo": dict(loss_type="cispo", epsilon_high=1.2, entropy_coef=0.01),
     "cast_lm_head_to_fp32": dict(loss_type="bnpo", cast_lm_head_to_fp32=True),
     "adaptive entropy": dict(loss_type="dapo", use_adaptive_entropy=True, entropy_coef=0.02, entropy_target=10.0),
+    "an empty completion": dict(loss_type="grpo", _batch=dict(empty=True)),
+    "every completion clipped low": dict(loss_type="bnpo", _batch=dict(advantages=[-1.0, -0.5, -2.0, -0.1], shift=0.6)),
+    # GSPO: importance_sampling_level="sequence", with each loss_type it combines with (advantages, old
+    # log-probs and clip ranges such that one sequence clips low, one high, two not)
+    **{f"GSPO {t}": dict(loss_type=t, importance_sampling_level="sequence", epsilon=0.03, epsilon_high=0.04,
+                         _batch=GSPO_BATCH) for t in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "sapo")},
+    "GSPO cispo": dict(loss_type="cispo", importance_sampling_level="sequence", epsilon_high=1.05, _batch=GSPO_BATCH),
+    "GSPO, old_per_token_logps=None": dict(loss_type="grpo", importance_sampling_level="sequence", num_iterations=1),
+    "GSPO, beta": dict(loss_type="dapo", importance_sampling_level="sequence", beta=0.04, epsilon=0.03,
+                       epsilon_high=0.04, _batch=GSPO_BATCH),
+    "GSPO, beta, bias-corrected KL": dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.04,
+                                          use_bias_correction_kl=True, _batch=GSPO_BATCH),
+    "GSPO, epsilon_high, delta": dict(loss_type="luspo", importance_sampling_level="sequence", epsilon=0.03,
+                                      epsilon_high=0.04, delta=1.05,   # (binds: A < 0 where coef_1 > delta)
+                                      _batch=dict(GSPO_BATCH, advantages=[-1.0, -0.5, 0.3, 1.2])),
+    "GSPO, vLLM importance sampling": dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.02,
+                                           epsilon=0.03, epsilon_high=0.04, _batch=GSPO_BATCH),
+    "GSPO, entropy bonus, temperature": dict(loss_type="grpo", importance_sampling_level="sequence", entropy_coef=0.01,
+                                            temperature=0.7, _batch=GSPO_BATCH),
+    "GSPO cispo, entropy bonus, beta": dict(loss_type="cispo", importance_sampling_level="sequence", epsilon_high=1.05,
+                                            entropy_coef=0.01, beta=0.03, _batch=GSPO_BATCH),
+    "GSPO, an empty completion": dict(loss_type="grpo", importance_sampling_level="sequence", epsilon=0.03,
+                                      epsilon_high=0.04, beta=0.02, use_bias_correction_kl=True,
+                                      _batch=dict(GSPO_BATCH, empty=True)),
+    "GSPO, every completion clipped low": dict(loss_type="grpo", importance_sampling_level="sequence",
+                                               _batch=dict(advantages=[-1.0, -0.5, -2.0, -0.1], shift=0.6)),
+    # VESPO: TRL's gamma weights of the sequences' ratios
+    "vespo": dict(loss_type="vespo"),
+    "vespo, other k and lambda": dict(loss_type="vespo", vespo_k_pos=1.5, vespo_lambda_pos=2.0, vespo_k_neg=2.5,
+                                      vespo_lambda_neg=1.0),
+    "vespo, old_per_token_logps=None": dict(loss_type="vespo", num_iterations=1),
+    "vespo, vLLM importance sampling": dict(loss_type="vespo", beta=0.02),
+    "vespo, beta, bias-corrected KL": dict(loss_type="vespo", beta=0.04, use_bias_correction_kl=True),
+    "vespo, sequence level, beta, bias-corrected KL": dict(loss_type="vespo", importance_sampling_level="sequence",
+                                                           beta=0.04, use_bias_correction_kl=True),
+    "vespo, entropy bonus": dict(loss_type="vespo", entropy_coef=0.01),
+    "vespo, an empty completion, vLLM": dict(loss_type="vespo", _batch=dict(empty=True)),
 }
 
 
@@ -103,17 +145,18 @@ def saved_model(tmp_path_factory):
 @pytest.mark.parametrize("case", list(CASES))
 def test_compute_loss_equals_trls(case, saved_model):
     options = dict(CASES[case], model_init_kwargs={"dtype": torch.float32})
+    batch = options.pop("_batch", {})
     model = transformers.AutoModelForCausalLM.from_pretrained(saved_model)
     no_old = options.get("num_iterations") == 1     # TRL passes old_per_token_logps=None
     ref_trainer = _trainer(trl.GRPOTrainer, saved_model, **options)
     trainer = _trainer(lcg_trl.GRPOTrainer, saved_model, **options)
-    vllm = case.startswith("vLLM")
+    vllm = "vLLM" in case
     for t in (ref_trainer, trainer):
         if vllm:   # what _compute_loss reads of vLLM; the ratios come in the inputs
             t.use_vllm = t.vllm_importance_sampling_correction = True
         if t.use_adaptive_entropy:
             t._last_world_entropy = 5.0   # (below the target: the bonus applies)
-    inputs = _batch(model, old=not no_old, ref="beta" in options, vllm=vllm)
+    inputs = _batch(model, old=not no_old, ref="beta" in options, vllm=vllm, **batch)
     want = ref_trainer._compute_loss(ref_trainer.model, inputs)
     got = trainer._compute_loss(trainer.model, inputs)
     want.backward()
@@ -122,9 +165,8 @@ def test_compute_loss_equals_trls(case, saved_model):
     for (name, p), q in zip(trainer.model.named_parameters(), ref_trainer.model.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
     ours, theirs = trainer._metrics["train"], ref_trainer._metrics["train"]
+    assert set(ours) == set(theirs)
     for name in theirs:
-        if name in ("clip_ratio/low_min", "clip_ratio/high_max"):
-            continue   # (per-sequence: not logged yet, docs/integrations-trl.md)
         torch.testing.assert_close(torch.tensor(ours[name]), torch.tensor(theirs[name]), rtol=1e-5, atol=1e-6,
                                    msg=lambda m, n=name: f"metric {n}: {m}")
     if trainer.use_adaptive_entropy:
@@ -132,8 +174,8 @@ def test_compute_loss_equals_trls(case, saved_model):
 
 
 @pytest.mark.parametrize("option, values", [
-    ("loss_type", dict(loss_type="vespo")),
-    ("importance_sampling_level", dict(loss_type="grpo", importance_sampling_level="sequence")),
+    ("loss_type", dict(loss_type="ppo")),      # (not one of TRL's: its _compute_loss would raise later)
+    ("importance_sampling_level", dict(loss_type="grpo", importance_sampling_level="sequence_token")),
     ("top_entropy_quantile", dict(top_entropy_quantile=0.5)),
     ("off_policy_mask_threshold", dict(off_policy_mask_threshold=0.5)),
 ])

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import types
 from dataclasses import dataclass
 from typing import Any
 
+import sympy as sp
 import torch
 
 import losscodegen as lcg
@@ -25,12 +27,14 @@ from losscodegen import symbols as S
 try:
     import trl
     from transformers.modeling_outputs import ModelOutput
+    from trl.trainer.utils import nanmax, nanmin
 except ImportError as e:  # pragma: no cover - the message is the point
     raise ImportError('losscodegen.integrations.trl needs trl>=1.16: pip install "losscodegen[hf]"') from e
 
-__all__ = ["GRPOTrainer", "FUSED_LOSS_TYPES", "unfused_options"]
+__all__ = ["GRPOTrainer", "FUSED_LOSS_TYPES", "FUSED_IMPORTANCE_SAMPLING_LEVELS", "unfused_options"]
 
-FUSED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo")
+FUSED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
+FUSED_IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 
 def _refuse(options: list[str]) -> None:
@@ -44,8 +48,9 @@ def unfused_options(args: Any, model: Any = None) -> list[str]:
     out = []
     if args.loss_type not in FUSED_LOSS_TYPES:
         out.append(f"loss_type={args.loss_type!r} (fused: {', '.join(FUSED_LOSS_TYPES)})")
-    if args.importance_sampling_level != "token":
-        out.append(f"importance_sampling_level={args.importance_sampling_level!r} (fused: 'token')")
+    if args.importance_sampling_level not in FUSED_IMPORTANCE_SAMPLING_LEVELS:
+        out.append(f"importance_sampling_level={args.importance_sampling_level!r} "
+                   f"(fused: {', '.join(FUSED_IMPORTANCE_SAMPLING_LEVELS)})")
     if args.top_entropy_quantile < 1.0:
         out.append(f"top_entropy_quantile={args.top_entropy_quantile} (a quantile of the current pass's "
                    "entropies masks the loss)")
@@ -79,70 +84,115 @@ def _final_logits(model: Any, temperature: float) -> tuple[float | None, float]:
     return (None if cap is None else float(cap) / scale), scale / temperature
 
 
-def _head(*, loss_type: str, old_given: bool, delta: float | None, beta: bool, bias_corrected: bool,
-          entropy: bool, eps_low: float, eps_high: float, softcap: float | None, logit_scale: float) -> lcg.HeadLoss:
-    """TRL's per-token objective, declared from its ``_compute_loss``: the term ``trl_policy`` is
-    ``w_pol * policy + w_kl * kl`` and ``trl_entropy_bonus`` is ``w_ent * entropy``, their weights
-    per-token inputs (the loss_type's normalisation, beta, vLLM's ratios, the entropy coefficient);
-    the metrics are TRL's, as means over the completion tokens."""
+_SEQ = S.segment_mean
+# exp above this overflows fp32: TRL's phi_seq is then inf, which its nan_to_num makes 0
+_LOG_FLT_MAX = math.log(torch.finfo(torch.float32).max)
+
+
+def _log_gamma(log_w: Any, k: Any, lam: Any, exp: Any) -> Any:
+    """VESPO's gamma weight in log space, ``lambda + k log w - lambda w`` (TRL's ``get_gamma_weights``),
+    for sympy (the kernel) and torch (sequences with no completion token) alike."""
+    return lam + k * log_w - lam * exp(log_w)
+
+
+def _head(*, loss_type: str, sequence: bool, old_given: bool, delta: float | None, beta: bool,
+          bias_corrected: bool, entropy: bool, params: dict[str, float], softcap: float | None,
+          logit_scale: float) -> lcg.HeadLoss:
+    """TRL's per-token objective, declared from its ``_compute_loss``. The term ``trl_policy`` is the
+    policy loss plus the KL penalty, ``trl_entropy_bonus`` the entropy bonus, each weighted by per-token
+    inputs (the loss_type's normalisation, beta, vLLM's ratios, the entropy coefficient); the metrics are
+    TRL's, as means over the completion tokens.
+
+    Token level: every part is a per-token formula (the head's rows). Sequence level (GSPO's
+    ``importance_sampling_level="sequence"``) and VESPO: the ratio is a sequence's, so ``trl_policy`` is a
+    segment term (one segment per completion), each sequence's value a formula of segment means; a
+    weight ``w`` of a segment term carries the sequence's token count ``n_s``, so that
+    ``segment_mean(w * x)`` is the weighted sum over its tokens; TRL's per-sequence metrics are segment
+    terms of weight 0 (counts over sequences)."""
     l = S.target_logit - S.lse                         # per_token_logps (at the head's temperature)
     old = S.token("old_logprobs") if old_given else S.stop_gradient(l)   # TRL: per_token_logps.detach()
-    r = S.exp(l - old)                                 # coef_1
-    A = S.token("advantages")
+    A, w_pol, w_kl = S.token("advantages"), S.token("w_pol"), S.token("w_kl")
     lo, hi = 1 - S.param("eps_low"), 1 + S.param("eps_high")
-    params = dict(eps_low=eps_low, eps_high=eps_high)
-    metrics = [lcg.Entropy()]
+    segments = sequence or loss_type == "vespo"
+    seq = _SEQ if segments else (lambda x: x)         # a (weighted) sum over the sequence's tokens, or the token
+    if sequence:   # coef_1 = exp(mean over the completion of log_ratio), one advantage per sequence
+        r, A = S.exp(_SEQ(l - old)), _SEQ(A)
+    else:
+        r = S.exp(l - old)                             # coef_1, per token
+    metrics: list = [lcg.Entropy()]
+    counts: list = []                                  # (segment terms of weight 0)
+
+    def indicator(name: str, condition: Any) -> None:
+        term = lcg.declare_term(name, S.Piecewise((1, condition), (0, True)), defaults=params,
+                                metric_only=not sequence)
+        (counts.append(term(weight=0.0)) if sequence else metrics.append(term()))
+
     if loss_type == "cispo":
         # -clamp(coef_1, max=epsilon_high).detach() * A * logp; epsilon_high is the bound itself
-        policy = -S.stop_gradient(S.Min(r, S.param("eps_high"))) * A * l
-        clipped = S.Piecewise((1, r > S.param("eps_high")), (0, True)) * S.token("positive")
-        metrics.append(lcg.declare_term("cispo_clip", clipped, defaults=params, metric_only=True)())
+        policy = -S.stop_gradient(S.Min(r, S.param("eps_high"))) * seq(w_pol * S.token("advantages") * l)
+        indicator("cispo_clip", sp.And(r > S.param("eps_high"), A > 0))
     elif loss_type == "sapo":
         # -sigmoid(tau * (coef_1 - 1)) * 4 / tau * A, tau = sapo_temperature_pos if A > 0 else _neg
-        tau = S.token("tau")
-        policy = -4 / tau / (1 + S.exp(-tau * (r - 1))) * A
+        tau = S.Piecewise((S.param("tau_pos"), A > 0), (S.param("tau_neg"), True))
+        policy = -4 / tau / (1 + S.exp(-tau * (r - 1))) * A * seq(w_pol)
+    elif loss_type == "vespo":
+        # TRL's get_gamma_weights: log w = clamp(sum_t clamp(log_ratio, -20, 20) + sum_t log(IS ratio),
+        # log 1e-8, 20), phi = exp(log_gamma) (0 where it overflows), detached; loss -phi * A * logp
+        n, A_s = S.token("seq_len"), _SEQ(S.token("advantages"))
+        log_w = S.clamp(_SEQ(n * S.clamp(l - old, -20, 20)) + _SEQ(S.token("log_is")), sp.Float(math.log(1e-8)), 20)
+        k = S.Piecewise((S.param("k_pos"), A_s >= 0), (S.param("k_neg"), True))
+        lam = S.Piecewise((S.param("lambda_pos"), A_s >= 0), (S.param("lambda_neg"), True))
+        log_phi = _log_gamma(log_w, k, lam, S.exp)
+        phi = S.Piecewise((0, log_phi > _LOG_FLT_MAX), (S.exp(log_phi), True))
+        policy = -S.stop_gradient(phi) * _SEQ(w_pol * S.token("advantages") * l)
+        counts.append(lcg.declare_term("vespo_phi", phi, defaults=params)(weight=0.0))
     else:
-        r1 = r if delta is None else S.Min(r, S.param("delta"))   # two-sided clipping: clamp(coef_1, max=delta)
-        policy = -S.Min(r1 * A, S.Min(S.Max(r, lo), hi) * A)      # coef_2 = clamp(coef_1, 1 - eps_low, 1 + eps_high)
-        if delta is not None:
-            params["delta"] = float(delta)
-        # TRL's clip ratios, on coef_1 after delta's clamp: low where A < 0, high where A > 0
-        below = S.Piecewise((1, r1 < lo), (0, True)) * S.token("negative")
-        above = S.Piecewise((1, r1 > hi), (0, True)) * S.token("positive")
-        metrics += [lcg.declare_term("clip_low", below, defaults=params, metric_only=True)(),
-                    lcg.declare_term("clip_high", above, defaults=params, metric_only=True)(),
-                    lcg.declare_term("clip_region", below + above, defaults=params, metric_only=True)()]
+        # coef_2 = clamp(coef_1, 1 - eps_low, 1 + eps_high); two-sided clipping: coef_1 = clamp(coef_1, max=delta)
+        r1 = r if delta is None else S.clamp(r, 0, S.param("delta"))
+        policy = -S.Min(r1 * A, S.clamp(r, lo, hi) * A) * seq(w_pol)
+        # TRL's clip ratios, on coef_1 after delta's clamp: low where A < 0, high where A > 0 (an empty
+        # sequence's ratio, 1, is inside the clip range: TRL's delta is above 1 + epsilon_high)
+        indicator("clip_low", sp.And(r1 < lo, A < 0))
+        indicator("clip_high", sp.And(r1 > hi, A > 0))
+        if not sequence:
+            indicator("clip_region", sp.Or(sp.And(r1 < lo, A < 0), sp.And(r1 > hi, A > 0)))
     d = S.token("ref_logprobs") - l
-    kl = (S.exp(d) - d - 1) * (r if bias_corrected else 1)    # per_token_kl (use_bias_correction_kl: * coef_1)
-    terms = [lcg.declare_term("trl_policy", S.token("w_pol") * policy + (S.token("w_kl") * kl if beta else 0),
-                              defaults=params)()]
+    kl = S.exp(d) - d - 1                              # per_token_kl, times coef_1 under use_bias_correction_kl
+    if beta:
+        if bias_corrected and sequence:   # a sequence's coef_1 times its tokens' KL
+            policy += r * _SEQ(w_kl * kl)
+            counts.append(lcg.declare_term("kl", r * _SEQ(S.token("seq_len") * kl))(weight=0.0))
+        else:
+            kl = kl * S.exp(l - old) if bias_corrected else kl
+            policy += seq(w_kl * kl)
+            metrics.append(lcg.declare_term("kl", kl, metric_only=True)())
+    terms = [lcg.declare_term("trl_policy", policy, defaults=params)()]
     if entropy:
         terms.append(lcg.declare_term("trl_entropy_bonus", S.token("w_ent") * -S.vsum(S.softmax * S.logsoftmax))())
-    if beta:
-        metrics.append(lcg.declare_term("kl", kl, defaults=params, metric_only=True)())
-    return lcg.HeadLoss(*terms, metrics=tuple(metrics), softcap=softcap, logit_scale=logit_scale)
+    return lcg.HeadLoss(*terms, *counts, metrics=tuple(metrics), softcap=softcap, logit_scale=logit_scale)
 
 
 @dataclass
 class FusedObjectiveOutput(ModelOutput):
-    """What the patched forward returns for ``losscodegen=(head, labels, tokens, n)``: the head's
+    """What the patched forward returns for ``losscodegen=(head, labels, inputs, n)``: the head's
     ``HeadOutput`` fields."""
 
     loss: torch.Tensor | None = None
     terms: dict | None = None
     metrics: dict | None = None
+    rows: dict | None = None
 
 
 def _add_fused_objective(model: Any, cast_lm_head_to_fp32: bool) -> None:
     """Patch ``model`` (the instance TRL gave its fused LM head) so that ``model(..., losscodegen=(head,
-    labels, tokens, n))`` runs the backbone and ``head.linear`` on the hidden states that predict the
-    last ``n`` tokens; any other call goes to the forward it had."""
+    labels, inputs, n))`` runs the backbone and ``head.linear(..., **inputs)`` on the hidden states that
+    predict the last ``n`` tokens; any other call goes to the forward it had."""
     inner = model.forward
 
     def forward(self, *args: Any, losscodegen: tuple | None = None, **kwargs: Any) -> Any:
         if losscodegen is None:
             return inner(*args, **kwargs)
-        head, labels, tokens, n = losscodegen
+        head, labels, inputs, n = losscodegen
         kwargs["use_cache"] = False
         hidden = self.base_model(*args, **kwargs).last_hidden_state[:, -n - 1:-1]   # (TRL: [:, :-1], last n)
         lm_head = self.get_output_embeddings()
@@ -152,8 +202,8 @@ def _add_fused_objective(model: Any, cast_lm_head_to_fp32: bool) -> None:
             hidden = hidden.float()
             autocast = torch.autocast(hidden.device.type, enabled=False)
         with autocast:
-            out = head.linear(hidden, lm_head.weight, labels.to(hidden.device), bias=lm_head.bias, **tokens)
-        return FusedObjectiveOutput(loss=out.loss, terms=out.terms, metrics=out.metrics)
+            out = head.linear(hidden, lm_head.weight, labels.to(hidden.device), bias=lm_head.bias, **inputs)
+        return FusedObjectiveOutput(loss=out.loss, terms=out.terms, metrics=out.metrics, rows=out.rows)
 
     model.forward = types.MethodType(functools.wraps(type(model).forward)(forward), model)
 
@@ -172,6 +222,21 @@ class GRPOTrainer(trl.GRPOTrainer):
         _add_fused_objective(target, self.args.cast_lm_head_to_fp32)
         self._lcg_heads: dict[bool, tuple[lcg.HeadLoss, frozenset[str]]] = {}
         self._lcg_final_logits = _final_logits(self.model, self.temperature)
+        # the ratio is a sequence's (GSPO), or the loss weighs sequences (VESPO): one segment per completion
+        self._lcg_segments = self.importance_sampling_level == "sequence" or self.loss_type == "vespo"
+
+    def _lcg_params(self) -> dict[str, float]:
+        """The head's parameters, from the config (each a kernel argument: no new kernel per value)."""
+        a = self.args
+        params = dict(eps_low=self.epsilon_low, eps_high=self.epsilon_high)
+        if a.delta is not None:
+            params["delta"] = float(a.delta)
+        if self.loss_type == "sapo":
+            params.update(tau_pos=a.sapo_temperature_pos, tau_neg=a.sapo_temperature_neg)
+        if self.loss_type == "vespo":   # (TRL clamps lambda at 1e-4)
+            params.update(k_pos=a.vespo_k_pos, lambda_pos=max(a.vespo_lambda_pos, 1e-4), k_neg=a.vespo_k_neg,
+                          lambda_neg=max(a.vespo_lambda_neg, 1e-4))
+        return params
 
     def _lcg_head(self, old_given: bool) -> tuple[lcg.HeadLoss, frozenset[str]]:
         """The head for batches with (or without) old log-probs, and the per-token inputs it reads (a
@@ -179,9 +244,10 @@ class GRPOTrainer(trl.GRPOTrainer):
         entry = self._lcg_heads.get(old_given)
         if entry is None:
             softcap, scale = self._lcg_final_logits
-            head = _head(loss_type=self.loss_type, old_given=old_given, delta=self.args.delta, beta=self.beta != 0.0,
+            head = _head(loss_type=self.loss_type, sequence=self.importance_sampling_level == "sequence",
+                         old_given=old_given, delta=self.args.delta, beta=self.beta != 0.0,
                          bias_corrected=bool(self.args.use_bias_correction_kl), entropy=self._entropy_bonus_enabled,
-                         eps_low=self.epsilon_low, eps_high=self.epsilon_high, softcap=softcap, logit_scale=scale)
+                         params=self._lcg_params(), softcap=softcap, logit_scale=scale)
             # (advantages and old/ref log-probs: any head takes them; other tokens: those its kernel reads)
             reads = frozenset(("advantages", "old_logprobs", "ref_logprobs", *head.kernel.TOKENS))
             entry = self._lcg_heads[old_given] = (head, reads)
@@ -199,10 +265,15 @@ class GRPOTrainer(trl.GRPOTrainer):
         B = completion_ids.size(0)
         mode = "train" if self.model.training else "eval"
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        segments = self._lcg_segments
 
         advantages = inputs["advantages"]
         if advantages.dim() == 1:
             advantages = advantages.unsqueeze(1)
+        if segments and advantages.size(1) != 1:
+            raise ValueError(f"advantages of shape {tuple(inputs['advantages'].shape)} (one per token): losscodegen's "
+                             "GRPOTrainer fuses them only with importance_sampling_level='token' and a loss_type other "
+                             "than 'vespo' (here one advantage per sequence, shape [batch])")
         A = advantages.float().expand(B, C)
         # the per-token weight of the policy term: each loss_type's normalisation (TRL's, to the letter)
         if self.loss_type in ("grpo", "sapo"):
@@ -211,49 +282,60 @@ class GRPOTrainer(trl.GRPOTrainer):
             w = maskf / mask.sum().clamp(min=1.0) / accumulation
         elif self.loss_type == "dr_grpo":
             w = maskf / (B * self.max_completion_length) / accumulation
-        elif self.loss_type in ("dapo", "cispo"):
+        elif self.loss_type in ("dapo", "cispo", "vespo"):
             normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
             if mode == "train":
                 normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation
             w = maskf / normalizer
         else:  # luspo
             w = maskf / B / accumulation
-        # The head divides by the count of completion tokens (its valid rows) and reports its metrics as
-        # means over them: the weights carry that count back.
         n = mask.sum().float()
-        w = w * n
-        w_pol = w
-        if self.use_vllm and self.vllm_importance_sampling_correction:
-            w_pol = w * inputs["importance_sampling_ratio"]
-        tokens = dict(advantages=A, w_pol=w_pol.expand(B, C), negative=(A < 0).float(), positive=(A > 0).float(),
-                      tau=torch.where(A > 0, self.args.sapo_temperature_pos, self.args.sapo_temperature_neg))
+        n_seq = mask.sum(-1, keepdim=True).float()          # each completion's token count
+        ratio = inputs.get("importance_sampling_ratio")     # vLLM's; VESPO reads it in its gamma weights
+        w_pol = w * ratio if self.use_vllm and self.vllm_importance_sampling_correction and self.loss_type != "vespo" \
+            else w
+        w_kl = self.beta * w
+        if segments:   # a segment term's weights carry n_s: segment_mean(w * x) is the sum over the sequence
+            w_pol, w_kl = w_pol * n_seq, w_kl * n_seq
+        tokens = dict(advantages=A, w_pol=w_pol.expand(B, C), seq_len=n_seq.expand(B, C))
         old = inputs.get("old_per_token_logps")
         if old is not None:
             tokens["old_logprobs"] = old.float()
         if self.beta != 0.0:
-            tokens.update(ref_logprobs=inputs["ref_per_token_logps"].float(), w_kl=self.beta * w)
+            tokens.update(ref_logprobs=inputs["ref_per_token_logps"].float(), w_kl=w_kl.expand(B, C))
+        if self.loss_type == "vespo":   # TRL: the clamped log-ratios of every position, summed per sequence
+            log_is = torch.zeros_like(n_seq) if ratio is None else \
+                torch.log(ratio.float()).clamp(math.log(1e-8), 20.0).sum(-1, keepdim=True)
+            tokens["log_is"] = log_is.expand(B, C)
         if self._entropy_bonus_enabled:
             if self.use_adaptive_entropy:
                 coef = self.entropy_coef if self._last_world_entropy <= self.args.entropy_target else 0.0
             else:
                 coef = self.entropy_coef
-            tokens["w_ent"] = -coef * maskf * n / n.clamp(min=1.0) / accumulation
+            tokens["w_ent"] = -coef * maskf / n.clamp(min=1.0) / accumulation
         head, reads = self._lcg_head(old is not None)
-        tokens = {k: v for k, v in tokens.items() if k in reads}
+        call = {k: v for k, v in tokens.items() if k in reads}
+        if segments:   # the terms summed (segment terms over the completions), so that the weights are the loss
+            call.update(reduction="sum", segment_ids=torch.arange(B, device=mask.device)[:, None].expand(B, C),
+                        num_segments=B)
+        else:          # every token's values: TRL's per-sequence clip ratios come from their rows
+            call.update(reduction="none")
         labels = completion_ids.masked_fill(mask == 0, -100)
         with self.accelerator.autocast():   # (as TRL calls the model; head.linear follows autocast as F.linear)
-            out = model(input_ids=input_ids, attention_mask=attention_mask, losscodegen=(head, labels, tokens, C))
-        loss = out.loss
+            out = model(input_ids=input_ids, attention_mask=attention_mask, losscodegen=(head, labels, call, C))
+        # (reduction="none": the per-token losses, and the terms' means over the completion tokens)
+        loss = out.loss if segments else out.loss.sum()
+        policy_total = out.terms["trl_policy"] if segments else out.terms["trl_policy"] * n
 
-        # metrics, as TRL logs them (global means over the completion tokens of every process)
+        # metrics, as TRL logs them: means over the completion tokens (or over the sequences) of every process
 
-        def global_mean(value):
-            totals = self.accelerator.reduce(torch.stack([value * n, n]), reduction="sum")
+        def global_ratio(total, count):
+            totals = self.accelerator.reduce(torch.stack([total, count]).float(), reduction="sum")
             return (totals[0] / totals[1].clamp(min=1.0)).item()
 
         if self._entropy_bonus_enabled:
             # the policy loss without the bonus: TRL logs it before its division by the accumulation steps
-            policy_loss = out.terms["trl_policy"] * (1.0 if self.loss_type in ("dapo", "cispo") else accumulation)
+            policy_loss = policy_total * (1.0 if self.loss_type in ("dapo", "cispo", "vespo") else accumulation)
             self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
             if self.use_adaptive_entropy and mode == "train":
                 stats = torch.stack([out.metrics["entropy"] * n, n]).detach()
@@ -271,13 +353,40 @@ class GRPOTrainer(trl.GRPOTrainer):
                     self._entropy_window_stats = None
             if mode == "train" and self.accelerator.sync_gradients:
                 self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
-        if self.beta != 0.0:
-            self._metrics[mode]["kl"].append(global_mean(out.metrics["kl"]))
-        self._metrics[mode]["entropy"].append(global_mean(out.metrics["entropy"]))
+        metrics = self._metrics[mode]
+        if self.beta != 0.0:   # (a sum over the completions where the bias-corrected KL reads a sequence's ratio)
+            kl = out.terms["kl"] if "kl" in out.terms else out.metrics["kl"] * n
+            metrics["kl"].append(global_ratio(kl, n))
+        metrics["entropy"].append(global_ratio(out.metrics["entropy"] * n, n))
+        sequences = torch.tensor(float(B), device=n.device)
         if self.loss_type == "cispo":
-            self._metrics[mode]["cispo_clip_ratio"].append(global_mean(out.metrics["cispo_clip"]))
+            clipped = out.terms["cispo_clip"] if segments else out.metrics["cispo_clip"] * n
+            metrics["cispo_clip_ratio"].append(global_ratio(clipped, sequences if segments else n))
+        elif self.loss_type == "vespo":
+            # phi's sum over the completions, those without a token too (TRL's log w is then their log IS sum)
+            nonneg = A[:, 0] >= 0
+            k = torch.where(nonneg, self.args.vespo_k_pos, self.args.vespo_k_neg)
+            lam = torch.where(nonneg, self.args.vespo_lambda_pos, self.args.vespo_lambda_neg).clamp(min=1e-4)
+            log_w = log_is[:, 0].clamp(math.log(1e-8), 20.0)
+            phi_empty = torch.exp(_log_gamma(log_w, k, lam, torch.exp)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+            phi = out.terms["vespo_phi"] + (phi_empty * (n_seq[:, 0] == 0)).sum()
+            metrics["vespo/phi_seq_mean"].append(global_ratio(phi, sequences))
+        elif self.loss_type != "sapo" and segments:
+            # each sequence is clipped or not: TRL's min and max over the sequences are 1 if all are / any is
+            low, high, count = self.accelerator.reduce(
+                torch.stack([out.terms["clip_low"], out.terms["clip_high"], sequences]), reduction="sum").tolist()
+            metrics["clip_ratio/low_mean"].append(low / count)
+            metrics["clip_ratio/high_mean"].append(high / count)
+            metrics["clip_ratio/region_mean"].append((low + high) / count)
+            metrics["clip_ratio/low_min"].append(float(low == count))
+            metrics["clip_ratio/high_max"].append(float(high > 0))
         elif self.loss_type != "sapo":
-            self._metrics[mode]["clip_ratio/low_mean"].append(global_mean(out.metrics["clip_low"]))
-            self._metrics[mode]["clip_ratio/high_mean"].append(global_mean(out.metrics["clip_high"]))
-            self._metrics[mode]["clip_ratio/region_mean"].append(global_mean(out.metrics["clip_region"]))
+            metrics["clip_ratio/low_mean"].append(global_ratio(out.metrics["clip_low"] * n, n))
+            metrics["clip_ratio/high_mean"].append(global_ratio(out.metrics["clip_high"] * n, n))
+            metrics["clip_ratio/region_mean"].append(global_ratio(out.metrics["clip_region"] * n, n))
+            # per completion: the mean of its tokens' rows (NaN without tokens), then min / max over all
+            per_seq = torch.stack([out.rows["clip_low"], out.rows["clip_high"]], -1).sum(1) / n_seq
+            per_seq = self.accelerator.gather(per_seq)
+            metrics["clip_ratio/low_min"].append(nanmin(per_seq[:, 0]).item())
+            metrics["clip_ratio/high_max"].append(nanmax(per_seq[:, 1]).item())
         return loss
