@@ -175,7 +175,7 @@ class HeadLoss(torch.nn.Module):
         return "\n".join([
             "terms:", *[f"  {'metric' if m else 'loss  '} {n} = {f}" for n, f, m in self._bound],
             str(p.lowered), "plan:", *["  " + line for line in str(p).splitlines()],
-            self.backend.describe_config(p.state),
+            self.backend.describe_config(p.state), self.backend.describe_costs(p),
             f"kernel: {_load.module_path(self.key, self.backend)}"])
 
     # ---- calls ----------------------------------------------------------------------------------

@@ -69,6 +69,10 @@ class Backend(Protocol):
         """For ``explain()``: the configuration chosen for a large vocabulary, and how."""
         ...
 
+    def describe_costs(self, plan: Plan) -> str:
+        """For ``explain()`` and the kernel header: what each read costs per vocabulary element."""
+        ...
+
     def kernel(self, fn: Any, fixed: list[Any], constexprs: dict[str, Any], options: dict[str, Any]) -> Launchable:
         """Kernel ``fn`` of a generated module, its ``FIXED`` values (in order) and constexprs bound."""
         ...

@@ -21,6 +21,7 @@ class Triton:
     render = staticmethod(renderer.render)
     config = staticmethod(tiles.choose)
     scale_rows = staticmethod(helpers.scale_rows)
+    describe_costs = staticmethod(renderer.describe_costs)
 
     def check_device(self, device: torch.device) -> None:
         # (read at each call: a script may compile for the GPU without one, tests/sm90_compile.py)

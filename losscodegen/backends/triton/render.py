@@ -103,11 +103,60 @@ def _shared_exps(exprs: list[sp.Expr]) -> list[sp.Expr]:
     return [e.replace(sp.exp, factor) for e in exprs]
 
 
+def _cse(exprs: list[sp.Expr], prefix: str) -> tuple[list[tuple[sp.Symbol, sp.Expr]], list[sp.Expr]]:
+    """The common subexpressions (``prefix0``, ...) of ``exprs``, and ``exprs`` written with them."""
+    return sp.cse(_shared_exps(exprs), symbols=sp.numbered_symbols(prefix, real=True), order="canonical")
+
+
 def _statements(exprs: list[sp.Expr], prefix: str) -> tuple[list[str], list[str]]:
     """Common subexpressions first (``prefix0 = ...``), then the printed results."""
-    temps, reduced = sp.cse(_shared_exps(exprs), symbols=sp.numbered_symbols(prefix, real=True),
-                            order="canonical")
+    temps, reduced = _cse(exprs, prefix)
     return ([f"{s} = {_TL.doprint(e)}" for s, e in temps], [_TL.doprint(e) for e in reduced])
+
+
+# What a printed function costs on the special-function unit (SFU: 16 ops a clock a streaming
+# multiprocessor on Hopper, against 128 fp32 adds or multiplies): exp and log are one exp2 / lg2 and
+# a multiply by a constant; a reciprocal (count_ops' DIV) one rcp and a multiply; the template's
+# tanh (libdevice's, for softcap in the transform) an exp2 and a reciprocal.
+_SFU_OPS = {"EXP": 1, "EXPFACTOR": 1, "LOG": 1, "DIV": 1, "TANH": 2}
+
+
+def _ops(exprs: list[sp.Expr]) -> tuple[int, int]:
+    """(SFU ops, other arithmetic ops: add, multiply, compare, select) to evaluate ``exprs`` once."""
+    sfu = other = 0
+    for e in exprs:
+        for op, n in sp.count_ops(e, visual=True).as_coefficients_dict().items():
+            if op.is_Symbol:
+                sfu += _SFU_OPS.get(op.name, 0) * int(n)
+                other += int(n)
+    return sfu, other
+
+
+def element_costs(plan: Plan) -> dict[str, tuple[int, int]]:
+    """Per vocabulary element, what each read's printed formulas cost: ``{read: (SFU ops, other
+    ops)}`` (loads, conversions, the -inf floors and masks and the tile sums not counted)."""
+    lw, scale = plan.lowered, sp.Symbol("s", real=True)
+    stats = [sp.exp(_online_exponent(alpha, beta)) for alpha, beta in _group_online(plan)
+             if (alpha, beta) != (0, 0)]
+    stats += [scale * a.body for accs in _group_online(plan).values() for a in accs]
+    costs = {"stats": _ops(stats)}
+    exact = [a.body for a in lw.accumulators if not a.online and a.domain == "vocab"]
+    for read, exprs in (("exact", exact), ("gradient", [lw.grad_vocab])):
+        if any(e != 0 for e in exprs):
+            temps, reduced = _cse(exprs, "c")
+            costs[read] = _ops([e for _, e in temps] + list(reduced))
+    return costs
+
+
+def describe_costs(plan: Plan) -> str:
+    """``element_costs`` as the kernel header and ``explain()`` print it."""
+    costs = element_costs(plan)
+    total = tuple(sum(c[i] for c in costs.values()) for i in (0, 1))
+    return "\n".join(
+        ["per vocabulary element, from the printed formulas (SFU: exp2, lg2, rcp, 16 a clock a",
+         "multiprocessor on Hopper; other: add, multiply, compare, select, 128 a clock):"]
+        + [f"  {read} read: {sfu} SFU + {other} other" for read, (sfu, other) in costs.items()]
+        + [f"  in all: {total[0]} SFU + {total[1]} other"])
 
 
 def _tile_sums(sums: list[tuple[str, str]]) -> list[str]:
@@ -149,6 +198,15 @@ def _group_online(plan: Plan) -> dict[tuple, list]:
     return groups
 
 
+# the running maxima as the exponents' reference: m_ref is 0 while every logit so far is -inf
+_M_REF, _MT_REF = sp.Symbol("m_ref", real=True), sp.Symbol("m_t_ref", real=True)
+
+
+def _online_exponent(alpha: sp.Expr, beta: sp.Expr) -> sp.Expr:
+    """The exponent of an online group's elements, against the running maxima."""
+    return alpha * (S.logit - _M_REF) + beta * (S.teacher_logit - _MT_REF)
+
+
 def _merge(plan: Plan) -> dict[str, list[str]]:
     """Statements merging the packed stats of the vocab shards, by each column's rule: the maxima
     over ranks first, then the sums, each rank's running sums rescaled from its maxima to the
@@ -184,15 +242,13 @@ def render(plan: Plan, key: str, header: str, codegen: str,
     lw = plan.lowered
     name = f"head_loss_{key}"
     transform = LOGIT_SCALE * (SOFTCAP * sp.tanh(X / SOFTCAP) if plan.softcap else X)
-    # the running maxima as the exponents' reference: m_ref is 0 while every logit so far is -inf
-    mn, mtn = sp.Symbol("m_ref", real=True), sp.Symbol("m_t_ref", real=True)
     # (the later reads see elements relative to their maxima: zm = z - m is -inf where z is)
     vocab, topk = (*S.ELEMENT_SYMBOLS, ZM, TM), S.TOPK_SYMBOLS
 
     online = []
     for i, ((alpha, beta), accs) in enumerate(_group_online(plan).items()):
-        exponent = alpha * (S.logit - mn) + beta * (S.teacher_logit - mtn)
-        rescale = alpha * (M - mn) + beta * (MT - mtn)
+        exponent = _online_exponent(alpha, beta)
+        rescale = alpha * (M - _M_REF) + beta * (MT - _MT_REF)
         scale = sp.Symbol(f"s{i}", real=True) if exponent != 0 else sp.S.One
         online.append(dict(
             scale=None if exponent == 0 else _TL.doprint(sp.exp(exponent)),
@@ -242,7 +298,7 @@ def render(plan: Plan, key: str, header: str, codegen: str,
                       tuple(seg["name"] for seg in seg_fns if seg["per_sequence"]), bool(row_loss_terms))
 
     ctx = dict(
-        header=header, sigs=sigs, key=key, codegen=codegen, plan=plan, lw=lw,
+        header="\n#   ".join([f"{header}\n#\n# cost:", *describe_costs(plan).splitlines()]), sigs=sigs, key=key, codegen=codegen, plan=plan, lw=lw,
         sweeps={w.name: w for w in plan.sweeps},
         transform=_TL.doprint(transform), dtransform=_TL.doprint(transform.diff(X)),
         online=online, topk_online=topk_online,
