@@ -40,7 +40,7 @@ from triton.language.extra import libdevice
 
 KEY = "c642f27271603bf7"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "f61ba8e4b4f7"
+CODEGEN = "af4750ebc765"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -381,4 +381,4 @@ def head_loss_c642f27271603bf7(
             tl.store(ws_ptr + 0, value_cross_entropy)
             tl.store(ws_ptr + 1, weight_cross_entropy * value_cross_entropy)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "c1485907788aa43a65858f322d7e6ac20f2c8519daa5d8eb2e3d974ce69212ad"
+TEXT_HASH = "b2ffb848babb95c20ae5d9d732f2b3531a30254f0caad33f70519285c0c3f2ff"

@@ -42,7 +42,7 @@ from triton.language.extra import libdevice
 
 KEY = "fd019664248f6778"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "f61ba8e4b4f7"
+CODEGEN = "af4750ebc765"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -399,4 +399,4 @@ def head_loss_fd019664248f6778(
             tl.store(ws_ptr + 0, value_cross_entropy)
             tl.store(ws_ptr + 1, weight_cross_entropy * value_cross_entropy)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "d1e9ac9fa03a14cfefcb8fd11708eb976a5a125edda303dcc549139ba6b7eb10"
+TEXT_HASH = "f0d369691c6e3e33f9829cf0d4a5ff2e04a01c74dbf3469768539877ed505ea5"

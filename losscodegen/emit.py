@@ -1,7 +1,8 @@
-"""Stage 4, emit: what every backend's rendering shares. The base printer of sympy expressions for an
-array module (``_ArrayPrinter``; ``TorchPrinter`` for the float64 reference), how a read keeps
-``0 * log 0 = 0`` at -inf inputs (``_neg_inf``), the generated file's header, the kernel interface
-declared once (``signatures``, ``check_interface``), the flag slots, and the seal of a kernel file.
+"""Stage 4, emit: what every backend's rendering shares. The base printer of sympy expressions for
+an array module (``ArrayPrinter``; ``TorchPrinter`` for the float64 reference), how a read keeps
+``0 * log 0 = 0`` at -inf inputs (``neg_inf_handling``), the generated file's header, the kernel
+interface declared once (``signatures``, ``check_interface``), the flag slots, and the seal of a
+kernel file.
 
 A backend's renderer (``losscodegen/backends/<name>/``) prints the plan with its own printer and
 lays it out with its template.
@@ -21,7 +22,7 @@ from . import symbols as S
 from .plan import Plan
 
 
-class _ArrayPrinter(PythonCodePrinter):
+class ArrayPrinter(PythonCodePrinter):
     """Prints an expression for an array module (``tl`` or ``torch``); one ``_print_X`` per construct."""
 
     module = ""
@@ -156,12 +157,12 @@ class _ArrayPrinter(PythonCodePrinter):
 
 
 for _name in dir(PythonCodePrinter):
-    if _name.startswith("_print_") and _name not in vars(_ArrayPrinter) \
+    if _name.startswith("_print_") and _name not in vars(ArrayPrinter) \
             and getattr(PythonCodePrinter, _name) in (_print_known_func, _print_known_const):
-        setattr(_ArrayPrinter, _name, _ArrayPrinter._print_unsupported)
+        setattr(ArrayPrinter, _name, ArrayPrinter._print_unsupported)
 
 
-class TorchPrinter(_ArrayPrinter):
+class TorchPrinter(ArrayPrinter):
     module = "torch"
 
 
@@ -186,7 +187,7 @@ def _finite_at_neg_inf(expr: sp.Expr, elements: tuple[sp.Symbol, ...], *, floore
     return False
 
 
-def _neg_inf(exprs: list[sp.Expr], elements: tuple[sp.Symbol, ...]) -> dict[str, bool]:
+def neg_inf_handling(exprs: list[sp.Expr], elements: tuple[sp.Symbol, ...]) -> dict[str, bool]:
     """How a read whose per-element expressions are ``exprs`` keeps the ``0 * log 0 = 0`` convention
     at -inf input elements, as cheaply as it can (each is an instruction or more per element):
     ``floor`` -inf inputs to FLOOR where a product with an element would be 0 * -inf; and drop the
@@ -232,11 +233,6 @@ class Signature:
     @property
     def names(self) -> tuple[str, ...]:
         return self.args + self.fixed + self.constexprs
-
-    def lines(self, indent: str) -> list[str]:
-        """The parameters, wrapped: each launch's, the fixed ones, then the constexprs."""
-        return (wrap([f"{a}, " for a in self.args], indent) + wrap([f"{a}, " for a in self.fixed], indent)
-                + wrap([f"{a}: tl.constexpr, " for a in self.constexprs], indent))
 
 
 def wrap(items: list[str], indent: str, width: int = 100) -> list[str]:
@@ -322,6 +318,7 @@ def check_interface(text: str, sigs: dict[str, Signature]) -> None:
             raise ValueError(f"{sig.name}: declared arguments {unused} are never read by the template")
 
 
+# The kernel's flag buffer: one slot a kind of bad value, in this order (validation.py reads them).
 FLAG_SLOTS = ("label", "segment_id", "topk_id", "topk_repeated")
 _TEXT_HASH = re.compile(rb'\nTEXT_HASH = "([0-9a-f]{64})"\n\Z')
 

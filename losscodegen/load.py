@@ -139,14 +139,15 @@ def write_atomic(path: Path, text: str) -> None:
             "--out DIR) and list DIR in LOSSCODEGEN_KERNELS.") from e
 
 
-_modules: dict[str, ModuleType] = {}
+_modules: dict[tuple[str, str], ModuleType] = {}   # by backend and key
 
 
 def load(key: str, generate: Callable[[], str], backend: backends.Backend | None = None) -> ModuleType:
-    """The kernel module for ``key``; ``generate()`` returns its source (``backend``'s rendering)
-    when no file serves it."""
-    if key in _modules:
-        return _modules[key]
+    """The kernel module for ``key`` written by ``backend`` (None: the default one); ``generate()``
+    returns its source (the backend's rendering) when no file serves it."""
+    backend = backend or backends.get()
+    if (backend.name, key) in _modules:
+        return _modules[backend.name, key]
     path = module_path(key, backend)
     if not path.exists():
         write_atomic(path, generate())
@@ -158,7 +159,7 @@ def load(key: str, generate: Callable[[], str], backend: backends.Backend | None
     name = f"losscodegen_kernels.head_loss_{key}"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # triton.jit reads the source through the module
+    sys.modules[name] = module  # (a jit decorator may read the source through it: triton.jit does)
     spec.loader.exec_module(module)
-    _modules[key] = module
+    _modules[backend.name, key] = module
     return module

@@ -207,7 +207,8 @@ TOPK_SYMBOLS = (topk_logit, topk_logprob)
 ROW_SYMBOLS = (target_logit, label, argmax, vocab_size)
 
 # The sympy functions a formula may use besides the constructs defined in this module: both
-# printers (the kernel's, emit.TritonPrinter, and the float64 reference's, emit.TorchPrinter) print
-# them, and sympy writes their derivatives in them (sign, Abs, Min and Max are differentiated as
-# Piecewise). declare_term refuses any other function. (Powers, sqrt included, are Pow: printed too.)
+# printers (the Triton kernel's, backends/triton/render.TritonPrinter, and the float64 reference's,
+# emit.TorchPrinter) print them, and sympy writes their derivatives in them (sign, Abs, Min and Max
+# are differentiated as Piecewise). declare_term refuses any other function. (Powers, sqrt
+# included, are Pow: printed too.)
 FUNCTIONS = (exp, log, Abs, sign, Min, Max, Piecewise, tanh, sin, cos, erf)

@@ -17,7 +17,7 @@ import functools
 import importlib
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -46,6 +46,7 @@ class Config(Protocol):
         ...
 
 
+@runtime_checkable
 class Backend(Protocol):
     name: str
     sources: tuple[Path, ...]   # what its rendering reads besides the compiler stages (CODEGEN)

@@ -15,8 +15,8 @@ import jinja2
 import sympy as sp
 
 from ... import symbols as S
-from ...emit import (FLAG_SLOTS, KernelSource, _ArrayPrinter, _neg_inf, check_interface, seal, signatures,
-                     wrap)
+from ...emit import (FLAG_SLOTS, ArrayPrinter, KernelSource, Signature, check_interface, neg_inf_handling,
+                     seal, signatures, wrap)
 from ...lower import IS_Y, M, MT, TM, ZM, ZYM
 from ...plan import Plan, pow2
 from ...resources import TEMPLATES
@@ -27,7 +27,7 @@ LOGIT_SCALE = sp.Symbol("logit_scale", positive=True)
 SOFTCAP = sp.Symbol("softcap", positive=True)
 
 
-class TritonPrinter(_ArrayPrinter):
+class TritonPrinter(ArrayPrinter):
     module = "tl"
 
     def _print_exp(self, expr: sp.exp) -> str:
@@ -234,7 +234,13 @@ def _merge(plan: Plan) -> dict[str, list[str]]:
     return dict(init=init, maxima=maxima, sums=sums)
 
 
-# The kernel's flag buffer: one slot a kind of bad value, in this order (validation.py reads them).
+def _parameters(sig: Signature) -> list[str]:
+    """A jitted kernel's parameters in its declared order, wrapped: each launch's, the fixed ones,
+    then the constexprs (Triton's ``name: tl.constexpr``)."""
+    return (wrap([f"{a}, " for a in sig.args], "    ") + wrap([f"{a}, " for a in sig.fixed], "    ")
+            + wrap([f"{a}: tl.constexpr, " for a in sig.constexprs], "    "))
+
+
 def render(plan: Plan, key: str, header: str, codegen: str,
            normalize: Mapping[str, str] | None = None) -> KernelSource:
     """The kernel file of a plan. ``normalize``: each loss term's normalisation ("tokens" where not
@@ -314,11 +320,13 @@ def render(plan: Plan, key: str, header: str, codegen: str,
         coef_temps=coef_temps, coefs=list(zip([s.name for s, _ in lw.grad_coefs], coef_exprs)),
         grad_temps=grad_temps, grad_expr=grad_expr,
         topk_grad=None if lw.grad_topk == 0 else topk_grad_expr,
-        # what each read does for -inf input elements (see _neg_inf)
-        neg_inf=dict(stats=_neg_inf([a.body for a in lw.accumulators if a.online and a.domain == "vocab"], vocab),
-                     exact=_neg_inf([a.body for a in exact], vocab), grad=_neg_inf([lw.grad_vocab], vocab),
-                     topk=_neg_inf([sp.exp(a.alpha * S.topk_logit) * a.body for a in lw.accumulators
-                                    if a.domain == "topk"] + [lw.grad_topk], topk)),
+        # what each read does for -inf input elements (see emit.neg_inf_handling)
+        neg_inf=dict(stats=neg_inf_handling([a.body for a in lw.accumulators if a.online and a.domain == "vocab"],
+                                            vocab),
+                     exact=neg_inf_handling([a.body for a in exact], vocab),
+                     grad=neg_inf_handling([lw.grad_vocab], vocab),
+                     topk=neg_inf_handling([sp.exp(a.alpha * S.topk_logit) * a.body for a in lw.accumulators
+                                            if a.domain == "topk"] + [lw.grad_topk], topk)),
         uses_is_y=lw.grad_vocab.has(IS_Y),
         columns=[c.name for c in plan.columns], exact_columns=list(plan.exact),
         merge=_merge(plan),
@@ -343,6 +351,7 @@ def render(plan: Plan, key: str, header: str, codegen: str,
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), keep_trailing_newline=True,
                              trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
     env.filters["tuple_lines"] = lambda names: wrap([f"{n!r}, " for n in names], "    ")
+    env.filters["parameters"] = _parameters
     text = env.get_template("head_loss.py.j2").render(**ctx)
     check_interface(text, sigs)
     return KernelSource(name, key, seal(text))
