@@ -51,9 +51,10 @@ def _trainer(cls, model, **options):
     return trainer
 
 
-def _batch(model, old=True, ref=False, vllm=False, seed=0, empty=False, advantages=None, shift=0.0):
+def _batch(model, old=True, ref=False, vllm=False, seed=0, empty=False, advantages=None, shift=0.0, sampling=False):
     """``empty``: the last completion has no token (as mask_truncated_completions leaves one);
-    ``advantages``: given (else random, of both signs); ``shift``: added to the old log-probs."""
+    ``advantages``: given (else random, of both signs); ``shift``: added to the old log-probs;
+    ``sampling``: vLLM's sampling log-probs, one of them NaN (a token vLLM could not score)."""
     g = torch.Generator().manual_seed(seed)
     completion_mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2, [1] * 6, [0] * 6 if empty else [1] * 2 + [0] * 4])
     inputs = dict(prompt_ids=torch.randint(4, V, (B, P), generator=g), prompt_mask=torch.ones(B, P, dtype=torch.long),
@@ -68,6 +69,10 @@ def _batch(model, old=True, ref=False, vllm=False, seed=0, empty=False, advantag
         inputs["old_per_token_logps"] = logp + 0.3 * torch.randn(B, C, generator=g) + shift
     if ref:
         inputs["ref_per_token_logps"] = logp + 0.2 * torch.randn(B, C, generator=g)
+    if sampling:
+        inputs["sampling_per_token_logps"] = logp + 0.3 * torch.randn(B, C, generator=g) + torch.tensor(
+            [0.0, 0.3, 0.0, 0.2])[:, None]
+        inputs["sampling_per_token_logps"][1, 2] = float("nan")
     if vllm:
         inputs["importance_sampling_ratio"] = torch.rand(B, C, generator=g) + 0.5
     return inputs
@@ -131,6 +136,19 @@ CASES = {
                                                            beta=0.04, use_bias_correction_kl=True),
     "vespo, entropy bonus": dict(loss_type="vespo", entropy_coef=0.01),
     "vespo, an empty completion, vLLM": dict(loss_type="vespo", _batch=dict(empty=True)),
+    # the off-policy sequence mask: thresholds that drop some negative-advantage sequences and keep others
+    "off-policy mask, GSPO": dict(loss_type="grpo", importance_sampling_level="sequence", off_policy_mask_threshold=0.14,
+                                  epsilon=0.03, epsilon_high=0.04, _batch=GSPO_BATCH),
+    "off-policy mask, vLLM sampling log-probs, GSPO dapo, beta": dict(
+        loss_type="dapo", importance_sampling_level="sequence", off_policy_mask_threshold=0.1, beta=0.02,
+        _batch=dict(GSPO_BATCH, sampling=True)),
+    "off-policy mask, cispo": dict(loss_type="cispo", epsilon_high=1.2, off_policy_mask_threshold=0.14,
+                                   entropy_coef=0.01, _batch=GSPO_BATCH),
+    "off-policy mask, vLLM sampling log-probs, sapo": dict(loss_type="sapo", off_policy_mask_threshold=0.1,
+                                                           _batch=dict(GSPO_BATCH, sampling=True)),
+    "off-policy mask, vespo": dict(loss_type="vespo", off_policy_mask_threshold=0.14, _batch=GSPO_BATCH),
+    "off-policy mask, old_per_token_logps=None, GSPO": dict(loss_type="grpo", importance_sampling_level="sequence",
+                                                            off_policy_mask_threshold=0.05, num_iterations=1),
 }
 
 
@@ -177,7 +195,7 @@ def test_compute_loss_equals_trls(case, saved_model):
     ("loss_type", dict(loss_type="ppo")),      # (not one of TRL's: its _compute_loss would raise later)
     ("importance_sampling_level", dict(loss_type="grpo", importance_sampling_level="sequence_token")),
     ("top_entropy_quantile", dict(top_entropy_quantile=0.5)),
-    ("off_policy_mask_threshold", dict(off_policy_mask_threshold=0.5)),
+    ("off_policy_mask_threshold", dict(off_policy_mask_threshold=0.5)),   # (dapo at the token level)
 ])
 def test_unfused_options_are_refused_at_construction(option, values):
     with pytest.raises(ValueError, match=option):

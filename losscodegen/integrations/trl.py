@@ -3,11 +3,12 @@ computes TRL's whole objective (policy term, KL penalty, entropy bonus) in one `
 micro-batch, and logs TRL's metric names (docs/integrations-trl.md).
 
 TRL 1.16's ``_compute_loss`` gets per-token log-probs and entropies from its chunked fused LM head,
-then builds each ``loss_type`` in torch. Here every part of that is one per-token formula, declared
-from TRL's code, with each ``loss_type``'s normalisation (and the vLLM importance-sampling ratios, the
-KL's beta, the entropy bonus's coefficient) folded into per-token weights: the head's mean over the
-completion tokens, times their count, is the loss. Options whose terms depend on the current pass in
-ways one per-token formula cannot hold are refused at construction, by name (``unfused_options``).
+then builds each ``loss_type`` in torch. Here every part of that is a formula declared from TRL's
+code, per token, or per completion as a segment term where TRL reads a sequence's quantity (GSPO's
+ratio, VESPO's weight, the off-policy mask), with each ``loss_type``'s normalisation (and the vLLM
+importance-sampling ratios, the KL's beta, the entropy bonus's coefficient) folded into per-token
+weights: the head's sum is the loss. Options that one call cannot hold are refused at construction,
+by name (``unfused_options``).
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ __all__ = ["GRPOTrainer", "FUSED_LOSS_TYPES", "FUSED_IMPORTANCE_SAMPLING_LEVELS"
 
 FUSED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
 FUSED_IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+# the loss types whose clip ratios TRL logs per sequence at the token level (a min and a max over sequences)
+_CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
 
 def _refuse(options: list[str]) -> None:
@@ -54,9 +57,12 @@ def unfused_options(args: Any, model: Any = None) -> list[str]:
     if args.top_entropy_quantile < 1.0:
         out.append(f"top_entropy_quantile={args.top_entropy_quantile} (a quantile of the current pass's "
                    "entropies masks the loss)")
-    if args.off_policy_mask_threshold is not None:
-        out.append(f"off_policy_mask_threshold={args.off_policy_mask_threshold} (a sequence mask from the "
-                   "current pass's log-probs)")
+    if args.off_policy_mask_threshold is not None and args.importance_sampling_level == "token" \
+            and args.loss_type in _CLIPPED:
+        out.append(f"off_policy_mask_threshold={args.off_policy_mask_threshold} with loss_type={args.loss_type!r} at "
+                   "importance_sampling_level='token' (the mask is a segment term, and TRL's per-sequence "
+                   "clip_ratio/low_min and high_max need every token's row, which a head with segment terms does "
+                   "not give; fused with importance_sampling_level='sequence' and with cispo, sapo and vespo)")
     if model is not None:
         text_config = model.config.get_text_config()
         coef = args.router_aux_loss_coef
@@ -95,9 +101,9 @@ def _log_gamma(log_w: Any, k: Any, lam: Any, exp: Any) -> Any:
     return lam + k * log_w - lam * exp(log_w)
 
 
-def _head(*, loss_type: str, sequence: bool, old_given: bool, delta: float | None, beta: bool,
-          bias_corrected: bool, entropy: bool, params: dict[str, float], softcap: float | None,
-          logit_scale: float) -> lcg.HeadLoss:
+def _head(*, loss_type: str, sequence: bool, old_given: bool, off_policy: bool, sampling_given: bool,
+          delta: float | None, beta: bool, bias_corrected: bool, entropy: bool, params: dict[str, float],
+          softcap: float | None, logit_scale: float) -> lcg.HeadLoss:
     """TRL's per-token objective, declared from its ``_compute_loss``. The term ``trl_policy`` is the
     policy loss plus the KL penalty, ``trl_entropy_bonus`` the entropy bonus, each weighted by per-token
     inputs (the loss_type's normalisation, beta, vLLM's ratios, the entropy coefficient); the metrics are
@@ -108,13 +114,19 @@ def _head(*, loss_type: str, sequence: bool, old_given: bool, delta: float | Non
     segment term (one segment per completion), each sequence's value a formula of segment means; a
     weight ``w`` of a segment term carries the sequence's token count ``n_s``, so that
     ``segment_mean(w * x)`` is the weighted sum over its tokens; TRL's per-sequence metrics are segment
-    terms of weight 0 (counts over sequences)."""
+    terms of weight 0 (counts over sequences). The off-policy sequence mask (``off_policy``) is a
+    segment quantity too: with it, the policy term is a segment term at the token level as well."""
     l = S.target_logit - S.lse                         # per_token_logps (at the head's temperature)
     old = S.token("old_logprobs") if old_given else S.stop_gradient(l)   # TRL: per_token_logps.detach()
     A, w_pol, w_kl = S.token("advantages"), S.token("w_pol"), S.token("w_kl")
     lo, hi = 1 - S.param("eps_low"), 1 + S.param("eps_high")
-    segments = sequence or loss_type == "vespo"
+    segments = sequence or loss_type == "vespo" or off_policy
     seq = _SEQ if segments else (lambda x: x)         # a (weighted) sum over the sequence's tokens, or the token
+
+    def summed(factor: Any, per_token: Any) -> Any:
+        """The policy's sum over a sequence's tokens (or a token's value): ``factor`` is the sequence's at
+        the sequence level, the token's otherwise."""
+        return factor * seq(per_token) if sequence else seq(factor * per_token)
     if sequence:   # coef_1 = exp(mean over the completion of log_ratio), one advantage per sequence
         r, A = S.exp(_SEQ(l - old)), _SEQ(A)
     else:
@@ -129,12 +141,12 @@ def _head(*, loss_type: str, sequence: bool, old_given: bool, delta: float | Non
 
     if loss_type == "cispo":
         # -clamp(coef_1, max=epsilon_high).detach() * A * logp; epsilon_high is the bound itself
-        policy = -S.stop_gradient(S.Min(r, S.param("eps_high"))) * seq(w_pol * S.token("advantages") * l)
+        policy = summed(-S.stop_gradient(S.Min(r, S.param("eps_high"))), w_pol * S.token("advantages") * l)
         indicator("cispo_clip", sp.And(r > S.param("eps_high"), A > 0))
     elif loss_type == "sapo":
         # -sigmoid(tau * (coef_1 - 1)) * 4 / tau * A, tau = sapo_temperature_pos if A > 0 else _neg
         tau = S.Piecewise((S.param("tau_pos"), A > 0), (S.param("tau_neg"), True))
-        policy = -4 / tau / (1 + S.exp(-tau * (r - 1))) * A * seq(w_pol)
+        policy = summed(-4 / tau / (1 + S.exp(-tau * (r - 1))) * A, w_pol)
     elif loss_type == "vespo":
         # TRL's get_gamma_weights: log w = clamp(sum_t clamp(log_ratio, -20, 20) + sum_t log(IS ratio),
         # log 1e-8, 20), phi = exp(log_gamma) (0 where it overflows), detached; loss -phi * A * logp
@@ -149,13 +161,24 @@ def _head(*, loss_type: str, sequence: bool, old_given: bool, delta: float | Non
     else:
         # coef_2 = clamp(coef_1, 1 - eps_low, 1 + eps_high); two-sided clipping: coef_1 = clamp(coef_1, max=delta)
         r1 = r if delta is None else S.clamp(r, 0, S.param("delta"))
-        policy = -S.Min(r1 * A, S.clamp(r, lo, hi) * A) * seq(w_pol)
+        policy = summed(-S.Min(r1 * A, S.clamp(r, lo, hi) * A), w_pol)
         # TRL's clip ratios, on coef_1 after delta's clamp: low where A < 0, high where A > 0 (an empty
         # sequence's ratio, 1, is inside the clip range: TRL's delta is above 1 + epsilon_high)
         indicator("clip_low", sp.And(r1 < lo, A < 0))
         indicator("clip_high", sp.And(r1 > hi, A > 0))
         if not sequence:
             indicator("clip_region", sp.Or(sp.And(r1 < lo, A < 0), sp.And(r1 > hi, A > 0)))
+    if off_policy:
+        # TRL's get_off_policy_mask: keep a sequence if A >= 0 or the mean over its tokens of
+        # sampling - logp.detach() (NaN made 0: sampling_known) is at most the threshold; the sampling
+        # log-probs are vLLM's, else the old ones, else the current pass's (the mean is then 0)
+        if sampling_given:
+            drift = S.token("sampling_known") * (S.token("sampling_logprobs") - S.stop_gradient(l))
+            close = _SEQ(drift) <= S.param("off_policy_threshold")
+        else:
+            close = sp.true if params["off_policy_threshold"] >= 0 else sp.false
+        keep = sp.Or(_SEQ(S.token("advantages")) >= 0, close)
+        policy = policy if keep == sp.true else S.Piecewise((1, keep), (0, True)) * policy
     d = S.token("ref_logprobs") - l
     kl = S.exp(d) - d - 1                              # per_token_kl, times coef_1 under use_bias_correction_kl
     if beta:
@@ -220,10 +243,12 @@ class GRPOTrainer(trl.GRPOTrainer):
         _refuse(unfused_options(self.args, self.model))
         target = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         _add_fused_objective(target, self.args.cast_lm_head_to_fp32)
-        self._lcg_heads: dict[bool, tuple[lcg.HeadLoss, frozenset[str]]] = {}
+        self._lcg_heads: dict[tuple[bool, bool], tuple[lcg.HeadLoss, frozenset[str]]] = {}
         self._lcg_final_logits = _final_logits(self.model, self.temperature)
-        # the ratio is a sequence's (GSPO), or the loss weighs sequences (VESPO): one segment per completion
-        self._lcg_segments = self.importance_sampling_level == "sequence" or self.loss_type == "vespo"
+        # the ratio is a sequence's (GSPO), the loss weighs sequences (VESPO) or masks them (the off-policy
+        # mask): one segment per completion
+        self._lcg_segments = self.importance_sampling_level == "sequence" or self.loss_type == "vespo" \
+            or self.off_policy_mask_threshold is not None
 
     def _lcg_params(self) -> dict[str, float]:
         """The head's parameters, from the config (each a kernel argument: no new kernel per value)."""
@@ -233,24 +258,28 @@ class GRPOTrainer(trl.GRPOTrainer):
             params["delta"] = float(a.delta)
         if self.loss_type == "sapo":
             params.update(tau_pos=a.sapo_temperature_pos, tau_neg=a.sapo_temperature_neg)
+        if self.off_policy_mask_threshold is not None:
+            params["off_policy_threshold"] = float(self.off_policy_mask_threshold)
         if self.loss_type == "vespo":   # (TRL clamps lambda at 1e-4)
             params.update(k_pos=a.vespo_k_pos, lambda_pos=max(a.vespo_lambda_pos, 1e-4), k_neg=a.vespo_k_neg,
                           lambda_neg=max(a.vespo_lambda_neg, 1e-4))
         return params
 
-    def _lcg_head(self, old_given: bool) -> tuple[lcg.HeadLoss, frozenset[str]]:
-        """The head for batches with (or without) old log-probs, and the per-token inputs it reads (a
-        formula may drop one: without old log-probs the ratios are 1, and the clip ratios 0)."""
-        entry = self._lcg_heads.get(old_given)
+    def _lcg_head(self, old_given: bool, sampling_given: bool) -> tuple[lcg.HeadLoss, frozenset[str]]:
+        """The head for batches with (or without) old log-probs and sampling log-probs for the off-policy
+        mask, and the per-token inputs it reads (a formula may drop one: without old log-probs the ratios
+        are 1, and the clip ratios 0)."""
+        entry = self._lcg_heads.get((old_given, sampling_given))
         if entry is None:
             softcap, scale = self._lcg_final_logits
             head = _head(loss_type=self.loss_type, sequence=self.importance_sampling_level == "sequence",
-                         old_given=old_given, delta=self.args.delta, beta=self.beta != 0.0,
+                         old_given=old_given, off_policy=self.off_policy_mask_threshold is not None,
+                         sampling_given=sampling_given, delta=self.args.delta, beta=self.beta != 0.0,
                          bias_corrected=bool(self.args.use_bias_correction_kl), entropy=self._entropy_bonus_enabled,
                          params=self._lcg_params(), softcap=softcap, logit_scale=scale)
             # (advantages and old/ref log-probs: any head takes them; other tokens: those its kernel reads)
             reads = frozenset(("advantages", "old_logprobs", "ref_logprobs", *head.kernel.TOKENS))
-            entry = self._lcg_heads[old_given] = (head, reads)
+            entry = self._lcg_heads[(old_given, sampling_given)] = (head, reads)
         return entry
 
     # ---- the loss ---------------------------------------------------------------------------------
@@ -265,7 +294,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         B = completion_ids.size(0)
         mode = "train" if self.model.training else "eval"
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
-        segments = self._lcg_segments
+        segments, sequence = self._lcg_segments, self.importance_sampling_level == "sequence"
 
         advantages = inputs["advantages"]
         if advantages.dim() == 1:
@@ -307,13 +336,18 @@ class GRPOTrainer(trl.GRPOTrainer):
             log_is = torch.zeros_like(n_seq) if ratio is None else \
                 torch.log(ratio.float()).clamp(math.log(1e-8), 20.0).sum(-1, keepdim=True)
             tokens["log_is"] = log_is.expand(B, C)
+        # the off-policy mask's sampling log-probs: vLLM's, else the old ones (TRL's order)
+        sampling = inputs.get("sampling_per_token_logps", old)
+        if self.off_policy_mask_threshold is not None and sampling is not None:
+            tokens.update(sampling_logprobs=torch.nan_to_num(sampling.float(), nan=0.0),
+                          sampling_known=(~torch.isnan(sampling)).float())
         if self._entropy_bonus_enabled:
             if self.use_adaptive_entropy:
                 coef = self.entropy_coef if self._last_world_entropy <= self.args.entropy_target else 0.0
             else:
                 coef = self.entropy_coef
             tokens["w_ent"] = -coef * maskf / n.clamp(min=1.0) / accumulation
-        head, reads = self._lcg_head(old is not None)
+        head, reads = self._lcg_head(old is not None, "sampling_logprobs" in tokens)
         call = {k: v for k, v in tokens.items() if k in reads}
         if segments:   # the terms summed (segment terms over the completions), so that the weights are the loss
             call.update(reduction="sum", segment_ids=torch.arange(B, device=mask.device)[:, None].expand(B, C),
@@ -360,8 +394,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         metrics["entropy"].append(global_ratio(out.metrics["entropy"] * n, n))
         sequences = torch.tensor(float(B), device=n.device)
         if self.loss_type == "cispo":
-            clipped = out.terms["cispo_clip"] if segments else out.metrics["cispo_clip"] * n
-            metrics["cispo_clip_ratio"].append(global_ratio(clipped, sequences if segments else n))
+            clipped = out.terms["cispo_clip"] if sequence else out.metrics["cispo_clip"] * n
+            metrics["cispo_clip_ratio"].append(global_ratio(clipped, sequences if sequence else n))
         elif self.loss_type == "vespo":
             # phi's sum over the completions, those without a token too (TRL's log w is then their log IS sum)
             nonneg = A[:, 0] >= 0
@@ -371,7 +405,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             phi_empty = torch.exp(_log_gamma(log_w, k, lam, torch.exp)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
             phi = out.terms["vespo_phi"] + (phi_empty * (n_seq[:, 0] == 0)).sum()
             metrics["vespo/phi_seq_mean"].append(global_ratio(phi, sequences))
-        elif self.loss_type != "sapo" and segments:
+        elif self.loss_type != "sapo" and sequence:
             # each sequence is clipped or not: TRL's min and max over the sequences are 1 if all are / any is
             low, high, count = self.accelerator.reduce(
                 torch.stack([out.terms["clip_low"], out.terms["clip_high"], sequences]), reduction="sum").tolist()
