@@ -42,7 +42,7 @@ from triton.language.extra import libdevice
 
 KEY = "05a2ed77b2099870"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "af4750ebc765"
+CODEGEN = "ec1ee8ebcb58"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'token_accuracy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -68,8 +68,8 @@ SCALARS = ['weight_cross_entropy']
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = []
 SEGMENT_MEANS = []
-# what decides the tile (the runtime's choice, losscodegen/tiles.py): the streams the first read
-# loads, its running sums, the exact read's sums
+# what decides the tile (the runtime's choice, losscodegen/backends/triton/tiles.py): the streams
+# the first read loads, its running sums, the exact read's sums
 STATE = ('x', 1, 0)
 # Each kernel's interface, in its signature's order (both written from emit.signatures; launch.py
 # passes every argument by these names): the arguments of each launch, then those that are the
@@ -402,4 +402,4 @@ def head_loss_05a2ed77b2099870(
             tl.store(ws_ptr + 1, value_token_accuracy)
             tl.store(ws_ptr + 2, weight_cross_entropy * value_cross_entropy)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "dacb5a650fe7790b69e85246729d80768d1dc975f1da6ab1487678bd06f4565b"
+TEXT_HASH = "065ea36ce2932eb59507c26b09f5067fce6eb08bdf07d45418c94852564230df"

@@ -51,7 +51,7 @@ from triton.language.extra import libdevice
 
 KEY = "203180df93923b8c"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "af4750ebc765"
+CODEGEN = "ec1ee8ebcb58"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss', 'forward_kl', 'entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -77,8 +77,8 @@ SCALARS = ['weight_cross_entropy', 'weight_z_loss', 'weight_forward_kl']
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = []
 SEGMENT_MEANS = []
-# what decides the tile (the runtime's choice, losscodegen/tiles.py): the streams the first read
-# loads, its running sums, the exact read's sums
+# what decides the tile (the runtime's choice, losscodegen/backends/triton/tiles.py): the streams
+# the first read loads, its running sums, the exact read's sums
 STATE = ('xt', 4, 0)
 # Each kernel's interface, in its signature's order (both written from emit.signatures; launch.py
 # passes every argument by these names): the arguments of each launch, then those that are the
@@ -478,4 +478,4 @@ def head_loss_203180df93923b8c(
             tl.store(ws_ptr + 3, value_entropy)
             tl.store(ws_ptr + 4, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss + weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "159ecc6c0449cf86d9713ddee29a58b9b8e8101eb02fbe1cac511305b0145c76"
+TEXT_HASH = "879c368a21e6c2cb7ed6c9d1ec82068ca6cada7c58fad8e275384a4b558d8076"

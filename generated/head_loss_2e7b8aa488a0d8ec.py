@@ -42,7 +42,7 @@ from triton.language.extra import libdevice
 
 KEY = "2e7b8aa488a0d8ec"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "af4750ebc765"
+CODEGEN = "ec1ee8ebcb58"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -68,8 +68,8 @@ SCALARS = ['weight_cross_entropy', 'weight_z_loss']
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = []
 SEGMENT_MEANS = []
-# what decides the tile (the runtime's choice, losscodegen/tiles.py): the streams the first read
-# loads, its running sums, the exact read's sums
+# what decides the tile (the runtime's choice, losscodegen/backends/triton/tiles.py): the streams
+# the first read loads, its running sums, the exact read's sums
 STATE = ('x', 1, 0)
 # Each kernel's interface, in its signature's order (both written from emit.signatures; launch.py
 # passes every argument by these names): the arguments of each launch, then those that are the
@@ -395,4 +395,4 @@ def head_loss_2e7b8aa488a0d8ec(
             tl.store(ws_ptr + 1, value_z_loss)
             tl.store(ws_ptr + 2, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "86104202544b79906767ac41fec7ba859e55060adbc27fdbbd3cfbd7b000aff9"
+TEXT_HASH = "cc4fb60000cd464225c5c60d1354b1d3a5c3932d07955371755a0ae39a38759a"

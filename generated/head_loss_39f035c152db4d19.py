@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "39f035c152db4d19"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "af4750ebc765"
+CODEGEN = "ec1ee8ebcb58"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_fraction']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -71,8 +71,8 @@ SCALARS = ['weight_grpo', 'p_grpo__eps_high', 'p_grpo__eps_low', 'p_grpo__kl_bet
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = []
 SEGMENT_MEANS = []
-# what decides the tile (the runtime's choice, losscodegen/tiles.py): the streams the first read
-# loads, its running sums, the exact read's sums
+# what decides the tile (the runtime's choice, losscodegen/backends/triton/tiles.py): the streams
+# the first read loads, its running sums, the exact read's sums
 STATE = ('x', 2, 0)
 # Each kernel's interface, in its signature's order (both written from emit.signatures; launch.py
 # passes every argument by these names): the arguments of each launch, then those that are the
@@ -436,4 +436,4 @@ def head_loss_39f035c152db4d19(
             tl.store(ws_ptr + 2, value_clip_fraction)
             tl.store(ws_ptr + 3, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "cb56b0cedfa12d0e2b7cc1d5360b8e273651142f97fd4b22155913a1039827c9"
+TEXT_HASH = "83a8eaebae76f11e5e9bf2391aa08b938160d6d6d3a9ac6abdf170ceb63a78ac"

@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "3d268cb74e027a19"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "af4750ebc765"
+CODEGEN = "ec1ee8ebcb58"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['gspo', 'entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -71,8 +71,8 @@ SCALARS = ['weight_gspo', 'p_gspo__eps_high', 'p_gspo__eps_low']
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = ['gspo']
 SEGMENT_MEANS = ['gspo_U0', 'gspo_U1']
-# what decides the tile (the runtime's choice, losscodegen/tiles.py): the streams the first read
-# loads, its running sums, the exact read's sums
+# what decides the tile (the runtime's choice, losscodegen/backends/triton/tiles.py): the streams
+# the first read loads, its running sums, the exact read's sums
 STATE = ('x', 2, 0)
 # Each kernel's interface, in its signature's order (both written from emit.signatures; launch.py
 # passes every argument by these names): the arguments of each launch, then those that are the
@@ -499,4 +499,4 @@ def segments_3d268cb74e027a19(
     loss += weight_gspo * (gspo / div)
     tl.store(ws_ptr + 2, loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "1814cb9e39340d7889af5c57f53fc28392f2d5f94ea41c1b3732db822300a771"
+TEXT_HASH = "06ab5dca9f21440a972b9df3b6b0a7c54a814672eeb09743c074f6c312d6fa14"

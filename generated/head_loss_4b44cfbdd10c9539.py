@@ -49,7 +49,7 @@ from triton.language.extra import libdevice
 
 KEY = "4b44cfbdd10c9539"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "af4750ebc765"
+CODEGEN = "ec1ee8ebcb58"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_fraction', 'ratio_mean', 'kl_new_old']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -75,8 +75,8 @@ SCALARS = ['weight_grpo', 'p_grpo__eps_high', 'p_grpo__eps_low']
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = []
 SEGMENT_MEANS = []
-# what decides the tile (the runtime's choice, losscodegen/tiles.py): the streams the first read
-# loads, its running sums, the exact read's sums
+# what decides the tile (the runtime's choice, losscodegen/backends/triton/tiles.py): the streams
+# the first read loads, its running sums, the exact read's sums
 STATE = ('x', 2, 0)
 # Each kernel's interface, in its signature's order (both written from emit.signatures; launch.py
 # passes every argument by these names): the arguments of each launch, then those that are the
@@ -445,4 +445,4 @@ def head_loss_4b44cfbdd10c9539(
             tl.store(ws_ptr + 4, value_kl_new_old)
             tl.store(ws_ptr + 5, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "98cc8db56896e50a2e3bcc2a29a5733209f896d72d966892b11e1eededcc221a"
+TEXT_HASH = "01e0c9908ff2d8fcef52d0d822f2e7bfc2f3680dd5e818424c496c2ccc96c50c"

@@ -43,7 +43,7 @@ from triton.language.extra import libdevice
 
 KEY = "61bded9c9d8c364d"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "af4750ebc765"
+CODEGEN = "ec1ee8ebcb58"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['reverse_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -69,8 +69,8 @@ SCALARS = ['weight_reverse_kl']
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = []
 SEGMENT_MEANS = []
-# what decides the tile (the runtime's choice, losscodegen/tiles.py): the streams the first read
-# loads, its running sums, the exact read's sums
+# what decides the tile (the runtime's choice, losscodegen/backends/triton/tiles.py): the streams
+# the first read loads, its running sums, the exact read's sums
 STATE = ('xt', 3, 0)
 # Each kernel's interface, in its signature's order (both written from emit.signatures; launch.py
 # passes every argument by these names): the arguments of each launch, then those that are the
@@ -424,4 +424,4 @@ def head_loss_61bded9c9d8c364d(
             tl.store(ws_ptr + 0, value_reverse_kl)
             tl.store(ws_ptr + 1, weight_reverse_kl * value_reverse_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "da86ae694e3e37fe2fd010722c69be93211f2d3f831e0dbc8d140cffe7923c8e"
+TEXT_HASH = "f4eaad4478f47c50b67d9a3993e7bdb6da0d9195f5641f9e1f14a667554d01a6"

@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "6dc3df098f5c5073"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "af4750ebc765"
+CODEGEN = "ec1ee8ebcb58"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cispo', 'entropy', 'cispo_clip_ratio']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -71,8 +71,8 @@ SCALARS = ['weight_cispo', 'p_cispo__eps_high']
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = []
 SEGMENT_MEANS = []
-# what decides the tile (the runtime's choice, losscodegen/tiles.py): the streams the first read
-# loads, its running sums, the exact read's sums
+# what decides the tile (the runtime's choice, losscodegen/backends/triton/tiles.py): the streams
+# the first read loads, its running sums, the exact read's sums
 STATE = ('x', 2, 0)
 # Each kernel's interface, in its signature's order (both written from emit.signatures; launch.py
 # passes every argument by these names): the arguments of each launch, then those that are the
@@ -418,4 +418,4 @@ def head_loss_6dc3df098f5c5073(
             tl.store(ws_ptr + 2, value_cispo_clip_ratio)
             tl.store(ws_ptr + 3, weight_cispo * value_cispo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "2574c5ef8336a74a3f461ad9f6ae7b24a64920d322a778bee95237906ff14865"
+TEXT_HASH = "53281c293a1d3de400532cbb1fa69cb79565d218eedc673d61066a26497e3bf3"

@@ -43,7 +43,7 @@ from triton.language.extra import libdevice
 
 KEY = "7fef8addf6d59cde"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "af4750ebc765"
+CODEGEN = "ec1ee8ebcb58"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -69,8 +69,8 @@ SCALARS = ['weight_forward_kl']
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = []
 SEGMENT_MEANS = []
-# what decides the tile (the runtime's choice, losscodegen/tiles.py): the streams the first read
-# loads, its running sums, the exact read's sums
+# what decides the tile (the runtime's choice, losscodegen/backends/triton/tiles.py): the streams
+# the first read loads, its running sums, the exact read's sums
 STATE = ('xt', 3, 0)
 # Each kernel's interface, in its signature's order (both written from emit.signatures; launch.py
 # passes every argument by these names): the arguments of each launch, then those that are the
@@ -419,4 +419,4 @@ def head_loss_7fef8addf6d59cde(
             tl.store(ws_ptr + 0, value_forward_kl)
             tl.store(ws_ptr + 1, weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "c0722d3e22e957b774246edf3521b821f89687f9590d252786f9f9326510a2f6"
+TEXT_HASH = "5e73de729df095a7bfd4ed80c057287fc73a74f71ae184bdb51b8e6bf8f1dfba"

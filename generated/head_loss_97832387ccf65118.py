@@ -49,7 +49,7 @@ from triton.language.extra import libdevice
 
 KEY = "97832387ccf65118"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "af4750ebc765"
+CODEGEN = "ec1ee8ebcb58"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -75,8 +75,8 @@ SCALARS = ['weight_cross_entropy', 'weight_forward_kl']
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = []
 SEGMENT_MEANS = []
-# what decides the tile (the runtime's choice, losscodegen/tiles.py): the streams the first read
-# loads, its running sums, the exact read's sums
+# what decides the tile (the runtime's choice, losscodegen/backends/triton/tiles.py): the streams
+# the first read loads, its running sums, the exact read's sums
 STATE = ('xt', 4, 0)
 # Each kernel's interface, in its signature's order (both written from emit.signatures; launch.py
 # passes every argument by these names): the arguments of each launch, then those that are the
@@ -461,4 +461,4 @@ def head_loss_97832387ccf65118(
             tl.store(ws_ptr + 1, value_forward_kl)
             tl.store(ws_ptr + 2, weight_cross_entropy * value_cross_entropy + weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "e09b7b7b3e081bb66665c6f5112068e392fbd07e971c24e18972a23bc807ca2c"
+TEXT_HASH = "2bcd7d18de4bae4c6e6820ee9f45c6f23da435c3a0947f315edda3bd8303a6fc"

@@ -48,7 +48,7 @@ from triton.language.extra import libdevice
 
 KEY = "b035e884472ee995"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "af4750ebc765"
+CODEGEN = "ec1ee8ebcb58"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['jsd']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -74,8 +74,8 @@ SCALARS = ['weight_jsd', 'p_jsd__beta']
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = []
 SEGMENT_MEANS = []
-# what decides the tile (the runtime's choice, losscodegen/tiles.py): the streams the first read
-# loads, its running sums, the exact read's sums
+# what decides the tile (the runtime's choice, losscodegen/backends/triton/tiles.py): the streams
+# the first read loads, its running sums, the exact read's sums
 STATE = ('xt', 2, 4)
 # Each kernel's interface, in its signature's order (both written from emit.signatures; launch.py
 # passes every argument by these names): the arguments of each launch, then those that are the
@@ -493,4 +493,4 @@ def head_loss_b035e884472ee995(
             tl.store(ws_ptr + 0, value_jsd)
             tl.store(ws_ptr + 1, weight_jsd * value_jsd)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "665c2550c55ff7647724b8b22ff14f6f765352589223ecf4f0695ea7085acf5d"
+TEXT_HASH = "82ab156be8cf6214d9e8677bdbee660b03834935dd549ba142fe10fb1f01695a"

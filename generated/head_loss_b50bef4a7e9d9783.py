@@ -49,7 +49,7 @@ from triton.language.extra import libdevice
 
 KEY = "b50bef4a7e9d9783"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "af4750ebc765"
+CODEGEN = "ec1ee8ebcb58"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_ratio_low', 'clip_ratio_high', 'clip_ratio_region']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -75,8 +75,8 @@ SCALARS = ['weight_grpo', 'p_grpo__eps_high', 'p_grpo__eps_low', 'p_grpo__kl_bet
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = []
 SEGMENT_MEANS = []
-# what decides the tile (the runtime's choice, losscodegen/tiles.py): the streams the first read
-# loads, its running sums, the exact read's sums
+# what decides the tile (the runtime's choice, losscodegen/backends/triton/tiles.py): the streams
+# the first read loads, its running sums, the exact read's sums
 STATE = ('x', 2, 0)
 # Each kernel's interface, in its signature's order (both written from emit.signatures; launch.py
 # passes every argument by these names): the arguments of each launch, then those that are the
@@ -461,4 +461,4 @@ def head_loss_b50bef4a7e9d9783(
             tl.store(ws_ptr + 4, value_clip_ratio_region)
             tl.store(ws_ptr + 5, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "d14ffbf5741e6f2f1cfcc5568e14d1927ff77b822eca847c2bbea7214c79a6df"
+TEXT_HASH = "428f130797e86a4f2604c10db6b61431011154b258d63c67a24f02c41a0d666f"

@@ -47,7 +47,7 @@ from triton.language.extra import libdevice
 
 KEY = "b6ac30aa276abf3a"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "af4750ebc765"
+CODEGEN = "ec1ee8ebcb58"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss', 'entropy', 'token_accuracy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -73,8 +73,8 @@ SCALARS = ['weight_cross_entropy', 'weight_z_loss']
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = []
 SEGMENT_MEANS = []
-# what decides the tile (the runtime's choice, losscodegen/tiles.py): the streams the first read
-# loads, its running sums, the exact read's sums
+# what decides the tile (the runtime's choice, losscodegen/backends/triton/tiles.py): the streams
+# the first read loads, its running sums, the exact read's sums
 STATE = ('x', 2, 0)
 # Each kernel's interface, in its signature's order (both written from emit.signatures; launch.py
 # passes every argument by these names): the arguments of each launch, then those that are the
@@ -436,4 +436,4 @@ def head_loss_b6ac30aa276abf3a(
             tl.store(ws_ptr + 3, value_token_accuracy)
             tl.store(ws_ptr + 4, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "6e6d295b16d53edae5e224e328b796f11dd4f305ec0c60b34d02faa80eee42df"
+TEXT_HASH = "dfc5a0c2ed790e59c7c6e57c7f00e15b326ec6f0fe7ab6b1bf81e53f9f7ec519"

@@ -40,7 +40,7 @@ from triton.language.extra import libdevice
 
 KEY = "c642f27271603bf7"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "af4750ebc765"
+CODEGEN = "ec1ee8ebcb58"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -66,8 +66,8 @@ SCALARS = ['weight_cross_entropy']
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = []
 SEGMENT_MEANS = []
-# what decides the tile (the runtime's choice, losscodegen/tiles.py): the streams the first read
-# loads, its running sums, the exact read's sums
+# what decides the tile (the runtime's choice, losscodegen/backends/triton/tiles.py): the streams
+# the first read loads, its running sums, the exact read's sums
 STATE = ('x', 1, 0)
 # Each kernel's interface, in its signature's order (both written from emit.signatures; launch.py
 # passes every argument by these names): the arguments of each launch, then those that are the
@@ -381,4 +381,4 @@ def head_loss_c642f27271603bf7(
             tl.store(ws_ptr + 0, value_cross_entropy)
             tl.store(ws_ptr + 1, weight_cross_entropy * value_cross_entropy)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "b2ffb848babb95c20ae5d9d732f2b3531a30254f0caad33f70519285c0c3f2ff"
+TEXT_HASH = "0fd78879ea00f791a77755be0d9e76fa78739e729190d737f50f15a4e8d82e10"

@@ -43,7 +43,7 @@ from triton.language.extra import libdevice
 
 KEY = "d4ac32833fba1c40"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "af4750ebc765"
+CODEGEN = "ec1ee8ebcb58"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['topk_forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -69,8 +69,8 @@ SCALARS = ['weight_topk_forward_kl']
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = []
 SEGMENT_MEANS = []
-# what decides the tile (the runtime's choice, losscodegen/tiles.py): the streams the first read
-# loads, its running sums, the exact read's sums
+# what decides the tile (the runtime's choice, losscodegen/backends/triton/tiles.py): the streams
+# the first read loads, its running sums, the exact read's sums
 STATE = ('x', 1, 0)
 # Each kernel's interface, in its signature's order (both written from emit.signatures; launch.py
 # passes every argument by these names): the arguments of each launch, then those that are the
@@ -415,4 +415,4 @@ def head_loss_d4ac32833fba1c40(
             tl.store(ws_ptr + 0, value_topk_forward_kl)
             tl.store(ws_ptr + 1, weight_topk_forward_kl * value_topk_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "797632472c2dc0a1bebe62c89b52e4992a4a79a760074cfa578a07ea7f9fa7b9"
+TEXT_HASH = "c6ebf3e79ff45991755f528915125d97f5889815a0edce7faee62d58e8a4968c"

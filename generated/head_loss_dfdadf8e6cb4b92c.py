@@ -40,7 +40,7 @@ from triton.language.extra import libdevice
 
 KEY = "dfdadf8e6cb4b92c"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "af4750ebc765"
+CODEGEN = "ec1ee8ebcb58"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -66,8 +66,8 @@ SCALARS = ['weight_cross_entropy']
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = []
 SEGMENT_MEANS = []
-# what decides the tile (the runtime's choice, losscodegen/tiles.py): the streams the first read
-# loads, its running sums, the exact read's sums
+# what decides the tile (the runtime's choice, losscodegen/backends/triton/tiles.py): the streams
+# the first read loads, its running sums, the exact read's sums
 STATE = ('x', 1, 0)
 # Each kernel's interface, in its signature's order (both written from emit.signatures; launch.py
 # passes every argument by these names): the arguments of each launch, then those that are the
@@ -381,4 +381,4 @@ def head_loss_dfdadf8e6cb4b92c(
             tl.store(ws_ptr + 0, value_cross_entropy)
             tl.store(ws_ptr + 1, weight_cross_entropy * value_cross_entropy)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "0c0b507b4ad38267ce5e2e2c5f166943866c7c921cd5a0ad4d534a0d41552c0c"
+TEXT_HASH = "ad0c91bcb9aee12a12e4ff2b17e9716ef2796bd4c37de861b4fe91c2449943cf"

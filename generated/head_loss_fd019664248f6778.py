@@ -42,7 +42,7 @@ from triton.language.extra import libdevice
 
 KEY = "fd019664248f6778"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "af4750ebc765"
+CODEGEN = "ec1ee8ebcb58"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -68,8 +68,8 @@ SCALARS = ['weight_cross_entropy', 'p_cross_entropy__label_smoothing']
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = []
 SEGMENT_MEANS = []
-# what decides the tile (the runtime's choice, losscodegen/tiles.py): the streams the first read
-# loads, its running sums, the exact read's sums
+# what decides the tile (the runtime's choice, losscodegen/backends/triton/tiles.py): the streams
+# the first read loads, its running sums, the exact read's sums
 STATE = ('x', 2, 0)
 # Each kernel's interface, in its signature's order (both written from emit.signatures; launch.py
 # passes every argument by these names): the arguments of each launch, then those that are the
@@ -399,4 +399,4 @@ def head_loss_fd019664248f6778(
             tl.store(ws_ptr + 0, value_cross_entropy)
             tl.store(ws_ptr + 1, weight_cross_entropy * value_cross_entropy)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "f0d369691c6e3e33f9829cf0d4a5ff2e04a01c74dbf3469768539877ed505ea5"
+TEXT_HASH = "e2719dcbc641a98821b446c30b4b5532c444fd9d22c8d07a23430e72f65730f0"
