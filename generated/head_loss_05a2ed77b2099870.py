@@ -9,7 +9,7 @@
 #   row values:
 #     cross_entropy = -zym + log(acc0)
 #     token_accuracy = Piecewise((1, Eq(argmax, label)), (0, True))
-#   normalisers:
+#   normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima; first-read sums of zm and tm follow the running maxima):
 #     N0 = m + log(acc0)
 #   accumulators (1):
 #     acc0 = sum_i exp(1*(z - m)) * 1    [online]
@@ -42,7 +42,7 @@ from triton.language.extra import libdevice
 
 KEY = "05a2ed77b2099870"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "ec1ee8ebcb58"
+CODEGEN = "63072e17c75d"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'token_accuracy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -232,7 +232,9 @@ def head_loss_05a2ed77b2099870(
                 block_arg = tl.argmax(tl.where(in_row, z, float("-inf")), 0)
                 argmax = tl.where(block_max > m, (vocab_start + start + block_arg).to(tl.float32), argmax)
 
-                s0 = tl.exp2(1.4426950408889634 * (-m_ref + z))
+                # the elements relative to the running maxima, after the floor (z - m of a floored -inf, not -inf - m)
+                zm = -m_ref + z
+                s0 = tl.exp2(1.4426950408889634 * zm)
                 r0 = tl.exp2(1.4426950408889634 * (m - m_ref))
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
                 acc0_tile = tl.sum(tl.where(in_row, s0, 0.0), 0)
@@ -402,4 +404,4 @@ def head_loss_05a2ed77b2099870(
             tl.store(ws_ptr + 1, value_token_accuracy)
             tl.store(ws_ptr + 2, weight_cross_entropy * value_cross_entropy)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "065ea36ce2932eb59507c26b09f5067fce6eb08bdf07d45418c94852564230df"
+TEXT_HASH = "e95c9527de0813ea44b309e9b8d86a9097e55e43469bd0def96df1bfcebaf9e9"

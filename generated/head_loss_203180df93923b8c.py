@@ -9,21 +9,21 @@
 #
 # lowered:
 #   row values:
-#     cross_entropy = -zym + log(acc3)
-#     z_loss = (m + log(acc3))**2
-#     forward_kl = m - m_t - log(acc0) + log(acc3) + acc1/acc0
-#     entropy = -acc2/acc3 + m + log(acc3)
-#   normalisers:
-#     N0 = m + log(acc3)
+#     cross_entropy = -zym + log(acc2)
+#     z_loss = (m + log(acc2))**2
+#     forward_kl = -log(acc0) + log(acc2) + acc1/acc0
+#     entropy = log(acc2) - acc3/acc2
+#   normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima; first-read sums of zm and tm follow the running maxima):
+#     N0 = m + log(acc2)
 #     N1 = m_t + log(acc0)
 #   accumulators (4; 5 before combining the sums that share a weight):
 #     acc0 = sum_i exp(1*(t - m_t)) * 1    [online]
-#     acc1 = sum_i exp(1*(t - m_t)) * (t - z)    [online]
-#     acc2 = sum_i exp(1*(z - m)) * z    [online]
-#     acc3 = sum_i exp(1*(z - m)) * 1    [online]
+#     acc1 = sum_i exp(1*(t - m_t)) * (tm - zm)    [online]
+#     acc2 = sum_i exp(1*(z - m)) * 1    [online]
+#     acc3 = sum_i exp(1*(z - m)) * zm    [online]
 #   gradient (derived by sympy):
 #     g0 = w_forward_kl
-#     g1 = w_cross_entropy + w_forward_kl + 2*w_z_loss*(m + log(acc3))
+#     g1 = w_cross_entropy + w_forward_kl + 2*w_z_loss*(m + log(acc2))
 #     g2 = -w_cross_entropy
 #     dL/dz_i = -g0*exp(-L_N1 + tm) + g1*exp(-L_N0 + zm) + g2*is_y
 #
@@ -51,7 +51,7 @@ from triton.language.extra import libdevice
 
 KEY = "203180df93923b8c"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "ec1ee8ebcb58"
+CODEGEN = "63072e17c75d"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss', 'forward_kl', 'entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -251,19 +251,24 @@ def head_loss_203180df93923b8c(
                 z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
                 t = tl.maximum(t, FLOOR, propagate_nan=tl.PropagateNan.ALL)
 
-                s0 = tl.exp2(1.4426950408889634 * (-m_t_ref + t))
+                # the elements relative to the running maxima, after the floor (z - m of a floored -inf, not -inf - m)
+                zm = -m_ref + z
+                tm = -m_t_ref + t
+                s0 = tl.exp2(1.4426950408889634 * tm)
                 r0 = tl.exp2(1.4426950408889634 * (m_t - m_t_ref))
-                s1 = tl.exp2(1.4426950408889634 * (-m_ref + z))
+                acc1_moved = tl.where(acc0 > 0.0, acc0*(-m + m_ref + m_t - m_t_ref), 0.0)
+                s1 = tl.exp2(1.4426950408889634 * zm)
                 r1 = tl.exp2(1.4426950408889634 * (m - m_ref))
+                acc3_moved = tl.where(acc2 > 0.0, acc2*(m - m_ref), 0.0)
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
-                part0 = tl.sum(tl.join(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, s0*(t - z), 0.0)), tl.join(tl.where(in_row, s1*z, 0.0), tl.where(in_row, s1, 0.0))), 0)
+                part0 = tl.sum(tl.join(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, s0*(tm - zm), 0.0)), tl.join(tl.where(in_row, s1, 0.0), tl.where(in_row, s1*zm, 0.0))), 0)
                 part1, part2 = tl.split(part0)
                 acc0_tile, acc1_tile = tl.split(part1)
                 acc2_tile, acc3_tile = tl.split(part2)
                 acc0 = acc0 * r0 + acc0_tile
-                acc1 = acc1 * r0 + acc1_tile
+                acc1 = (acc1 + acc1_moved) * r0 + acc1_tile
                 acc2 = acc2 * r1 + acc2_tile
-                acc3 = acc3 * r1 + acc3_tile
+                acc3 = (acc3 + acc3_moved) * r1 + acc3_tile
                 m = m_new
                 m_t = m_t_new
             z_y = tl.where(y_here, _logits(tl.load(x_row + y_local, mask=y_here, other=0.0).to(tl.float32),
@@ -308,9 +313,9 @@ def head_loss_203180df93923b8c(
                 m_t_r = tl.load(at + 1)
                 z_y += tl.load(at + 2)
                 acc0 += tl.load(at + 3) * tl.exp2(1.4426950408889634 * (-m_t + m_t_r))
-                acc1 += tl.load(at + 4) * tl.exp2(1.4426950408889634 * (-m_t + m_t_r))
+                acc1 += (tl.load(at + 4) + tl.where(tl.load(at + 3) > 0.0, (m - m_r - m_t + m_t_r) * tl.load(at + 3), 0.0)) * tl.exp2(1.4426950408889634 * (-m_t + m_t_r))
                 acc2 += tl.load(at + 5) * tl.exp2(1.4426950408889634 * (-m + m_r))
-                acc3 += tl.load(at + 6) * tl.exp2(1.4426950408889634 * (-m + m_r))
+                acc3 += (tl.load(at + 6) + tl.where(tl.load(at + 5) > 0.0, (-m + m_r) * tl.load(at + 5), 0.0)) * tl.exp2(1.4426950408889634 * (-m + m_r))
         elif not STATS:
             m = tl.load(stats_row + 0)
             m_t = tl.load(stats_row + 1)
@@ -322,7 +327,7 @@ def head_loss_203180df93923b8c(
         # a row whose logits (or teacher logits) are all -inf has no distribution: its values are NaN
         finite_row = (m > FLOOR) & (m_t > FLOOR)
 
-        L_N0 = _log(acc3)
+        L_N0 = _log(acc2)
         N0 = L_N0 + m
         L_N1 = _log(acc0)
         N1 = L_N1 + m_t
@@ -341,15 +346,14 @@ def head_loss_203180df93923b8c(
             weight_cross_entropy = tl.load(scalars_ptr + 0)
             weight_z_loss = tl.load(scalars_ptr + 1)
             weight_forward_kl = tl.load(scalars_ptr + 2)
-            r0 = _log(acc3)
-            r1 = m + r0
+            r0 = _log(acc2)
             v0 = tl.where(finite_row, r0 - zym, float("nan"))  # cross_entropy
             tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
-            v1 = tl.where(finite_row, (r1 * r1), float("nan"))  # z_loss
+            v1 = tl.where(finite_row, ((m + r0) * (m + r0)), float("nan"))  # z_loss
             tl.store(ws_ptr + off_rows + 1 * n_rows + grow, v1)
-            v2 = tl.where(finite_row, -m_t + r1 - _log(acc0) + acc1*_rcp(acc0), float("nan"))  # forward_kl
+            v2 = tl.where(finite_row, r0 - _log(acc0) + acc1*_rcp(acc0), float("nan"))  # forward_kl
             tl.store(ws_ptr + off_rows + 2 * n_rows + grow, v2)
-            v3 = tl.where(finite_row, (-acc2)*_rcp(acc3) + r1, float("nan"))  # entropy
+            v3 = tl.where(finite_row, r0 + (-acc3)*_rcp(acc2), float("nan"))  # entropy
             tl.store(ws_ptr + off_rows + 3 * n_rows + grow, v3)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, weight_cross_entropy * v0 + weight_z_loss * v1 + weight_forward_kl * v2)
@@ -382,7 +386,7 @@ def head_loss_203180df93923b8c(
                 w_z_loss = weight_z_loss * grad_scale
                 w_forward_kl = weight_forward_kl * grad_scale
             g0 = tl.where(finite_row, w_forward_kl, float("nan"))
-            g1 = tl.where(finite_row, w_cross_entropy + w_forward_kl + 2.0*w_z_loss*(m + _log(acc3)), float("nan"))
+            g1 = tl.where(finite_row, w_cross_entropy + w_forward_kl + 2.0*w_z_loss*(m + _log(acc2)), float("nan"))
             g2 = tl.where(finite_row, -w_cross_entropy, float("nan"))
             # (a row of -inf read as FLOOR would look uniform: its gradient is NaN, as its values are)
             # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
@@ -478,4 +482,4 @@ def head_loss_203180df93923b8c(
             tl.store(ws_ptr + 3, value_entropy)
             tl.store(ws_ptr + 4, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss + weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "879c368a21e6c2cb7ed6c9d1ec82068ca6cada7c58fad8e275384a4b558d8076"
+TEXT_HASH = "77fa6ac7839b280aab7cc6243af7b98a006a402655665af36cb944b75d610648"

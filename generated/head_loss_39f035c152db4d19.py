@@ -8,17 +8,17 @@
 #
 # lowered:
 #   row values:
-#     grpo = p_grpo__kl_beta*(acc1*exp(m + tok_ref_logprobs - z_y) - m - tok_ref_logprobs + z_y - log(acc1) - 1) - Min(tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1)
-#     entropy = -acc0/acc1 + m + log(acc1)
-#     clip_fraction = Piecewise((1, (p_grpo__eps_high < -1 + exp(-m - tok_old_logprobs + z_y)/acc1) | (p_grpo__eps_low < 1 - exp(-m - tok_old_logprobs + z_y)/acc1)), (0, True))
-#   normalisers:
-#     N0 = m + log(acc1)
+#     grpo = p_grpo__kl_beta*(acc0*exp(m + tok_ref_logprobs - z_y) - m - tok_ref_logprobs + z_y - log(acc0) - 1) - Min(tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0)
+#     entropy = log(acc0) - acc1/acc0
+#     clip_fraction = Piecewise((1, (p_grpo__eps_high < -1 + exp(-m - tok_old_logprobs + z_y)/acc0) | (p_grpo__eps_low < 1 - exp(-m - tok_old_logprobs + z_y)/acc0)), (0, True))
+#   normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima; first-read sums of zm and tm follow the running maxima):
+#     N0 = m + log(acc0)
 #   accumulators (2):
-#     acc0 = sum_i exp(1*(z - m)) * z    [online]
-#     acc1 = sum_i exp(1*(z - m)) * 1    [online]
+#     acc0 = sum_i exp(1*(z - m)) * 1    [online]
+#     acc1 = sum_i exp(1*(z - m)) * zm    [online]
 #   gradient (derived by sympy):
-#     g0 = w_grpo*(p_grpo__kl_beta*(acc1*exp(m + tok_ref_logprobs - z_y) - 1) + tok_advantages*Piecewise((1, (p_grpo__eps_high >= -1 + exp(-m - tok_old_logprobs + z_y)/acc1) & (p_grpo__eps_low >= 1 - exp(-m - tok_old_logprobs + z_y)/acc1)), (0, True))*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1, tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1 >= tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-m - tok_old_logprobs + z_y)/acc1 + tok_advantages*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1, tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1 <= tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-m - tok_old_logprobs + z_y)/acc1)
-#     g1 = w_grpo*(p_grpo__kl_beta*(-acc1*exp(m + tok_ref_logprobs - z_y) + 1) - tok_advantages*Piecewise((1, (p_grpo__eps_high >= -1 + exp(-m - tok_old_logprobs + z_y)/acc1) & (p_grpo__eps_low >= 1 - exp(-m - tok_old_logprobs + z_y)/acc1)), (0, True))*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1, tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1 >= tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-m - tok_old_logprobs + z_y)/acc1 - tok_advantages*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1, tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1 <= tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-m - tok_old_logprobs + z_y)/acc1)
+#     g0 = w_grpo*(p_grpo__kl_beta*(acc0*exp(m + tok_ref_logprobs - z_y) - 1) + tok_advantages*Piecewise((1, (p_grpo__eps_high >= -1 + exp(-m - tok_old_logprobs + z_y)/acc0) & (p_grpo__eps_low >= 1 - exp(-m - tok_old_logprobs + z_y)/acc0)), (0, True))*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0, tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0 >= tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-m - tok_old_logprobs + z_y)/acc0 + tok_advantages*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0, tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0 <= tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-m - tok_old_logprobs + z_y)/acc0)
+#     g1 = w_grpo*(p_grpo__kl_beta*(-acc0*exp(m + tok_ref_logprobs - z_y) + 1) - tok_advantages*Piecewise((1, (p_grpo__eps_high >= -1 + exp(-m - tok_old_logprobs + z_y)/acc0) & (p_grpo__eps_low >= 1 - exp(-m - tok_old_logprobs + z_y)/acc0)), (0, True))*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0, tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0 >= tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-m - tok_old_logprobs + z_y)/acc0 - tok_advantages*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0, tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0 <= tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-m - tok_old_logprobs + z_y)/acc0)
 #     dL/dz_i = g0*exp(-L_N0 + zm) + g1*is_y
 #
 # plan:
@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "39f035c152db4d19"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "ec1ee8ebcb58"
+CODEGEN = "63072e17c75d"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_fraction']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -238,13 +238,16 @@ def head_loss_39f035c152db4d19(
                 # -inf as FLOOR (a NaN stays NaN): its probability is still 0, and 0 * FLOOR is 0 where 0 * -inf is NaN
                 z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
 
-                s0 = tl.exp2(1.4426950408889634 * (-m_ref + z))
+                # the elements relative to the running maxima, after the floor (z - m of a floored -inf, not -inf - m)
+                zm = -m_ref + z
+                s0 = tl.exp2(1.4426950408889634 * zm)
                 r0 = tl.exp2(1.4426950408889634 * (m - m_ref))
+                acc1_moved = tl.where(acc0 > 0.0, acc0*(m - m_ref), 0.0)
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
-                part0 = tl.sum(tl.join(tl.where(in_row, s0*z, 0.0), tl.where(in_row, s0, 0.0)), 0)
+                part0 = tl.sum(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, s0*zm, 0.0)), 0)
                 acc0_tile, acc1_tile = tl.split(part0)
                 acc0 = acc0 * r0 + acc0_tile
-                acc1 = acc1 * r0 + acc1_tile
+                acc1 = (acc1 + acc1_moved) * r0 + acc1_tile
                 m = m_new
             z_y = tl.where(y_here, _logits(tl.load(x_row + y_local, mask=y_here, other=0.0).to(tl.float32),
                                            logit_scale, softcap), 0.0)
@@ -280,7 +283,7 @@ def head_loss_39f035c152db4d19(
                 m_r = tl.load(at + 0)
                 z_y += tl.load(at + 1)
                 acc0 += tl.load(at + 2) * tl.exp2(1.4426950408889634 * (-m + m_r))
-                acc1 += tl.load(at + 3) * tl.exp2(1.4426950408889634 * (-m + m_r))
+                acc1 += (tl.load(at + 3) + tl.where(tl.load(at + 2) > 0.0, (-m + m_r) * tl.load(at + 2), 0.0)) * tl.exp2(1.4426950408889634 * (-m + m_r))
         elif not STATS:
             m = tl.load(stats_row + 0)
             z_y = tl.load(stats_row + 1)
@@ -289,7 +292,7 @@ def head_loss_39f035c152db4d19(
         # a row whose logits (or teacher logits) are all -inf has no distribution: its values are NaN
         finite_row = (m > FLOOR)
 
-        L_N0 = _log(acc1)
+        L_N0 = _log(acc0)
         N0 = L_N0 + m
 
         if STORE_STATS:
@@ -303,16 +306,16 @@ def head_loss_39f035c152db4d19(
             p_grpo__eps_high = tl.load(scalars_ptr + 1)
             p_grpo__eps_low = tl.load(scalars_ptr + 2)
             p_grpo__kl_beta = tl.load(scalars_ptr + 3)
-            r0 = _log(acc1)
+            r0 = _log(acc0)
             r1 = m - z_y
             r2 = r1 + tok_ref_logprobs
-            r3 = _rcp(acc1)
+            r3 = _rcp(acc0)
             r4 = tl.exp2(1.4426950408889634 * (-(r1 + tok_old_logprobs)))
             r5 = r3*r4
             r6 = -r3*r4 + 1.0
-            v0 = tl.where(finite_row, p_grpo__kl_beta*(acc1*tl.exp2(1.4426950408889634 * r2) - r0 - r2 - 1.0) - tl.where(r5*tok_advantages < tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(r5 > 1.0 - p_grpo__eps_low, r5, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(r5 > 1.0 - p_grpo__eps_low, r5, 1.0 - p_grpo__eps_low)), r5*tok_advantages, tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(r5 > 1.0 - p_grpo__eps_low, r5, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(r5 > 1.0 - p_grpo__eps_low, r5, 1.0 - p_grpo__eps_low))), float("nan"))  # grpo
+            v0 = tl.where(finite_row, p_grpo__kl_beta*(acc0*tl.exp2(1.4426950408889634 * r2) - r0 - r2 - 1.0) - tl.where(r5*tok_advantages < tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(r5 > 1.0 - p_grpo__eps_low, r5, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(r5 > 1.0 - p_grpo__eps_low, r5, 1.0 - p_grpo__eps_low)), r5*tok_advantages, tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(r5 > 1.0 - p_grpo__eps_low, r5, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(r5 > 1.0 - p_grpo__eps_low, r5, 1.0 - p_grpo__eps_low))), float("nan"))  # grpo
             tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
-            v1 = tl.where(finite_row, -acc0*r3 + m + r0, float("nan"))  # entropy
+            v1 = tl.where(finite_row, -acc1*r3 + r0, float("nan"))  # entropy
             tl.store(ws_ptr + off_rows + 1 * n_rows + grow, v1)
             v2 = tl.where(finite_row, tl.where(((p_grpo__eps_low < r6) | (p_grpo__eps_high < -r6)), 1.0, 0.0), float("nan"))  # clip_fraction
             tl.store(ws_ptr + off_rows + 2 * n_rows + grow, v2)
@@ -342,8 +345,8 @@ def head_loss_39f035c152db4d19(
             else:
                 w_grpo = weight_grpo * grad_scale
             c0 = m - z_y
-            c1 = acc1*tl.exp2(1.4426950408889634 * (c0 + tok_ref_logprobs)) - 1.0
-            c2 = _rcp(acc1)
+            c1 = acc0*tl.exp2(1.4426950408889634 * (c0 + tok_ref_logprobs)) - 1.0
+            c2 = _rcp(acc0)
             c3 = tl.exp2(1.4426950408889634 * (-(c0 + tok_old_logprobs)))
             c4 = c2*c3
             c5 = c4*tok_advantages
@@ -436,4 +439,4 @@ def head_loss_39f035c152db4d19(
             tl.store(ws_ptr + 2, value_clip_fraction)
             tl.store(ws_ptr + 3, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "83a8eaebae76f11e5e9bf2391aa08b938160d6d6d3a9ac6abdf170ceb63a78ac"
+TEXT_HASH = "920ac6d71b228358328cb0b6c929d2d3b9008f9906041452e4d01abed4cdc1bc"

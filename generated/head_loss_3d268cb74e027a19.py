@@ -7,15 +7,15 @@
 #
 # lowered:
 #   row values:
-#     gspo_U0 = -tok_old_logprobs + zym - log(acc1)
+#     gspo_U0 = -tok_old_logprobs + zym - log(acc0)
 #     gspo_U1 = tok_advantages
-#     entropy = -acc0/acc1 + m + log(acc1)
+#     entropy = log(acc0) - acc1/acc0
 #     segment term gspo = -Min(gspo_U1*exp(gspo_U0), gspo_U1*clamp(exp(gspo_U0), 1 - p_gspo__eps_low, p_gspo__eps_high + 1))
-#   normalisers:
-#     N0 = m + log(acc1)
+#   normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima; first-read sums of zm and tm follow the running maxima):
+#     N0 = m + log(acc0)
 #   accumulators (2):
-#     acc0 = sum_i exp(1*(z - m)) * z    [online]
-#     acc1 = sum_i exp(1*(z - m)) * 1    [online]
+#     acc0 = sum_i exp(1*(z - m)) * 1    [online]
+#     acc1 = sum_i exp(1*(z - m)) * zm    [online]
 #   gradient (derived by sympy):
 #     g0 = -gspo_U0_coef
 #     g1 = gspo_U0_coef
@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "3d268cb74e027a19"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "ec1ee8ebcb58"
+CODEGEN = "63072e17c75d"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['gspo', 'entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -254,13 +254,16 @@ def head_loss_3d268cb74e027a19(
                 # -inf as FLOOR (a NaN stays NaN): its probability is still 0, and 0 * FLOOR is 0 where 0 * -inf is NaN
                 z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
 
-                s0 = tl.exp2(1.4426950408889634 * (-m_ref + z))
+                # the elements relative to the running maxima, after the floor (z - m of a floored -inf, not -inf - m)
+                zm = -m_ref + z
+                s0 = tl.exp2(1.4426950408889634 * zm)
                 r0 = tl.exp2(1.4426950408889634 * (m - m_ref))
+                acc1_moved = tl.where(acc0 > 0.0, acc0*(m - m_ref), 0.0)
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
-                part0 = tl.sum(tl.join(tl.where(in_row, s0*z, 0.0), tl.where(in_row, s0, 0.0)), 0)
+                part0 = tl.sum(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, s0*zm, 0.0)), 0)
                 acc0_tile, acc1_tile = tl.split(part0)
                 acc0 = acc0 * r0 + acc0_tile
-                acc1 = acc1 * r0 + acc1_tile
+                acc1 = (acc1 + acc1_moved) * r0 + acc1_tile
                 m = m_new
             z_y = tl.where(y_here, _logits(tl.load(x_row + y_local, mask=y_here, other=0.0).to(tl.float32),
                                            logit_scale, softcap), 0.0)
@@ -296,7 +299,7 @@ def head_loss_3d268cb74e027a19(
                 m_r = tl.load(at + 0)
                 z_y += tl.load(at + 1)
                 acc0 += tl.load(at + 2) * tl.exp2(1.4426950408889634 * (-m + m_r))
-                acc1 += tl.load(at + 3) * tl.exp2(1.4426950408889634 * (-m + m_r))
+                acc1 += (tl.load(at + 3) + tl.where(tl.load(at + 2) > 0.0, (-m + m_r) * tl.load(at + 2), 0.0)) * tl.exp2(1.4426950408889634 * (-m + m_r))
         elif not STATS:
             m = tl.load(stats_row + 0)
             z_y = tl.load(stats_row + 1)
@@ -305,7 +308,7 @@ def head_loss_3d268cb74e027a19(
         # a row whose logits (or teacher logits) are all -inf has no distribution: its values are NaN
         finite_row = (m > FLOOR)
 
-        L_N0 = _log(acc1)
+        L_N0 = _log(acc0)
         N0 = L_N0 + m
         zym = z_y - m
 
@@ -316,12 +319,12 @@ def head_loss_3d268cb74e027a19(
             tl.store(stats_row + 3, acc1)
 
         if ROWS:
-            r0 = _log(acc1)
+            r0 = _log(acc0)
             v0 = tl.where(finite_row, -r0 - tok_old_logprobs + zym, float("nan"))  # gspo_U0
             tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
             v1 = tl.where(finite_row, tok_advantages, float("nan"))  # gspo_U1
             tl.store(ws_ptr + off_rows + 1 * n_rows + grow, v1)
-            v2 = tl.where(finite_row, (-acc0)*_rcp(acc1) + m + r0, float("nan"))  # entropy
+            v2 = tl.where(finite_row, r0 + (-acc1)*_rcp(acc0), float("nan"))  # entropy
             tl.store(ws_ptr + off_rows + 2 * n_rows + grow, v2)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, 0.0)
@@ -499,4 +502,4 @@ def segments_3d268cb74e027a19(
     loss += weight_gspo * (gspo / div)
     tl.store(ws_ptr + 2, loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "06ab5dca9f21440a972b9df3b6b0a7c54a814672eeb09743c074f6c312d6fa14"
+TEXT_HASH = "30bcae6ea9b442191f42459c051e621b3b7eeb78bf49475d329afe3daacbb8ad"

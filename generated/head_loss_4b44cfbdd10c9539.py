@@ -10,19 +10,19 @@
 #
 # lowered:
 #   row values:
-#     grpo = -Min(tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1)
-#     entropy = -acc0/acc1 + m + log(acc1)
-#     clip_fraction = Piecewise((1, (p_grpo__eps_high < -1 + exp(-m - tok_old_logprobs + z_y)/acc1) | (p_grpo__eps_low < 1 - exp(-m - tok_old_logprobs + z_y)/acc1)), (0, True))
-#     ratio_mean = exp(-tok_old_logprobs + zym)/acc1
-#     kl_new_old = tok_old_logprobs - zym + log(acc1) - 1 + exp(-tok_old_logprobs + zym)/acc1
-#   normalisers:
-#     N0 = m + log(acc1)
+#     grpo = -Min(tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0)
+#     entropy = log(acc0) - acc1/acc0
+#     clip_fraction = Piecewise((1, (p_grpo__eps_high < -1 + exp(-m - tok_old_logprobs + z_y)/acc0) | (p_grpo__eps_low < 1 - exp(-m - tok_old_logprobs + z_y)/acc0)), (0, True))
+#     ratio_mean = exp(-tok_old_logprobs + zym)/acc0
+#     kl_new_old = tok_old_logprobs - zym + log(acc0) - 1 + exp(-tok_old_logprobs + zym)/acc0
+#   normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima; first-read sums of zm and tm follow the running maxima):
+#     N0 = m + log(acc0)
 #   accumulators (2):
-#     acc0 = sum_i exp(1*(z - m)) * z    [online]
-#     acc1 = sum_i exp(1*(z - m)) * 1    [online]
+#     acc0 = sum_i exp(1*(z - m)) * 1    [online]
+#     acc1 = sum_i exp(1*(z - m)) * zm    [online]
 #   gradient (derived by sympy):
-#     g0 = -w_grpo*(-tok_advantages*Piecewise((1, (p_grpo__eps_high >= -1 + exp(-m - tok_old_logprobs + z_y)/acc1) & (p_grpo__eps_low >= 1 - exp(-m - tok_old_logprobs + z_y)/acc1)), (0, True))*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1, tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1 >= tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-m - tok_old_logprobs + z_y)/acc1 - tok_advantages*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1, tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1 <= tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-m - tok_old_logprobs + z_y)/acc1)
-#     g1 = -w_grpo*(tok_advantages*Piecewise((1, (p_grpo__eps_high >= -1 + exp(-m - tok_old_logprobs + z_y)/acc1) & (p_grpo__eps_low >= 1 - exp(-m - tok_old_logprobs + z_y)/acc1)), (0, True))*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1, tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1 >= tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-m - tok_old_logprobs + z_y)/acc1 + tok_advantages*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1, tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1 <= tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-m - tok_old_logprobs + z_y)/acc1)
+#     g0 = -w_grpo*(-tok_advantages*Piecewise((1, (p_grpo__eps_high >= -1 + exp(-m - tok_old_logprobs + z_y)/acc0) & (p_grpo__eps_low >= 1 - exp(-m - tok_old_logprobs + z_y)/acc0)), (0, True))*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0, tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0 >= tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-m - tok_old_logprobs + z_y)/acc0 - tok_advantages*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0, tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0 <= tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-m - tok_old_logprobs + z_y)/acc0)
+#     g1 = -w_grpo*(tok_advantages*Piecewise((1, (p_grpo__eps_high >= -1 + exp(-m - tok_old_logprobs + z_y)/acc0) & (p_grpo__eps_low >= 1 - exp(-m - tok_old_logprobs + z_y)/acc0)), (0, True))*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0, tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0 >= tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-m - tok_old_logprobs + z_y)/acc0 + tok_advantages*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0, tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0 <= tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-m - tok_old_logprobs + z_y)/acc0)
 #     dL/dz_i = g0*exp(-L_N0 + zm) + g1*is_y
 #
 # plan:
@@ -49,7 +49,7 @@ from triton.language.extra import libdevice
 
 KEY = "4b44cfbdd10c9539"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "ec1ee8ebcb58"
+CODEGEN = "63072e17c75d"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_fraction', 'ratio_mean', 'kl_new_old']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -240,13 +240,16 @@ def head_loss_4b44cfbdd10c9539(
                 # -inf as FLOOR (a NaN stays NaN): its probability is still 0, and 0 * FLOOR is 0 where 0 * -inf is NaN
                 z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
 
-                s0 = tl.exp2(1.4426950408889634 * (-m_ref + z))
+                # the elements relative to the running maxima, after the floor (z - m of a floored -inf, not -inf - m)
+                zm = -m_ref + z
+                s0 = tl.exp2(1.4426950408889634 * zm)
                 r0 = tl.exp2(1.4426950408889634 * (m - m_ref))
+                acc1_moved = tl.where(acc0 > 0.0, acc0*(m - m_ref), 0.0)
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
-                part0 = tl.sum(tl.join(tl.where(in_row, s0*z, 0.0), tl.where(in_row, s0, 0.0)), 0)
+                part0 = tl.sum(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, s0*zm, 0.0)), 0)
                 acc0_tile, acc1_tile = tl.split(part0)
                 acc0 = acc0 * r0 + acc0_tile
-                acc1 = acc1 * r0 + acc1_tile
+                acc1 = (acc1 + acc1_moved) * r0 + acc1_tile
                 m = m_new
             z_y = tl.where(y_here, _logits(tl.load(x_row + y_local, mask=y_here, other=0.0).to(tl.float32),
                                            logit_scale, softcap), 0.0)
@@ -282,7 +285,7 @@ def head_loss_4b44cfbdd10c9539(
                 m_r = tl.load(at + 0)
                 z_y += tl.load(at + 1)
                 acc0 += tl.load(at + 2) * tl.exp2(1.4426950408889634 * (-m + m_r))
-                acc1 += tl.load(at + 3) * tl.exp2(1.4426950408889634 * (-m + m_r))
+                acc1 += (tl.load(at + 3) + tl.where(tl.load(at + 2) > 0.0, (-m + m_r) * tl.load(at + 2), 0.0)) * tl.exp2(1.4426950408889634 * (-m + m_r))
         elif not STATS:
             m = tl.load(stats_row + 0)
             z_y = tl.load(stats_row + 1)
@@ -291,7 +294,7 @@ def head_loss_4b44cfbdd10c9539(
         # a row whose logits (or teacher logits) are all -inf has no distribution: its values are NaN
         finite_row = (m > FLOOR)
 
-        L_N0 = _log(acc1)
+        L_N0 = _log(acc0)
         N0 = L_N0 + m
         zym = z_y - m
 
@@ -305,16 +308,16 @@ def head_loss_4b44cfbdd10c9539(
             weight_grpo = tl.load(scalars_ptr + 0)
             p_grpo__eps_high = tl.load(scalars_ptr + 1)
             p_grpo__eps_low = tl.load(scalars_ptr + 2)
-            r0 = _rcp(acc1)
+            r0 = _rcp(acc0)
             r1 = tl.exp2(1.4426950408889634 * (-m - tok_old_logprobs + z_y))
             r2 = r0*r1
-            r3 = _log(acc1)
+            r3 = _log(acc0)
             r4 = -r0*r1 + 1.0
             r5 = tok_old_logprobs - zym
             r6 = r0*tl.exp2(1.4426950408889634 * (-r5))
             v0 = tl.where(finite_row, -tl.where(r2*tok_advantages < tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(r2 > 1.0 - p_grpo__eps_low, r2, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(r2 > 1.0 - p_grpo__eps_low, r2, 1.0 - p_grpo__eps_low)), r2*tok_advantages, tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(r2 > 1.0 - p_grpo__eps_low, r2, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(r2 > 1.0 - p_grpo__eps_low, r2, 1.0 - p_grpo__eps_low))), float("nan"))  # grpo
             tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
-            v1 = tl.where(finite_row, -acc0*r0 + m + r3, float("nan"))  # entropy
+            v1 = tl.where(finite_row, -acc1*r0 + r3, float("nan"))  # entropy
             tl.store(ws_ptr + off_rows + 1 * n_rows + grow, v1)
             v2 = tl.where(finite_row, tl.where(((p_grpo__eps_low < r4) | (p_grpo__eps_high < -r4)), 1.0, 0.0), float("nan"))  # clip_fraction
             tl.store(ws_ptr + off_rows + 2 * n_rows + grow, v2)
@@ -346,7 +349,7 @@ def head_loss_4b44cfbdd10c9539(
                     w_grpo += tl.load(up_rows_ptr + 0 * n_rows + grow)
             else:
                 w_grpo = weight_grpo * grad_scale
-            c0 = _rcp(acc1)
+            c0 = _rcp(acc0)
             c1 = tl.exp2(1.4426950408889634 * (-m - tok_old_logprobs + z_y))
             c2 = c0*c1
             c3 = c2*tok_advantages
@@ -445,4 +448,4 @@ def head_loss_4b44cfbdd10c9539(
             tl.store(ws_ptr + 4, value_kl_new_old)
             tl.store(ws_ptr + 5, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "01e0c9908ff2d8fcef52d0d822f2e7bfc2f3680dd5e818424c496c2ccc96c50c"
+TEXT_HASH = "ddfbf0417a7259877774af822db8c867b72a737e02bd15dfee56d3ef0836c694"

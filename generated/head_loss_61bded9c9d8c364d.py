@@ -6,17 +6,17 @@
 #
 # lowered:
 #   row values:
-#     reverse_kl = -m + m_t - log(acc0) + log(acc2) + acc1/acc0
-#   normalisers:
+#     reverse_kl = -log(acc0) + log(acc2) + acc1/acc0
+#   normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima; first-read sums of zm and tm follow the running maxima):
 #     N0 = m + log(acc0)
 #     N1 = m_t + log(acc2)
 #   accumulators (3; 4 before combining the sums that share a weight):
 #     acc0 = sum_i exp(1*(z - m)) * 1    [online]
-#     acc1 = sum_i exp(1*(z - m)) * (-t + z)    [online]
+#     acc1 = sum_i exp(1*(z - m)) * (-tm + zm)    [online]
 #     acc2 = sum_i exp(1*(t - m_t)) * 1    [online]
 #   gradient (derived by sympy):
 #     g0 = w_reverse_kl
-#     g1 = w_reverse_kl*(m - m_t + log(acc0) - log(acc2) - 1 - acc1/acc0)
+#     g1 = w_reverse_kl*(log(acc0) - log(acc2) - 1 - acc1/acc0)
 #     dL/dz_i = g0*((-L_N0 + L_N1 - tm + zm)*exp(-L_N0 + zm) + exp(-L_N0 + zm)) + g1*exp(-L_N0 + zm)
 #
 # plan:
@@ -43,7 +43,7 @@ from triton.language.extra import libdevice
 
 KEY = "61bded9c9d8c364d"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "ec1ee8ebcb58"
+CODEGEN = "63072e17c75d"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['reverse_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -240,16 +240,20 @@ def head_loss_61bded9c9d8c364d(
                 z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
                 t = tl.maximum(t, FLOOR, propagate_nan=tl.PropagateNan.ALL)
 
-                s0 = tl.exp2(1.4426950408889634 * (-m_ref + z))
+                # the elements relative to the running maxima, after the floor (z - m of a floored -inf, not -inf - m)
+                zm = -m_ref + z
+                tm = -m_t_ref + t
+                s0 = tl.exp2(1.4426950408889634 * zm)
                 r0 = tl.exp2(1.4426950408889634 * (m - m_ref))
-                s1 = tl.exp2(1.4426950408889634 * (-m_t_ref + t))
+                acc1_moved = tl.where(acc0 > 0.0, acc0*(m - m_ref - m_t + m_t_ref), 0.0)
+                s1 = tl.exp2(1.4426950408889634 * tm)
                 r1 = tl.exp2(1.4426950408889634 * (m_t - m_t_ref))
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
-                part0 = tl.sum(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, s0*(-t + z), 0.0)), 0)
+                part0 = tl.sum(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, s0*(-tm + zm), 0.0)), 0)
                 acc0_tile, acc1_tile = tl.split(part0)
                 acc2_tile = tl.sum(tl.where(in_row, s1, 0.0), 0)
                 acc0 = acc0 * r0 + acc0_tile
-                acc1 = acc1 * r0 + acc1_tile
+                acc1 = (acc1 + acc1_moved) * r0 + acc1_tile
                 acc2 = acc2 * r1 + acc2_tile
                 m = m_new
                 m_t = m_t_new
@@ -288,7 +292,7 @@ def head_loss_61bded9c9d8c364d(
                 m_r = tl.load(at + 0)
                 m_t_r = tl.load(at + 1)
                 acc0 += tl.load(at + 2) * tl.exp2(1.4426950408889634 * (-m + m_r))
-                acc1 += tl.load(at + 3) * tl.exp2(1.4426950408889634 * (-m + m_r))
+                acc1 += (tl.load(at + 3) + tl.where(tl.load(at + 2) > 0.0, (-m + m_r + m_t - m_t_r) * tl.load(at + 2), 0.0)) * tl.exp2(1.4426950408889634 * (-m + m_r))
                 acc2 += tl.load(at + 4) * tl.exp2(1.4426950408889634 * (-m_t + m_t_r))
         elif not STATS:
             m = tl.load(stats_row + 0)
@@ -313,7 +317,7 @@ def head_loss_61bded9c9d8c364d(
 
         if ROWS:
             weight_reverse_kl = tl.load(scalars_ptr + 0)
-            v0 = tl.where(finite_row, -m + m_t - _log(acc0) + _log(acc2) + acc1*_rcp(acc0), float("nan"))  # reverse_kl
+            v0 = tl.where(finite_row, -_log(acc0) + _log(acc2) + acc1*_rcp(acc0), float("nan"))  # reverse_kl
             tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, weight_reverse_kl * v0)
@@ -338,7 +342,7 @@ def head_loss_61bded9c9d8c364d(
             else:
                 w_reverse_kl = weight_reverse_kl * grad_scale
             g0 = tl.where(finite_row, w_reverse_kl, float("nan"))
-            g1 = tl.where(finite_row, w_reverse_kl*(m - m_t + _log(acc0) - _log(acc2) - 1.0 + (-acc1)*_rcp(acc0)), float("nan"))
+            g1 = tl.where(finite_row, w_reverse_kl*(_log(acc0) - _log(acc2) - 1.0 + (-acc1)*_rcp(acc0)), float("nan"))
             # (a row of -inf read as FLOOR would look uniform: its gradient is NaN, as its values are)
             # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
             # Tiles last to first, each loaded one iteration ahead (its loads overlap the math).
@@ -424,4 +428,4 @@ def head_loss_61bded9c9d8c364d(
             tl.store(ws_ptr + 0, value_reverse_kl)
             tl.store(ws_ptr + 1, weight_reverse_kl * value_reverse_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "f4eaad4478f47c50b67d9a3993e7bdb6da0d9195f5641f9e1f14a667554d01a6"
+TEXT_HASH = "abf156ce4b05f1ee3bd457fcfde5cdda396cbe51afdc428e5f14c6e1bc708648"

@@ -8,17 +8,17 @@
 #
 # lowered:
 #   row values:
-#     cispo = -tok_advantages*(-m + z_y - log(acc1))*Min(exp(-m - tok_old_logprobs + z_y)/acc1, p_cispo__eps_high + 1)
-#     entropy = -acc0/acc1 + m + log(acc1)
-#     cispo_clip_ratio = Piecewise((1, (tok_advantages > 0) & (p_cispo__eps_high < -1 + exp(-m - tok_old_logprobs + z_y)/acc1)), (0, True))
-#   normalisers:
-#     N0 = m + log(acc1)
+#     cispo = -tok_advantages*(-m + z_y - log(acc0))*Min(exp(-m - tok_old_logprobs + z_y)/acc0, p_cispo__eps_high + 1)
+#     entropy = log(acc0) - acc1/acc0
+#     cispo_clip_ratio = Piecewise((1, (tok_advantages > 0) & (p_cispo__eps_high < -1 + exp(-m - tok_old_logprobs + z_y)/acc0)), (0, True))
+#   normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima; first-read sums of zm and tm follow the running maxima):
+#     N0 = m + log(acc0)
 #   accumulators (2):
-#     acc0 = sum_i exp(1*(z - m)) * z    [online]
-#     acc1 = sum_i exp(1*(z - m)) * 1    [online]
+#     acc0 = sum_i exp(1*(z - m)) * 1    [online]
+#     acc1 = sum_i exp(1*(z - m)) * zm    [online]
 #   gradient (derived by sympy):
-#     g0 = tok_advantages*w_cispo*Min(exp(-m - tok_old_logprobs + z_y)/acc1, p_cispo__eps_high + 1)
-#     g1 = -tok_advantages*w_cispo*Min(exp(-m - tok_old_logprobs + z_y)/acc1, p_cispo__eps_high + 1)
+#     g0 = tok_advantages*w_cispo*Min(exp(-m - tok_old_logprobs + z_y)/acc0, p_cispo__eps_high + 1)
+#     g1 = -tok_advantages*w_cispo*Min(exp(-m - tok_old_logprobs + z_y)/acc0, p_cispo__eps_high + 1)
 #     dL/dz_i = g0*exp(-L_N0 + zm) + g1*is_y
 #
 # plan:
@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "6dc3df098f5c5073"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "ec1ee8ebcb58"
+CODEGEN = "63072e17c75d"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cispo', 'entropy', 'cispo_clip_ratio']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -236,13 +236,16 @@ def head_loss_6dc3df098f5c5073(
                 # -inf as FLOOR (a NaN stays NaN): its probability is still 0, and 0 * FLOOR is 0 where 0 * -inf is NaN
                 z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
 
-                s0 = tl.exp2(1.4426950408889634 * (-m_ref + z))
+                # the elements relative to the running maxima, after the floor (z - m of a floored -inf, not -inf - m)
+                zm = -m_ref + z
+                s0 = tl.exp2(1.4426950408889634 * zm)
                 r0 = tl.exp2(1.4426950408889634 * (m - m_ref))
+                acc1_moved = tl.where(acc0 > 0.0, acc0*(m - m_ref), 0.0)
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
-                part0 = tl.sum(tl.join(tl.where(in_row, s0*z, 0.0), tl.where(in_row, s0, 0.0)), 0)
+                part0 = tl.sum(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, s0*zm, 0.0)), 0)
                 acc0_tile, acc1_tile = tl.split(part0)
                 acc0 = acc0 * r0 + acc0_tile
-                acc1 = acc1 * r0 + acc1_tile
+                acc1 = (acc1 + acc1_moved) * r0 + acc1_tile
                 m = m_new
             z_y = tl.where(y_here, _logits(tl.load(x_row + y_local, mask=y_here, other=0.0).to(tl.float32),
                                            logit_scale, softcap), 0.0)
@@ -278,7 +281,7 @@ def head_loss_6dc3df098f5c5073(
                 m_r = tl.load(at + 0)
                 z_y += tl.load(at + 1)
                 acc0 += tl.load(at + 2) * tl.exp2(1.4426950408889634 * (-m + m_r))
-                acc1 += tl.load(at + 3) * tl.exp2(1.4426950408889634 * (-m + m_r))
+                acc1 += (tl.load(at + 3) + tl.where(tl.load(at + 2) > 0.0, (-m + m_r) * tl.load(at + 2), 0.0)) * tl.exp2(1.4426950408889634 * (-m + m_r))
         elif not STATS:
             m = tl.load(stats_row + 0)
             z_y = tl.load(stats_row + 1)
@@ -287,7 +290,7 @@ def head_loss_6dc3df098f5c5073(
         # a row whose logits (or teacher logits) are all -inf has no distribution: its values are NaN
         finite_row = (m > FLOOR)
 
-        L_N0 = _log(acc1)
+        L_N0 = _log(acc0)
         N0 = L_N0 + m
 
         if STORE_STATS:
@@ -299,13 +302,13 @@ def head_loss_6dc3df098f5c5073(
         if ROWS:
             weight_cispo = tl.load(scalars_ptr + 0)
             p_cispo__eps_high = tl.load(scalars_ptr + 1)
-            r0 = _log(acc1)
+            r0 = _log(acc0)
             r1 = m - z_y
-            r2 = _rcp(acc1)
+            r2 = _rcp(acc0)
             r3 = tl.exp2(1.4426950408889634 * (-(r1 + tok_old_logprobs)))
             v0 = tl.where(finite_row, -tok_advantages*(-r0 - r1)*tl.where(r2*r3 < p_cispo__eps_high + 1.0, r2*r3, p_cispo__eps_high + 1.0), float("nan"))  # cispo
             tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
-            v1 = tl.where(finite_row, -acc0*r2 + m + r0, float("nan"))  # entropy
+            v1 = tl.where(finite_row, -acc1*r2 + r0, float("nan"))  # entropy
             tl.store(ws_ptr + off_rows + 1 * n_rows + grow, v1)
             v2 = tl.where(finite_row, tl.where(((tok_advantages > 0.0) & (p_cispo__eps_high < r2*r3 - 1.0)), 1.0, 0.0), float("nan"))  # cispo_clip_ratio
             tl.store(ws_ptr + off_rows + 2 * n_rows + grow, v2)
@@ -332,7 +335,7 @@ def head_loss_6dc3df098f5c5073(
                     w_cispo += tl.load(up_rows_ptr + 0 * n_rows + grow)
             else:
                 w_cispo = weight_cispo * grad_scale
-            c0 = tok_advantages*w_cispo*tl.where(p_cispo__eps_high + 1.0 < tl.exp2(1.4426950408889634 * (-m - tok_old_logprobs + z_y))*_rcp(acc1), p_cispo__eps_high + 1.0, tl.exp2(1.4426950408889634 * (-m - tok_old_logprobs + z_y))*_rcp(acc1))
+            c0 = tok_advantages*w_cispo*tl.where(p_cispo__eps_high + 1.0 < tl.exp2(1.4426950408889634 * (-m - tok_old_logprobs + z_y))*_rcp(acc0), p_cispo__eps_high + 1.0, tl.exp2(1.4426950408889634 * (-m - tok_old_logprobs + z_y))*_rcp(acc0))
             g0 = tl.where(finite_row, c0, float("nan"))
             g1 = tl.where(finite_row, -c0, float("nan"))
             # (a row of -inf read as FLOOR would look uniform: its gradient is NaN, as its values are)
@@ -418,4 +421,4 @@ def head_loss_6dc3df098f5c5073(
             tl.store(ws_ptr + 2, value_cispo_clip_ratio)
             tl.store(ws_ptr + 3, weight_cispo * value_cispo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "53281c293a1d3de400532cbb1fa69cb79565d218eedc673d61066a26497e3bf3"
+TEXT_HASH = "9df2e89eef55c047dab801f4ceca5d12b80eb3773eb21abf802087b779a07a9c"

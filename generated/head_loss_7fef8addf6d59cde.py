@@ -6,13 +6,13 @@
 #
 # lowered:
 #   row values:
-#     forward_kl = m - m_t - log(acc0) + log(acc2) + acc1/acc0
-#   normalisers:
+#     forward_kl = -log(acc0) + log(acc2) + acc1/acc0
+#   normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima; first-read sums of zm and tm follow the running maxima):
 #     N0 = m_t + log(acc0)
 #     N1 = m + log(acc2)
 #   accumulators (3; 4 before combining the sums that share a weight):
 #     acc0 = sum_i exp(1*(t - m_t)) * 1    [online]
-#     acc1 = sum_i exp(1*(t - m_t)) * (t - z)    [online]
+#     acc1 = sum_i exp(1*(t - m_t)) * (tm - zm)    [online]
 #     acc2 = sum_i exp(1*(z - m)) * 1    [online]
 #   gradient (derived by sympy):
 #     g0 = w_forward_kl
@@ -43,7 +43,7 @@ from triton.language.extra import libdevice
 
 KEY = "7fef8addf6d59cde"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "ec1ee8ebcb58"
+CODEGEN = "63072e17c75d"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -240,16 +240,20 @@ def head_loss_7fef8addf6d59cde(
                 z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
                 t = tl.maximum(t, FLOOR, propagate_nan=tl.PropagateNan.ALL)
 
-                s0 = tl.exp2(1.4426950408889634 * (-m_t_ref + t))
+                # the elements relative to the running maxima, after the floor (z - m of a floored -inf, not -inf - m)
+                zm = -m_ref + z
+                tm = -m_t_ref + t
+                s0 = tl.exp2(1.4426950408889634 * tm)
                 r0 = tl.exp2(1.4426950408889634 * (m_t - m_t_ref))
-                s1 = tl.exp2(1.4426950408889634 * (-m_ref + z))
+                acc1_moved = tl.where(acc0 > 0.0, acc0*(-m + m_ref + m_t - m_t_ref), 0.0)
+                s1 = tl.exp2(1.4426950408889634 * zm)
                 r1 = tl.exp2(1.4426950408889634 * (m - m_ref))
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
-                part0 = tl.sum(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, s0*(t - z), 0.0)), 0)
+                part0 = tl.sum(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, s0*(tm - zm), 0.0)), 0)
                 acc0_tile, acc1_tile = tl.split(part0)
                 acc2_tile = tl.sum(tl.where(in_row, s1, 0.0), 0)
                 acc0 = acc0 * r0 + acc0_tile
-                acc1 = acc1 * r0 + acc1_tile
+                acc1 = (acc1 + acc1_moved) * r0 + acc1_tile
                 acc2 = acc2 * r1 + acc2_tile
                 m = m_new
                 m_t = m_t_new
@@ -288,7 +292,7 @@ def head_loss_7fef8addf6d59cde(
                 m_r = tl.load(at + 0)
                 m_t_r = tl.load(at + 1)
                 acc0 += tl.load(at + 2) * tl.exp2(1.4426950408889634 * (-m_t + m_t_r))
-                acc1 += tl.load(at + 3) * tl.exp2(1.4426950408889634 * (-m_t + m_t_r))
+                acc1 += (tl.load(at + 3) + tl.where(tl.load(at + 2) > 0.0, (m - m_r - m_t + m_t_r) * tl.load(at + 2), 0.0)) * tl.exp2(1.4426950408889634 * (-m_t + m_t_r))
                 acc2 += tl.load(at + 4) * tl.exp2(1.4426950408889634 * (-m + m_r))
         elif not STATS:
             m = tl.load(stats_row + 0)
@@ -313,7 +317,7 @@ def head_loss_7fef8addf6d59cde(
 
         if ROWS:
             weight_forward_kl = tl.load(scalars_ptr + 0)
-            v0 = tl.where(finite_row, m - m_t - _log(acc0) + _log(acc2) + acc1*_rcp(acc0), float("nan"))  # forward_kl
+            v0 = tl.where(finite_row, -_log(acc0) + _log(acc2) + acc1*_rcp(acc0), float("nan"))  # forward_kl
             tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, weight_forward_kl * v0)
@@ -419,4 +423,4 @@ def head_loss_7fef8addf6d59cde(
             tl.store(ws_ptr + 0, value_forward_kl)
             tl.store(ws_ptr + 1, weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "5e73de729df095a7bfd4ed80c057287fc73a74f71ae184bdb51b8e6bf8f1dfba"
+TEXT_HASH = "9829b82cdb94b1ae6d379ed55c9518ef26c390422940ff61063ade67f8540ad9"

@@ -8,14 +8,14 @@
 # lowered:
 #   row values:
 #     cross_entropy = -zym + log(acc2)
-#     forward_kl = m/2 - m_t/2 - log(acc0) + log(acc3) + acc1/(2*acc0)
-#   normalisers:
+#     forward_kl = -log(acc0) + log(acc3) + acc1/(2*acc0)
+#   normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima; first-read sums of zm and tm follow the running maxima):
 #     N0 = m + log(acc2)
 #     N1 = m_t/2 + log(acc0)
 #     N2 = m/2 + log(acc3)
 #   accumulators (4; 5 before combining the sums that share a weight):
 #     acc0 = sum_i exp(1/2*(t - m_t)) * 1    [online]
-#     acc1 = sum_i exp(1/2*(t - m_t)) * (t - z)    [online]
+#     acc1 = sum_i exp(1/2*(t - m_t)) * (tm - zm)    [online]
 #     acc2 = sum_i exp(1*(z - m)) * 1    [online]
 #     acc3 = sum_i exp(1/2*(z - m)) * 1    [online]
 #   gradient (derived by sympy):
@@ -38,9 +38,9 @@
 # cost:
 #   per vocabulary element, from the printed formulas (SFU: exp2, lg2, rcp, 16 a clock a
 #   multiprocessor on Hopper; other: add, multiply, compare, select, 128 a clock):
-#     stats read: 7 SFU + 12 other
+#     stats read: 5 SFU + 9 other
 #     gradient read: 7 SFU + 17 other
-#     in all: 14 SFU + 29 other
+#     in all: 12 SFU + 26 other
 import os
 
 import triton
@@ -49,7 +49,7 @@ from triton.language.extra import libdevice
 
 KEY = "97832387ccf65118"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "ec1ee8ebcb58"
+CODEGEN = "63072e17c75d"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -249,19 +249,23 @@ def head_loss_97832387ccf65118(
                 z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
                 t = tl.maximum(t, FLOOR, propagate_nan=tl.PropagateNan.ALL)
 
-                s0 = tl.exp2(1.4426950408889634 * ((0.5)*(-m_t_ref + t)))
+                # the elements relative to the running maxima, after the floor (z - m of a floored -inf, not -inf - m)
+                zm = -m_ref + z
+                tm = -m_t_ref + t
+                s0 = tl.exp2(1.4426950408889634 * ((0.5)*tm))
                 r0 = tl.exp2(1.4426950408889634 * ((0.5)*(m_t - m_t_ref)))
-                s1 = tl.exp2(1.4426950408889634 * (-m_ref + z))
+                acc1_moved = tl.where(acc0 > 0.0, acc0*(-m + m_ref + m_t - m_t_ref), 0.0)
+                s1 = tl.exp2(1.4426950408889634 * zm)
                 r1 = tl.exp2(1.4426950408889634 * (m - m_ref))
-                s2 = tl.exp2(1.4426950408889634 * ((0.5)*(-m_ref + z)))
+                s2 = tl.exp2(1.4426950408889634 * ((0.5)*zm))
                 r2 = tl.exp2(1.4426950408889634 * ((0.5)*(m - m_ref)))
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
-                part0 = tl.sum(tl.join(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, s0*(t - z), 0.0)), tl.join(tl.where(in_row, s1, 0.0), tl.where(in_row, s2, 0.0))), 0)
+                part0 = tl.sum(tl.join(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, s0*(tm - zm), 0.0)), tl.join(tl.where(in_row, s1, 0.0), tl.where(in_row, s2, 0.0))), 0)
                 part1, part2 = tl.split(part0)
                 acc0_tile, acc1_tile = tl.split(part1)
                 acc2_tile, acc3_tile = tl.split(part2)
                 acc0 = acc0 * r0 + acc0_tile
-                acc1 = acc1 * r0 + acc1_tile
+                acc1 = (acc1 + acc1_moved) * r0 + acc1_tile
                 acc2 = acc2 * r1 + acc2_tile
                 acc3 = acc3 * r2 + acc3_tile
                 m = m_new
@@ -308,7 +312,7 @@ def head_loss_97832387ccf65118(
                 m_t_r = tl.load(at + 1)
                 z_y += tl.load(at + 2)
                 acc0 += tl.load(at + 3) * tl.exp2(1.4426950408889634 * ((0.5)*(-m_t + m_t_r)))
-                acc1 += tl.load(at + 4) * tl.exp2(1.4426950408889634 * ((0.5)*(-m_t + m_t_r)))
+                acc1 += (tl.load(at + 4) + tl.where(tl.load(at + 3) > 0.0, (m - m_r - m_t + m_t_r) * tl.load(at + 3), 0.0)) * tl.exp2(1.4426950408889634 * ((0.5)*(-m_t + m_t_r)))
                 acc2 += tl.load(at + 5) * tl.exp2(1.4426950408889634 * (-m + m_r))
                 acc3 += tl.load(at + 6) * tl.exp2(1.4426950408889634 * ((0.5)*(-m + m_r)))
         elif not STATS:
@@ -344,7 +348,7 @@ def head_loss_97832387ccf65118(
             weight_forward_kl = tl.load(scalars_ptr + 1)
             v0 = tl.where(finite_row, -zym + _log(acc2), float("nan"))  # cross_entropy
             tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
-            v1 = tl.where(finite_row, (0.5)*m - 0.5*m_t - _log(acc0) + _log(acc3) + ((0.5)*acc1)*_rcp(acc0), float("nan"))  # forward_kl
+            v1 = tl.where(finite_row, -_log(acc0) + _log(acc3) + ((0.5)*acc1)*_rcp(acc0), float("nan"))  # forward_kl
             tl.store(ws_ptr + off_rows + 1 * n_rows + grow, v1)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, weight_cross_entropy * v0 + weight_forward_kl * v1)
@@ -461,4 +465,4 @@ def head_loss_97832387ccf65118(
             tl.store(ws_ptr + 1, value_forward_kl)
             tl.store(ws_ptr + 2, weight_cross_entropy * value_cross_entropy + weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "2bcd7d18de4bae4c6e6820ee9f45c6f23da435c3a0947f315edda3bd8303a6fc"
+TEXT_HASH = "aae82ceef8a64f9f97f7b878527fdcd2c2b5ffb10f47e1b46f83e7dd044d19b0"

@@ -7,7 +7,7 @@
 # lowered:
 #   row values:
 #     jsd = acc1*p_jsd__beta + acc3*(1 - p_jsd__beta)
-#   normalisers:
+#   normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima; first-read sums of zm and tm follow the running maxima):
 #     N0 = m + log(acc0)
 #     N1 = m_t + log(acc2)
 #   accumulators (6):
@@ -48,7 +48,7 @@ from triton.language.extra import libdevice
 
 KEY = "b035e884472ee995"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "ec1ee8ebcb58"
+CODEGEN = "63072e17c75d"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['jsd']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -243,9 +243,12 @@ def head_loss_b035e884472ee995(
                 m_t_new = tl.maximum(m_t, tl.max(tl.where(in_row, t, float("-inf")), 0))
                 m_t_ref = tl.where(m_t_new == float("-inf"), 0.0, m_t_new)
 
-                s0 = tl.exp2(1.4426950408889634 * (-m_ref + z))
+                # the elements relative to the running maxima, after the floor (z - m of a floored -inf, not -inf - m)
+                zm = -m_ref + z
+                tm = -m_t_ref + t
+                s0 = tl.exp2(1.4426950408889634 * zm)
                 r0 = tl.exp2(1.4426950408889634 * (m - m_ref))
-                s1 = tl.exp2(1.4426950408889634 * (-m_t_ref + t))
+                s1 = tl.exp2(1.4426950408889634 * tm)
                 r1 = tl.exp2(1.4426950408889634 * (m_t - m_t_ref))
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
                 part0 = tl.sum(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, s1, 0.0)), 0)
@@ -493,4 +496,4 @@ def head_loss_b035e884472ee995(
             tl.store(ws_ptr + 0, value_jsd)
             tl.store(ws_ptr + 1, weight_jsd * value_jsd)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "82ab156be8cf6214d9e8677bdbee660b03834935dd549ba142fe10fb1f01695a"
+TEXT_HASH = "2caab4182eb342d0312a07aa355053ee27e2cc43ba2d688972f6198058dd2f7c"

@@ -10,19 +10,19 @@
 #
 # lowered:
 #   row values:
-#     grpo = p_grpo__kl_beta*(p_grpo__kl_bias_correction*(-1 + exp(-m - tok_old_logprobs + z_y)/acc1) + 1)*(acc1*exp(m + tok_ref_logprobs - z_y) - m - tok_ref_logprobs + z_y - log(acc1) - 1) - Min(tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1)
-#     entropy = -acc0/acc1 + m + log(acc1)
-#     clip_ratio_low = Piecewise((1, (tok_advantages < 0) & (p_grpo__eps_low < 1 - exp(-m - tok_old_logprobs + z_y)/acc1)), (0, True))
-#     clip_ratio_high = Piecewise((1, (tok_advantages > 0) & (p_grpo__eps_high < -1 + exp(-m - tok_old_logprobs + z_y)/acc1)), (0, True))
-#     clip_ratio_region = Piecewise((1, ((tok_advantages > 0) & (p_grpo__eps_high < -1 + exp(-m - tok_old_logprobs + z_y)/acc1)) | ((tok_advantages < 0) & (p_grpo__eps_low < 1 - exp(-m - tok_old_logprobs + z_y)/acc1))), (0, True))
-#   normalisers:
-#     N0 = m + log(acc1)
+#     grpo = p_grpo__kl_beta*(p_grpo__kl_bias_correction*(-1 + exp(-m - tok_old_logprobs + z_y)/acc0) + 1)*(acc0*exp(m + tok_ref_logprobs - z_y) - m - tok_ref_logprobs + z_y - log(acc0) - 1) - Min(tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0)
+#     entropy = log(acc0) - acc1/acc0
+#     clip_ratio_low = Piecewise((1, (tok_advantages < 0) & (p_grpo__eps_low < 1 - exp(-m - tok_old_logprobs + z_y)/acc0)), (0, True))
+#     clip_ratio_high = Piecewise((1, (tok_advantages > 0) & (p_grpo__eps_high < -1 + exp(-m - tok_old_logprobs + z_y)/acc0)), (0, True))
+#     clip_ratio_region = Piecewise((1, ((tok_advantages > 0) & (p_grpo__eps_high < -1 + exp(-m - tok_old_logprobs + z_y)/acc0)) | ((tok_advantages < 0) & (p_grpo__eps_low < 1 - exp(-m - tok_old_logprobs + z_y)/acc0))), (0, True))
+#   normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima; first-read sums of zm and tm follow the running maxima):
+#     N0 = m + log(acc0)
 #   accumulators (2):
-#     acc0 = sum_i exp(1*(z - m)) * z    [online]
-#     acc1 = sum_i exp(1*(z - m)) * 1    [online]
+#     acc0 = sum_i exp(1*(z - m)) * 1    [online]
+#     acc1 = sum_i exp(1*(z - m)) * zm    [online]
 #   gradient (derived by sympy):
-#     g0 = w_grpo*(p_grpo__kl_beta*(acc1*exp(m + tok_ref_logprobs - z_y) - 1)*(p_grpo__kl_bias_correction*(-1 + exp(-m - tok_old_logprobs + z_y)/acc1) + 1) - p_grpo__kl_beta*p_grpo__kl_bias_correction*(acc1*exp(m + tok_ref_logprobs - z_y) - m - tok_ref_logprobs + z_y - log(acc1) - 1)*exp(-m - tok_old_logprobs + z_y)/acc1 + tok_advantages*Piecewise((1, (p_grpo__eps_high >= -1 + exp(-m - tok_old_logprobs + z_y)/acc1) & (p_grpo__eps_low >= 1 - exp(-m - tok_old_logprobs + z_y)/acc1)), (0, True))*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1, tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1 >= tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-m - tok_old_logprobs + z_y)/acc1 + tok_advantages*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1, tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1 <= tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-m - tok_old_logprobs + z_y)/acc1)
-#     g1 = w_grpo*(p_grpo__kl_beta*(-acc1*exp(m + tok_ref_logprobs - z_y) + 1)*(p_grpo__kl_bias_correction*(-1 + exp(-m - tok_old_logprobs + z_y)/acc1) + 1) + p_grpo__kl_beta*p_grpo__kl_bias_correction*(acc1*exp(m + tok_ref_logprobs - z_y) - m - tok_ref_logprobs + z_y - log(acc1) - 1)*exp(-m - tok_old_logprobs + z_y)/acc1 - tok_advantages*Piecewise((1, (p_grpo__eps_high >= -1 + exp(-m - tok_old_logprobs + z_y)/acc1) & (p_grpo__eps_low >= 1 - exp(-m - tok_old_logprobs + z_y)/acc1)), (0, True))*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1, tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1 >= tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-m - tok_old_logprobs + z_y)/acc1 - tok_advantages*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1, tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc1 <= tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc1, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-m - tok_old_logprobs + z_y)/acc1)
+#     g0 = w_grpo*(p_grpo__kl_beta*(acc0*exp(m + tok_ref_logprobs - z_y) - 1)*(p_grpo__kl_bias_correction*(-1 + exp(-m - tok_old_logprobs + z_y)/acc0) + 1) - p_grpo__kl_beta*p_grpo__kl_bias_correction*(acc0*exp(m + tok_ref_logprobs - z_y) - m - tok_ref_logprobs + z_y - log(acc0) - 1)*exp(-m - tok_old_logprobs + z_y)/acc0 + tok_advantages*Piecewise((1, (p_grpo__eps_high >= -1 + exp(-m - tok_old_logprobs + z_y)/acc0) & (p_grpo__eps_low >= 1 - exp(-m - tok_old_logprobs + z_y)/acc0)), (0, True))*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0, tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0 >= tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-m - tok_old_logprobs + z_y)/acc0 + tok_advantages*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0, tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0 <= tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-m - tok_old_logprobs + z_y)/acc0)
+#     g1 = w_grpo*(p_grpo__kl_beta*(-acc0*exp(m + tok_ref_logprobs - z_y) + 1)*(p_grpo__kl_bias_correction*(-1 + exp(-m - tok_old_logprobs + z_y)/acc0) + 1) + p_grpo__kl_beta*p_grpo__kl_bias_correction*(acc0*exp(m + tok_ref_logprobs - z_y) - m - tok_ref_logprobs + z_y - log(acc0) - 1)*exp(-m - tok_old_logprobs + z_y)/acc0 - tok_advantages*Piecewise((1, (p_grpo__eps_high >= -1 + exp(-m - tok_old_logprobs + z_y)/acc0) & (p_grpo__eps_low >= 1 - exp(-m - tok_old_logprobs + z_y)/acc0)), (0, True))*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0, tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0 >= tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-m - tok_old_logprobs + z_y)/acc0 - tok_advantages*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0, tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0 <= tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-m - tok_old_logprobs + z_y)/acc0)
 #     dL/dz_i = g0*exp(-L_N0 + zm) + g1*is_y
 #
 # plan:
@@ -49,7 +49,7 @@ from triton.language.extra import libdevice
 
 KEY = "b50bef4a7e9d9783"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "ec1ee8ebcb58"
+CODEGEN = "63072e17c75d"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_ratio_low', 'clip_ratio_high', 'clip_ratio_region']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -242,13 +242,16 @@ def head_loss_b50bef4a7e9d9783(
                 # -inf as FLOOR (a NaN stays NaN): its probability is still 0, and 0 * FLOOR is 0 where 0 * -inf is NaN
                 z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
 
-                s0 = tl.exp2(1.4426950408889634 * (-m_ref + z))
+                # the elements relative to the running maxima, after the floor (z - m of a floored -inf, not -inf - m)
+                zm = -m_ref + z
+                s0 = tl.exp2(1.4426950408889634 * zm)
                 r0 = tl.exp2(1.4426950408889634 * (m - m_ref))
+                acc1_moved = tl.where(acc0 > 0.0, acc0*(m - m_ref), 0.0)
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
-                part0 = tl.sum(tl.join(tl.where(in_row, s0*z, 0.0), tl.where(in_row, s0, 0.0)), 0)
+                part0 = tl.sum(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, s0*zm, 0.0)), 0)
                 acc0_tile, acc1_tile = tl.split(part0)
                 acc0 = acc0 * r0 + acc0_tile
-                acc1 = acc1 * r0 + acc1_tile
+                acc1 = (acc1 + acc1_moved) * r0 + acc1_tile
                 m = m_new
             z_y = tl.where(y_here, _logits(tl.load(x_row + y_local, mask=y_here, other=0.0).to(tl.float32),
                                            logit_scale, softcap), 0.0)
@@ -284,7 +287,7 @@ def head_loss_b50bef4a7e9d9783(
                 m_r = tl.load(at + 0)
                 z_y += tl.load(at + 1)
                 acc0 += tl.load(at + 2) * tl.exp2(1.4426950408889634 * (-m + m_r))
-                acc1 += tl.load(at + 3) * tl.exp2(1.4426950408889634 * (-m + m_r))
+                acc1 += (tl.load(at + 3) + tl.where(tl.load(at + 2) > 0.0, (-m + m_r) * tl.load(at + 2), 0.0)) * tl.exp2(1.4426950408889634 * (-m + m_r))
         elif not STATS:
             m = tl.load(stats_row + 0)
             z_y = tl.load(stats_row + 1)
@@ -293,7 +296,7 @@ def head_loss_b50bef4a7e9d9783(
         # a row whose logits (or teacher logits) are all -inf has no distribution: its values are NaN
         finite_row = (m > FLOOR)
 
-        L_N0 = _log(acc1)
+        L_N0 = _log(acc0)
         N0 = L_N0 + m
 
         if STORE_STATS:
@@ -308,19 +311,19 @@ def head_loss_b50bef4a7e9d9783(
             p_grpo__eps_low = tl.load(scalars_ptr + 2)
             p_grpo__kl_beta = tl.load(scalars_ptr + 3)
             p_grpo__kl_bias_correction = tl.load(scalars_ptr + 4)
-            r0 = _rcp(acc1)
+            r0 = _rcp(acc0)
             r1 = m - z_y
             r2 = tl.exp2(1.4426950408889634 * (-(r1 + tok_old_logprobs)))
             r3 = r0*r2
             r4 = -r0*r2 + 1.0
             r5 = -r4
-            r6 = _log(acc1)
+            r6 = _log(acc0)
             r7 = r1 + tok_ref_logprobs
             r8 = ((p_grpo__eps_low < r4) & (tok_advantages < 0.0))
             r9 = ((tok_advantages > 0.0) & (p_grpo__eps_high < r5))
-            v0 = tl.where(finite_row, p_grpo__kl_beta*(p_grpo__kl_bias_correction*r5 + 1.0)*(acc1*tl.exp2(1.4426950408889634 * r7) - r6 - r7 - 1.0) - tl.where(r3*tok_advantages < tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(r3 > 1.0 - p_grpo__eps_low, r3, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(r3 > 1.0 - p_grpo__eps_low, r3, 1.0 - p_grpo__eps_low)), r3*tok_advantages, tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(r3 > 1.0 - p_grpo__eps_low, r3, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(r3 > 1.0 - p_grpo__eps_low, r3, 1.0 - p_grpo__eps_low))), float("nan"))  # grpo
+            v0 = tl.where(finite_row, p_grpo__kl_beta*(p_grpo__kl_bias_correction*r5 + 1.0)*(acc0*tl.exp2(1.4426950408889634 * r7) - r6 - r7 - 1.0) - tl.where(r3*tok_advantages < tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(r3 > 1.0 - p_grpo__eps_low, r3, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(r3 > 1.0 - p_grpo__eps_low, r3, 1.0 - p_grpo__eps_low)), r3*tok_advantages, tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(r3 > 1.0 - p_grpo__eps_low, r3, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(r3 > 1.0 - p_grpo__eps_low, r3, 1.0 - p_grpo__eps_low))), float("nan"))  # grpo
             tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
-            v1 = tl.where(finite_row, -acc0*r0 + m + r6, float("nan"))  # entropy
+            v1 = tl.where(finite_row, -acc1*r0 + r6, float("nan"))  # entropy
             tl.store(ws_ptr + off_rows + 1 * n_rows + grow, v1)
             v2 = tl.where(finite_row, tl.where(r8, 1.0, 0.0), float("nan"))  # clip_ratio_low
             tl.store(ws_ptr + off_rows + 2 * n_rows + grow, v2)
@@ -356,15 +359,15 @@ def head_loss_b50bef4a7e9d9783(
                 w_grpo = weight_grpo * grad_scale
             c0 = m - z_y
             c1 = c0 + tok_ref_logprobs
-            c2 = acc1*tl.exp2(1.4426950408889634 * c1)
+            c2 = acc0*tl.exp2(1.4426950408889634 * c1)
             c3 = c2 - 1.0
-            c4 = _rcp(acc1)
+            c4 = _rcp(acc0)
             c5 = tl.exp2(1.4426950408889634 * (-(c0 + tok_old_logprobs)))
             c6 = -c4*c5 + 1.0
             c7 = -c6
             c8 = p_grpo__kl_beta*(c7*p_grpo__kl_bias_correction + 1.0)
             c9 = c4*c5
-            c10 = c9*p_grpo__kl_beta*p_grpo__kl_bias_correction*(-c1 + c2 - _log(acc1) - 1.0)
+            c10 = c9*p_grpo__kl_beta*p_grpo__kl_bias_correction*(-c1 + c2 - _log(acc0) - 1.0)
             c11 = c9*tok_advantages
             c12 = tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(c9 > 1.0 - p_grpo__eps_low, c9, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(c9 > 1.0 - p_grpo__eps_low, c9, 1.0 - p_grpo__eps_low))
             c13 = _rcp(tl.where((c11 == c12), 1.0, 0.0) + 1.0)
@@ -461,4 +464,4 @@ def head_loss_b50bef4a7e9d9783(
             tl.store(ws_ptr + 4, value_clip_ratio_region)
             tl.store(ws_ptr + 5, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "428f130797e86a4f2604c10db6b61431011154b258d63c67a24f02c41a0d666f"
+TEXT_HASH = "f06041d8a15d60cca4c5ca2020f24a5e8b95f435b32b5418f74c471a7828a2ea"

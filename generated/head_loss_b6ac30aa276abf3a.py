@@ -9,17 +9,17 @@
 #
 # lowered:
 #   row values:
-#     cross_entropy = -zym + log(acc1)
-#     z_loss = (m + log(acc1))**2
-#     entropy = -acc0/acc1 + m + log(acc1)
+#     cross_entropy = -zym + log(acc0)
+#     z_loss = (m + log(acc0))**2
+#     entropy = log(acc0) - acc1/acc0
 #     token_accuracy = Piecewise((1, Eq(argmax, label)), (0, True))
-#   normalisers:
-#     N0 = m + log(acc1)
+#   normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima; first-read sums of zm and tm follow the running maxima):
+#     N0 = m + log(acc0)
 #   accumulators (2):
-#     acc0 = sum_i exp(1*(z - m)) * z    [online]
-#     acc1 = sum_i exp(1*(z - m)) * 1    [online]
+#     acc0 = sum_i exp(1*(z - m)) * 1    [online]
+#     acc1 = sum_i exp(1*(z - m)) * zm    [online]
 #   gradient (derived by sympy):
-#     g0 = w_cross_entropy + 2*w_z_loss*(m + log(acc1))
+#     g0 = w_cross_entropy + 2*w_z_loss*(m + log(acc0))
 #     g1 = -w_cross_entropy
 #     dL/dz_i = g0*exp(-L_N0 + zm) + g1*is_y
 #
@@ -47,7 +47,7 @@ from triton.language.extra import libdevice
 
 KEY = "b6ac30aa276abf3a"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "ec1ee8ebcb58"
+CODEGEN = "63072e17c75d"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss', 'entropy', 'token_accuracy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -240,13 +240,16 @@ def head_loss_b6ac30aa276abf3a(
                 # -inf as FLOOR (a NaN stays NaN): its probability is still 0, and 0 * FLOOR is 0 where 0 * -inf is NaN
                 z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
 
-                s0 = tl.exp2(1.4426950408889634 * (-m_ref + z))
+                # the elements relative to the running maxima, after the floor (z - m of a floored -inf, not -inf - m)
+                zm = -m_ref + z
+                s0 = tl.exp2(1.4426950408889634 * zm)
                 r0 = tl.exp2(1.4426950408889634 * (m - m_ref))
+                acc1_moved = tl.where(acc0 > 0.0, acc0*(m - m_ref), 0.0)
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
-                part0 = tl.sum(tl.join(tl.where(in_row, s0*z, 0.0), tl.where(in_row, s0, 0.0)), 0)
+                part0 = tl.sum(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, s0*zm, 0.0)), 0)
                 acc0_tile, acc1_tile = tl.split(part0)
                 acc0 = acc0 * r0 + acc0_tile
-                acc1 = acc1 * r0 + acc1_tile
+                acc1 = (acc1 + acc1_moved) * r0 + acc1_tile
                 m = m_new
             z_y = tl.where(y_here, _logits(tl.load(x_row + y_local, mask=y_here, other=0.0).to(tl.float32),
                                            logit_scale, softcap), 0.0)
@@ -287,7 +290,7 @@ def head_loss_b6ac30aa276abf3a(
                 argmax = tl.where(m_r > best, tl.load(at + 2), argmax)
                 best = tl.maximum(best, m_r)
                 acc0 += tl.load(at + 3) * tl.exp2(1.4426950408889634 * (-m + m_r))
-                acc1 += tl.load(at + 4) * tl.exp2(1.4426950408889634 * (-m + m_r))
+                acc1 += (tl.load(at + 4) + tl.where(tl.load(at + 3) > 0.0, (-m + m_r) * tl.load(at + 3), 0.0)) * tl.exp2(1.4426950408889634 * (-m + m_r))
         elif not STATS:
             m = tl.load(stats_row + 0)
             z_y = tl.load(stats_row + 1)
@@ -297,7 +300,7 @@ def head_loss_b6ac30aa276abf3a(
         # a row whose logits (or teacher logits) are all -inf has no distribution: its values are NaN
         finite_row = (m > FLOOR)
 
-        L_N0 = _log(acc1)
+        L_N0 = _log(acc0)
         N0 = L_N0 + m
         zym = z_y - m
 
@@ -311,13 +314,12 @@ def head_loss_b6ac30aa276abf3a(
         if ROWS:
             weight_cross_entropy = tl.load(scalars_ptr + 0)
             weight_z_loss = tl.load(scalars_ptr + 1)
-            r0 = _log(acc1)
-            r1 = m + r0
+            r0 = _log(acc0)
             v0 = tl.where(finite_row, r0 - zym, float("nan"))  # cross_entropy
             tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
-            v1 = tl.where(finite_row, (r1 * r1), float("nan"))  # z_loss
+            v1 = tl.where(finite_row, ((m + r0) * (m + r0)), float("nan"))  # z_loss
             tl.store(ws_ptr + off_rows + 1 * n_rows + grow, v1)
-            v2 = tl.where(finite_row, (-acc0)*_rcp(acc1) + r1, float("nan"))  # entropy
+            v2 = tl.where(finite_row, r0 + (-acc1)*_rcp(acc0), float("nan"))  # entropy
             tl.store(ws_ptr + off_rows + 2 * n_rows + grow, v2)
             v3 = tl.where(finite_row, tl.where((argmax == label), 1.0, 0.0), float("nan"))  # token_accuracy
             tl.store(ws_ptr + off_rows + 3 * n_rows + grow, v3)
@@ -347,7 +349,7 @@ def head_loss_b6ac30aa276abf3a(
             else:
                 w_cross_entropy = weight_cross_entropy * grad_scale
                 w_z_loss = weight_z_loss * grad_scale
-            g0 = tl.where(finite_row, w_cross_entropy + 2.0*w_z_loss*(m + _log(acc1)), float("nan"))
+            g0 = tl.where(finite_row, w_cross_entropy + 2.0*w_z_loss*(m + _log(acc0)), float("nan"))
             g1 = tl.where(finite_row, -w_cross_entropy, float("nan"))
             # (a row of -inf read as FLOOR would look uniform: its gradient is NaN, as its values are)
             # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
@@ -436,4 +438,4 @@ def head_loss_b6ac30aa276abf3a(
             tl.store(ws_ptr + 3, value_token_accuracy)
             tl.store(ws_ptr + 4, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "dfc5a0c2ed790e59c7c6e57c7f00e15b326ec6f0fe7ab6b1bf81e53f9f7ec519"
+TEXT_HASH = "efa95885a5811f9823d7e9cf5ed110e5559a4129295b839e0187d38ce473e453"

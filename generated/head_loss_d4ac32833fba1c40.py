@@ -7,7 +7,7 @@
 # lowered:
 #   row values:
 #     topk_forward_kl = acc0*(m + log(acc2)) + acc1
-#   normalisers:
+#   normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima; first-read sums of zm and tm follow the running maxima):
 #     N0 = m + log(acc2)
 #   accumulators (3; 4 before combining the sums that share a weight):
 #     acc0 = sum_k 1 * exp(l_k)    [online]
@@ -43,7 +43,7 @@ from triton.language.extra import libdevice
 
 KEY = "d4ac32833fba1c40"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "ec1ee8ebcb58"
+CODEGEN = "63072e17c75d"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['topk_forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -251,7 +251,9 @@ def head_loss_d4ac32833fba1c40(
                 # the exponents' reference: 0 while every logit so far is -inf (-inf - -inf is NaN)
                 m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
 
-                s0 = tl.exp2(1.4426950408889634 * (-m_ref + z))
+                # the elements relative to the running maxima, after the floor (z - m of a floored -inf, not -inf - m)
+                zm = -m_ref + z
+                s0 = tl.exp2(1.4426950408889634 * zm)
                 r0 = tl.exp2(1.4426950408889634 * (m - m_ref))
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
                 acc2_tile = tl.sum(tl.where(in_row, s0, 0.0), 0)
@@ -415,4 +417,4 @@ def head_loss_d4ac32833fba1c40(
             tl.store(ws_ptr + 0, value_topk_forward_kl)
             tl.store(ws_ptr + 1, weight_topk_forward_kl * value_topk_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "c6ebf3e79ff45991755f528915125d97f5889815a0edce7faee62d58e8a4968c"
+TEXT_HASH = "ff774c82752c5d0cafd394b48a1f2ab8f83ff79acf140ad64f6a24d94ff87512"

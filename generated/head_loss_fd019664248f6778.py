@@ -7,7 +7,7 @@
 # lowered:
 #   row values:
 #     cross_entropy = p_cross_entropy__label_smoothing*(-acc0/vocab_size + m + log(acc1)) + (1 - p_cross_entropy__label_smoothing)*(-zym + log(acc1))
-#   normalisers:
+#   normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima; first-read sums of zm and tm follow the running maxima):
 #     N0 = m + log(acc1)
 #   accumulators (2):
 #     acc0 = sum_i 1 * z    [online]
@@ -42,7 +42,7 @@ from triton.language.extra import libdevice
 
 KEY = "fd019664248f6778"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "ec1ee8ebcb58"
+CODEGEN = "63072e17c75d"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -231,7 +231,9 @@ def head_loss_fd019664248f6778(
                 # -inf as FLOOR (a NaN stays NaN): its probability is still 0, and 0 * FLOOR is 0 where 0 * -inf is NaN
                 z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
 
-                s1 = tl.exp2(1.4426950408889634 * (-m_ref + z))
+                # the elements relative to the running maxima, after the floor (z - m of a floored -inf, not -inf - m)
+                zm = -m_ref + z
+                s1 = tl.exp2(1.4426950408889634 * zm)
                 r1 = tl.exp2(1.4426950408889634 * (m - m_ref))
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
                 part0 = tl.sum(tl.join(tl.where(in_row, z, 0.0), tl.where(in_row, s1, 0.0)), 0)
@@ -399,4 +401,4 @@ def head_loss_fd019664248f6778(
             tl.store(ws_ptr + 0, value_cross_entropy)
             tl.store(ws_ptr + 1, weight_cross_entropy * value_cross_entropy)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "e2719dcbc641a98821b446c30b4b5532c444fd9d22c8d07a23430e72f65730f0"
+TEXT_HASH = "93845448ca1687e37c3b319bf0ba8f4eca68f055d5dda6f014b4a4dfc676761a"

@@ -118,7 +118,8 @@ class Lowered:
         lines += [f"  {name} = {expr}" for name, expr in self.row_values]
         for seg in self.segments:
             lines.append(f"  segment term {seg.name} = {seg.formula}")
-        lines.append("normalisers:")
+        lines.append("normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima; first-read "
+                     "sums of zm and tm follow the running maxima):")
         lines += [f"  {n.symbol} = {n.value}" for n in self.normalizers]
         count = f"accumulators ({len(self.accumulators)}"
         if self.uncombined > len(self.accumulators):
@@ -200,8 +201,17 @@ class _Lowering:
         if any(s not in allowed and not s.name.startswith((S.TOKEN_PREFIX, S.RUNTIME_PREFIX))
                for s in rest.free_symbols):
             return None
-        acc = self.acc(domain, True, alpha, beta, rest)
-        return _merge_exp(row * sp.exp(const) * sp.exp(alpha * M + beta * MT)) * acc
+        factor = _merge_exp(row * sp.exp(const) * sp.exp(alpha * M + beta * MT))
+        linear = _linear(rest) if domain == "vocab" and (alpha, beta) != (0, 0) else None
+        if linear is not None:
+            # h = c0 + cz*z + ct*t summed as cz*(z - m) + ct*(t - m_t), relative to the running
+            # maxima (the kernel shifts it when they grow), plus (c0 + cz*m + ct*m_t) times the
+            # weights' own sum: entropy's sum p z is m + sum p (z - m), and m cancels in lse - sum p z
+            c0, cz, ct = linear
+            base = self.acc(domain, True, alpha, beta, sp.S.One)
+            relative = self.acc(domain, True, alpha, beta, cz * ZM + ct * TM)
+            return factor * (c0 + cz * M + ct * MT) * base + factor * relative   # two terms: m cancels
+        return factor * self.acc(domain, True, alpha, beta, rest)
 
     def lower_reduction(self, domain: str, body: sp.Expr) -> sp.Expr:
         value, exact = sp.S.Zero, sp.S.Zero
@@ -224,6 +234,28 @@ def _only_smooth(expr: sp.Expr, x: sp.Symbol) -> bool:
                    and not isinstance(node, smooth) and node.has(x) for node in sp.preorder_traversal(expr))
 
 
+def _linear(h: sp.Expr):
+    """``(c0, cz, ct)`` with ``h = c0 + cz*z + ct*t`` and at least one of ``cz, ct`` non-zero, or None."""
+    z, t = S.logit, S.teacher_logit
+    cz, ct = h.diff(z), h.diff(t)
+    c0 = sp.expand(h - cz * z - ct * t)
+    if cz.has(z, t) or ct.has(z, t) or c0.has(z, t) or (cz == 0 and ct == 0):
+        return None
+    return c0, cz, ct
+
+
+def base_of(acc: Accumulator, accs) -> Accumulator:
+    """The sum of the weights of ``acc``'s group (body 1), which a relative sum shifts by."""
+    return next(a for a in accs if a.online and (a.domain, a.alpha, a.beta) == (acc.domain, acc.alpha, acc.beta)
+                and a.body == 1)
+
+
+def shift(acc: Accumulator) -> tuple[sp.Expr, sp.Expr]:
+    """``(d body/d zm, d body/d tm)`` of an online accumulator kept relative to the running maxima:
+    when they grow by ``dm, dm_t`` the sum moves by ``-(dm*cz + dm_t*ct) * (the weights' sum)``."""
+    return acc.body.diff(ZM), acc.body.diff(TM)
+
+
 def _merge_exp(expr: sp.Expr) -> sp.Expr:
     """One exp per product, so that exp(2*m)*exp(-2*N) is evaluated as exp(2*m - 2*N) <= 1."""
     exponent, rest = sp.S.Zero, sp.S.One
@@ -241,6 +273,7 @@ def _prune(accs: list[Accumulator], normalizers, exprs: list[sp.Expr]):
     used = {n.acc for n in normalizers}
     used |= {s.name for e in exprs for s in e.free_symbols}
     used |= {s.name for a in accs if a.name in used for s in a.body.free_symbols}
+    used |= {base_of(a, accs).name for a in accs if a.name in used and a.online and shift(a) != (0, 0)}
     kept = [a for a in accs if a.name in used]
     rename = {a.name: f"acc{i}" for i, a in enumerate(kept)}
     subs = {sp.Symbol(o, real=True): sp.Symbol(n, real=True) for o, n in rename.items()}
@@ -491,7 +524,10 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
                for k, a in lw.accs.items()}
     exprs = [e for _, e in row_values] + [e for _, e in coefs]
     uncombined = len(_prune(list(lw.accs.values()), normalizers, exprs)[0])
-    fixed = {n.acc for n in normalizers} | {s.name for a in lw.accs.values() for s in a.body.free_symbols}
+    # never combined: sums read by name (the normalisers', and the weights' own sums that relative
+    # sums shift by), and any a summand reads
+    fixed = ({n.acc for n in normalizers} | {a.name for a in lw.accs.values() if a.online and a.body == 1}
+             | {s.name for a in lw.accs.values() for s in a.body.free_symbols})
     accs, exprs = _combine(list(lw.accs.values()), fixed, exprs)
     row_values = [(n, e) for (n, _), e in zip(row_values, exprs)]
     coefs = [(s, e) for (s, _), e in zip(coefs, exprs[len(row_values):])]

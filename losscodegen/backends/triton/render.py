@@ -17,7 +17,7 @@ import sympy as sp
 from ... import symbols as S
 from ...emit import (FLAG_SLOTS, ArrayPrinter, KernelSource, Signature, check_interface, neg_inf_handling,
                      seal, signatures, wrap)
-from ...lower import IS_Y, M, MT, TM, ZM, ZYM
+from ...lower import IS_Y, M, MT, TM, ZM, ZYM, base_of, shift
 from ...plan import Plan, pow2
 from ...resources import TEMPLATES
 
@@ -139,7 +139,7 @@ def element_costs(plan: Plan) -> dict[str, tuple[int, int]]:
     stats = [sp.exp(_online_exponent(alpha, beta)) for alpha, beta in _group_online(plan)
              if (alpha, beta) != (0, 0)]
     stats += [scale * a.body for accs in _group_online(plan).values() for a in accs]
-    costs = {"stats": _ops(stats)}
+    costs = {"stats": _ops(stats + [value for _, value in _stats_relative(stats)])}
     exact = [a.body for a in lw.accumulators if not a.online and a.domain == "vocab"]
     for read, exprs in (("exact", exact), ("gradient", [lw.grad_vocab])):
         if any(e != 0 for e in exprs):
@@ -203,8 +203,16 @@ _M_REF, _MT_REF = sp.Symbol("m_ref", real=True), sp.Symbol("m_t_ref", real=True)
 
 
 def _online_exponent(alpha: sp.Expr, beta: sp.Expr) -> sp.Expr:
-    """The exponent of an online group's elements, against the running maxima."""
-    return alpha * (S.logit - _M_REF) + beta * (S.teacher_logit - _MT_REF)
+    """The exponent of an online group's elements, against the running maxima: in the elements
+    relative to them (zm = z - m_ref, tm = t - m_t_ref), which the relative sums' bodies read too,
+    so that the exponent and the bodies share one subtraction an element."""
+    return alpha * ZM + beta * TM
+
+
+def _stats_relative(exprs: list[sp.Expr]) -> list[tuple[sp.Symbol, sp.Expr]]:
+    """The first read's relative elements that ``exprs`` read, each with its value."""
+    return [(e, value) for e, value in ((ZM, S.logit - _M_REF), (TM, S.teacher_logit - _MT_REF))
+            if any(x.has(e) for x in exprs)]
 
 
 def _merge(plan: Plan) -> dict[str, list[str]]:
@@ -212,6 +220,7 @@ def _merge(plan: Plan) -> dict[str, list[str]]:
     over ranks first, then the sums, each rank's running sums rescaled from its maxima to the
     global ones, and the argmax of the first rank that holds the maximum."""
     at = {c.name: i for i, c in enumerate(plan.columns)}
+    accs = {a.name: a for a in plan.lowered.accumulators}
     init, maxima, sums = [], [], ["at = part + r * step"]
     rank_max = {M: sp.Symbol("m_r", real=True), MT: sp.Symbol("m_t_r", real=True)}
     for c in plan.columns:
@@ -224,9 +233,17 @@ def _merge(plan: Plan) -> dict[str, list[str]]:
             init.append(f"{c.name} = 0.0")
             sums.append(f"{c.name} += tl.load(at + {at[c.name]})")
         elif c.merge == "scaled":
-            shift = c.alpha * (rank_max[M] - M) + c.beta * (rank_max[MT] - MT)
+            rescale = _TL.doprint(sp.exp(c.alpha * (rank_max[M] - M) + c.beta * (rank_max[MT] - MT)))
             init.append(f"{c.name} = 0.0")
-            sums.append(f"{c.name} += tl.load(at + {at[c.name]}) * {_TL.doprint(sp.exp(shift))}")
+            acc = accs.get(c.name)
+            cz, ct = shift(acc) if acc is not None and acc.online else (0, 0)
+            part = f"tl.load(at + {at[c.name]})"
+            if (cz, ct) != (0, 0):
+                # a sum of z - m_r, moved to the global maxima by its weights' sum
+                base = f"tl.load(at + {at[base_of(acc, plan.lowered.accumulators).name]})"
+                moved = _TL.doprint(cz * (rank_max[M] - M) + ct * (rank_max[MT] - MT))
+                part = f"({part} + tl.where({base} > 0.0, ({moved}) * {base}, 0.0))"
+            sums.append(f"{c.name} += {part} * {rescale}")
         elif c.merge == "argmax":
             init += [f"{c.name} = 0.0", "best = float(\"-inf\")"]
             sums += [f"{c.name} = tl.where(m_r > best, tl.load(at + {at[c.name]}), {c.name})",
@@ -251,15 +268,26 @@ def render(plan: Plan, key: str, header: str, codegen: str,
     # (the later reads see elements relative to their maxima: zm = z - m is -inf where z is)
     vocab, topk = (*S.ELEMENT_SYMBOLS, ZM, TM), S.TOPK_SYMBOLS
 
-    online = []
+    online, stats_exprs = [], []
     for i, ((alpha, beta), accs) in enumerate(_group_online(plan).items()):
         exponent = _online_exponent(alpha, beta)
+        stats_exprs += [exponent] + [a.body for a in accs]
         rescale = alpha * (M - _M_REF) + beta * (MT - _MT_REF)
         scale = sp.Symbol(f"s{i}", real=True) if exponent != 0 else sp.S.One
+        shifts = []
+        for a in accs:
+            cz, ct = shift(a)
+            if (cz, ct) != (0, 0):
+                # the running maxima grew: a sum of z - m moves by (m - m_new) times its weights' sum
+                # (an empty sum by nothing: m is then -inf)
+                base = base_of(a, lw.accumulators).name
+                moved = _TL.doprint((cz * (M - _M_REF) + ct * (MT - _MT_REF)) * sp.Symbol(base, real=True))
+                shifts.append((a.name, f"tl.where({base} > 0.0, {moved}, 0.0)"))
         online.append(dict(
             scale=None if exponent == 0 else _TL.doprint(sp.exp(exponent)),
             rescale=None if rescale == 0 else _TL.doprint(sp.exp(rescale)),
-            index=i, accs=[(a.name, _TL.doprint(scale * a.body)) for a in accs]))
+            index=i, accs=[(a.name, _TL.doprint(scale * a.body)) for a in accs],
+            shifts=shifts, shifted=[name for name, _ in shifts]))
     topk_online = [(a.name, _TL.doprint(sp.exp(a.alpha * (S.topk_logit - M)) * a.body))
                    for a in lw.accumulators if a.online and a.domain == "topk"]
     exact = [a for a in lw.accumulators if not a.online and a.domain == "vocab"]
@@ -309,6 +337,7 @@ def render(plan: Plan, key: str, header: str, codegen: str,
         transform=_TL.doprint(transform), dtransform=_TL.doprint(transform.diff(X)),
         online=online, topk_online=topk_online,
         stats_tile_sums=_tile_sums([acc for group in online for acc in group["accs"]]),
+        stats_relative=[(e.name, _TL.doprint(value)) for e, value in _stats_relative(stats_exprs)],
         exact=list(zip([a.name for a in exact], exact_bodies)), exact_temps=exact_temps,
         exact_tile_sums=_tile_sums(list(zip([a.name for a in exact], exact_bodies))),
         topk_exact=list(zip([a.name for a in topk_exact], tk_bodies)), topk_temps=tk_temps,
