@@ -51,7 +51,7 @@ from triton.language.extra import libdevice
 
 KEY = "203180df93923b8c"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "63072e17c75d"
+CODEGEN = "a23b1d3de61a"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss', 'forward_kl', 'entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -106,6 +106,9 @@ INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() in ("1"
 # what a -inf input element is read as where a product with it would be 0 * -inf: exp of it is
 # still 0, and a square of it still finite (so 0 * z * z is 0 too)
 FLOOR = tl.constexpr(-1.0e18)
+# the smallest normal fp32: a sum of exponentials plus TINY is the sum itself above 2^-102, and
+# never 0 (its log and reciprocal finite where every exponential in it underflowed)
+TINY = tl.constexpr(1.1754943508222875e-38)
 
 
 @triton.jit
@@ -482,4 +485,4 @@ def head_loss_203180df93923b8c(
             tl.store(ws_ptr + 3, value_entropy)
             tl.store(ws_ptr + 4, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss + weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "77fa6ac7839b280aab7cc6243af7b98a006a402655665af36cb944b75d610648"
+TEXT_HASH = "ac7340a81be40eac0ccfcfd2d78cfd31d9eb9259cc79d11d5b5c20935e92b17d"

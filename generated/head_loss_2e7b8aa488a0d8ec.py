@@ -42,7 +42,7 @@ from triton.language.extra import libdevice
 
 KEY = "2e7b8aa488a0d8ec"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "63072e17c75d"
+CODEGEN = "a23b1d3de61a"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -97,6 +97,9 @@ INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() in ("1"
 # what a -inf input element is read as where a product with it would be 0 * -inf: exp of it is
 # still 0, and a square of it still finite (so 0 * z * z is 0 too)
 FLOOR = tl.constexpr(-1.0e18)
+# the smallest normal fp32: a sum of exponentials plus TINY is the sum itself above 2^-102, and
+# never 0 (its log and reciprocal finite where every exponential in it underflowed)
+TINY = tl.constexpr(1.1754943508222875e-38)
 
 
 @triton.jit
@@ -397,4 +400,4 @@ def head_loss_2e7b8aa488a0d8ec(
             tl.store(ws_ptr + 1, value_z_loss)
             tl.store(ws_ptr + 2, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "60efa830a48bf865522a9be96a2170920ef7a538f2332b1ce6e46fc673c8aab2"
+TEXT_HASH = "f42410c476e5aeb57e3b0a7edae60475f59744a3f65ca8f63f144e478fe4e2d3"

@@ -43,7 +43,7 @@ from triton.language.extra import libdevice
 
 KEY = "7fef8addf6d59cde"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "63072e17c75d"
+CODEGEN = "a23b1d3de61a"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -98,6 +98,9 @@ INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() in ("1"
 # what a -inf input element is read as where a product with it would be 0 * -inf: exp of it is
 # still 0, and a square of it still finite (so 0 * z * z is 0 too)
 FLOOR = tl.constexpr(-1.0e18)
+# the smallest normal fp32: a sum of exponentials plus TINY is the sum itself above 2^-102, and
+# never 0 (its log and reciprocal finite where every exponential in it underflowed)
+TINY = tl.constexpr(1.1754943508222875e-38)
 
 
 @triton.jit
@@ -423,4 +426,4 @@ def head_loss_7fef8addf6d59cde(
             tl.store(ws_ptr + 0, value_forward_kl)
             tl.store(ws_ptr + 1, weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "9829b82cdb94b1ae6d379ed55c9518ef26c390422940ff61063ade67f8540ad9"
+TEXT_HASH = "58fd3b43f0a12fe7afbdf13d81aa60b54d72041eb925fd914f819c352a2041c0"

@@ -49,7 +49,7 @@ from triton.language.extra import libdevice
 
 KEY = "97832387ccf65118"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "63072e17c75d"
+CODEGEN = "a23b1d3de61a"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -104,6 +104,9 @@ INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() in ("1"
 # what a -inf input element is read as where a product with it would be 0 * -inf: exp of it is
 # still 0, and a square of it still finite (so 0 * z * z is 0 too)
 FLOOR = tl.constexpr(-1.0e18)
+# the smallest normal fp32: a sum of exponentials plus TINY is the sum itself above 2^-102, and
+# never 0 (its log and reciprocal finite where every exponential in it underflowed)
+TINY = tl.constexpr(1.1754943508222875e-38)
 
 
 @triton.jit
@@ -465,4 +468,4 @@ def head_loss_97832387ccf65118(
             tl.store(ws_ptr + 1, value_forward_kl)
             tl.store(ws_ptr + 2, weight_cross_entropy * value_cross_entropy + weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "aae82ceef8a64f9f97f7b878527fdcd2c2b5ffb10f47e1b46f83e7dd044d19b0"
+TEXT_HASH = "377a165a12a90e7489b289540a8eaa1a6348769727f80c70253019e3171fc159"

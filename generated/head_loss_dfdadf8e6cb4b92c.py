@@ -40,7 +40,7 @@ from triton.language.extra import libdevice
 
 KEY = "dfdadf8e6cb4b92c"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "63072e17c75d"
+CODEGEN = "a23b1d3de61a"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -95,6 +95,9 @@ INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() in ("1"
 # what a -inf input element is read as where a product with it would be 0 * -inf: exp of it is
 # still 0, and a square of it still finite (so 0 * z * z is 0 too)
 FLOOR = tl.constexpr(-1.0e18)
+# the smallest normal fp32: a sum of exponentials plus TINY is the sum itself above 2^-102, and
+# never 0 (its log and reciprocal finite where every exponential in it underflowed)
+TINY = tl.constexpr(1.1754943508222875e-38)
 
 
 @triton.jit
@@ -383,4 +386,4 @@ def head_loss_dfdadf8e6cb4b92c(
             tl.store(ws_ptr + 0, value_cross_entropy)
             tl.store(ws_ptr + 1, weight_cross_entropy * value_cross_entropy)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "9584e4e265850bc12f938f0aacab5fcb410d3a7cccfe314ebe54147e1aed2ea6"
+TEXT_HASH = "f63e2a652c01b813b5d62dc41a66daebd8c63625331444fcc3fb4bdeb9f4d75e"

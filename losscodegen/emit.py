@@ -166,6 +166,38 @@ class TorchPrinter(ArrayPrinter):
     module = "torch"
 
 
+# The smallest normal fp32 (a backend's TINY): see no_underflow_nan.
+TINY = sp.Symbol("TINY", positive=True)
+
+
+def _underflows(s: sp.Expr, elements: tuple[sp.Symbol, ...]) -> bool:
+    """Whether ``s`` is a sum of exponentials of the elements times factors free of them: never 0 in
+    exact arithmetic, but 0 (or subnormal) in fp32 wherever each of its exponentials underflows."""
+    def term(t: sp.Expr) -> bool:
+        factors = sp.Mul.make_args(t)
+        return (any(isinstance(f, sp.exp) and f.has(*elements) for f in factors)
+                and all(isinstance(f, sp.exp) or not f.has(*elements) for f in factors))
+    return all(term(t) for t in sp.Add.make_args(s))
+
+
+def no_underflow_nan(expr: sp.Expr, elements: tuple[sp.Symbol, ...]) -> sp.Expr:
+    """``expr`` with each log and reciprocal of a sum of exponentials of the elements (see
+    _underflows) taken of that sum plus TINY. JSD's mixture ``beta p + (1 - beta) q`` underflows
+    where p and q both do (finite logits some 100 below their rows' maxima), and ``p (log p -
+    log M)`` is then 0 * inf, NaN; so is the gradient's ``p / M``. Plus TINY is the sum itself in
+    fp32 wherever the sum is above 2^-102 (TINY is below half its ulp), and below, the log and the
+    reciprocal are finite (at most 88 and 2^126), so the summand's exponential factors that
+    underflowed with the sum make it 0 where it was NaN; a sum that is negative stays negative (its
+    log NaN). One addition per element, shared by the log and the reciprocal."""
+    def guarded(e: sp.Expr) -> sp.Expr | None:
+        if isinstance(e, sp.log) and _underflows(e.args[0], elements):
+            return sp.log(e.args[0] + TINY)
+        if isinstance(e, sp.Pow) and e.exp.is_negative and _underflows(e.base, elements):
+            return (e.base + TINY) ** e.exp
+        return None
+    return expr.replace(lambda e: guarded(e) is not None, guarded)
+
+
 def _finite_at_neg_inf(expr: sp.Expr, elements: tuple[sp.Symbol, ...], *, floored: bool) -> bool:
     """Whether ``expr`` stays free of NaN where element symbols are -inf (``floored``: where they are
     the template's FLOOR, a very negative finite number, instead): built by sums, products and
@@ -184,6 +216,10 @@ def _finite_at_neg_inf(expr: sp.Expr, elements: tuple[sp.Symbol, ...], *, floore
         return all(_finite_at_neg_inf(a, elements, floored=floored) for a in expr.args)
     if isinstance(expr, sp.Pow) and expr.exp.is_Integer and expr.exp > 0:
         return _finite_at_neg_inf(expr.base, elements, floored=floored)
+    if isinstance(expr, sp.log) or (isinstance(expr, sp.Pow) and expr.exp.is_negative):
+        # the log or a reciprocal of a sum plus TINY (no_underflow_nan): finite where the sum is
+        arg = expr.args[0]
+        return TINY in sp.Add.make_args(arg) and _finite_at_neg_inf(arg, elements, floored=floored)
     return False
 
 

@@ -16,7 +16,7 @@ import sympy as sp
 
 from ... import symbols as S
 from ...emit import (FLAG_SLOTS, ArrayPrinter, KernelSource, Signature, check_interface, neg_inf_handling,
-                     seal, signatures, wrap)
+                     no_underflow_nan, seal, signatures, wrap)
 from ...lower import IS_Y, M, MT, TM, ZM, ZYM, base_of, shift
 from ...plan import Plan, pow2
 from ...resources import TEMPLATES
@@ -136,12 +136,13 @@ def element_costs(plan: Plan) -> dict[str, tuple[int, int]]:
     """Per vocabulary element, what each read's printed formulas cost: ``{read: (SFU ops, other
     ops)}`` (loads, conversions, the -inf floors and masks and the tile sums not counted)."""
     lw, scale = plan.lowered, sp.Symbol("s", real=True)
+    body, (grad_vocab, _) = _printed(lw)
     stats = [sp.exp(_online_exponent(alpha, beta)) for alpha, beta in _group_online(plan)
              if (alpha, beta) != (0, 0)]
-    stats += [scale * a.body for accs in _group_online(plan).values() for a in accs]
+    stats += [scale * body[a.name] for accs in _group_online(plan).values() for a in accs]
     costs = {"stats": _ops(stats + [value for _, value in _stats_relative(stats)])}
-    exact = [a.body for a in lw.accumulators if not a.online and a.domain == "vocab"]
-    for read, exprs in (("exact", exact), ("gradient", [lw.grad_vocab])):
+    exact = [body[a.name] for a in lw.accumulators if not a.online and a.domain == "vocab"]
+    for read, exprs in (("exact", exact), ("gradient", [grad_vocab])):
         if any(e != 0 for e in exprs):
             temps, reduced = _cse(exprs, "c")
             costs[read] = _ops([e for _, e in temps] + list(reduced))
@@ -200,6 +201,14 @@ def _group_online(plan: Plan) -> dict[tuple, list]:
 
 # the running maxima as the exponents' reference: m_ref is 0 while every logit so far is -inf
 _M_REF, _MT_REF = sp.Symbol("m_ref", real=True), sp.Symbol("m_t_ref", real=True)
+
+
+def _printed(lw) -> tuple[dict[str, sp.Expr], tuple[sp.Expr, sp.Expr]]:
+    """Each sum's summand and the gradient's vocabulary and top-k parts as printed: a sum of
+    exponentials under a log or a reciprocal plus TINY (emit.no_underflow_nan)."""
+    vocab, topk = (*S.ELEMENT_SYMBOLS, ZM, TM), S.TOPK_SYMBOLS
+    body = {a.name: no_underflow_nan(a.body, topk if a.domain == "topk" else vocab) for a in lw.accumulators}
+    return body, (no_underflow_nan(lw.grad_vocab, vocab), no_underflow_nan(lw.grad_topk, topk))
 
 
 def _online_exponent(alpha: sp.Expr, beta: sp.Expr) -> sp.Expr:
@@ -268,10 +277,11 @@ def render(plan: Plan, key: str, header: str, codegen: str,
     # (the later reads see elements relative to their maxima: zm = z - m is -inf where z is)
     vocab, topk = (*S.ELEMENT_SYMBOLS, ZM, TM), S.TOPK_SYMBOLS
 
+    body, (grad_vocab, grad_topk) = _printed(lw)
     online, stats_exprs = [], []
     for i, ((alpha, beta), accs) in enumerate(_group_online(plan).items()):
         exponent = _online_exponent(alpha, beta)
-        stats_exprs += [exponent] + [a.body for a in accs]
+        stats_exprs += [exponent] + [body[a.name] for a in accs]
         rescale = alpha * (M - _M_REF) + beta * (MT - _MT_REF)
         scale = sp.Symbol(f"s{i}", real=True) if exponent != 0 else sp.S.One
         shifts = []
@@ -286,17 +296,17 @@ def render(plan: Plan, key: str, header: str, codegen: str,
         online.append(dict(
             scale=None if exponent == 0 else _TL.doprint(sp.exp(exponent)),
             rescale=None if rescale == 0 else _TL.doprint(sp.exp(rescale)),
-            index=i, accs=[(a.name, _TL.doprint(scale * a.body)) for a in accs],
+            index=i, accs=[(a.name, _TL.doprint(scale * body[a.name])) for a in accs],
             shifts=shifts, shifted=[name for name, _ in shifts]))
-    topk_online = [(a.name, _TL.doprint(sp.exp(a.alpha * (S.topk_logit - M)) * a.body))
+    topk_online = [(a.name, _TL.doprint(sp.exp(a.alpha * (S.topk_logit - M)) * body[a.name]))
                    for a in lw.accumulators if a.online and a.domain == "topk"]
     exact = [a for a in lw.accumulators if not a.online and a.domain == "vocab"]
-    exact_temps, exact_bodies = _statements([a.body for a in exact], "e")
+    exact_temps, exact_bodies = _statements([body[a.name] for a in exact], "e")
     topk_exact = [a for a in lw.accumulators if not a.online and a.domain == "topk"]
-    tk_temps, tk_bodies = _statements([a.body for a in topk_exact], "k")
+    tk_temps, tk_bodies = _statements([body[a.name] for a in topk_exact], "k")
     row_temps, row_exprs = _statements([e for _, e in lw.row_values], "r")
     coef_temps, coef_exprs = _statements([e for _, e in lw.grad_coefs], "c")
-    grad_temps, (grad_expr, topk_grad_expr) = _statements([lw.grad_vocab, lw.grad_topk], "d")
+    grad_temps, (grad_expr, topk_grad_expr) = _statements([grad_vocab, grad_topk], "d")
 
     row_names = [n for n, _ in lw.row_values]
     seg_names = [seg.name for seg in lw.segments]
@@ -350,12 +360,12 @@ def render(plan: Plan, key: str, header: str, codegen: str,
         grad_temps=grad_temps, grad_expr=grad_expr,
         topk_grad=None if lw.grad_topk == 0 else topk_grad_expr,
         # what each read does for -inf input elements (see emit.neg_inf_handling)
-        neg_inf=dict(stats=neg_inf_handling([a.body for a in lw.accumulators if a.online and a.domain == "vocab"],
-                                            vocab),
-                     exact=neg_inf_handling([a.body for a in exact], vocab),
-                     grad=neg_inf_handling([lw.grad_vocab], vocab),
-                     topk=neg_inf_handling([sp.exp(a.alpha * S.topk_logit) * a.body for a in lw.accumulators
-                                            if a.domain == "topk"] + [lw.grad_topk], topk)),
+        neg_inf=dict(stats=neg_inf_handling([body[a.name] for a in lw.accumulators
+                                             if a.online and a.domain == "vocab"], vocab),
+                     exact=neg_inf_handling([body[a.name] for a in exact], vocab),
+                     grad=neg_inf_handling([grad_vocab], vocab),
+                     topk=neg_inf_handling([sp.exp(a.alpha * S.topk_logit) * body[a.name] for a in lw.accumulators
+                                            if a.domain == "topk"] + [grad_topk], topk)),
         uses_is_y=lw.grad_vocab.has(IS_Y),
         columns=[c.name for c in plan.columns], exact_columns=list(plan.exact),
         merge=_merge(plan),
