@@ -13,7 +13,7 @@
 #     z_loss = (m + log(acc2))**2
 #     forward_kl = -log(acc0) + log(acc2) + acc1/acc0
 #     entropy = log(acc2) - acc3/acc2
-#   normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima; first-read sums of zm and tm follow the running maxima):
+#   normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima):
 #     N0 = m + log(acc2)
 #     N1 = m_t + log(acc0)
 #   accumulators (4; 5 before combining the sums that share a weight):
@@ -51,7 +51,7 @@ from triton.language.extra import libdevice
 
 KEY = "203180df93923b8c"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "a23b1d3de61a"
+CODEGEN = "a7204e943706"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss', 'forward_kl', 'entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -485,4 +485,4 @@ def head_loss_203180df93923b8c(
             tl.store(ws_ptr + 3, value_entropy)
             tl.store(ws_ptr + 4, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss + weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "ac7340a81be40eac0ccfcfd2d78cfd31d9eb9259cc79d11d5b5c20935e92b17d"
+TEXT_HASH = "0951fd487998537f3cbc8c881f065271bd15055f84e4f331bd44ae3d94cd8854"

@@ -9,7 +9,7 @@
 #   row values:
 #     cross_entropy = -zym + log(acc0)
 #     z_loss = (m + log(acc0))**2
-#   normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima; first-read sums of zm and tm follow the running maxima):
+#   normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima):
 #     N0 = m + log(acc0)
 #   accumulators (1):
 #     acc0 = sum_i exp(1*(z - m)) * 1    [online]
@@ -42,7 +42,7 @@ from triton.language.extra import libdevice
 
 KEY = "2e7b8aa488a0d8ec"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "a23b1d3de61a"
+CODEGEN = "a7204e943706"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -400,4 +400,4 @@ def head_loss_2e7b8aa488a0d8ec(
             tl.store(ws_ptr + 1, value_z_loss)
             tl.store(ws_ptr + 2, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "f42410c476e5aeb57e3b0a7edae60475f59744a3f65ca8f63f144e478fe4e2d3"
+TEXT_HASH = "af7c43a5c6bd0f3aecb73ee66111d0565a4d501be0f2956cb7d6dd4c8f1a8879"

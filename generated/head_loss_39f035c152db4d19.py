@@ -11,7 +11,7 @@
 #     grpo = p_grpo__kl_beta*(acc0*exp(m + tok_ref_logprobs - z_y) - m - tok_ref_logprobs + z_y - log(acc0) - 1) - Min(tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0)
 #     entropy = log(acc0) - acc1/acc0
 #     clip_fraction = Piecewise((1, (p_grpo__eps_high < -1 + exp(-m - tok_old_logprobs + z_y)/acc0) | (p_grpo__eps_low < 1 - exp(-m - tok_old_logprobs + z_y)/acc0)), (0, True))
-#   normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima; first-read sums of zm and tm follow the running maxima):
+#   normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima):
 #     N0 = m + log(acc0)
 #   accumulators (2):
 #     acc0 = sum_i exp(1*(z - m)) * 1    [online]
@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "39f035c152db4d19"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "a23b1d3de61a"
+CODEGEN = "a7204e943706"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_fraction']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -442,4 +442,4 @@ def head_loss_39f035c152db4d19(
             tl.store(ws_ptr + 2, value_clip_fraction)
             tl.store(ws_ptr + 3, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "736462e62ab3047a2fef88f47f2e16249bf940c3db7752cd7e68aa5a27766ae8"
+TEXT_HASH = "202b5026de0db05c180ce706ed8737b3c3a88c32baadea2cfc07aa16241b1275"

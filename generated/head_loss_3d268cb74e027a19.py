@@ -11,7 +11,7 @@
 #     gspo_U1 = tok_advantages
 #     entropy = log(acc0) - acc1/acc0
 #     segment term gspo = -Min(gspo_U1*exp(gspo_U0), gspo_U1*clamp(exp(gspo_U0), 1 - p_gspo__eps_low, p_gspo__eps_high + 1))
-#   normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima; first-read sums of zm and tm follow the running maxima):
+#   normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima):
 #     N0 = m + log(acc0)
 #   accumulators (2):
 #     acc0 = sum_i exp(1*(z - m)) * 1    [online]
@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "3d268cb74e027a19"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "a23b1d3de61a"
+CODEGEN = "a7204e943706"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['gspo', 'entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -505,4 +505,4 @@ def segments_3d268cb74e027a19(
     loss += weight_gspo * (gspo / div)
     tl.store(ws_ptr + 2, loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "842d52457cfc2077d62b2823c4b8c81b5341b3eba6f5a6c9432bf6cc051fef8f"
+TEXT_HASH = "cbbc467c03c46417583ddc6825d05fbed89d7f50fab057b13e23be4d81363108"

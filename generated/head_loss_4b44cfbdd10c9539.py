@@ -15,7 +15,7 @@
 #     clip_fraction = Piecewise((1, (p_grpo__eps_high < -1 + exp(-m - tok_old_logprobs + z_y)/acc0) | (p_grpo__eps_low < 1 - exp(-m - tok_old_logprobs + z_y)/acc0)), (0, True))
 #     ratio_mean = exp(-tok_old_logprobs + zym)/acc0
 #     kl_new_old = tok_old_logprobs - zym + log(acc0) - 1 + exp(-tok_old_logprobs + zym)/acc0
-#   normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima; first-read sums of zm and tm follow the running maxima):
+#   normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima):
 #     N0 = m + log(acc0)
 #   accumulators (2):
 #     acc0 = sum_i exp(1*(z - m)) * 1    [online]
@@ -49,7 +49,7 @@ from triton.language.extra import libdevice
 
 KEY = "4b44cfbdd10c9539"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "a23b1d3de61a"
+CODEGEN = "a7204e943706"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_fraction', 'ratio_mean', 'kl_new_old']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -451,4 +451,4 @@ def head_loss_4b44cfbdd10c9539(
             tl.store(ws_ptr + 4, value_kl_new_old)
             tl.store(ws_ptr + 5, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "fb3cd05ff14296f3394f483d9583e052154571dbae2835a26508f2b220c0c7ac"
+TEXT_HASH = "8e3d2db365c3f83494f5d09930ce9cd955d4adadf22960d58ca1647be836ccac"

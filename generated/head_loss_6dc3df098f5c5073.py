@@ -11,7 +11,7 @@
 #     cispo = -tok_advantages*(-m + z_y - log(acc0))*Min(exp(-m - tok_old_logprobs + z_y)/acc0, p_cispo__eps_high + 1)
 #     entropy = log(acc0) - acc1/acc0
 #     cispo_clip_ratio = Piecewise((1, (tok_advantages > 0) & (p_cispo__eps_high < -1 + exp(-m - tok_old_logprobs + z_y)/acc0)), (0, True))
-#   normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima; first-read sums of zm and tm follow the running maxima):
+#   normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima):
 #     N0 = m + log(acc0)
 #   accumulators (2):
 #     acc0 = sum_i exp(1*(z - m)) * 1    [online]
@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "6dc3df098f5c5073"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "a23b1d3de61a"
+CODEGEN = "a7204e943706"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cispo', 'entropy', 'cispo_clip_ratio']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -424,4 +424,4 @@ def head_loss_6dc3df098f5c5073(
             tl.store(ws_ptr + 2, value_cispo_clip_ratio)
             tl.store(ws_ptr + 3, weight_cispo * value_cispo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "c03e869a31a57897b4fb9dc6bbff168337cb6bc982e28740333d9f72666bc19b"
+TEXT_HASH = "ae3a11dcd9e21d149972c18545b7b9ff18f5d083464a70eb311dca86d3363765"

@@ -7,7 +7,7 @@
 # lowered:
 #   row values:
 #     forward_kl = -log(acc0) + log(acc2) + acc1/acc0
-#   normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima; first-read sums of zm and tm follow the running maxima):
+#   normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima):
 #     N0 = m_t + log(acc0)
 #     N1 = m + log(acc2)
 #   accumulators (3; 4 before combining the sums that share a weight):
@@ -43,7 +43,7 @@ from triton.language.extra import libdevice
 
 KEY = "7fef8addf6d59cde"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "a23b1d3de61a"
+CODEGEN = "a7204e943706"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -426,4 +426,4 @@ def head_loss_7fef8addf6d59cde(
             tl.store(ws_ptr + 0, value_forward_kl)
             tl.store(ws_ptr + 1, weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "58fd3b43f0a12fe7afbdf13d81aa60b54d72041eb925fd914f819c352a2041c0"
+TEXT_HASH = "4b27c2b48491a08fbf2a20f7284cf66b79090062a052e645ecce4ad1a0678d6a"

@@ -7,7 +7,7 @@
 # lowered:
 #   row values:
 #     jsd = acc1*p_jsd__beta + acc3*(1 - p_jsd__beta)
-#   normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima; first-read sums of zm and tm follow the running maxima):
+#   normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima):
 #     N0 = m + log(acc0)
 #     N1 = m_t + log(acc2)
 #   accumulators (6):
@@ -48,7 +48,7 @@ from triton.language.extra import libdevice
 
 KEY = "b035e884472ee995"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "a23b1d3de61a"
+CODEGEN = "a7204e943706"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['jsd']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -491,4 +491,4 @@ def head_loss_b035e884472ee995(
             tl.store(ws_ptr + 0, value_jsd)
             tl.store(ws_ptr + 1, weight_jsd * value_jsd)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "33c1a80fb90c52125f70e6d6b3f6577f7fffeaba929fc779adc8b0f4b304804b"
+TEXT_HASH = "7840455687aeecb8acdfa09994cbeb18503a6e7d269904c41ac59585b40c4f7b"

@@ -15,7 +15,7 @@
 #     clip_ratio_low = Piecewise((1, (tok_advantages < 0) & (p_grpo__eps_low < 1 - exp(-m - tok_old_logprobs + z_y)/acc0)), (0, True))
 #     clip_ratio_high = Piecewise((1, (tok_advantages > 0) & (p_grpo__eps_high < -1 + exp(-m - tok_old_logprobs + z_y)/acc0)), (0, True))
 #     clip_ratio_region = Piecewise((1, ((tok_advantages > 0) & (p_grpo__eps_high < -1 + exp(-m - tok_old_logprobs + z_y)/acc0)) | ((tok_advantages < 0) & (p_grpo__eps_low < 1 - exp(-m - tok_old_logprobs + z_y)/acc0))), (0, True))
-#   normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima; first-read sums of zm and tm follow the running maxima):
+#   normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima):
 #     N0 = m + log(acc0)
 #   accumulators (2):
 #     acc0 = sum_i exp(1*(z - m)) * 1    [online]
@@ -49,7 +49,7 @@ from triton.language.extra import libdevice
 
 KEY = "b50bef4a7e9d9783"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "a23b1d3de61a"
+CODEGEN = "a7204e943706"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_ratio_low', 'clip_ratio_high', 'clip_ratio_region']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -467,4 +467,4 @@ def head_loss_b50bef4a7e9d9783(
             tl.store(ws_ptr + 4, value_clip_ratio_region)
             tl.store(ws_ptr + 5, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "6d634f1f18b9d60d1734444b82a96823d65941f096233887fb90c13790abb0da"
+TEXT_HASH = "0e300f116161fdaf9fa38a9428571935868a7f26c64b8b4b1465340184d8e4b5"

@@ -7,7 +7,7 @@
 # lowered:
 #   row values:
 #     topk_forward_kl = acc0*(m + log(acc2)) + acc1
-#   normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima; first-read sums of zm and tm follow the running maxima):
+#   normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima):
 #     N0 = m + log(acc2)
 #   accumulators (3; 4 before combining the sums that share a weight):
 #     acc0 = sum_k 1 * exp(l_k)    [online]
@@ -43,7 +43,7 @@ from triton.language.extra import libdevice
 
 KEY = "d4ac32833fba1c40"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "a23b1d3de61a"
+CODEGEN = "a7204e943706"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['topk_forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -420,4 +420,4 @@ def head_loss_d4ac32833fba1c40(
             tl.store(ws_ptr + 0, value_topk_forward_kl)
             tl.store(ws_ptr + 1, weight_topk_forward_kl * value_topk_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "66879532620b70c1134a891c981132a7e170207d13df5979328627623ed99d7f"
+TEXT_HASH = "3ab2c6ced123f9fc1efeccf9b7f7822245ff046ac6b12c839b92b4f35a6eddeb"

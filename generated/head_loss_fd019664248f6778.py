@@ -7,7 +7,7 @@
 # lowered:
 #   row values:
 #     cross_entropy = p_cross_entropy__label_smoothing*(-acc0/vocab_size + m + log(acc1)) + (1 - p_cross_entropy__label_smoothing)*(-zym + log(acc1))
-#   normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima; first-read sums of zm and tm follow the running maxima):
+#   normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima):
 #     N0 = m + log(acc1)
 #   accumulators (2):
 #     acc0 = sum_i 1 * z    [online]
@@ -42,7 +42,7 @@ from triton.language.extra import libdevice
 
 KEY = "fd019664248f6778"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "a23b1d3de61a"
+CODEGEN = "a7204e943706"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -404,4 +404,4 @@ def head_loss_fd019664248f6778(
             tl.store(ws_ptr + 0, value_cross_entropy)
             tl.store(ws_ptr + 1, weight_cross_entropy * value_cross_entropy)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "2a3ae042fff0a509239bc491349e3b262055ff14ced9cb4b2aff11e814a66513"
+TEXT_HASH = "4ebb40f8b5664d23e9e5e6df2066b2ae865cff2341f78a9f4fa1dad5c0a1a44a"

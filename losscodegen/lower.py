@@ -118,8 +118,7 @@ class Lowered:
         lines += [f"  {name} = {expr}" for name, expr in self.row_values]
         for seg in self.segments:
             lines.append(f"  segment term {seg.name} = {seg.formula}")
-        lines.append("normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima; first-read "
-                     "sums of zm and tm follow the running maxima):")
+        lines.append("normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima):")
         lines += [f"  {n.symbol} = {n.value}" for n in self.normalizers]
         count = f"accumulators ({len(self.accumulators)}"
         if self.uncombined > len(self.accumulators):
