@@ -39,9 +39,9 @@ def _model(model_type="llama", **overrides):
 
 def _trainer(cls, model, **options):
     # num_iterations=2: TRL then passes old_per_token_logps (num_iterations=1 passes None: its own case)
-    options = dict(dict(num_iterations=2), **options)
+    options = dict(dict(num_iterations=2, use_cpu=True), **options)
     args = trl.GRPOConfig(output_dir="/tmp/lcg-trl-test", per_device_train_batch_size=B, num_generations=2,
-                          max_completion_length=C, use_cpu=True, report_to=[], gradient_accumulation_steps=2,
+                          max_completion_length=C, report_to=[], gradient_accumulation_steps=2,
                           bf16=False, **options)
     trainer = cls(model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
                   train_dataset=datasets.Dataset.from_dict({"prompt": ["t5 t6 t7"] * 8}),
@@ -162,7 +162,20 @@ def saved_model(tmp_path_factory):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_compute_loss_equals_trls(case, saved_model):
-    options = dict(CASES[case], model_init_kwargs={"dtype": torch.float32})
+    _check(case, saved_model)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["dapo (TRL's default loss)", "entropy bonus", "GSPO grpo",
+                                  "GSPO, beta, bias-corrected KL", "vespo, an empty completion, vLLM",
+                                  "off-policy mask, vLLM sampling log-probs, sapo"])
+def test_compute_loss_equals_trls_on_the_gpu(case, saved_model):
+    """Both trainers on CUDA (fp32): our compiled kernels against TRL's own, as on the CPU."""
+    _check(case, saved_model, use_cpu=False, grad_atol=1e-5)
+
+
+def _check(case, saved_model, use_cpu=True, grad_atol=1e-6):
+    options = dict(CASES[case], model_init_kwargs={"dtype": torch.float32}, use_cpu=use_cpu)
     batch = options.pop("_batch", {})
     model = transformers.AutoModelForCausalLM.from_pretrained(saved_model)
     no_old = options.get("num_iterations") == 1     # TRL passes old_per_token_logps=None
@@ -175,13 +188,14 @@ def test_compute_loss_equals_trls(case, saved_model):
         if t.use_adaptive_entropy:
             t._last_world_entropy = 5.0   # (below the target: the bonus applies)
     inputs = _batch(model, old=not no_old, ref="beta" in options, vllm=vllm, **batch)
+    inputs = {k: v.to(trainer.accelerator.device) for k, v in inputs.items()}
     want = ref_trainer._compute_loss(ref_trainer.model, inputs)
     got = trainer._compute_loss(trainer.model, inputs)
     want.backward()
     got.backward()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     for (name, p), q in zip(trainer.model.named_parameters(), ref_trainer.model.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=grad_atol, msg=lambda m, n=name: f"{n}: {m}")
     ours, theirs = trainer._metrics["train"], ref_trainer._metrics["train"]
     assert set(ours) == set(theirs)
     for name in theirs:
