@@ -51,10 +51,12 @@ def _trainer(cls, model, **options):
     return trainer
 
 
-def _batch(model, old=True, ref=False, vllm=False, seed=0, empty=False, advantages=None, shift=0.0, sampling=False):
+def _batch(model, old=True, ref=False, vllm=False, seed=0, empty=False, advantages=None, shift=0.0, sampling=False,
+           per_sequence_ratio=False):
     """``empty``: the last completion has no token (as mask_truncated_completions leaves one);
     ``advantages``: given (else random, of both signs); ``shift``: added to the old log-probs;
-    ``sampling``: vLLM's sampling log-probs, one of them NaN (a token vLLM could not score)."""
+    ``sampling``: vLLM's sampling log-probs, one of them NaN (a token vLLM could not score);
+    ``per_sequence_ratio``: vLLM's importance-sampling ratios [B, 1] (its sequence_* modes)."""
     g = torch.Generator().manual_seed(seed)
     completion_mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2, [1] * 6, [0] * 6 if empty else [1] * 2 + [0] * 4])
     inputs = dict(prompt_ids=torch.randint(4, V, (B, P), generator=g), prompt_mask=torch.ones(B, P, dtype=torch.long),
@@ -74,7 +76,7 @@ def _batch(model, old=True, ref=False, vllm=False, seed=0, empty=False, advantag
             [0.0, 0.3, 0.0, 0.2])[:, None]
         inputs["sampling_per_token_logps"][1, 2] = float("nan")
     if vllm:
-        inputs["importance_sampling_ratio"] = torch.rand(B, C, generator=g) + 0.5
+        inputs["importance_sampling_ratio"] = torch.rand(B, 1 if per_sequence_ratio else C, generator=g) + 0.5
     return inputs
 
 
@@ -114,6 +116,10 @@ CASES = {
     "GSPO, epsilon_high, delta": dict(loss_type="luspo", importance_sampling_level="sequence", epsilon=0.03,
                                       epsilon_high=0.04, delta=1.05,   # (binds: A < 0 where coef_1 > delta)
                                       _batch=dict(GSPO_BATCH, advantages=[-1.0, -0.5, 0.3, 1.2])),
+    "vLLM importance sampling, one ratio per sequence": dict(loss_type="grpo", _batch=dict(per_sequence_ratio=True)),
+    "GSPO, vLLM importance sampling, one ratio per sequence": dict(
+        loss_type="bnpo", importance_sampling_level="sequence", epsilon=0.03, epsilon_high=0.04,
+        _batch=dict(GSPO_BATCH, per_sequence_ratio=True)),
     "GSPO, vLLM importance sampling": dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.02,
                                            epsilon=0.03, epsilon_high=0.04, _batch=GSPO_BATCH),
     "GSPO, entropy bonus, temperature": dict(loss_type="grpo", importance_sampling_level="sequence", entropy_coef=0.01,
