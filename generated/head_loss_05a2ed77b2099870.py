@@ -23,7 +23,7 @@
 #   bytes per element (bf16 in, bf16 grad): 6
 #   packed per-row stats (4 fp32): m:max, z_y:sum, argmax:argmax, acc0:scaled
 #   vocab-parallel: one all-gather of the packed stats
-#   per-element state ('x', 1, 0); reads stats forward, grad backward
+#   per-element state ('x', 2, 0); reads stats forward, grad backward
 #   single device: 1 launch(es): [stats+rows+grad]
 #   sharded: 2 launch(es): [stats] gather -> [merge+rows+grad]
 #   sharded, in-kernel exchange: 1 launch(es): [stats+exchange+merge+rows+grad]
@@ -42,7 +42,7 @@ from triton.language.extra import libdevice
 
 KEY = "05a2ed77b2099870"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "a7204e943706"
+CODEGEN = "903b58874916"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'token_accuracy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -70,7 +70,7 @@ SEGMENTS = []
 SEGMENT_MEANS = []
 # what decides the tile (the runtime's choice, losscodegen/backends/triton/tiles.py): the streams
 # the first read loads, its running sums, the exact read's sums
-STATE = ('x', 1, 0)
+STATE = ('x', 2, 0)
 # Each kernel's interface, in its signature's order (both written from emit.signatures; launch.py
 # passes every argument by these names): the arguments of each launch, then those that are the
 # same at every launch of a head on one vocab shard, then the constexprs.
@@ -407,4 +407,4 @@ def head_loss_05a2ed77b2099870(
             tl.store(ws_ptr + 1, value_token_accuracy)
             tl.store(ws_ptr + 2, weight_cross_entropy * value_cross_entropy)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "bc7bf0635e60f56d850c576a7f44909165bc6ea0cc4a007260c8ed1d9c274f90"
+TEXT_HASH = "ec7295417ac1124e960417eee04f07f6d202ee9d0eb3d1a896d38d1cf1130082"

@@ -28,7 +28,7 @@
 #   bytes per element (bf16 in, bf16 grad): 6
 #   packed per-row stats (5 fp32): m:max, z_y:sum, argmax:argmax, acc0:scaled, acc1:scaled
 #   vocab-parallel: one all-gather of the packed stats
-#   per-element state ('x', 2, 0); reads stats forward, grad backward
+#   per-element state ('x', 3, 0); reads stats forward, grad backward
 #   single device: 1 launch(es): [stats+rows+grad]
 #   sharded: 2 launch(es): [stats] gather -> [merge+rows+grad]
 #   sharded, in-kernel exchange: 1 launch(es): [stats+exchange+merge+rows+grad]
@@ -47,7 +47,7 @@ from triton.language.extra import libdevice
 
 KEY = "b6ac30aa276abf3a"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "a7204e943706"
+CODEGEN = "903b58874916"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss', 'entropy', 'token_accuracy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -75,7 +75,7 @@ SEGMENTS = []
 SEGMENT_MEANS = []
 # what decides the tile (the runtime's choice, losscodegen/backends/triton/tiles.py): the streams
 # the first read loads, its running sums, the exact read's sums
-STATE = ('x', 2, 0)
+STATE = ('x', 3, 0)
 # Each kernel's interface, in its signature's order (both written from emit.signatures; launch.py
 # passes every argument by these names): the arguments of each launch, then those that are the
 # same at every launch of a head on one vocab shard, then the constexprs.
@@ -441,4 +441,4 @@ def head_loss_b6ac30aa276abf3a(
             tl.store(ws_ptr + 3, value_token_accuracy)
             tl.store(ws_ptr + 4, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "db3c10cb094a90f65af850592534ce66f61d6f58ec173355d498c3f50011b7b5"
+TEXT_HASH = "ea00d7c3daf0d58e46a651608ab86435f4ebb4b1ccf644d90dbf4dbf93683533"

@@ -76,9 +76,11 @@ class Plan:
     @property
     def state(self) -> tuple[str, int, int]:
         """What a program keeps and loads per element, which decides its best tile: the streams the
-        first read loads, its running sums, and the sums of the exact read."""
+        first read loads, its running values (sums, and the argmax, a second reduction of each tile),
+        and the sums of the exact read."""
         accs = [a for a in self.lowered.accumulators if a.domain == "vocab"]
-        return ("".join(self.sweeps[0].streams), sum(a.online for a in accs), sum(not a.online for a in accs))
+        running = sum(a.online for a in accs) + sum(c.merge == "argmax" for c in self.columns)
+        return ("".join(self.sweeps[0].streams), running, sum(not a.online for a in accs))
 
     @property
     def sweeps(self) -> tuple[Sweep, ...]:
