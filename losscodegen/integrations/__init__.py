@@ -2,7 +2,9 @@
 
 - ``losscodegen.integrations.transformers``: ``apply_losscodegen(model, head=None)`` patches a Hugging
   Face causal LM instance so that its training forwards take the loss from ``head.linear``;
-- ``losscodegen.integrations.trl``: TRL's GRPO trainer on one fused head call per micro-batch.
+- ``losscodegen.integrations.trl``: TRL's GRPO trainer on one fused head call per micro-batch, and
+  ``add_fused_lm_head`` / ``replace_fused_lm_heads``: TRL's fused LM head on ``head.linear``, under TRL's
+  own loss code (``losscodegen.integrations.trl_lm_head``).
 
 Importing this package imports neither transformers nor trl (``pip install "losscodegen[hf]"``).
 """

@@ -24,6 +24,7 @@ import torch
 
 import losscodegen as lcg
 from losscodegen import symbols as S
+from losscodegen.integrations.trl_lm_head import add_fused_lm_head, replace_fused_lm_heads  # noqa: F401
 
 try:
     import trl

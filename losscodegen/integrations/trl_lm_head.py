@@ -1,0 +1,209 @@
+"""TRL's fused LM head on ``head.linear``: ``add_fused_lm_head`` takes the arguments of
+``trl.trainer.utils.add_fused_lm_head`` and patches the model so that ``model(..., labels=labels,
+fused_lm_head=True)`` returns the same ``FusedCausalLMOutput`` (per-token log-probs, entropy, ...),
+computed by one losscodegen head in one pass over the vocabulary, with no ``[batch, seq, vocab]``
+logits; ``replace_fused_lm_heads(trainer)`` puts it in place of the heads a TRL trainer has added
+(docs/integrations-trl.md). TRL's own loss code then runs on our outputs, unchanged.
+
+The forward does what TRL's does around the kernel (read from TRL 1.16's ``add_fused_lm_head``): the
+backbone, the label shift (or ``shift_labels`` as given), only the positions whose label is not -100
+scored, zeros elsewhere, the config's final-logit transform and the temperature, ``cast_lm_head_to_fp32``,
+``num_items_in_batch`` as the loss's divisor, and a mixture-of-experts model's load-balancing loss.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import types
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import losscodegen as lcg
+from losscodegen import symbols as S
+
+try:
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+    from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx
+    from trl.trainer.utils import add_fused_lm_head as trl_add_fused_lm_head
+except ImportError as e:  # pragma: no cover - the message is the point
+    raise ImportError('losscodegen.integrations.trl needs trl>=1.16: pip install "losscodegen[hf]"') from e
+
+__all__ = ["add_fused_lm_head", "replace_fused_lm_heads", "final_logit_transform", "FUSED_OUTPUTS"]
+
+# FusedCausalLMOutput's per-token fields that ``outputs=`` may ask for (TRL's names and order)
+FUSED_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+_IGNORE_INDEX = -100
+
+# TRL's fields without a gradient (TRL marks them non-differentiable): metrics of the head. log_probs
+# and entropy have one (GRPO's entropy bonus differentiates the entropy): terms of the head.
+_LogSumSqProbs = lcg.declare_term("log_sum_sq_probs", S.log(S.vsum(S.softmax ** 2)), metric_only=True)
+_MeanLogits = lcg.declare_term("mean_logits", S.vsum(S.logit) / S.vocab_size, metric_only=True)
+_ROWS = dict(log_probs="logprob", entropy="entropy", log_sum_sq_probs="log_sum_sq_probs",
+             mean_logits="mean_logits", is_top1="token_accuracy")   # field -> the head's row name
+
+
+def final_logit_transform(model: nn.Module, temperature: float = 1.0) -> tuple[float | None, float]:
+    """``(softcap, logit_scale)`` of a ``HeadLoss`` whose logits are TRL's ``softcap(logits * scale) /
+    temperature``, with the softcap and scale read from the model's config as TRL reads them.
+
+    TRL's ``c * tanh(s * x / c) / T`` is the head's ``scale' * c' * tanh(x / c')`` with ``scale' = s / T``
+    and ``c' = c / |s|`` (tanh is odd, so a negative ``s`` keeps ``c'`` positive)."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+            or not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
+    text_config = model.config.get_text_config()
+    cap = getattr(text_config, "final_logit_softcapping", None)
+    scale = getattr(text_config, "logit_scale", None)
+    if scale is None:
+        scale = getattr(text_config, "output_multiplier", None)      # Muse Glimmer
+    if scale is None:
+        scale = getattr(text_config, "lm_head_multiplier", None)     # Falcon-H1
+    if scale is None and getattr(text_config, "logits_scaling", None) is not None:
+        # Granite and MiniCPM3 divide by logits_scaling, HyperCLOVA X multiplies by it
+        scaling = text_config.logits_scaling
+        scale = scaling if text_config.model_type == "hyperclovax" else 1 / scaling
+    scale = 1.0 if scale is None else float(scale)
+    softcap = None if cap is None or scale == 0 else float(cap) / abs(scale)
+    return softcap, scale / temperature
+
+
+def _head(outputs: tuple[str, ...], softcap: float | None, logit_scale: float) -> lcg.HeadLoss:
+    terms = [lcg.LogProb()] + ([lcg.Entropy()] if "entropy" in outputs else [])
+    metrics = [m() for name, m in (("log_sum_sq_probs", _LogSumSqProbs), ("mean_logits", _MeanLogits),
+                                   ("is_top1", lcg.TokenAccuracy)) if name in outputs]
+    return lcg.HeadLoss(*terms, metrics=tuple(metrics), softcap=softcap, logit_scale=logit_scale,
+                        ignore_index=_IGNORE_INDEX)
+
+
+def add_fused_lm_head(model: nn.Module, temperature: float = 1.0, cast_lm_head_to_fp32: bool = False,
+                      outputs: tuple[str, ...] = ("log_probs",)) -> None:
+    """``trl.trainer.utils.add_fused_lm_head``, computed by losscodegen: patch ``model`` (a causal LM
+    instance) so that ``model(..., labels=labels, fused_lm_head=True)`` returns TRL's
+    ``FusedCausalLMOutput`` from one ``head.linear`` call, without the ``[batch, seq, vocab]`` logits;
+    without ``fused_lm_head=True`` the model's forward is unchanged (generation).
+
+    ``outputs``: the per-token fields computed, among ``FUSED_OUTPUTS`` (``log_probs``, and so ``loss``,
+    always). ``log_probs`` and ``entropy`` carry gradients; the others are detached, as in TRL.
+    """
+    if isinstance(outputs, str) or not all(isinstance(o, str) for o in outputs) \
+            or not set(outputs) <= set(FUSED_OUTPUTS):
+        raise ValueError(f"outputs must be a tuple of names among {FUSED_OUTPUTS}, got {outputs!r}")
+    if not isinstance(cast_lm_head_to_fp32, bool):
+        raise TypeError(f"cast_lm_head_to_fp32 must be a bool, got {type(cast_lm_head_to_fp32).__name__}")
+    if not callable(getattr(model, "get_output_embeddings", None)) or not hasattr(model, "config"):
+        raise TypeError(f"model must be a transformers causal LM (a PreTrainedModel with an output layer), "
+                        f"got {type(model).__name__}")
+    head = _head(tuple(outputs), *final_logit_transform(model, temperature))
+    fields = tuple(f for f in FUSED_OUTPUTS if f in outputs or f == "log_probs")
+    original_forward = model.forward
+    text_config = model.config.get_text_config()
+
+    # TRL's signature: generate validates its model kwargs against the class's forward
+    @functools.wraps(type(model).forward)
+    def _fused_forward(self, *args: Any, fused_lm_head: bool = False, labels: torch.Tensor | None = None,
+                       shift_labels: torch.Tensor | None = None, num_items_in_batch: Any = None,
+                       **kwargs: Any) -> Any:
+        if not fused_lm_head:
+            passed = dict(labels=labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch)
+            return original_forward(*args, **kwargs, **{k: v for k, v in passed.items() if v is not None})
+        if labels is None and shift_labels is None:
+            raise ValueError("fused_lm_head=True needs labels= (or shift_labels=): the tokens to score")
+        kwargs["use_cache"] = False
+        if getattr(text_config, "output_router_logits", False):   # as the model's own forward asks for them
+            kwargs.setdefault("output_router_logits", True)
+        # (the backbone and the output layer are looked up at each call: FSDP and PEFT replace them)
+        backbone = self.base_model(*args, **kwargs)
+        if shift_labels is None:
+            hidden, labels = backbone.last_hidden_state[:, :-1], labels[:, 1:]
+        else:
+            hidden, labels = backbone.last_hidden_state, shift_labels
+        lm_head = self.get_output_embeddings()
+        weight, bias = lm_head.weight, lm_head.bias
+        hidden, labels = hidden.to(weight.device), labels.to(weight.device)
+        mask = labels != _IGNORE_INDEX
+        autocast = nullcontext()
+        if cast_lm_head_to_fp32:   # the projection in fp32, outside autocast (an fp16/bf16 weight computes in fp32)
+            hidden = hidden.float()
+            autocast = torch.autocast(hidden.device.type, enabled=False)
+        if isinstance(weight, DTensor):   # FSDP2: the whole head, as TRL gathers it
+            weight = weight.full_tensor()
+            bias = None if bias is None else bias.full_tensor()
+        if is_deepspeed_zero3_enabled() and torch.is_grad_enabled() and weight.requires_grad:
+            raise ValueError("losscodegen's fused LM head does not train under DeepSpeed ZeRO-3: its backward "
+                             "computes the logits again from lm_head.weight, which ZeRO-3 has partitioned by then")
+        # Only the scored positions go through the head (TRL's choice on GPUs too: one host sync to
+        # count them); each field is scattered back to the labels' shape, zero elsewhere.
+        with autocast, maybe_gather_lm_head_ctx(weight, bias):
+            out = head.linear(hidden[mask], weight, labels[mask], bias=bias, reduction="none")
+        per_token = {f: out.rows[_ROWS[f]].new_zeros(mask.shape).masked_scatter(mask, out.rows[_ROWS[f]])
+                     for f in fields}
+        if "is_top1" in per_token:
+            per_token["is_top1"] = per_token["is_top1"] == 1
+        log_probs = per_token["log_probs"]
+        loss = -log_probs.sum() / (mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch)
+        aux_loss = None
+        if kwargs.get("output_router_logits"):
+            aux_loss = _load_balancing_loss(self, text_config, backbone, kwargs.get("attention_mask"))
+            loss = loss + getattr(text_config, "router_aux_loss_coef", 0.0) * aux_loss
+        return FusedCausalLMOutput(loss=loss, **per_token, label_mask=mask, aux_loss=aux_loss)
+
+    model.forward = types.MethodType(_fused_forward, model)
+
+
+def _load_balancing_loss(model: nn.Module, text_config: Any, backbone: Any, attention_mask: Any) -> torch.Tensor:
+    """A mixture-of-experts model's load-balancing loss, as TRL's fused head adds it (Mixtral's, which
+    every MoE family of transformers 5 uses)."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    num_experts = getattr(text_config, "num_experts", None)
+    if num_experts is None:   # (GptOssConfig before transformers 5.6 has none: the model's)
+        num_experts = model.num_experts
+    return load_balancing_loss_func(backbone.router_logits, num_experts, text_config.num_experts_per_tok,
+                                    attention_mask)
+
+
+def _trl_fused_head(module: nn.Module) -> dict[str, Any] | None:
+    """The arguments TRL's ``add_fused_lm_head`` was given for ``module`` (and the forward it wrapped),
+    read from the forward it set; None where it set none."""
+    forward = vars(module).get("forward")
+    fn = getattr(forward, "__func__", None)
+    # (functools.wraps gave it the model class's name and module: its code and globals are TRL's)
+    if getattr(getattr(fn, "__code__", None), "co_name", None) != "_fused_forward" \
+            or fn.__globals__.get("add_fused_lm_head") is not trl_add_fused_lm_head:
+        return None
+    cells = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
+    wanted = ("original_forward", "temperature", "cast_lm_head_to_fp32", "outputs")
+    if not all(k in cells for k in wanted):
+        raise ValueError(f"{type(module).__name__} has TRL's fused LM head, but not as TRL 1.16 builds it "
+                         f"(its forward holds {sorted(cells)}): this TRL is not one losscodegen was checked against")
+    return {k: cells[k] for k in wanted}
+
+
+def replace_fused_lm_heads(trainer: Any) -> Any:
+    """Put losscodegen's fused LM head in place of TRL's on every model of ``trainer`` that TRL gave one
+    (its model, the PEFT base model under it, its reference model), with the temperature, fp32 cast and
+    outputs TRL chose for it; return the trainer. Call it after building the trainer, before training.
+    Works for any TRL trainer that uses ``add_fused_lm_head`` (GRPO, RLOO, DPO, KTO, SFT in TRL 1.16)."""
+    seen: set[int] = set()
+    replaced = 0
+    for value in list(vars(trainer).values()):
+        if not isinstance(value, nn.Module):
+            continue
+        for module in value.modules():
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            found = _trl_fused_head(module)
+            if found is None:
+                continue
+            module.forward = found.pop("original_forward")     # TRL's patch undone, then ours
+            add_fused_lm_head(module, **found)
+            replaced += 1
+    if not replaced:
+        raise ValueError(f"{type(trainer).__name__} has no model with TRL's fused LM head (trl>=1.16's GRPO, "
+                         "RLOO, DPO, KTO and SFT trainers add one when they are built)")
+    return trainer
