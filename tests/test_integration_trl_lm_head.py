@@ -19,7 +19,7 @@ datasets = pytest.importorskip("datasets")
 from trl.trainer.utils import add_fused_lm_head as trl_add_fused_lm_head  # noqa: E402
 
 from losscodegen.integrations import trl as lcg_trl  # noqa: E402
-from losscodegen.integrations.trl_lm_head import FUSED_OUTPUTS  # noqa: E402
+from losscodegen.integrations.trl_lm_head import FUSED_OUTPUTS, final_logit_transform  # noqa: E402
 
 V, B, T = 96, 3, 10     # (V unlike any other width of the model: 32 hidden, 64 intermediate)
 FIELDS = ("loss", *FUSED_OUTPUTS, "label_mask")
@@ -117,6 +117,20 @@ def test_every_field_equals_trls_and_float64(model_type, overrides, shift):
         (out["log_probs"] * w_lp + out["entropy"] * w_ent).sum().backward()
     _assert_same_grads(ours, theirs)
     _assert_same_grads(ours, model64)
+
+
+@pytest.mark.parametrize("scale", [0.5, -0.5])
+def test_softcap_with_a_scale_of_either_sign(scale):
+    """A config with both a softcap and a scale (TRL applies c * tanh(s * x / c) / T whatever the
+    model's own forward does): the head's softcap is c / |s|, its scale s / T."""
+    model = _model("gemma2", final_logit_softcapping=3.0)
+    model.config.logit_scale = scale
+    ids, labels = _inputs(model)
+    theirs, ours = _pair(model, temperature=0.7, outputs=("log_probs", "entropy"))
+    want, got = (m(input_ids=ids, fused_lm_head=True, **labels) for m in (theirs, ours))
+    torch.testing.assert_close(got.log_probs, want.log_probs, rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(got.entropy, want.entropy, rtol=1e-5, atol=2e-6)
+    assert final_logit_transform(model, 0.7) == pytest.approx((3.0 / abs(scale), scale / 0.7))
 
 
 def test_options_bias_num_items_and_fp32_cast():
