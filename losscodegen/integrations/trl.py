@@ -24,7 +24,8 @@ import torch
 
 import losscodegen as lcg
 from losscodegen import symbols as S
-from losscodegen.integrations.trl_lm_head import add_fused_lm_head, replace_fused_lm_heads  # noqa: F401
+from losscodegen.integrations.trl_lm_head import (add_fused_lm_head, final_logit_transform,  # noqa: F401
+                                                  replace_fused_lm_heads)
 
 try:
     import trl
@@ -71,24 +72,6 @@ def unfused_options(args: Any, model: Any = None) -> list[str]:
         if hasattr(text_config, "output_router_logits") and coef != 0.0:
             out.append(f"router_aux_loss_coef={coef} (a mixture-of-experts load-balancing loss)")
     return out
-
-
-def _final_logits(model: Any, temperature: float) -> tuple[float | None, float]:
-    """(softcap, logit_scale) of the head for TRL's transform ``softcap(logits * scale) / T``, read from the
-    config as ``trl.trainer.utils.add_fused_lm_head`` reads it; ours is ``scale' * c' tanh(x / c')``."""
-    text_config = model.config.get_text_config()
-    cap = getattr(text_config, "final_logit_softcapping", None)
-    scale = getattr(text_config, "logit_scale", None)
-    if scale is None:
-        scale = getattr(text_config, "output_multiplier", None)
-    if scale is None:
-        scale = getattr(text_config, "lm_head_multiplier", None)
-    if scale is None and getattr(text_config, "logits_scaling", None) is not None:
-        scaling = text_config.logits_scaling
-        scale = scaling if text_config.model_type == "hyperclovax" else 1 / scaling
-    scale = 1.0 if scale is None else float(scale)
-    # c * tanh(s x / c) / T  =  (s / T) * (c / s) * tanh(x / (c / s))
-    return (None if cap is None else float(cap) / scale), scale / temperature
 
 
 _SEQ = S.segment_mean
@@ -245,7 +228,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         target = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         _add_fused_objective(target, self.args.cast_lm_head_to_fp32)
         self._lcg_heads: dict[tuple[bool, bool], tuple[lcg.HeadLoss, frozenset[str]]] = {}
-        self._lcg_final_logits = _final_logits(self.model, self.temperature)
+        self._lcg_final_logits = final_logit_transform(self.model, self.temperature)
         # the ratio is a sequence's (GSPO), the loss weighs sequences (VESPO) or masks them (the off-policy
         # mask): one segment per completion
         self._lcg_segments = self.importance_sampling_level == "sequence" or self.loss_type == "vespo" \
