@@ -12,6 +12,8 @@ CASES = [
     # the student's and the teacher's exps to sum; p_i and q_i for the gradient
     (lambda: lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(), lcg.ForwardKL(), metrics=(lcg.Entropy(),)),
      {"stats": 2, "gradient": 2}),
+    # at a temperature the exponents are (z - m)/T: the division by T is a multiply, not a reciprocal
+    (lambda: lcg.HeadLoss(lcg.ForwardKL(temperature=2.0)), {"stats": 2, "gradient": 2}),
     # p_i, q_i, log M_i and 1/M_i (M = beta p + (1 - beta) q) in the exact and the gradient reads;
     # p_i q_i / M_i is a product of the two exps, not a third exp of (z - lse_z) + (t - lse_t)
     (lambda: lcg.HeadLoss(lcg.JSD()), {"stats": 2, "exact": 4, "gradient": 4}),

@@ -125,6 +125,8 @@ def _ops(exprs: list[sp.Expr]) -> tuple[int, int]:
     """(SFU ops, other arithmetic ops: add, multiply, compare, select) to evaluate ``exprs`` once."""
     sfu = other = 0
     for e in exprs:
+        # a rational coefficient (z/2) is a multiply, which count_ops would call a DIV
+        e = e.xreplace({r: sp.Float(r) for r in e.atoms(sp.Rational) if not r.is_Integer})
         for op, n in sp.count_ops(e, visual=True).as_coefficients_dict().items():
             if op.is_Symbol:
                 sfu += _SFU_OPS.get(op.name, 0) * int(n)
