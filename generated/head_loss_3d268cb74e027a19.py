@@ -7,18 +7,18 @@
 #
 # lowered:
 #   row values:
-#     gspo_U0 = -tok_old_logprobs + zym - log(acc0)
-#     gspo_U1 = tok_advantages
+#     U0_gspo = -tok_old_logprobs + zym - log(acc0)
+#     U1_gspo = tok_advantages
 #     entropy = log(acc0) - acc1/acc0
-#     segment term gspo = -Min(gspo_U1*exp(gspo_U0), gspo_U1*clamp(exp(gspo_U0), 1 - p_gspo__eps_low, p_gspo__eps_high + 1))
+#     segment term gspo = -Min(U1_gspo*exp(U0_gspo), U1_gspo*clamp(exp(U0_gspo), 1 - p_gspo__eps_low, p_gspo__eps_high + 1))
 #   normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima):
 #     N0 = m + log(acc0)
 #   accumulators (2):
 #     acc0 = sum_i exp(1*(z - m)) * 1    [online]
 #     acc1 = sum_i exp(1*(z - m)) * zm    [online]
 #   gradient (derived by sympy):
-#     g0 = -gspo_U0_coef
-#     g1 = gspo_U0_coef
+#     g0 = -U0_gspo_coef
+#     g1 = U0_gspo_coef
 #     dL/dz_i = g0*exp(-L_N0 + zm) + g1*is_y
 #
 # plan:
@@ -45,11 +45,11 @@ from triton.language.extra import libdevice
 
 KEY = "3d268cb74e027a19"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "da21c1510922"
+CODEGEN = "da486bc41f91"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['gspo', 'entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
-ROW_VALUES = ['gspo_U0', 'gspo_U1', 'entropy']
+ROW_VALUES = ['U0_gspo', 'U1_gspo', 'entropy']
 # the first read's packed per-row stats (the header's plan gives how vocab shards' stats merge)
 COLUMNS = ['m', 'z_y', 'acc0', 'acc1']
 # sums of the exact read (summed across vocab shards)
@@ -70,7 +70,7 @@ NORMALIZE = {'gspo': 'tokens', 'entropy': 'mean'}
 SCALARS = ['weight_gspo', 'p_gspo__eps_high', 'p_gspo__eps_low']
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = ['gspo']
-SEGMENT_MEANS = ['gspo_U0', 'gspo_U1']
+SEGMENT_MEANS = ['U0_gspo', 'U1_gspo']
 # what decides the tile (the runtime's choice, losscodegen/backends/triton/tiles.py): the streams
 # the first read loads, its running sums, the exact read's sums
 STATE = ('x', 2, 0)
@@ -323,9 +323,9 @@ def head_loss_3d268cb74e027a19(
 
         if ROWS:
             r0 = _log(acc0)
-            v0 = tl.where(finite_row, -r0 - tok_old_logprobs + zym, float("nan"))  # gspo_U0
+            v0 = tl.where(finite_row, -r0 - tok_old_logprobs + zym, float("nan"))  # U0_gspo
             tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
-            v1 = tl.where(finite_row, tok_advantages, float("nan"))  # gspo_U1
+            v1 = tl.where(finite_row, tok_advantages, float("nan"))  # U1_gspo
             tl.store(ws_ptr + off_rows + 1 * n_rows + grow, v1)
             v2 = tl.where(finite_row, r0 + (-acc1)*_rcp(acc0), float("nan"))  # entropy
             tl.store(ws_ptr + off_rows + 2 * n_rows + grow, v2)
@@ -356,10 +356,10 @@ def head_loss_3d268cb74e027a19(
             seg_known = (seg >= 0) & (seg < n_seg)
             if flag_ptr is not None:
                 seg_known = True  # an out-of-range id was clamped, and its segment made NaN
-            gspo_U0_coef = tl.where(seg_known, tl.load(seg_at + 0), 0.0)
-            gspo_U1_coef = tl.where(seg_known, tl.load(seg_at + 1), 0.0)
-            g0 = tl.where(finite_row, -gspo_U0_coef, float("nan"))
-            g1 = tl.where(finite_row, gspo_U0_coef, float("nan"))
+            U0_gspo_coef = tl.where(seg_known, tl.load(seg_at + 0), 0.0)
+            U1_gspo_coef = tl.where(seg_known, tl.load(seg_at + 1), 0.0)
+            g0 = tl.where(finite_row, -U0_gspo_coef, float("nan"))
+            g1 = tl.where(finite_row, U0_gspo_coef, float("nan"))
             # (a row of -inf read as FLOOR would look uniform: its gradient is NaN, as its values are)
             # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
             # Tiles last to first, each loaded one iteration ahead (its loads overlap the math).
@@ -481,16 +481,16 @@ def segments_3d268cb74e027a19(
         count = tl.load(sums_ptr + idx * 3, mask=in_seg, other=0.0)
         nonempty = count != 0  # a NaN count (a bad row) keeps the segment, and its NaN
         inv_count = 1.0 / tl.maximum(count, 1.0)
-        gspo_U0 = tl.load(sums_ptr + idx * 3 + 1,
+        U0_gspo = tl.load(sums_ptr + idx * 3 + 1,
                           mask=in_seg, other=0.0) * inv_count
-        gspo_U1 = tl.load(sums_ptr + idx * 3 + 2,
+        U1_gspo = tl.load(sums_ptr + idx * 3 + 2,
                           mask=in_seg, other=0.0) * inv_count
-        gspo_u0 = tl.exp2(1.4426950408889634 * gspo_U0)
-        gspo_u1 = gspo_U1*gspo_u0
+        gspo_u0 = tl.exp2(1.4426950408889634 * U0_gspo)
+        gspo_u1 = U1_gspo*gspo_u0
         gspo_u2 = 1.0 - p_gspo__eps_low
         gspo_u3 = p_gspo__eps_high + 1.0
         gspo_u4 = tl.where(gspo_u3 < tl.where(gspo_u0 > gspo_u2, gspo_u0, gspo_u2), gspo_u3, tl.where(gspo_u0 > gspo_u2, gspo_u0, gspo_u2))
-        gspo_u5 = gspo_U1*gspo_u4
+        gspo_u5 = U1_gspo*gspo_u4
         gspo_u6 = _rcp(tl.where((gspo_u1 == gspo_u5), 1.0, 0.0) + 1.0)
         gspo_u7 = tl.where((gspo_u1 <= gspo_u5), gspo_u6, 0.0)
         gspo_u8 = tl.where((gspo_u1 >= gspo_u5), gspo_u6, 0.0)
@@ -505,4 +505,4 @@ def segments_3d268cb74e027a19(
     loss += weight_gspo * (gspo / div)
     tl.store(ws_ptr + 2, loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "0c44c9290060cdeb75ac1dd677de4cff39367925d67c9225b85f400beaf67b1c"
+TEXT_HASH = "3c5e4347feaab3b3103034c7ae596566022f4549a7d159c9a30fdc210907f6e3"

@@ -418,7 +418,7 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
             means: dict[sp.Expr, sp.Symbol] = {}
 
             def mean(u, _means=means, _name=name):
-                _means.setdefault(u, sp.Symbol(f"{_name}_U{len(_means)}", real=True))
+                _means.setdefault(u, sp.Symbol(f"U{len(_means)}_{_name}", real=True))
                 return _means[u]
             F = formula.replace(S.segment_mean, mean)
             if {s for s in F.free_symbols if not s.name.startswith(S.RUNTIME_PREFIX)} - set(means.values()):

@@ -358,3 +358,17 @@ def test_rl_builtins_pass_the_parity_tool():
                         metrics=(lcg.ClipRatioLow(), lcg.ClipRatioHigh(), lcg.ClipRatioRegion(),
                                  lcg.CISPOClipRatio(), lcg.LogProb()))
     lcg.testing.assert_parity(head, rows=16, vocab=128)
+
+
+def test_a_segment_term_may_be_named_like_the_parameter_prefix():
+    """A segment term named "p" (its segment means were p_U0, read as runtime parameters "p_...")."""
+    logits, labels, g = make_inputs(R=12, V=64)
+    seg = torch.arange(12) // 4
+    head = lcg.HeadLoss(lcg.declare_term("p", -S.segment_mean(_l))())
+    valid = labels != -100
+
+    def reference(z):
+        l = _logp(z, labels)
+        segs = [(seg == s) & valid for s in seg.unique() if ((seg == s) & valid).any()]
+        return -sum(l[m].mean() for m in segs) / len(segs)
+    _compare(head, reference, logits, labels, segment_ids=seg, num_segments=3)
