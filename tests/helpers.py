@@ -94,3 +94,18 @@ def check_head(head: lcg.HeadLoss, logits, labels=None, *, grad_tol=None, value_
         assert torch.isfinite(x.grad).all()
         compare("gradient", x.grad, ref_grad, logits.dtype, tolerances=tolerances)
     return out
+
+
+def tiny_causal_lm(vocab: int, model_type: str = "llama", **overrides):
+    """A one-layer transformers causal LM of ``model_type`` built from its config (no hub), fp32, with
+    an output layer scaled up so that its distributions are peaked (ratios clip, labels are top-1)."""
+    import transformers
+    config = transformers.AutoConfig.for_model(
+        model_type, vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, pad_token_id=0, eos_token_id=2,
+        bos_token_id=3, **overrides)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8)
+    return model

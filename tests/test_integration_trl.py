@@ -14,6 +14,7 @@ tokenizers = pytest.importorskip("tokenizers")
 datasets = pytest.importorskip("datasets")
 
 from losscodegen.integrations import trl as lcg_trl  # noqa: E402
+from helpers import tiny_causal_lm  # noqa: E402
 
 V, B, P, C = 64, 4, 3, 6
 
@@ -27,14 +28,7 @@ def _tokenizer():
 
 
 def _model(model_type="llama", **overrides):
-    config = transformers.AutoConfig.for_model(
-        model_type, vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, pad_token_id=0, eos_token_id=2, bos_token_id=3, **overrides)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).float()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8)     # log-probs spread enough that ratios clip on both sides
-    return model
+    return tiny_causal_lm(V, model_type, **overrides)
 
 
 def _trainer(cls, model, **options):

@@ -20,20 +20,14 @@ from trl.trainer.utils import add_fused_lm_head as trl_add_fused_lm_head  # noqa
 
 from losscodegen.integrations import trl as lcg_trl  # noqa: E402
 from losscodegen.integrations.trl_lm_head import FUSED_OUTPUTS, final_logit_transform  # noqa: E402
+from helpers import tiny_causal_lm  # noqa: E402
 
 V, B, T = 96, 3, 10     # (V unlike any other width of the model: 32 hidden, 64 intermediate)
 FIELDS = ("loss", *FUSED_OUTPUTS, "label_mask")
 
 
 def _model(model_type="llama", **overrides):
-    config = transformers.AutoConfig.for_model(
-        model_type, vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, pad_token_id=0, eos_token_id=2, bos_token_id=3, **overrides)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).float()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8)     # peaked distributions: some labels are the model's top-1
-    return model
+    return tiny_causal_lm(V, model_type, **overrides)
 
 
 def _pair(model, **options):
