@@ -109,3 +109,14 @@ def tiny_causal_lm(vocab: int, model_type: str = "llama", **overrides):
     with torch.no_grad():
         model.lm_head.weight.mul_(8)
     return model
+
+
+def tiny_tokenizer(vocab: int):
+    """A word-level tokenizer built locally (no hub): ids 0-3 are pad, unk, eos, bos, then t4, t5, ..."""
+    import tokenizers
+    import transformers
+    words = {"<pad>": 0, "<unk>": 1, "<eos>": 2, "<bos>": 3, **{f"t{i}": i for i in range(4, vocab)}}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                                bos_token="<bos>", unk_token="<unk>")

@@ -10,21 +10,17 @@ import torch
 
 trl = pytest.importorskip("trl")
 transformers = pytest.importorskip("transformers")
-tokenizers = pytest.importorskip("tokenizers")
+pytest.importorskip("tokenizers")
 datasets = pytest.importorskip("datasets")
 
 from losscodegen.integrations import trl as lcg_trl  # noqa: E402
-from helpers import tiny_causal_lm  # noqa: E402
+from helpers import tiny_causal_lm, tiny_tokenizer  # noqa: E402
 
 V, B, P, C = 64, 4, 3, 6
 
 
 def _tokenizer():
-    vocab = {"<pad>": 0, "<unk>": 1, "<eos>": 2, "<bos>": 3, **{f"t{i}": i for i in range(4, V)}}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
-                                                bos_token="<bos>", unk_token="<unk>")
+    return tiny_tokenizer(V)
 
 
 def _model(model_type="llama", **overrides):
@@ -189,13 +185,7 @@ def _check(case, saved_model, use_cpu=True, grad_atol=1e-6):
             t._last_world_entropy = 5.0   # (below the target: the bonus applies)
     inputs = _batch(model, old=not no_old, ref="beta" in options, vllm=vllm, **batch)
     inputs = {k: v.to(trainer.accelerator.device) for k, v in inputs.items()}
-    want = ref_trainer._compute_loss(ref_trainer.model, inputs)
-    got = trainer._compute_loss(trainer.model, inputs)
-    want.backward()
-    got.backward()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    for (name, p), q in zip(trainer.model.named_parameters(), ref_trainer.model.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=grad_atol, msg=lambda m, n=name: f"{n}: {m}")
+    _assert_same_step(trainer, ref_trainer, inputs, grad_atol)
     ours, theirs = trainer._metrics["train"], ref_trainer._metrics["train"]
     assert set(ours) == set(theirs)
     for name in theirs:
@@ -204,6 +194,17 @@ def _check(case, saved_model, use_cpu=True, grad_atol=1e-6):
     if trainer.use_adaptive_entropy:
         assert trainer.entropy_coef == ref_trainer.entropy_coef
 
+
+
+def _assert_same_step(trainer, ref_trainer, inputs, grad_atol=1e-6):
+    """Both trainers' _compute_loss on the same batch: equal losses and every parameter's gradient."""
+    want = ref_trainer._compute_loss(ref_trainer.model, inputs)
+    got = trainer._compute_loss(trainer.model, inputs)
+    want.backward()
+    got.backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(trainer.model.named_parameters(), ref_trainer.model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=grad_atol, msg=lambda m, n=name: f"{n}: {m}")
 
 @pytest.mark.parametrize("option, values", [
     ("loss_type", dict(loss_type="ppo")),      # (not one of TRL's: its _compute_loss would raise later)
@@ -225,12 +226,6 @@ def test_the_models_final_logit_transform_and_temperature(model_type, overrides,
     ref_trainer = _trainer(trl.GRPOTrainer, str(tmp_path), **options)
     trainer = _trainer(lcg_trl.GRPOTrainer, str(tmp_path), **options)
     inputs = _batch(transformers.AutoModelForCausalLM.from_pretrained(tmp_path))
-    want = ref_trainer._compute_loss(ref_trainer.model, inputs)
-    got = trainer._compute_loss(trainer.model, inputs)
-    want.backward()
-    got.backward()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    for (name, p), q in zip(trainer.model.named_parameters(), ref_trainer.model.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    _assert_same_step(trainer, ref_trainer, inputs)
     torch.testing.assert_close(torch.tensor(trainer._metrics["train"]["entropy"]),
                                torch.tensor(ref_trainer._metrics["train"]["entropy"]), rtol=1e-5, atol=1e-6)

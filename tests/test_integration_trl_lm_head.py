@@ -13,14 +13,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 trl = pytest.importorskip("trl")
 transformers = pytest.importorskip("transformers")
-tokenizers = pytest.importorskip("tokenizers")
+pytest.importorskip("tokenizers")
 datasets = pytest.importorskip("datasets")
 
 from trl.trainer.utils import add_fused_lm_head as trl_add_fused_lm_head  # noqa: E402
 
 from losscodegen.integrations import trl as lcg_trl  # noqa: E402
 from losscodegen.integrations.trl_lm_head import FUSED_OUTPUTS, final_logit_transform  # noqa: E402
-from helpers import tiny_causal_lm  # noqa: E402
+from helpers import tiny_causal_lm, tiny_tokenizer  # noqa: E402
 
 V, B, T = 96, 3, 10     # (V unlike any other width of the model: 32 hidden, 64 intermediate)
 FIELDS = ("loss", *FUSED_OUTPUTS, "label_mask")
@@ -252,11 +252,7 @@ P, C = 3, 6
 
 
 def _tokenizer():
-    vocab = {"<pad>": 0, "<unk>": 1, "<eos>": 2, "<bos>": 3, **{f"t{i}": i for i in range(4, V)}}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
-                                                bos_token="<bos>", unk_token="<unk>")
+    return tiny_tokenizer(V)
 
 
 @pytest.fixture(scope="module")
