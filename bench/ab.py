@@ -3,6 +3,8 @@ losscodegen is importable, one JSON line per (workload, shape). Run it alternate
 installs (PYTHONPATH) in one command, so that both versions see the same machine:
 
     for i in 1 2; do PYTHONPATH=/tmp/base python bench/ab.py base; PYTHONPATH=/tmp/new python bench/ab.py new; done
+
+(``python bench/ab.py LABEL WORKLOAD ...`` times only those workloads.)
 """
 from __future__ import annotations
 
@@ -16,12 +18,14 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench import LOGIT_WORKLOADS, logit_inputs  # noqa: E402
 
-SHAPES = {"CE": [(8192, 128256), (4096, 32000), (4096, 262144)]}
+SHAPES = {"CE": [(8192, 128256), (4096, 32000), (4096, 262144)], "JSD": [(8192, 128256), (4096, 262144)]}
 
 
-def main(label: str) -> None:
+def main(label: str, only: list[str]) -> None:
     import losscodegen as lcg
     for name, (make, needs, _) in LOGIT_WORKLOADS.items():
+        if only and name not in only:
+            continue
         for R, V in SHAPES.get(name, [(8192, 128256)]):
             x, y, kw = logit_inputs(R, V, needs, seed=1)
             x.requires_grad_()
@@ -38,4 +42,4 @@ def main(label: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2:])

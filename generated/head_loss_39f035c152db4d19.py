@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "39f035c152db4d19"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "da486bc41f91"
+CODEGEN = "435c7299772e"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_fraction']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -442,4 +442,4 @@ def head_loss_39f035c152db4d19(
             tl.store(ws_ptr + 2, value_clip_fraction)
             tl.store(ws_ptr + 3, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "581a1cbfca0c486c9edfe7c33289d5fefb18583dd10757bd882e29f251849bf7"
+TEXT_HASH = "6d699ee9900fedd113b10cf5450e0f9d63a6eebc447c63079b025ed7081584db"

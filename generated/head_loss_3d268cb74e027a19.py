@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "3d268cb74e027a19"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "da486bc41f91"
+CODEGEN = "435c7299772e"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['gspo', 'entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -505,4 +505,4 @@ def segments_3d268cb74e027a19(
     loss += weight_gspo * (gspo / div)
     tl.store(ws_ptr + 2, loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "3c5e4347feaab3b3103034c7ae596566022f4549a7d159c9a30fdc210907f6e3"
+TEXT_HASH = "49716ce5e5d43d99342fda8092791d027d2f43b70c74fb8525c94ea4cdc5c933"

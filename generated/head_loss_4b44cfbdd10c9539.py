@@ -49,7 +49,7 @@ from triton.language.extra import libdevice
 
 KEY = "4b44cfbdd10c9539"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "da486bc41f91"
+CODEGEN = "435c7299772e"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_fraction', 'ratio_mean', 'kl_new_old']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -451,4 +451,4 @@ def head_loss_4b44cfbdd10c9539(
             tl.store(ws_ptr + 4, value_kl_new_old)
             tl.store(ws_ptr + 5, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "aac3f2450db1b3fc19f7284b7613a432509062604048d26babe31d2b17223ede"
+TEXT_HASH = "c2c89585b138e846ed91750a571de05ee89635da8038abc09d7de1974cc4914e"

@@ -43,7 +43,7 @@ from triton.language.extra import libdevice
 
 KEY = "61bded9c9d8c364d"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "da486bc41f91"
+CODEGEN = "435c7299772e"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['reverse_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -431,4 +431,4 @@ def head_loss_61bded9c9d8c364d(
             tl.store(ws_ptr + 0, value_reverse_kl)
             tl.store(ws_ptr + 1, weight_reverse_kl * value_reverse_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "ca74e83ea0136eb006a53c18f8304af4ffb48049d5ecdd80cb8df368c3844113"
+TEXT_HASH = "91d1e5412189ccce4111e92791ac6d7baee2c491e42f80a5554213910669b2c5"

@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "6dc3df098f5c5073"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "da486bc41f91"
+CODEGEN = "435c7299772e"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cispo', 'entropy', 'cispo_clip_ratio']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -424,4 +424,4 @@ def head_loss_6dc3df098f5c5073(
             tl.store(ws_ptr + 2, value_cispo_clip_ratio)
             tl.store(ws_ptr + 3, weight_cispo * value_cispo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "6479b0a04c4fb0d838415b28908cf6c1748058d93d69532679684c96f2ad5bf1"
+TEXT_HASH = "fff190ce05d77def1523b84a9058e7e1ba49f5146eca4bd74d4e95cb270a4cfd"

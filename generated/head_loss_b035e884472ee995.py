@@ -10,25 +10,22 @@
 #   normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima):
 #     N0 = m + log(acc0)
 #     N1 = m_t + log(acc2)
-#   accumulators (6):
+#   accumulators (4):
 #     acc0 = sum_i exp(1*(z - m)) * 1    [online]
 #     acc1 = sum_i (-L_N0 + zm - log(p_jsd__beta*exp(-L_N0 + zm) + (1 - p_jsd__beta)*exp(-L_N1 + tm)))*exp(-L_N0 + zm)    [exact: needs the final normalisers]
 #     acc2 = sum_i exp(1*(t - m_t)) * 1    [online]
 #     acc3 = sum_i (-L_N1 + tm - log(p_jsd__beta*exp(-L_N0 + zm) + (1 - p_jsd__beta)*exp(-L_N1 + tm)))*exp(-L_N1 + tm)    [exact: needs the final normalisers]
-#     acc4 = sum_i (p_jsd__beta*exp(-L_N0 + zm)/(p_jsd__beta*exp(-L_N0 + zm) + (1 - p_jsd__beta)*exp(-L_N1 + tm)) - 1)*exp(-L_N0 + zm) - (-L_N0 + zm - log(p_jsd__beta*exp(-L_N0 + zm) + (1 - p_jsd__beta)*exp(-L_N1 + tm)))*exp(-L_N0 + zm)    [exact: needs the final normalisers]
-#     acc5 = sum_i p_jsd__beta*exp(-L_N0 - L_N1 + tm + zm)/(p_jsd__beta*exp(-L_N0 + zm) + (1 - p_jsd__beta)*exp(-L_N1 + tm))    [exact: needs the final normalisers]
 #   gradient (derived by sympy):
-#     g0 = p_jsd__beta*w_jsd
-#     g1 = w_jsd*(1 - p_jsd__beta)
-#     g2 = acc4*p_jsd__beta*w_jsd + acc5*w_jsd*(1 - p_jsd__beta)
-#     dL/dz_i = g0*((-p_jsd__beta*exp(-L_N0 + zm)/(p_jsd__beta*exp(-L_N0 + zm) + (1 - p_jsd__beta)*exp(-L_N1 + tm)) + 1)*exp(-L_N0 + zm) + (-L_N0 + zm - log(p_jsd__beta*exp(-L_N0 + zm) + (1 - p_jsd__beta)*exp(-L_N1 + tm)))*exp(-L_N0 + zm)) - g1*p_jsd__beta*exp(-L_N0 - L_N1 + tm + zm)/(p_jsd__beta*exp(-L_N0 + zm) + (1 - p_jsd__beta)*exp(-L_N1 + tm)) + g2*exp(-L_N0 + zm)
+#     g0 = w_jsd
+#     g1 = -acc1*p_jsd__beta*w_jsd
+#     dL/dz_i = g0*p_jsd__beta*(-L_N0 + zm - log(p_jsd__beta*exp(-L_N0 + zm) + (1 - p_jsd__beta)*exp(-L_N1 + tm)))*exp(-L_N0 + zm) + g1*exp(-L_N0 + zm)
 #
 # plan:
 #   reads of the vocabulary: 2 for the loss (online stats + exact) + 1 for the gradient
 #   bytes per element (bf16 in, bf16 grad): 14
-#   packed per-row stats (4 fp32): m:max, m_t:max, acc0:scaled, acc2:scaled; exact sums: acc1, acc3, acc4, acc5
+#   packed per-row stats (4 fp32): m:max, m_t:max, acc0:scaled, acc2:scaled; exact sums: acc1, acc3
 #   vocab-parallel: one all-gather of the packed stats + one all-reduce of the exact sums
-#   per-element state ('xt', 2, 4); reads stats forward, exact backward, grad forward
+#   per-element state ('xt', 2, 2); reads stats forward, exact backward, grad forward
 #   single device: 1 launch(es): [stats+exact+rows+grad]
 #   sharded: 3 launch(es): [stats] gather -> [merge+exact] sum_exact -> [rows+grad]
 #   sharded, in-kernel exchange: 3 launch(es): [stats] gather -> [merge+exact] sum_exact -> [rows+grad]
@@ -37,9 +34,9 @@
 #   per vocabulary element, from the printed formulas (SFU: exp2, lg2, rcp, 16 a clock a
 #   multiprocessor on Hopper; other: add, multiply, compare, select, 128 a clock):
 #     stats read: 2 SFU + 4 other
-#     exact read: 4 SFU + 23 other
-#     gradient read: 4 SFU + 24 other
-#     in all: 10 SFU + 51 other
+#     exact read: 3 SFU + 18 other
+#     gradient read: 3 SFU + 29 other
+#     in all: 8 SFU + 51 other
 import os
 
 import triton
@@ -48,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "b035e884472ee995"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "da486bc41f91"
+CODEGEN = "435c7299772e"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['jsd']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -56,7 +53,7 @@ ROW_VALUES = ['jsd']
 # the first read's packed per-row stats (the header's plan gives how vocab shards' stats merge)
 COLUMNS = ['m', 'm_t', 'acc0', 'acc2']
 # sums of the exact read (summed across vocab shards)
-EXACT = ['acc1', 'acc3', 'acc4', 'acc5']
+EXACT = ['acc1', 'acc3']
 TOKENS = []
 USES_LABELS = False
 USES_TEACHER = True
@@ -76,7 +73,7 @@ SEGMENTS = []
 SEGMENT_MEANS = []
 # what decides the tile (the runtime's choice, losscodegen/backends/triton/tiles.py): the streams
 # the first read loads, its running sums, the exact read's sums
-STATE = ('xt', 2, 4)
+STATE = ('xt', 2, 2)
 # Each kernel's interface, in its signature's order (both written from emit.signatures; launch.py
 # passes every argument by these names): the arguments of each launch, then those that are the
 # same at every launch of a head on one vocab shard, then the constexprs.
@@ -195,7 +192,7 @@ def head_loss_b035e884472ee995(
     t_row = t_ptr + row * t_stride
     grad_row = grad_ptr + row * grad_stride
     stats_row = ws_ptr + off_stats + grow * 4
-    exact_row = ws_ptr + off_exact + grow * 4
+    exact_row = ws_ptr + off_exact + grow * 2
     y = -1
     live = True
     if y_ptr is not None:
@@ -311,8 +308,6 @@ def head_loss_b035e884472ee995(
             # Second read: sums that need the final normalisers inside a non-exponential function.
             acc1 = 0.0
             acc3 = 0.0
-            acc4 = 0.0
-            acc5 = 0.0
             # Tiles last to first, each loaded one iteration ahead (its loads overlap the math).
             n_blocks = tl.cdiv(V, BLOCK_V)
             cols = (n_blocks - 1) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -338,26 +333,16 @@ def head_loss_b035e884472ee995(
                 tm = t - m_t
                 e0 = L_N0 - zm
                 e1 = tl.exp2(1.4426950408889634 * (-e0))
-                e2 = e1*p_jsd__beta
-                e3 = L_N1 - tm
-                e4 = tl.exp2(1.4426950408889634 * (-e3))
-                e5 = TINY + e2 + e4*(1.0 - p_jsd__beta)
-                e6 = _log(e5)
-                e7 = e1*(-e0 - e6)
-                e8 = e2*_rcp(e5)
-                part0 = tl.sum(tl.join(tl.join(tl.where(in_row, e7, 0.0), tl.where(in_row, e4*(-e3 - e6), 0.0)), tl.join(tl.where(in_row, e1*(e8 - 1.0) - e7, 0.0), tl.where(in_row, e4*e8, 0.0))), 0)
-                part1, part2 = tl.split(part0)
-                acc1_tile, acc3_tile = tl.split(part1)
-                acc4_tile, acc5_tile = tl.split(part2)
+                e2 = L_N1 - tm
+                e3 = tl.exp2(1.4426950408889634 * (-e2))
+                e4 = _log(e1*p_jsd__beta + e3*(1.0 - p_jsd__beta) + TINY)
+                part0 = tl.sum(tl.join(tl.where(in_row, e1*(-e0 - e4), 0.0), tl.where(in_row, e3*(-e2 - e4), 0.0)), 0)
+                acc1_tile, acc3_tile = tl.split(part0)
                 acc1 += acc1_tile
                 acc3 += acc3_tile
-                acc4 += acc4_tile
-                acc5 += acc5_tile
         elif ROWS or GRAD:
             acc1 = tl.load(exact_row + 0)
             acc3 = tl.load(exact_row + 1)
-            acc4 = tl.load(exact_row + 2)
-            acc5 = tl.load(exact_row + 3)
 
         if STORE_STATS:
             tl.store(stats_row + 0, m)
@@ -367,8 +352,6 @@ def head_loss_b035e884472ee995(
             if EXACT:
                 tl.store(exact_row + 0, acc1)
                 tl.store(exact_row + 1, acc3)
-                tl.store(exact_row + 2, acc4)
-                tl.store(exact_row + 3, acc5)
 
         if ROWS:
             weight_jsd = tl.load(scalars_ptr + 0)
@@ -398,11 +381,8 @@ def head_loss_b035e884472ee995(
                     w_jsd += tl.load(up_rows_ptr + 0 * n_rows + grow)
             else:
                 w_jsd = weight_jsd * grad_scale
-            c0 = p_jsd__beta*w_jsd
-            c1 = w_jsd*(1.0 - p_jsd__beta)
-            g0 = c0
-            g1 = c1
-            g2 = acc4*c0 + acc5*c1
+            g0 = w_jsd
+            g1 = -acc1*p_jsd__beta*w_jsd
             # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
             # Tiles first to last, each loaded one iteration ahead (its loads overlap the math).
             n_blocks = tl.cdiv(V, BLOCK_V)
@@ -429,12 +409,13 @@ def head_loss_b035e884472ee995(
                 zm = z - m
                 tm = t - m_t
                 d0 = L_N0 - zm
-                d1 = tl.exp2(1.4426950408889634 * (-d0))
-                d2 = tl.exp2(1.4426950408889634 * tm + 1.4426950408889634 * (-L_N1))
-                d3 = d1*p_jsd__beta
-                d4 = TINY + d2*(1.0 - p_jsd__beta) + d3
-                d5 = d3*_rcp(d4)
-                dz = d1*g2 - d2*d5*g1 + g0*(d1*(1.0 - d5) + d1*(-d0 - _log(d4)))
+                d1 = L_N1 - tm
+                d2 = tl.where(-d0 > -d1, -d0, -d1)
+                d3 = (d0 <= d1)
+                d4 = tl.exp2(1.4426950408889634 * (-tl.abs(-L_N1 + d0 + tm)))
+                d5 = tl.where(d3, 1.0, d4)*tl.exp2(1.4426950408889634 * d2)
+                d6 = 1.0 - p_jsd__beta
+                dz = d5*g0*p_jsd__beta*(-d0 - d2 - _log(d4*tl.where(d3, d6, p_jsd__beta) + tl.where(d3, p_jsd__beta, d6) + TINY)) + d5*g1
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
     else:
@@ -491,4 +472,4 @@ def head_loss_b035e884472ee995(
             tl.store(ws_ptr + 0, value_jsd)
             tl.store(ws_ptr + 1, weight_jsd * value_jsd)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "6e1236b38d5c67a5556818c107e1cf936135889e31f144f4c4a8fd1d29c6ed96"
+TEXT_HASH = "566b288454dc0c52706952cb8b77b4f17c560719f4cc6e4ea30cf4896e5cbd95"

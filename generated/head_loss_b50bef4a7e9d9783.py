@@ -49,7 +49,7 @@ from triton.language.extra import libdevice
 
 KEY = "b50bef4a7e9d9783"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "da486bc41f91"
+CODEGEN = "435c7299772e"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_ratio_low', 'clip_ratio_high', 'clip_ratio_region']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -467,4 +467,4 @@ def head_loss_b50bef4a7e9d9783(
             tl.store(ws_ptr + 4, value_clip_ratio_region)
             tl.store(ws_ptr + 5, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "675254e9953a7989577a07f23f2e83df725b852d361cda2e75292337f4ff8752"
+TEXT_HASH = "5b65000b1c7d93c19d60d87e413f7054e4295a4545610ac26e0674f234e49eec"

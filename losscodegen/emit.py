@@ -198,6 +198,45 @@ def no_underflow_nan(expr: sp.Expr, elements: tuple[sp.Symbol, ...]) -> sp.Expr:
     return expr.replace(lambda e: guarded(e) is not None, guarded)
 
 
+def _exp_terms(s: sp.Expr, elements: tuple[sp.Symbol, ...]) -> list[tuple[sp.Expr, sp.Expr]] | None:
+    """``[(c_k, a_k)]`` with ``s = sum_k c_k*exp(a_k)``, each ``c_k`` free of the elements, or None."""
+    out = []
+    for t in sp.Add.make_args(s):
+        exps = [f for f in sp.Mul.make_args(t) if isinstance(f, sp.exp) and f.has(*elements)]
+        if len(exps) != 1:
+            return None
+        c = sp.Mul(*[f for f in sp.Mul.make_args(t) if f is not exps[0]])
+        if c.has(*elements):
+            return None
+        out.append((c, exps[0].args[0]))
+    return out
+
+
+def mixtures_in_log_space(expr: sp.Expr, elements: tuple[sp.Symbol, ...]) -> sp.Expr:
+    """``expr`` with each log of a mixture of two exponentials, ``log(c1 exp(a1) + c2 exp(a2))``
+    (JSD's ``log(beta p + (1 - beta) q)``), taken from the larger exponent: ``h + log(c_h + c_l u)``
+    with ``h = max(a1, a2)`` and ``u = exp(-|a1 - a2|)``, as torch's logsumexp does. The log of the
+    sum itself errs by the rounding of both exponentials, an ulp of 1 in ``log(p / M)`` where the
+    gradient ``beta p (log(p / M) - KL)`` cancels to a few percent of it; from the larger exponent,
+    ``a1 - h`` is exactly 0. ``exp(a1)`` and ``exp(a2)`` elsewhere in ``expr`` become ``exp(h)`` and
+    ``exp(h) u``: two exponentials for the pair, as before, and one more for ``u``. Applied after
+    no_underflow_nan (whose plus TINY marks the logs of sums of exponentials), and plus TINY
+    still, where ``c_h`` is 0 (beta = 0) and ``u`` underflows."""
+    for log in sorted(expr.atoms(sp.log), key=sp.default_sort_key):
+        if TINY not in sp.Add.make_args(log.args[0]):   # (not a sum of exponentials: no_underflow_nan)
+            continue
+        terms = _exp_terms(log.args[0] - TINY, elements)
+        if terms is None or len(terms) != 2:
+            continue
+        (c1, a1), (c2, a2) = terms
+        first = sp.Ge(a1, a2)
+        h, u = sp.Max(a1, a2), sp.exp(-sp.Abs(a1 - a2))
+        pick = lambda x, y: sp.Piecewise((x, first), (y, True))  # noqa: E731
+        expr = expr.xreplace({log: h + sp.log(pick(c1, c2) + pick(c2, c1) * u + TINY)})
+        expr = expr.xreplace({sp.exp(a1): sp.exp(h) * pick(1, u), sp.exp(a2): sp.exp(h) * pick(u, 1)})
+    return expr
+
+
 def _finite_at_neg_inf(expr: sp.Expr, elements: tuple[sp.Symbol, ...], *, floored: bool) -> bool:
     """Whether ``expr`` stays free of NaN where element symbols are -inf (``floored``: where they are
     the template's FLOOR, a very negative finite number, instead): built by sums, products and
@@ -207,6 +246,14 @@ def _finite_at_neg_inf(expr: sp.Expr, elements: tuple[sp.Symbol, ...], *, floore
         return True
     if expr in elements:
         return floored
+    if isinstance(expr, (sp.Max, sp.Min, sp.Abs)):
+        return all(_finite_at_neg_inf(a, elements, floored=floored) for a in expr.args)
+    if isinstance(expr, sp.Piecewise):   # (a condition that reads a NaN is false, never NaN)
+        return all(_finite_at_neg_inf(v, elements, floored=floored) for v, _ in expr.args)
+    if isinstance(expr, sp.exp) and isinstance(expr.args[0], sp.Max):
+        return all(_finite_at_neg_inf(sp.exp(a), elements, floored=floored) for a in expr.args[0].args)
+    if isinstance(expr, sp.exp) and (-expr.args[0]).func is sp.Abs:   # in [0, 1] unless NaN
+        return _finite_at_neg_inf(-expr.args[0], elements, floored=floored)
     if isinstance(expr, sp.exp):
         arg = sp.expand(expr.args[0])
         coefs = [arg.coeff(v) for v in elements]

@@ -32,6 +32,7 @@ ZYM = sp.Symbol("zym", real=True)      # row: z_y - m
 # after the shards' stats are merged, so a vocabulary sum that reads it is an exact one)
 _BEFORE_STATS = {S.label, S.vocab_size}
 _Z_DEPENDENT_ROW = (S.target_logit,)                      # row inputs that move with the logits
+_ELEMENT = (S.logit, S.teacher_logit, S.topk_logit, S.topk_logprob)  # what varies along a reduction
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,19 @@ class _Lowering:
             sym = sp.Symbol(f"R{len(self.reductions)}", real=True)
             self.reductions[key], self.red_of[sym] = sym, key
         return self.reductions[key]
+
+    def sum_of(self, domain: str, body: sp.Expr) -> sp.Expr:
+        """The reduction of ``body``, read where it can be as a row constant times one already
+        declared (JSD's gradient sum through LSE(z) is -beta times its KL(p||m) sum), or the
+        reduction of ``body`` as it is."""
+        if body == 0:
+            return sp.S.Zero
+        for (d, b), r in self.reductions.items():
+            if d == domain:
+                k = sp.cancel(sp.together(body) / b)
+                if not k.has(*_ELEMENT) and k != 0:
+                    return k * r
+        return self.reduction(domain, body)
 
     def abstract(self, expr: sp.Expr) -> sp.Expr:
         expr = expr.replace(S.LSE, self.norm)
@@ -398,6 +412,67 @@ def _combine(accs: list[Accumulator], fixed: set[str], exprs: list[sp.Expr]):
     return accs, exprs
 
 
+def _known(k: sp.Expr) -> bool:
+    """Whether a row factor is known in every read: numbers, runtime parameters and tokens (not a
+    loss weight, which holds the upstream gradient under reduction="none", nor a row statistic)."""
+    return all(s.name.startswith((S.RUNTIME_PREFIX, S.TOKEN_PREFIX)) for s in k.free_symbols)
+
+
+def _shared_coefficients(reds, loss: sp.Expr):
+    """The reductions the gradient reads, grouped where ``dL/dR_j = C * k_j`` with one row factor
+    ``C`` and each ``k_j`` a polynomial in known factors: ``(domain, C, [(body_j, k_j)])``. A group
+    is differentiated as one sum ``sum_i sum_j k_j body_j``, where sympy can cancel between the
+    parts: JSD's two KL sums (weights beta and 1 - beta) have a gradient free of 1/m and of two
+    row sums once ``beta*p + (1 - beta)*q`` over ``m`` is seen to be 1."""
+    groups: list[tuple[str, list[tuple[sp.Expr, sp.Expr]]]] = []
+    for (domain, body), r in reds:
+        c = derive(loss, r)
+        if c == 0:
+            continue
+        for g_domain, members in groups:
+            if g_domain == domain and _known(sp.cancel(c / members[0][1])):
+                members.append((body, c))
+                break
+        else:
+            groups.append((domain, [(body, c)]))
+    out = []
+    for domain, members in groups:
+        C = members[0][1]
+        if len(members) > 1:
+            try:
+                C = sp.gcd_list([c for _, c in members])
+            except sp.PolynomialError:
+                C = sp.S.One
+            ks = [sp.cancel(c / C) for _, c in members]
+            if C == 1 or not all(_known(k) and sp.fraction(sp.together(k))[1].is_number for k in ks):
+                # 1/beta where beta may be 0 at run time: each reduction on its own
+                out += [(domain, c, [(body, sp.S.One)]) for body, c in members]
+                continue
+            out.append((domain, C, [(body, k) for (body, _), k in zip(members, ks)]))
+        else:
+            out.append((domain, C, [(members[0][0], sp.S.One)]))
+    return out
+
+
+def _cost(expr: sp.Expr) -> tuple[int, int]:
+    """(transcendental functions and divisions, all operations) of ``expr`` once its common
+    subexpressions are computed once: a neutral count, for choosing between equal forms."""
+    defs, (body,) = sp.cse(expr)
+    ops = [sp.count_ops(e, visual=True) for e in [d for _, d in defs] + [body]]
+    heavy = sum(int(v.coeff(sp.Symbol(n))) for v in ops for n in ("EXP", "LOG", "DIV", "TANH", "POW")
+                if isinstance(v, sp.Expr))
+    return heavy, sum(int(sp.count_ops(e)) for e in [d for _, d in defs] + [body])
+
+
+def _simpler(expr: sp.Expr) -> sp.Expr:
+    """``expr`` over one denominator with its common factors out, where that costs fewer operations
+    (a sum of parts of one group, where terms cancel), else ``expr``."""
+    if not isinstance(expr, sp.Add):
+        return expr
+    candidate = sp.factor_terms(sp.together(expr))
+    return candidate if _cost(candidate) < _cost(expr) else expr
+
+
 def _piecewise(expr: sp.Expr) -> sp.Expr:
     """Min/Max/Abs as Piecewise, so that sympy differentiates them branch by branch."""
     return expr.replace(lambda e: isinstance(e, (sp.Min, sp.Max, sp.Abs)),
@@ -450,17 +525,14 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
         coefs.append((sym, expr))
         return sym
 
-    reds = list(lw.reductions.items())
-    c = {r: derive(loss, r) for (_, r) in reds}
+    groups = _shared_coefficients(list(lw.reductions.items()), loss)
     grad_vocab, grad_topk = sp.S.Zero, sp.S.Zero
-    for (domain, body), r in reds:
-        if c[r] == 0:
-            continue
+    for domain, C, members in groups:
         elem = S.logit if domain == "vocab" else S.topk_logit
-        d = derive(body, elem)
+        d = _simpler(sp.Add(*[k * derive(body, elem) for body, k in members]))
         if d == 0:
             continue
-        term = coef(c[r]) * d
+        term = coef(C) * d
         if domain == "vocab":
             grad_vocab += term
         else:
@@ -470,9 +542,9 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
     student_norms = [n for n, (alpha, _) in lw.norm_of.items() if alpha != 0]
     for x in student_norms + list(_Z_DEPENDENT_ROW):
         total = derive(loss, x)
-        for (domain, body), r in reds:
-            if c[r] != 0 and body.has(x):
-                total += c[r] * lw.reduction(domain, derive(body, x))
+        for domain, C, members in groups:
+            if any(body.has(x) for body, _ in members):
+                total += C * lw.sum_of(domain, sp.Add(*[k * derive(body, x) for body, k in members]))
         if total == 0:
             continue
         if x in lw.norm_of:

@@ -15,8 +15,8 @@ import jinja2
 import sympy as sp
 
 from ... import symbols as S
-from ...emit import (FLAG_SLOTS, ArrayPrinter, KernelSource, Signature, check_interface, neg_inf_handling,
-                     no_underflow_nan, seal, signatures, wrap)
+from ...emit import (FLAG_SLOTS, TINY, ArrayPrinter, KernelSource, Signature, check_interface,
+                     mixtures_in_log_space, neg_inf_handling, no_underflow_nan, seal, signatures, wrap)
 from ...lower import IS_Y, M, MT, TM, ZM, ZYM, base_of, shift
 from ...plan import Plan, pow2
 from ...resources import TEMPLATES
@@ -61,6 +61,13 @@ class TritonPrinter(ArrayPrinter):
         if e.is_Integer and int(e) < 0:
             return f"_rcp({self._print(base ** (-e))})"  # defined by the template (a fast reciprocal)
         return super()._print_Pow(expr, rational)
+
+    def _print_Add(self, expr: sp.Add, order=None) -> str:
+        # TINY last: Triton's interpreter makes TINY + x, a constexpr first, passed straight into a
+        # call (_log(TINY + x)), a constexpr holding a tensor, which tl.log refuses
+        if TINY in expr.args:
+            return f"{self._print(expr - TINY)} + TINY"
+        return super()._print_Add(expr, order)
 
     def _print_Mul(self, expr: sp.Mul) -> str:
         # a / b as a * _rcp(b): the printer's division is the IEEE one, a long routine (measured on
@@ -207,10 +214,17 @@ _M_REF, _MT_REF = sp.Symbol("m_ref", real=True), sp.Symbol("m_t_ref", real=True)
 
 def _printed(lw) -> tuple[dict[str, sp.Expr], tuple[sp.Expr, sp.Expr]]:
     """Each sum's summand and the gradient's vocabulary and top-k parts as printed: a sum of
-    exponentials under a log or a reciprocal plus TINY (emit.no_underflow_nan)."""
+    exponentials under a log or a reciprocal plus TINY (emit.no_underflow_nan), and in the
+    gradient, the log of a mixture of two exponentials from the larger exponent
+    (emit.mixtures_in_log_space)."""
     vocab, topk = (*S.ELEMENT_SYMBOLS, ZM, TM), S.TOPK_SYMBOLS
+    # the log of a mixture from the larger exponent in the gradient only, where log(p / M) enters a
+    # difference that cancels (JSD's beta p (log(p / M) - KL)); in a sum its error averages out, and
+    # there the plain log is 12 operations an element fewer (measured: JSD 4.74 ms with both reads
+    # so, against 4.51 with neither, on an H100 at 8192 x 128256)
     body = {a.name: no_underflow_nan(a.body, topk if a.domain == "topk" else vocab) for a in lw.accumulators}
-    return body, (no_underflow_nan(lw.grad_vocab, vocab), no_underflow_nan(lw.grad_topk, topk))
+    return body, tuple(mixtures_in_log_space(no_underflow_nan(g, elements), elements)
+                       for g, elements in ((lw.grad_vocab, vocab), (lw.grad_topk, topk)))
 
 
 def _online_exponent(alpha: sp.Expr, beta: sp.Expr) -> sp.Expr:
