@@ -18,7 +18,8 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench import LOGIT_WORKLOADS, logit_inputs  # noqa: E402
 
-SHAPES = {"CE": [(8192, 128256), (4096, 32000), (4096, 262144)], "JSD": [(8192, 128256), (4096, 262144)]}
+SHAPES = {"CE": [(8192, 128256), (4096, 32000), (4096, 262144)], "JSD": [(8192, 128256), (4096, 262144)],
+          "CE+z+0.5FKL+entropy": [(8192, 128256), (4096, 262144)]}
 
 
 def main(label: str, only: list[str]) -> None:

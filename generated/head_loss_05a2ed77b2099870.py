@@ -42,7 +42,7 @@ from triton.language.extra import libdevice
 
 KEY = "05a2ed77b2099870"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "435c7299772e"
+CODEGEN = "7f597bbce41a"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'token_accuracy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -227,12 +227,14 @@ def head_loss_05a2ed77b2099870(
                 x_next = tl.load(x_row + cols + BLOCK_V, mask=cols + BLOCK_V < V,
                                  other=0.0)
                 z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
-                block_max = tl.max(tl.where(in_row, z, float("-inf")), 0)
+                # past the row's end, -inf: every sum of this read is 0 there (the teacher is loaded so)
+                z = tl.where(in_row, z, float("-inf"))
+                block_max = tl.max(z, 0)
                 m_new = tl.maximum(m, block_max)
                 # the exponents' reference: 0 while every logit so far is -inf (-inf - -inf is NaN)
                 m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
                 # strictly greater: the first index wins ties, like torch.argmax
-                block_arg = tl.argmax(tl.where(in_row, z, float("-inf")), 0)
+                block_arg = tl.argmax(z, 0)
                 argmax = tl.where(block_max > m, (vocab_start + start + block_arg).to(tl.float32), argmax)
 
                 # the elements relative to the running maxima, after the floor (z - m of a floored -inf, not -inf - m)
@@ -240,7 +242,7 @@ def head_loss_05a2ed77b2099870(
                 s0 = tl.exp2(1.4426950408889634 * zm)
                 r0 = tl.exp2(1.4426950408889634 * (m - m_ref))
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
-                acc0_tile = tl.sum(tl.where(in_row, s0, 0.0), 0)
+                acc0_tile = tl.sum(s0, 0)
                 acc0 = acc0 * r0 + acc0_tile
                 m = m_new
             z_y = tl.where(y_here, _logits(tl.load(x_row + y_local, mask=y_here, other=0.0).to(tl.float32),
@@ -407,4 +409,4 @@ def head_loss_05a2ed77b2099870(
             tl.store(ws_ptr + 1, value_token_accuracy)
             tl.store(ws_ptr + 2, weight_cross_entropy * value_cross_entropy)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "26a368a69069d3e63aca603f8046569a48d77199f9e2080c54c192719233d184"
+TEXT_HASH = "ee934c69c4f942c74dbb591b7883c7463ed757dda81f7160cf644e409ffb154c"

@@ -51,7 +51,7 @@ from triton.language.extra import libdevice
 
 KEY = "203180df93923b8c"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "435c7299772e"
+CODEGEN = "7f597bbce41a"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss', 'forward_kl', 'entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -231,7 +231,7 @@ def head_loss_203180df93923b8c(
             n_blocks = tl.cdiv(V, BLOCK_V)
             cols = tl.arange(0, BLOCK_V)
             x_next = tl.load(x_row + cols, mask=cols < V, other=0.0)
-            t_next = tl.load(t_row + cols, mask=cols < V, other=0.0)
+            t_next = tl.load(t_row + cols, mask=cols < V, other=float("-inf"))
             for i in range(0, n_blocks):
                 start = i * BLOCK_V
                 cols = start + tl.arange(0, BLOCK_V)
@@ -241,14 +241,16 @@ def head_loss_203180df93923b8c(
                                  other=0.0)
                 t_tile = t_next
                 t_next = tl.load(t_row + cols + BLOCK_V, mask=cols + BLOCK_V < V,
-                                 other=0.0)
+                                 other=float("-inf"))
                 z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
-                block_max = tl.max(tl.where(in_row, z, float("-inf")), 0)
+                # past the row's end, -inf: every sum of this read is 0 there (the teacher is loaded so)
+                z = tl.where(in_row, z, float("-inf"))
+                block_max = tl.max(z, 0)
                 m_new = tl.maximum(m, block_max)
                 # the exponents' reference: 0 while every logit so far is -inf (-inf - -inf is NaN)
                 m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
                 t = t_tile.to(tl.float32)
-                m_t_new = tl.maximum(m_t, tl.max(tl.where(in_row, t, float("-inf")), 0))
+                m_t_new = tl.maximum(m_t, tl.max(t, 0))
                 m_t_ref = tl.where(m_t_new == float("-inf"), 0.0, m_t_new)
                 # -inf as FLOOR (a NaN stays NaN): its probability is still 0, and 0 * FLOOR is 0 where 0 * -inf is NaN
                 z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
@@ -264,7 +266,7 @@ def head_loss_203180df93923b8c(
                 r1 = tl.exp2(1.4426950408889634 * (m - m_ref))
                 acc3_moved = tl.where(acc2 > 0.0, acc2*(m - m_ref), 0.0)
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
-                part0 = tl.sum(tl.join(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, s0*(tm - zm), 0.0)), tl.join(tl.where(in_row, s1, 0.0), tl.where(in_row, s1*zm, 0.0))), 0)
+                part0 = tl.sum(tl.join(tl.join(s0, s0*(tm - zm)), tl.join(s1, s1*zm)), 0)
                 part1, part2 = tl.split(part0)
                 acc0_tile, acc1_tile = tl.split(part1)
                 acc2_tile, acc3_tile = tl.split(part2)
@@ -485,4 +487,4 @@ def head_loss_203180df93923b8c(
             tl.store(ws_ptr + 3, value_entropy)
             tl.store(ws_ptr + 4, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss + weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "b1d8041feacf946f1c11d381ed45a926765cd6e80801bb4e558841914bdf8802"
+TEXT_HASH = "8dcc8d44e7491cb72b626b955205daa96942101ea2ec70dde921a4b050419371"

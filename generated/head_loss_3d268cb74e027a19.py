@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "3d268cb74e027a19"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "435c7299772e"
+CODEGEN = "7f597bbce41a"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['gspo', 'entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -250,7 +250,9 @@ def head_loss_3d268cb74e027a19(
                 x_next = tl.load(x_row + cols + BLOCK_V, mask=cols + BLOCK_V < V,
                                  other=0.0)
                 z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
-                block_max = tl.max(tl.where(in_row, z, float("-inf")), 0)
+                # past the row's end, -inf: every sum of this read is 0 there (the teacher is loaded so)
+                z = tl.where(in_row, z, float("-inf"))
+                block_max = tl.max(z, 0)
                 m_new = tl.maximum(m, block_max)
                 # the exponents' reference: 0 while every logit so far is -inf (-inf - -inf is NaN)
                 m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -263,7 +265,7 @@ def head_loss_3d268cb74e027a19(
                 r0 = tl.exp2(1.4426950408889634 * (m - m_ref))
                 acc1_moved = tl.where(acc0 > 0.0, acc0*(m - m_ref), 0.0)
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
-                part0 = tl.sum(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, s0*zm, 0.0)), 0)
+                part0 = tl.sum(tl.join(s0, s0*zm), 0)
                 acc0_tile, acc1_tile = tl.split(part0)
                 acc0 = acc0 * r0 + acc0_tile
                 acc1 = (acc1 + acc1_moved) * r0 + acc1_tile
@@ -505,4 +507,4 @@ def segments_3d268cb74e027a19(
     loss += weight_gspo * (gspo / div)
     tl.store(ws_ptr + 2, loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "49716ce5e5d43d99342fda8092791d027d2f43b70c74fb8525c94ea4cdc5c933"
+TEXT_HASH = "8958e4025417961507bbd0b85ec4741c277c0db4232fca368542147a2ca8cb39"

@@ -49,7 +49,7 @@ from triton.language.extra import libdevice
 
 KEY = "4b44cfbdd10c9539"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "435c7299772e"
+CODEGEN = "7f597bbce41a"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_fraction', 'ratio_mean', 'kl_new_old']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -236,7 +236,9 @@ def head_loss_4b44cfbdd10c9539(
                 x_next = tl.load(x_row + cols + BLOCK_V, mask=cols + BLOCK_V < V,
                                  other=0.0)
                 z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
-                block_max = tl.max(tl.where(in_row, z, float("-inf")), 0)
+                # past the row's end, -inf: every sum of this read is 0 there (the teacher is loaded so)
+                z = tl.where(in_row, z, float("-inf"))
+                block_max = tl.max(z, 0)
                 m_new = tl.maximum(m, block_max)
                 # the exponents' reference: 0 while every logit so far is -inf (-inf - -inf is NaN)
                 m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -249,7 +251,7 @@ def head_loss_4b44cfbdd10c9539(
                 r0 = tl.exp2(1.4426950408889634 * (m - m_ref))
                 acc1_moved = tl.where(acc0 > 0.0, acc0*(m - m_ref), 0.0)
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
-                part0 = tl.sum(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, s0*zm, 0.0)), 0)
+                part0 = tl.sum(tl.join(s0, s0*zm), 0)
                 acc0_tile, acc1_tile = tl.split(part0)
                 acc0 = acc0 * r0 + acc0_tile
                 acc1 = (acc1 + acc1_moved) * r0 + acc1_tile
@@ -451,4 +453,4 @@ def head_loss_4b44cfbdd10c9539(
             tl.store(ws_ptr + 4, value_kl_new_old)
             tl.store(ws_ptr + 5, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "c2c89585b138e846ed91750a571de05ee89635da8038abc09d7de1974cc4914e"
+TEXT_HASH = "25438f383c49c52c0ae3f63c3180b866b12a994064ebbfe21543cd0fcdb4f208"

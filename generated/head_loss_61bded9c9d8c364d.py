@@ -43,7 +43,7 @@ from triton.language.extra import libdevice
 
 KEY = "61bded9c9d8c364d"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "435c7299772e"
+CODEGEN = "7f597bbce41a"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['reverse_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -220,7 +220,7 @@ def head_loss_61bded9c9d8c364d(
             n_blocks = tl.cdiv(V, BLOCK_V)
             cols = tl.arange(0, BLOCK_V)
             x_next = tl.load(x_row + cols, mask=cols < V, other=0.0)
-            t_next = tl.load(t_row + cols, mask=cols < V, other=0.0)
+            t_next = tl.load(t_row + cols, mask=cols < V, other=float("-inf"))
             for i in range(0, n_blocks):
                 start = i * BLOCK_V
                 cols = start + tl.arange(0, BLOCK_V)
@@ -230,14 +230,16 @@ def head_loss_61bded9c9d8c364d(
                                  other=0.0)
                 t_tile = t_next
                 t_next = tl.load(t_row + cols + BLOCK_V, mask=cols + BLOCK_V < V,
-                                 other=0.0)
+                                 other=float("-inf"))
                 z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
-                block_max = tl.max(tl.where(in_row, z, float("-inf")), 0)
+                # past the row's end, -inf: every sum of this read is 0 there (the teacher is loaded so)
+                z = tl.where(in_row, z, float("-inf"))
+                block_max = tl.max(z, 0)
                 m_new = tl.maximum(m, block_max)
                 # the exponents' reference: 0 while every logit so far is -inf (-inf - -inf is NaN)
                 m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
                 t = t_tile.to(tl.float32)
-                m_t_new = tl.maximum(m_t, tl.max(tl.where(in_row, t, float("-inf")), 0))
+                m_t_new = tl.maximum(m_t, tl.max(t, 0))
                 m_t_ref = tl.where(m_t_new == float("-inf"), 0.0, m_t_new)
                 # -inf as FLOOR (a NaN stays NaN): its probability is still 0, and 0 * FLOOR is 0 where 0 * -inf is NaN
                 z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
@@ -252,9 +254,9 @@ def head_loss_61bded9c9d8c364d(
                 s1 = tl.exp2(1.4426950408889634 * tm)
                 r1 = tl.exp2(1.4426950408889634 * (m_t - m_t_ref))
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
-                part0 = tl.sum(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, s0*(-tm + zm), 0.0)), 0)
+                part0 = tl.sum(tl.join(s0, s0*(-tm + zm)), 0)
                 acc0_tile, acc1_tile = tl.split(part0)
-                acc2_tile = tl.sum(tl.where(in_row, s1, 0.0), 0)
+                acc2_tile = tl.sum(s1, 0)
                 acc0 = acc0 * r0 + acc0_tile
                 acc1 = (acc1 + acc1_moved) * r0 + acc1_tile
                 acc2 = acc2 * r1 + acc2_tile
@@ -431,4 +433,4 @@ def head_loss_61bded9c9d8c364d(
             tl.store(ws_ptr + 0, value_reverse_kl)
             tl.store(ws_ptr + 1, weight_reverse_kl * value_reverse_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "91d1e5412189ccce4111e92791ac6d7baee2c491e42f80a5554213910669b2c5"
+TEXT_HASH = "8f5016036ded1ebf93b196c920ea9d5631e4526765e41648e149ad4876ab850b"

@@ -49,7 +49,7 @@ from triton.language.extra import libdevice
 
 KEY = "97832387ccf65118"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "435c7299772e"
+CODEGEN = "7f597bbce41a"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -229,7 +229,7 @@ def head_loss_97832387ccf65118(
             n_blocks = tl.cdiv(V, BLOCK_V)
             cols = tl.arange(0, BLOCK_V)
             x_next = tl.load(x_row + cols, mask=cols < V, other=0.0)
-            t_next = tl.load(t_row + cols, mask=cols < V, other=0.0)
+            t_next = tl.load(t_row + cols, mask=cols < V, other=float("-inf"))
             for i in range(0, n_blocks):
                 start = i * BLOCK_V
                 cols = start + tl.arange(0, BLOCK_V)
@@ -239,14 +239,16 @@ def head_loss_97832387ccf65118(
                                  other=0.0)
                 t_tile = t_next
                 t_next = tl.load(t_row + cols + BLOCK_V, mask=cols + BLOCK_V < V,
-                                 other=0.0)
+                                 other=float("-inf"))
                 z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
-                block_max = tl.max(tl.where(in_row, z, float("-inf")), 0)
+                # past the row's end, -inf: every sum of this read is 0 there (the teacher is loaded so)
+                z = tl.where(in_row, z, float("-inf"))
+                block_max = tl.max(z, 0)
                 m_new = tl.maximum(m, block_max)
                 # the exponents' reference: 0 while every logit so far is -inf (-inf - -inf is NaN)
                 m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
                 t = t_tile.to(tl.float32)
-                m_t_new = tl.maximum(m_t, tl.max(tl.where(in_row, t, float("-inf")), 0))
+                m_t_new = tl.maximum(m_t, tl.max(t, 0))
                 m_t_ref = tl.where(m_t_new == float("-inf"), 0.0, m_t_new)
                 # -inf as FLOOR (a NaN stays NaN): its probability is still 0, and 0 * FLOOR is 0 where 0 * -inf is NaN
                 z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
@@ -263,7 +265,7 @@ def head_loss_97832387ccf65118(
                 s2 = tl.exp2(1.4426950408889634 * ((0.5)*zm))
                 r2 = tl.exp2(1.4426950408889634 * ((0.5)*(m - m_ref)))
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
-                part0 = tl.sum(tl.join(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, s0*(tm - zm), 0.0)), tl.join(tl.where(in_row, s1, 0.0), tl.where(in_row, s2, 0.0))), 0)
+                part0 = tl.sum(tl.join(tl.join(s0, s0*(tm - zm)), tl.join(s1, s2)), 0)
                 part1, part2 = tl.split(part0)
                 acc0_tile, acc1_tile = tl.split(part1)
                 acc2_tile, acc3_tile = tl.split(part2)
@@ -468,4 +470,4 @@ def head_loss_97832387ccf65118(
             tl.store(ws_ptr + 1, value_forward_kl)
             tl.store(ws_ptr + 2, weight_cross_entropy * value_cross_entropy + weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "9f81432eaae39cbb5d13c25fcfafdf2a5ebedb4eeca33f9cf2a1459dfab0eb41"
+TEXT_HASH = "2c52e983251ae825683743b65cead72ff2f458c5609fb0387817ae37ae8ba131"

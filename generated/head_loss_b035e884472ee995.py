@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "b035e884472ee995"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "435c7299772e"
+CODEGEN = "7f597bbce41a"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['jsd']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -223,7 +223,7 @@ def head_loss_b035e884472ee995(
             n_blocks = tl.cdiv(V, BLOCK_V)
             cols = tl.arange(0, BLOCK_V)
             x_next = tl.load(x_row + cols, mask=cols < V, other=0.0)
-            t_next = tl.load(t_row + cols, mask=cols < V, other=0.0)
+            t_next = tl.load(t_row + cols, mask=cols < V, other=float("-inf"))
             for i in range(0, n_blocks):
                 start = i * BLOCK_V
                 cols = start + tl.arange(0, BLOCK_V)
@@ -233,14 +233,16 @@ def head_loss_b035e884472ee995(
                                  other=0.0)
                 t_tile = t_next
                 t_next = tl.load(t_row + cols + BLOCK_V, mask=cols + BLOCK_V < V,
-                                 other=0.0)
+                                 other=float("-inf"))
                 z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
-                block_max = tl.max(tl.where(in_row, z, float("-inf")), 0)
+                # past the row's end, -inf: every sum of this read is 0 there (the teacher is loaded so)
+                z = tl.where(in_row, z, float("-inf"))
+                block_max = tl.max(z, 0)
                 m_new = tl.maximum(m, block_max)
                 # the exponents' reference: 0 while every logit so far is -inf (-inf - -inf is NaN)
                 m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
                 t = t_tile.to(tl.float32)
-                m_t_new = tl.maximum(m_t, tl.max(tl.where(in_row, t, float("-inf")), 0))
+                m_t_new = tl.maximum(m_t, tl.max(t, 0))
                 m_t_ref = tl.where(m_t_new == float("-inf"), 0.0, m_t_new)
 
                 # the elements relative to the running maxima, after the floor (z - m of a floored -inf, not -inf - m)
@@ -251,7 +253,7 @@ def head_loss_b035e884472ee995(
                 s1 = tl.exp2(1.4426950408889634 * tm)
                 r1 = tl.exp2(1.4426950408889634 * (m_t - m_t_ref))
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
-                part0 = tl.sum(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, s1, 0.0)), 0)
+                part0 = tl.sum(tl.join(s0, s1), 0)
                 acc0_tile, acc2_tile = tl.split(part0)
                 acc0 = acc0 * r0 + acc0_tile
                 acc2 = acc2 * r1 + acc2_tile
@@ -472,4 +474,4 @@ def head_loss_b035e884472ee995(
             tl.store(ws_ptr + 0, value_jsd)
             tl.store(ws_ptr + 1, weight_jsd * value_jsd)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "566b288454dc0c52706952cb8b77b4f17c560719f4cc6e4ea30cf4896e5cbd95"
+TEXT_HASH = "36ecddc19fa365951edbe57f3c4840f40a0183af2ab071cd7db65dc25d732b7d"

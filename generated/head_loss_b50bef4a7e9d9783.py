@@ -49,7 +49,7 @@ from triton.language.extra import libdevice
 
 KEY = "b50bef4a7e9d9783"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "435c7299772e"
+CODEGEN = "7f597bbce41a"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_ratio_low', 'clip_ratio_high', 'clip_ratio_region']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -238,7 +238,9 @@ def head_loss_b50bef4a7e9d9783(
                 x_next = tl.load(x_row + cols + BLOCK_V, mask=cols + BLOCK_V < V,
                                  other=0.0)
                 z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
-                block_max = tl.max(tl.where(in_row, z, float("-inf")), 0)
+                # past the row's end, -inf: every sum of this read is 0 there (the teacher is loaded so)
+                z = tl.where(in_row, z, float("-inf"))
+                block_max = tl.max(z, 0)
                 m_new = tl.maximum(m, block_max)
                 # the exponents' reference: 0 while every logit so far is -inf (-inf - -inf is NaN)
                 m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -251,7 +253,7 @@ def head_loss_b50bef4a7e9d9783(
                 r0 = tl.exp2(1.4426950408889634 * (m - m_ref))
                 acc1_moved = tl.where(acc0 > 0.0, acc0*(m - m_ref), 0.0)
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
-                part0 = tl.sum(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, s0*zm, 0.0)), 0)
+                part0 = tl.sum(tl.join(s0, s0*zm), 0)
                 acc0_tile, acc1_tile = tl.split(part0)
                 acc0 = acc0 * r0 + acc0_tile
                 acc1 = (acc1 + acc1_moved) * r0 + acc1_tile
@@ -467,4 +469,4 @@ def head_loss_b50bef4a7e9d9783(
             tl.store(ws_ptr + 4, value_clip_ratio_region)
             tl.store(ws_ptr + 5, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "5b65000b1c7d93c19d60d87e413f7054e4295a4545610ac26e0674f234e49eec"
+TEXT_HASH = "9db7564ba319a1c45afe4d2f27a5a844ff9d24f4438f8fb0bf517342040b8388"

@@ -47,7 +47,7 @@ from triton.language.extra import libdevice
 
 KEY = "b6ac30aa276abf3a"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "435c7299772e"
+CODEGEN = "7f597bbce41a"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss', 'entropy', 'token_accuracy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -233,12 +233,14 @@ def head_loss_b6ac30aa276abf3a(
                 x_next = tl.load(x_row + cols + BLOCK_V, mask=cols + BLOCK_V < V,
                                  other=0.0)
                 z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
-                block_max = tl.max(tl.where(in_row, z, float("-inf")), 0)
+                # past the row's end, -inf: every sum of this read is 0 there (the teacher is loaded so)
+                z = tl.where(in_row, z, float("-inf"))
+                block_max = tl.max(z, 0)
                 m_new = tl.maximum(m, block_max)
                 # the exponents' reference: 0 while every logit so far is -inf (-inf - -inf is NaN)
                 m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
                 # strictly greater: the first index wins ties, like torch.argmax
-                block_arg = tl.argmax(tl.where(in_row, z, float("-inf")), 0)
+                block_arg = tl.argmax(z, 0)
                 argmax = tl.where(block_max > m, (vocab_start + start + block_arg).to(tl.float32), argmax)
                 # -inf as FLOOR (a NaN stays NaN): its probability is still 0, and 0 * FLOOR is 0 where 0 * -inf is NaN
                 z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
@@ -249,7 +251,7 @@ def head_loss_b6ac30aa276abf3a(
                 r0 = tl.exp2(1.4426950408889634 * (m - m_ref))
                 acc1_moved = tl.where(acc0 > 0.0, acc0*(m - m_ref), 0.0)
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
-                part0 = tl.sum(tl.join(tl.where(in_row, s0, 0.0), tl.where(in_row, s0*zm, 0.0)), 0)
+                part0 = tl.sum(tl.join(s0, s0*zm), 0)
                 acc0_tile, acc1_tile = tl.split(part0)
                 acc0 = acc0 * r0 + acc0_tile
                 acc1 = (acc1 + acc1_moved) * r0 + acc1_tile
@@ -441,4 +443,4 @@ def head_loss_b6ac30aa276abf3a(
             tl.store(ws_ptr + 3, value_token_accuracy)
             tl.store(ws_ptr + 4, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "1fba2d4f09d9a5d825285f18f7009abfe286eab4f9d8624b0222ef8a4c970532"
+TEXT_HASH = "3ccfe752a89738d3d51e0db2f04e4785e6b14c3633f0e64911dcb278c06eafba"

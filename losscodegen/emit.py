@@ -270,6 +270,32 @@ def _finite_at_neg_inf(expr: sp.Expr, elements: tuple[sp.Symbol, ...], *, floore
     return False
 
 
+def vanishes_at_neg_inf(expr: sp.Expr, elements: tuple[sp.Symbol, ...], *, floored: bool) -> bool:
+    """Whether ``expr`` is exactly 0 where every element symbol is -inf (``floored``: FLOOR): each of
+    its addends a product of factors that stay finite there (_finite_at_neg_inf) with one
+    ``exp(a*z + b*t + row)``, ``a, b >= 0`` not both 0, which is then 0. A read whose tile sums all
+    vanish so can take the columns past the row's end as -inf inputs, instead of masking each sum."""
+    def vanishing(f: sp.Expr) -> bool:
+        if not isinstance(f, sp.exp):
+            return False
+        arg = sp.expand(f.args[0])
+        coefs = [arg.coeff(v) for v in elements]
+        return (all(c.is_number and c >= 0 for c in coefs) and any(c > 0 for c in coefs)
+                and not (arg - sum(c * v for c, v in zip(coefs, elements))).has(*elements))
+    def degree(f: sp.Expr) -> int:
+        # of the elements, outside functions: FLOOR**3 overflows fp32 to -inf, and 0 * -inf is NaN
+        if f in elements:
+            return 1
+        if isinstance(f, sp.Pow) and f.exp.is_Integer and f.exp > 0:
+            return int(f.exp) * degree(f.base)
+        if isinstance(f, (sp.Mul, sp.Add)):
+            parts = [degree(a) for a in f.args]
+            return sum(parts) if isinstance(f, sp.Mul) else max(parts)
+        return 0
+    return all(any(vanishing(f) for f in sp.Mul.make_args(t)) and degree(t) <= 2
+               and _finite_at_neg_inf(t, elements, floored=floored) for t in sp.Add.make_args(expr))
+
+
 def neg_inf_handling(exprs: list[sp.Expr], elements: tuple[sp.Symbol, ...]) -> dict[str, bool]:
     """How a read whose per-element expressions are ``exprs`` keeps the ``0 * log 0 = 0`` convention
     at -inf input elements, as cheaply as it can (each is an instruction or more per element):

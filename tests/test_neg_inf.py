@@ -286,3 +286,17 @@ def test_masked_vocabulary_compiled_on_the_gpu(dtype):
     grad = xk.grad.cpu().double()
     assert torch.isfinite(grad).all() and (grad[dead] == 0).all()
     assert (grad - xd.grad).abs().max() <= grad_tol * xd.grad.abs().max()
+
+
+def test_the_columns_past_a_rows_end_are_neg_inf_only_where_every_sum_vanishes():
+    # A read whose running sums are all 0 at -inf inputs takes a tile's columns past the row's end
+    # as -inf inputs (one select an element for the logits, where masks cost one a sum and a max);
+    # one with a sum that is not, sum p z**3 (FLOOR**3 overflows fp32 to -inf, and 0 * -inf is NaN),
+    # keeps its masks. Both against the float64 reference, on a vocabulary that ends inside a tile.
+    padded = lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(), lcg.ForwardKL(weight=0.5), metrics=(lcg.Entropy(),))
+    cubic = lcg.declare_term("cubic", lcg.symbols.vsum(lcg.symbols.softmax * lcg.symbols.logit ** 3))
+    masked = lcg.HeadLoss(lcg.CrossEntropy(), cubic(weight=1e-3), metrics=(lcg.Entropy(), lcg.TokenAccuracy()))
+    assert 'other=float("-inf")' in padded.source().text
+    assert 'z = tl.where(in_row, z, float("-inf"))' not in masked.source().text
+    for head in (padded, masked):
+        lcg.testing.assert_parity(head, rows=12, vocab=300)
