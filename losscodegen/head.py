@@ -92,7 +92,7 @@ class HeadLoss(torch.nn.Module):
         if not -2**63 <= ignore_index < 2**63:
             raise ValueError(f"ignore_index must fit in int64 (the labels' dtype), got {ignore_index}")
         self.loss_terms, self.metric_terms = terms, metrics
-        self.ignore_index, self.logit_scale, self.softcap = ignore_index, float(logit_scale), softcap
+        self.ignore_index, self.logit_scale, self._softcap = ignore_index, float(logit_scale), softcap
         self.validate, self.inplace_backward = bool(validate), bool(inplace_backward)
         if isinstance(linear_chunk_bytes, bool) or not isinstance(linear_chunk_bytes, int) or linear_chunk_bytes < 1:
             raise ValueError(f"linear_chunk_bytes must be a positive int, got {linear_chunk_bytes!r}")
@@ -156,6 +156,11 @@ class HeadLoss(torch.nn.Module):
         if self._kernel is None:
             self._kernel = _kernel_of(self.head_id)
         return self._kernel
+
+    @property
+    def softcap(self) -> float | None:
+        """Fixed at construction: the kernel is built with or without the softcap."""
+        return self._softcap
 
     # ---- the pipeline, for explain() and generation --------------------------------------------
     def lowered(self) -> Lowered:

@@ -102,3 +102,11 @@ def test_readme_demo_runs_as_a_user_starts_it(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "loss = " in done.stdout and "forward_kl" in done.stdout
+
+
+
+def test_softcap_is_fixed_at_construction():
+    # the kernel is built with or without it: a later assignment could only be silently ignored
+    head = lcg.HeadLoss(lcg.CrossEntropy())
+    with pytest.raises(AttributeError):
+        head.softcap = 30.0
