@@ -16,7 +16,7 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench import LOGIT_WORKLOADS, logit_inputs  # noqa: E402
+from bench import LOGIT_WORKLOADS, logit_step  # noqa: E402
 
 SHAPES = {"CE": [(8192, 128256), (4096, 32000), (4096, 262144)], "JSD": [(8192, 128256), (4096, 262144)],
           "CE+z+0.5FKL+entropy": [(8192, 128256), (4096, 262144)]}
@@ -28,17 +28,11 @@ def main(label: str, only: list[str]) -> None:
         if only and name not in only:
             continue
         for R, V in SHAPES.get(name, [(8192, 128256)]):
-            x, y, kw = logit_inputs(R, V, needs, seed=1)
-            x.requires_grad_()
-            head = make()
-
-            def step():
-                x.grad = None
-                head(x, y, **kw).loss.backward()
+            _, step = logit_step(make, needs, R, V)
             ms = triton.testing.do_bench(step, warmup=25, rep=400, return_mode="median")
             print(json.dumps(dict(version=label, lcg=os.path.dirname(lcg.__file__), workload=name,
                                   shape=f"{R}x{V}", ms=round(ms, 4))), flush=True)
-            del x, kw
+            del step
             torch.cuda.empty_cache()
 
 

@@ -140,6 +140,18 @@ def logit_inputs(R, V, needs, seed=0):
     return x, y, kw
 
 
+def logit_step(make, needs, R, V):
+    """A benchmark head and its default call (forward + backward) on the benchmark's inputs."""
+    x, y, kw = logit_inputs(R, V, needs, seed=1)
+    x.requires_grad_()
+    head = make()
+
+    def step():
+        x.grad = None
+        head(x, y, **kw).loss.backward()
+    return head, step
+
+
 def liger_logits(name, liger):
     """Liger's function for a workload on logits, as a user would call it; None where it has none."""
     if liger is None:

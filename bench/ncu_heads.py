@@ -44,17 +44,11 @@ def profile() -> None:
     import torch
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench import LOGIT_WORKLOADS, logit_inputs
+    from bench import LOGIT_WORKLOADS, logit_step
 
     kernels = {}
     for name, (make, needs, _) in LOGIT_WORKLOADS.items():
-        x, y, kw = logit_inputs(ROWS, VOCAB, needs, seed=1)
-        x.requires_grad_()
-        head = make()
-
-        def step():
-            x.grad = None
-            head(x, y, **kw).loss.backward()
+        head, step = logit_step(make, needs, ROWS, VOCAB)
         for _ in range(3):
             step()
         torch.cuda.synchronize()
@@ -63,7 +57,7 @@ def profile() -> None:
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStop()
         kernels[name] = f"head_loss_{head.key}"
-        del x, kw
+        del head, step
         torch.cuda.empty_cache()
     print(json.dumps(kernels))
 
