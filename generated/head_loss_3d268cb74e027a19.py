@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "3d268cb74e027a19"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "7f597bbce41a"
+CODEGEN = "681e3452c380"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['gspo', 'entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -507,4 +507,4 @@ def segments_3d268cb74e027a19(
     loss += weight_gspo * (gspo / div)
     tl.store(ws_ptr + 2, loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "8958e4025417961507bbd0b85ec4741c277c0db4232fca368542147a2ca8cb39"
+TEXT_HASH = "b0ea84d9dbfe7b17bfef5e218da12cf379464df6687f7ce507951fc0ec1e9b4d"

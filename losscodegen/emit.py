@@ -237,6 +237,17 @@ def mixtures_in_log_space(expr: sp.Expr, elements: tuple[sp.Symbol, ...]) -> sp.
     return expr
 
 
+def _exponent_coefficients(f: sp.Expr, elements: tuple[sp.Symbol, ...]) -> list[sp.Expr] | None:
+    """``[a, b, ...]`` of ``f = exp(a*z + b*t + row)``, each a number >= 0 (so that ``f`` is 0 where
+    the elements with a non-zero one are -inf), or None."""
+    if not isinstance(f, sp.exp):
+        return None
+    arg = sp.expand(f.args[0])
+    coefs = [arg.coeff(v) for v in elements]
+    rest = arg - sum(c * v for c, v in zip(coefs, elements))
+    return coefs if all(c.is_number and c >= 0 for c in coefs) and not rest.has(*elements) else None
+
+
 def _finite_at_neg_inf(expr: sp.Expr, elements: tuple[sp.Symbol, ...], *, floored: bool) -> bool:
     """Whether ``expr`` stays free of NaN where element symbols are -inf (``floored``: where they are
     the template's FLOOR, a very negative finite number, instead): built by sums, products and
@@ -255,10 +266,7 @@ def _finite_at_neg_inf(expr: sp.Expr, elements: tuple[sp.Symbol, ...], *, floore
     if isinstance(expr, sp.exp) and (-expr.args[0]).func is sp.Abs:   # in [0, 1] unless NaN
         return _finite_at_neg_inf(-expr.args[0], elements, floored=floored)
     if isinstance(expr, sp.exp):
-        arg = sp.expand(expr.args[0])
-        coefs = [arg.coeff(v) for v in elements]
-        rest = arg - sum(c * v for c, v in zip(coefs, elements))
-        return all(c.is_number and c >= 0 for c in coefs) and not rest.has(*elements)
+        return _exponent_coefficients(expr, elements) is not None
     if isinstance(expr, (sp.Add, sp.Mul)):
         return all(_finite_at_neg_inf(a, elements, floored=floored) for a in expr.args)
     if isinstance(expr, sp.Pow) and expr.exp.is_Integer and expr.exp > 0:
@@ -276,12 +284,8 @@ def vanishes_at_neg_inf(expr: sp.Expr, elements: tuple[sp.Symbol, ...], *, floor
     ``exp(a*z + b*t + row)``, ``a, b >= 0`` not both 0, which is then 0. A read whose tile sums all
     vanish so can take the columns past the row's end as -inf inputs, instead of masking each sum."""
     def vanishing(f: sp.Expr) -> bool:
-        if not isinstance(f, sp.exp):
-            return False
-        arg = sp.expand(f.args[0])
-        coefs = [arg.coeff(v) for v in elements]
-        return (all(c.is_number and c >= 0 for c in coefs) and any(c > 0 for c in coefs)
-                and not (arg - sum(c * v for c, v in zip(coefs, elements))).has(*elements))
+        coefs = _exponent_coefficients(f, elements)
+        return coefs is not None and any(c > 0 for c in coefs)
     def degree(f: sp.Expr) -> int:
         # of the elements, outside functions: FLOOR**3 overflows fp32 to -inf, and 0 * -inf is NaN
         if f in elements:

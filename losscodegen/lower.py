@@ -458,10 +458,10 @@ def _cost(expr: sp.Expr) -> tuple[int, int]:
     """(transcendental functions and divisions, all operations) of ``expr`` once its common
     subexpressions are computed once: a neutral count, for choosing between equal forms."""
     defs, (body,) = sp.cse(expr)
-    ops = [sp.count_ops(e, visual=True) for e in [d for _, d in defs] + [body]]
-    heavy = sum(int(v.coeff(sp.Symbol(n))) for v in ops for n in ("EXP", "LOG", "DIV", "TANH", "POW")
-                if isinstance(v, sp.Expr))
-    return heavy, sum(int(sp.count_ops(e)) for e in [d for _, d in defs] + [body])
+    counts = [(op.name, int(n)) for e in [d for _, d in defs] + [body]
+              for op, n in sp.count_ops(e, visual=True).as_coefficients_dict().items() if op.is_Symbol]
+    return (sum(n for name, n in counts if name in ("EXP", "LOG", "DIV", "TANH", "POW")),
+            sum(n for _, n in counts))
 
 
 def _simpler(expr: sp.Expr) -> sp.Expr:

@@ -5,6 +5,7 @@ import socket
 
 import torch
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import losscodegen as lcg
 from losscodegen.testing import compare
@@ -120,3 +121,17 @@ def tiny_tokenizer(vocab: int):
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
                                                 bos_token="<bos>", unk_token="<unk>")
+
+
+class TorchOps(TorchDispatchMode):
+    """Every torch op run inside it, as ``(op, the shapes of the tensors it made)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops.append((str(func), [tuple(t.shape) for t in torch.utils._pytree.tree_leaves(out)
+                                     if isinstance(t, torch.Tensor)]))
+        return out

@@ -9,7 +9,6 @@ import copy
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 trl = pytest.importorskip("trl")
 transformers = pytest.importorskip("transformers")
@@ -20,7 +19,7 @@ from trl.trainer.utils import add_fused_lm_head as trl_add_fused_lm_head  # noqa
 
 from losscodegen.integrations import trl as lcg_trl  # noqa: E402
 from losscodegen.integrations.trl_lm_head import FUSED_OUTPUTS, final_logit_transform  # noqa: E402
-from helpers import tiny_causal_lm, tiny_tokenizer  # noqa: E402
+from helpers import TorchOps, tiny_causal_lm, tiny_tokenizer  # noqa: E402
 
 V, B, T = 96, 3, 10     # (V unlike any other width of the model: 32 hidden, 64 intermediate)
 FIELDS = ("loss", *FUSED_OUTPUTS, "label_mask")
@@ -200,18 +199,6 @@ def test_a_micro_batch_without_scored_tokens():
     assert torch.equal(ours.lm_head.weight.grad, torch.zeros_like(ours.lm_head.weight))
 
 
-class _Shapes(TorchDispatchMode):
-    """The shape of every tensor a torch op makes."""
-
-    def __init__(self):
-        super().__init__()
-        self.shapes = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.shapes += [tuple(t.shape) for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-        return out
-
 
 def test_no_batch_seq_vocab_tensor():
     """The output layer is never called as a module, and no tensor of the logits' width has more rows
@@ -221,12 +208,13 @@ def test_no_batch_seq_vocab_tensor():
     ours.lm_head.register_forward_hook(lambda *_: calls.append(1))
     ids, labels = _inputs(ours)
     scored = int((labels["labels"][:, 1:] != -100).sum())
-    with _Shapes() as seen:
+    with TorchOps() as seen:
         out = ours(input_ids=ids, fused_lm_head=True, **labels)
         (out.log_probs.sum() + out.entropy.sum()).backward()
     assert not calls
     # (tensors as wide as the vocabulary, but the output layer's weight transposed, [hidden, V])
-    rows = [torch.Size(s).numel() // V for s in seen.shapes if s and s[-1] == V and s != (32, V)]
+    rows = [torch.Size(s).numel() // V for _, shapes in seen.ops for s in shapes
+            if s and s[-1] == V and s != (32, V)]
     assert rows and max(rows) == scored < B * (T - 1)
 
 
