@@ -34,14 +34,39 @@ def is_tensor(value: Any) -> bool:
     return hasattr(value, "is_floating_point") and hasattr(value, "dim")
 
 
-def _check_value(term: str, what: str, value: Any) -> None:
-    """A weight or parameter: a number, or a 0-dim float tensor (read by the kernel at each call)."""
+def _check_value(term: str, what: str, value: Any, *, unbounded: bool = False) -> Any:
+    """A weight or parameter: a number, a bool (a 0/1 switch: ``kl_bias_correction=True``), or a
+    0-dim float tensor (read by the kernel at each call); returned as a float or the tensor. It must
+    be finite, but where ``unbounded`` (a clamp's bound, where +-inf is no bound). A tensor's value is
+    looked at once, here (the head's construction waits for it once anyway: ``_sign``); a later
+    in-place update to inf or NaN is computed as IEEE arithmetic would."""
     if is_tensor(value):
         if value.dim() != 0 or not value.is_floating_point():
             raise TypeError(f"{term}: {what} as a tensor must be a 0-dim float tensor, got shape "
                             f"{tuple(value.shape)} {value.dtype}")
-    elif not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise TypeError(f"{term}: {what} must be a number or a 0-dim float tensor, got {value!r}")
+        number = float(value.detach())
+    elif isinstance(value, (int, float)):
+        number = value = float(value)
+    else:
+        raise TypeError(f"{term}: {what} must be a number, a bool or a 0-dim float tensor, got {value!r}")
+    if math.isnan(number) or (math.isinf(number) and not unbounded):
+        allowed = " (an infinite value is accepted only for a clamp's bound)" \
+            if math.isinf(number) and what != "weight" else ""
+        raise ValueError(f"{term}: {what} must be finite, got {number}{allowed}")
+    return value
+
+
+def _bounds(formula: sp.Expr) -> set[str]:
+    """The parameters that stand alone as a clamp's bound (GRPO's ``delta``), where an infinite value
+    means no bound and folds away (``_number``); anywhere else an infinite parameter would make the
+    formula inf*0 or inf-inf somewhere, so it is refused."""
+    occurrences: dict[str, list[bool]] = {}
+    for node in sp.preorder_traversal(formula):
+        for i, arg in enumerate(node.args):
+            if isinstance(arg, sp.Symbol) and arg.name.startswith(S.PARAM_PREFIX):
+                occurrences.setdefault(arg.name[len(S.PARAM_PREFIX):], []).append(
+                    isinstance(node, S.clamp) and i > 0)
+    return {name for name, places in occurrences.items() if all(places)}
 
 
 @dataclass(frozen=True, eq=False)
@@ -74,13 +99,15 @@ class TermFactory:
     defaults: Mapping[str, Any] = field(default_factory=dict)
     metric_only: bool = False
 
-    def __call__(self, weight: Any = 1.0, *, normalize: str = "tokens", class_weight: Any = None,
-                 **params: Any) -> Term:
+    def __call__(self, *positional: Any, weight: Any = 1.0, normalize: str = "tokens",
+                 class_weight: Any = None, **params: Any) -> Term:
+        if positional:
+            self._refuse_positional(positional)
         unknown = set(params) - set(self.defaults) - self._param_names()
         if unknown:
             raise TypeError(f"{self.name}: unknown parameter(s) {sorted(unknown)}; "
                             f"it takes {sorted(self._param_names())}")
-        _check_value(self.name, "weight", weight)
+        weight = _check_value(self.name, "weight", weight)
         if normalize not in NORMALIZE:
             raise ValueError(f"{self.name}: normalize must be one of {NORMALIZE}, got {normalize!r}")
         if normalize != "tokens" and self.formula.has(S.segment_mean):
@@ -92,11 +119,11 @@ class TermFactory:
         missing = self._param_names() - set(values)
         if missing:
             raise TypeError(f"{self.name}: missing parameter(s) {sorted(missing)}")
-        planned = planned_params(self.formula)
+        planned, bounds = planned_params(self.formula), _bounds(self.formula)
         for k, v in values.items():
             if isinstance(v, FromTerm):
                 continue
-            _check_value(self.name, f"parameter {k}", v)
+            v = values[k] = _check_value(self.name, f"parameter {k}", v, unbounded=k in bounds)
             if k in planned and is_tensor(v):
                 raise TypeError(f"{self.name}: parameter {k} decides the kernel's reads (a temperature): "
                                 "it must be a number, not a tensor")
@@ -106,8 +133,16 @@ class TermFactory:
             if any(a.is_number and not (a.is_finite and a.is_extended_real and a >= 0) for a in lse.args) \
                     or all(a == 0 for a in lse.args):
                 raise ValueError(f"{self.name}: a temperature must be > 0 (got {lse}, from {params})")
-        return Term(self.name, self.formula, weight if is_tensor(weight) else float(weight),
-                    tuple(sorted(values.items())), self.metric_only, normalize, class_weight)
+        return Term(self.name, self.formula, weight, tuple(sorted(values.items())), self.metric_only,
+                    normalize, class_weight)
+
+    def _refuse_positional(self, positional: tuple[Any, ...]) -> None:
+        """Options are keyword-only: ``CrossEntropy(0.1)`` read as ``weight=0.1`` would be a silently
+        different loss from the label smoothing its writer may have meant."""
+        public = next((n for n, v in globals().items() if v is self), self.name)
+        names = ["weight", *self.defaults, *sorted(self._param_names() - set(self.defaults))]
+        raise TypeError(f"{public} takes its options by keyword: {', '.join(f'{n}=...' for n in names)} "
+                        f"(also normalize=..., class_weight=...); got positional {positional!r}")
 
     def _check_class_weight(self, class_weight: Any, normalize: str) -> None:
         """``class_weight``: a [V] float tensor of finite, non-negative values (looked at once, here:
@@ -321,15 +356,18 @@ class _CrossEntropyFactory(TermFactory):
     """CrossEntropy: torch's label smoothing with class weights weighs every class of the smoothing
     sum (``-sum_i w_i log p_i``), which a per-row weight cannot express: refused, not approximated."""
 
-    def __call__(self, weight: Any = 1.0, *, normalize: str = "tokens", class_weight: Any = None,
-                 **params: Any) -> Term:
+    def __call__(self, *positional: Any, weight: Any = 1.0, normalize: str = "tokens",
+                 class_weight: Any = None, **params: Any) -> Term:
+        if positional:
+            self._refuse_positional(positional)
         smoothing = params.get("label_smoothing", self.defaults["label_smoothing"])
         if class_weight is not None and (is_tensor(smoothing) or smoothing != 0):
             raise ValueError(
                 f"{self.name}: class_weight with label_smoothing is not supported: torch's weighted "
                 "smoothing term -sum_i class_weight[i] * log p_i reads the weight of every class, and the "
                 "kernel reads class weights at the label only (docs/decisions.md)")
-        return super().__call__(weight, normalize=normalize, class_weight=class_weight, **params)
+        return super().__call__(*positional, weight=weight, normalize=normalize, class_weight=class_weight,
+                                **params)
 
 
 # ----- built-in terms ---------------------------------------------------------------------------
