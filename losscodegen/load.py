@@ -17,6 +17,7 @@ warning naming it; in folders 1 and 2 a mismatch is an error naming the file.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
@@ -118,13 +119,22 @@ def _warn_once(path: Path, message: str) -> None:
 
 def write_file(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` so that readers see the old file or the whole new one: processes
-    writing the same file at once leave one valid file. Raises ``OSError``."""
+    writing the same file at once leave one valid file, and a write that fails leaves no temporary
+    file behind. Raises ``OSError``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())     # (the new name never points at data still in flight)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        # a full disk or an interrupt: no half-written .tmp left in the folder for ever
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -1,6 +1,7 @@
 """Installable like a library: build-time generation for downstream projects (generate --check,
 LOSSCODEGEN_KERNELS), stale files, many processes generating at once, an unwritable cache, and a
 wheel that carries the templates and the prebuilt kernels."""
+import errno
 import importlib.metadata
 import multiprocessing as mp
 import os
@@ -114,6 +115,34 @@ def test_an_unwritable_cache_is_named(tmp_path, monkeypatch):
     head = _own_kernel("unwritable_cache", 45)
     with pytest.raises(RuntimeError, match="LOSSCODEGEN_CACHE"):
         head.kernel
+
+
+def test_a_full_disk_leaves_no_temporary_file_in_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOSSCODEGEN_CACHE", str(tmp_path))
+    head = _own_kernel("full_disk", 46)
+    real_fdopen = os.fdopen
+
+    class _Full:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, text):
+            self.f.write(text[:100])      # (a part written, then the disk is full)
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(load.os, "fdopen", lambda fd, mode: _Full(real_fdopen(fd, mode)))
+    with pytest.raises(RuntimeError, match="No space left on device.*LOSSCODEGEN_CACHE"):
+        head.kernel
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+    monkeypatch.setattr(load.os, "fdopen", real_fdopen)   # space again: the next call writes it whole
+    assert head.kernel.KEY == head.key
+    assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == [load.file_name(head.key)]
 
 
 def test_version_and_typing_marker():
