@@ -3,8 +3,9 @@
 ``python -m losscodegen generate [--manifest FILE] [--out DIR] [--check]``
     one kernel file per head of a manifest (default: the package's own, into its generated/ folder);
     with ``--check``, compare DIR with what would be written instead, and exit 1 naming what differs.
-``python -m losscodegen check [--manifest FILE] [--device cpu|cuda]``
-    every head of a manifest against its float64 reference (losscodegen.testing.assert_parity).
+``python -m losscodegen check [--manifest FILE] [--device cpu|cuda] [--vocab V] [--rows N]``
+    every head of a manifest against its float64 reference (losscodegen.testing.assert_parity), on
+    random inputs of N rows of V logits (a head with class weights needs V = their length).
 ``python -m losscodegen tune [--manifest FILE] [--vocab V ...] [--rows N] [--out FILE]``
     on a GPU: measure the fastest launch configuration of every manifest head's plan state at each
     vocabulary, kept in ``$LOSSCODEGEN_CACHE/tiles.json`` (which the runtime reads) or written to
@@ -37,6 +38,13 @@ def _restart_in_interpreter(needed: bool) -> None:
     if needed and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         os.execve(sys.executable, [sys.executable, "-m", "losscodegen", *sys.argv[1:]],
                   {**os.environ, "TRITON_INTERPRET": "1"})
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {text}")
+    return value
 
 
 def manifest_heads(manifest: Path) -> list[tuple[str, losscodegen.HeadLoss]]:
@@ -96,17 +104,19 @@ def generate(out: Path, manifest: Path, *, check: bool = False) -> int:
     return differences
 
 
-def check(manifest: Path, device: str) -> int:
-    """Every manifest head against its float64 reference; the number of heads that fail."""
+def check(manifest: Path, device: str, *, rows: int = 24, vocab: int = 500) -> int:
+    """Every manifest head against its float64 reference, on ``rows`` x ``vocab`` logits; the
+    number of heads that fail."""
     from losscodegen.testing import assert_parity
     failures = 0
     for line, head in manifest_heads(manifest):
         try:
-            assert_parity(head, device=device)
+            # (a manifest builds its class weights on the host: the head's buffers follow the logits)
+            assert_parity(head.to(device), rows=rows, vocab=vocab, device=device)
             print(f"ok    {line}")
-        except AssertionError as e:
+        except (AssertionError, ValueError) as e:   # (ValueError: inputs of these sizes do not fit it)
             failures += 1
-            print(f"FAIL  {line}\n      {e}")
+            print(f"FAIL  {line}\n      {type(e).__name__}: {e}")
     print(f"{failures} of the manifest's heads failed" if failures else "every head matches its reference")
     return failures
 
@@ -143,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     chk = sub.add_parser("check", help="parity of every head of a manifest with its float64 reference")
     chk.add_argument("--manifest", type=Path, default=load.GENERATED / "manifest")
     chk.add_argument("--device", choices=("cpu", "cuda"), default=None)
+    chk.add_argument("--vocab", type=_positive, default=500,
+                     help="logits' columns (a class-weighted head: the length of its class weights)")
+    chk.add_argument("--rows", type=_positive, default=24, help="rows of random inputs")
     tun = sub.add_parser("tune", help="measure launch configurations on this GPU (kept for later calls)")
     tun.add_argument("--manifest", type=Path, default=load.GENERATED / "manifest")
     tun.add_argument("--vocab", type=int, nargs="+", default=[32000, 64128, 128256, 262144])
@@ -157,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check":
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         _restart_in_interpreter(device == "cpu")
-        return int(check(args.manifest, device) > 0)
+        return int(check(args.manifest, device, rows=args.rows, vocab=args.vocab) > 0)
     if args.command == "tune":
         if not torch.cuda.is_available():
             raise SystemExit("python -m losscodegen tune measures on a GPU; none is available")

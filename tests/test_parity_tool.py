@@ -122,10 +122,23 @@ def test_check_command_fails_on_a_wrong_head(tmp_path, monkeypatch):
     import losscodegen.__main__ as cli
     calls = []
 
-    def fake_parity(head, device=None):
+    def fake_parity(head, device=None, **sizes):
         calls.append(head)
         if len(calls) == 2:
             raise AssertionError("z_loss (torch.float32, 24 x 500, seed 0): error 1 > 0.1")
     monkeypatch.setattr(lcg.testing, "assert_parity", fake_parity)
     assert cli.check(manifest, "cpu") == 1
     assert len(calls) == 2
+
+
+def test_check_command_checks_a_class_weighted_head_at_its_vocabulary(tmp_path):
+    manifest = tmp_path / "manifest"
+    manifest.write_text("import torch\nHeadLoss(CrossEntropy(class_weight=torch.linspace(0.5, 2.0, 40)))\n")
+    command = [sys.executable, "-m", "losscodegen", "check", "--manifest", str(manifest), "--device", "cpu"]
+    done = subprocess.run(command + ["--vocab", "40", "--rows", "12"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=600)
+    assert done.returncode == 0 and done.stdout.count("ok    ") == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    wrong = subprocess.run(command + ["--rows", "12"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert wrong.returncode == 1 and "FAIL" in wrong.stdout
+    assert "class_weight of cross_entropy must have one weight per class of the vocabulary (500), got 40" \
+        in wrong.stdout
