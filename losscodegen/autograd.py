@@ -73,7 +73,9 @@ class _RowsFunction(torch.autograd.Function):
     def forward(ctx, logits, head, call, out):
         loss, values, _, launcher = launch.run(head, call, grad=True, inplace=False)
         rows = row_outputs(head, launcher, call)
-        ctx.save_for_backward(logits)   # (its version: logits changed in place before backward fail)
+        # the deferred gradient launch reads the logits and the call's inputs again: saved, so that
+        # one changed in place before backward fails there (torch's version check)
+        ctx.save_for_backward(logits, *call.tensors())
         ctx.launcher, ctx.shape, ctx.inplace = launcher, logits.shape, head.inplace_backward
         ctx.set_materialize_grads(False)
         out += [values, rows]
@@ -179,8 +181,12 @@ def compiled(head, logits: torch.Tensor, call: Call) -> tuple[torch.Tensor, torc
 # Python wrapper runs on every call (an aliasing check, a dynamo shim): docs/decisions.md.
 _LIB = torch.library.Library("losscodegen", "DEF")
 _LIB.define(f"head({', '.join(f'{t} {n}' for n, t, _ in _OP_ARGS)}) -> {_OP_RETURNS}")
-_LIB.define("head_grad(Tensor handle, Tensor grad_loss, Tensor? grad_rows, Tensor? logits, int[] shape, "
-            "ScalarType dtype, Device device) -> Tensor")
+_LIB.define("head_grad(Tensor handle, Tensor grad_loss, Tensor? grad_rows, Tensor? logits, Tensor?[] reread, "
+            "int[] shape, ScalarType dtype, Device device) -> Tensor")
+# reduction="none": the op's inputs besides the logits that the deferred gradient launch reads again
+# (``Call.tensors``), saved for backward and handed back to it: one changed in place since the
+# forward fails torch's version check, and the launch reads what autograd kept
+_REREAD = ("labels", "loss_mask", "teacher", "topk_ids", "topk_logprobs", "segment_ids", "divisor")
 
 
 def _head_op(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -217,8 +223,11 @@ def _setup_context(ctx, inputs, output):
     logits = a["logits"]
     ctx.shape, ctx.dtype, ctx.device = list(logits.shape), logits.dtype, logits.device
     ctx.n_tokens = len(a["tokens"])
-    # (reduction="none": the deferred gradient launch reads the logits again, so they are saved)
-    ctx.save_for_backward(output[3], logits if a["reduction"] == "none" and a["grad"] else None)
+    # (reduction="none": the deferred gradient launch reads the logits and the other inputs again,
+    # so they are saved)
+    deferred = a["reduction"] == "none" and a["grad"]
+    reread = [a[name] for name in _REREAD] + list(a["tokens"]) if deferred else []
+    ctx.save_for_backward(output[3], logits if deferred else None, *reread)
     ctx.mark_non_differentiable(output[1], output[3])
 
 
@@ -226,21 +235,28 @@ def _backward(ctx, grad_loss, _grad_values, grad_rows, _grad_handle):
     # (Under torch.compile this runs while tracing, without grad mode; AOTAutograd itself refuses
     # a double backward through a compiled graph.)
     refuse_create_graph("HeadLoss")
-    handle, logits = ctx.saved_tensors
-    grad = torch.ops.losscodegen.head_grad(handle, grad_loss, grad_rows, logits, ctx.shape, ctx.dtype, ctx.device)
+    handle, logits, *reread = ctx.saved_tensors
+    grad = torch.ops.losscodegen.head_grad(handle, grad_loss, grad_rows, logits, reread, ctx.shape, ctx.dtype,
+                                           ctx.device)
     return tuple(grad if name == "logits" else [None] * ctx.n_tokens if kind == "Tensor[]" else None
                  for name, kind, _ in _OP_ARGS)
 
 
 
 def _head_grad_op(handle: torch.Tensor, grad_loss: torch.Tensor, grad_rows: torch.Tensor | None,
-                  logits: torch.Tensor | None, shape: list[int], dtype: torch.dtype,
-                  device: torch.device) -> torch.Tensor:
+                  logits: torch.Tensor | None, reread: list[torch.Tensor | None], shape: list[int],
+                  dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     head, kept = _take(handle)
     if isinstance(kept, launch.Launcher):    # reduction="none": the deferred gradient launch
         k = head.kernel
         terms = [None if grad_rows is None else grad_rows[k.ROW_VALUES.index(n)] for n in k.ROW_LOSS_TERMS]
-        kept.call.x = rows_view(logits, logits.shape[-1])   # (the saved logits, which autograd kept)
+        # (the saved inputs, which autograd kept and checked: one changed in place since the forward
+        # failed its version check before this op ran)
+        call = kept.call
+        call.x = rows_view(logits, logits.shape[-1])
+        (call.labels, call.mask, call.teacher, call.topk_ids, call.topk_logprobs, call.segment_ids,
+         call.divisor) = reread[:len(_REREAD)]
+        call.tokens = tuple(reread[len(_REREAD):])
         grad = launch.backward(kept, grad_loss, terms, inplace=False)
     else:
         grad = kept
@@ -248,7 +264,7 @@ def _head_grad_op(handle: torch.Tensor, grad_loss: torch.Tensor, grad_rows: torc
     return grad.view(shape)
 
 
-def _head_grad_fake(handle, grad_loss, grad_rows, logits, shape, dtype, device):
+def _head_grad_fake(handle, grad_loss, grad_rows, logits, reread, shape, dtype, device):
     return torch.empty(shape, dtype=dtype, device=device)
 
 

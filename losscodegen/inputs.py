@@ -53,6 +53,14 @@ class Call:
     def __post_init__(self) -> None:
         self.rows = math.prod(self.shape)
 
+    def tensors(self) -> tuple[torch.Tensor | None, ...]:
+        """Every tensor a launch reads (the user's inputs, or views of them). A backward that
+        launches again (reduction="none", ``head.linear``'s) saves them for backward, so that one the
+        user changed in place since the forward fails there with torch's "modified by an inplace
+        operation" error instead of giving a gradient of other values."""
+        return (self.x, self.teacher, self.labels, self.mask, *self.tokens, self.topk_ids, self.topk_logprobs,
+                self.segment_ids, self.divisor)
+
 
 def check_call(head, kernel: ModuleType, logits: Any, labels: Any, inputs: dict[str, Any]) -> Call:
     """Check ``head(logits, labels, **inputs)`` against what the head's kernel reads."""

@@ -102,6 +102,11 @@ class _Fused:
         self._finish(grads)
         return grads
 
+    def tensors(self) -> tuple[torch.Tensor | None, ...]:
+        """Every tensor the chunks read (``Call.tensors``, and the products' operands)."""
+        return (self.hidden, self.weight, self.bias, self.teacher_hidden, self.teacher_weight,
+                self.teacher_bias, *self.call.tensors())
+
     def _buffers(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One chunk of logits (and of the teacher's), which every chunk reuses."""
         V, dev = self.call.V_local, self.hidden.device
@@ -162,8 +167,11 @@ class _LinearFunction(torch.autograd.Function):
         ctx.launcher = None
         if fused.call.reduction != "none":
             return loss, values
-        # the terms' rows are outputs with a gradient (the metrics' rows leave through ``side``)
+        # the terms' rows are outputs with a gradient (the metrics' rows leave through ``side``).
+        # Backward makes the logits again and launches on them: what it reads is saved, so that an
+        # input changed in place before backward fails there (torch's version check)
         ctx.launcher = launcher
+        ctx.save_for_backward(hidden, weight, bias, *fused.tensors())
         rows = row_outputs(fused.head, launcher, fused.call)
         side.append(rows)
         return (loss, values, *[rows[n] for n in fused.head.kernel.ROW_LOSS_TERMS])
@@ -175,6 +183,7 @@ class _LinearFunction(torch.autograd.Function):
             launcher, ctx.launcher = ctx.launcher, None
             if launcher is None:
                 raise RuntimeError(f"HeadLoss.linear: {BACKWARD_TWICE}")
+            ctx.saved_tensors
             if grad_loss is None and all(g is None for g in grad_rows):
                 return None, None, None, None, None
             grads = ctx.fused.backward(launcher, ctx.want, grad_loss, list(grad_rows))

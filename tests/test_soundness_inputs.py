@@ -89,3 +89,77 @@ def test_a_non_finite_parameter_or_weight_is_refused_naming_it(make, message):
 def test_an_infinite_clamp_bound_is_no_bound():
     logits, labels, inputs = _policy()
     check_head(lcg.HeadLoss(lcg.GRPO(delta=math.inf, eps_high=0.28)), logits, labels, **inputs)
+
+
+# ---- 3. an input changed in place after the forward ----------------------------------------------
+_INPLACE = "modified by an inplace operation"
+
+
+@pytest.mark.parametrize("changed", ["logits", "labels", "loss_mask", "advantages", "old_logprobs", "teacher_logits"])
+def test_an_input_changed_in_place_before_a_per_row_backward_raises_as_torch_does(changed):
+    logits, labels, inputs = _policy()
+    g = torch.Generator().manual_seed(3)
+    inputs = dict(inputs, loss_mask=torch.rand(16, generator=g) > 0.2,
+                  teacher_logits=torch.randn(16, 64, generator=g))
+    head = lcg.HeadLoss(lcg.GRPO(), lcg.ForwardKL(weight=0.3))
+    x = logits.clone().requires_grad_()
+    out = head(x, labels, reduction="none", **inputs)
+    tensor = {"logits": x, "labels": labels, **inputs}[changed]
+    with torch.no_grad():
+        tensor.bitwise_not_() if tensor.dtype == torch.bool else tensor.fill_(0) if changed == "labels" \
+            else tensor.mul_(2)
+    with pytest.raises(RuntimeError, match=_INPLACE):
+        out.loss.sum().backward()
+
+
+@pytest.mark.parametrize("changed", ["hidden", "weight", "teacher_hidden", "teacher_weight", "labels", "advantages"])
+def test_an_input_changed_in_place_before_a_per_row_linear_backward_raises_as_torch_does(changed):
+    g = torch.Generator().manual_seed(4)
+    R, H, V = 12, 8, 40
+    t = dict(hidden=torch.randn(R, H, generator=g).requires_grad_(), weight=torch.randn(V, H, generator=g),
+             teacher_hidden=torch.randn(R, H, generator=g), teacher_weight=torch.randn(V, H, generator=g),
+             labels=torch.randint(0, V, (R,), generator=g), advantages=torch.randn(R, generator=g),
+             old_logprobs=torch.randn(R, generator=g) - 3)
+    head = lcg.HeadLoss(lcg.GRPO(), lcg.ReverseKL(weight=0.5))
+    out = head.linear(t["hidden"], t["weight"], t["labels"], teacher_hidden=t["teacher_hidden"],
+                      teacher_weight=t["teacher_weight"], advantages=t["advantages"],
+                      old_logprobs=t["old_logprobs"], reduction="none", chunk_rows=5)
+    with torch.no_grad():
+        t[changed].fill_(0) if changed == "labels" else t[changed].mul_(2)
+    with pytest.raises(RuntimeError, match=_INPLACE):
+        out.loss.sum().backward()
+
+
+def test_a_linear_input_changed_after_a_mean_forward_leaves_the_forwards_gradient():
+    # reduction="mean": the gradient is computed in the forward, of the values it read
+    g = torch.Generator().manual_seed(5)
+    R, H, V = 12, 8, 40
+    hidden, weight = torch.randn(R, H, generator=g), torch.randn(V, H, generator=g)
+    labels = torch.randint(0, V, (R,), generator=g)
+    h = hidden.clone().requires_grad_()
+    out = lcg.HeadLoss(lcg.CrossEntropy()).linear(h, weight, labels, chunk_rows=5)
+    with torch.no_grad():
+        weight.mul_(3)
+    out.loss.backward()
+    h64 = hidden.double().requires_grad_()
+    F.cross_entropy(h64 @ (weight / 3).double().T, labels).backward()
+    torch.testing.assert_close(h.grad.double(), h64.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_an_input_changed_in_place_before_a_compiled_per_row_backward_raises_as_torch_does():
+    logits, labels, inputs = _policy(R=8)
+    head = lcg.HeadLoss(lcg.GRPO())
+    step = torch.compile(lambda x, A: head(x, labels, advantages=A, old_logprobs=inputs["old_logprobs"],
+                                           reduction="none").loss, fullgraph=True, backend="aot_eager")
+    x, A = logits.clone().requires_grad_(), inputs["advantages"].clone()
+    step(x, A).sum().backward()                  # unchanged: torch's float64 gradient
+    z = logits.double().requires_grad_()
+    logp = torch.log_softmax(z, -1).gather(-1, labels.clamp(min=0)[:, None])[:, 0]
+    r = torch.exp(logp - inputs["old_logprobs"].double())
+    per_row = -torch.min(r * A.double(), r.clamp(0.8, 1.2) * A.double())
+    torch.where(labels != -100, per_row, 0).sum().backward()
+    torch.testing.assert_close(x.grad.double(), z.grad, rtol=1e-4, atol=1e-6)
+    loss = step(x, A)
+    A.mul_(-3)
+    with pytest.raises(RuntimeError, match=_INPLACE):
+        loss.sum().backward()
