@@ -72,6 +72,7 @@ class _RowsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, head, call, out):
         loss, values, _, launcher = launch.run(head, call, grad=True, inplace=False)
+        head.keep_scalars(call)
         rows = row_outputs(head, launcher, call)
         # the deferred gradient launch reads the logits and the call's inputs again: saved, so that
         # one changed in place before backward fails there (torch's version check)
@@ -88,6 +89,7 @@ class _RowsFunction(torch.autograd.Function):
         if launcher is None:
             raise RuntimeError(f"HeadLoss: {BACKWARD_TWICE}")
         ctx.saved_tensors
+        launcher.head.restore_scalars(launcher.call)
         grad = launch.backward(launcher, grad_loss, list(grad_rows), inplace=ctx.inplace)
         return grad.view(ctx.shape), None, None, None
 
@@ -202,6 +204,8 @@ def _head_op(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torc
     if call.reduction == "none":
         rows = launcher.ws.rows(call).clone()   # (outputs of an op never alias each other)
         backward = launcher if a["grad"] else None
+        if backward is not None:
+            head.keep_scalars(call)
     else:
         rows, backward = logits.new_empty((0,), dtype=torch.float32), grad_buf
     return loss.clone(), values, rows, _keep(head, backward)
@@ -257,6 +261,7 @@ def _head_grad_op(handle: torch.Tensor, grad_loss: torch.Tensor, grad_rows: torc
         (call.labels, call.mask, call.teacher, call.topk_ids, call.topk_logprobs, call.segment_ids,
          call.divisor) = reread[:len(_REREAD)]
         call.tokens = tuple(reread[len(_REREAD):])
+        head.restore_scalars(call)
         grad = launch.backward(kept, grad_loss, terms, inplace=False)
     else:
         grad = kept

@@ -253,6 +253,18 @@ class HeadLoss(torch.nn.Module):
         for slot, value in entry[1]:
             slot.copy_(value)
 
+    def keep_scalars(self, call: Call) -> None:
+        """For a call whose backward launches again (reduction="none"): a device copy of the scalars
+        its forward read, which ``restore_scalars`` puts back before that launch. The scalar buffer
+        is the head's, and a later call refreshes it from tensors a schedule may have changed since;
+        each backward computes with its own forward's values. (Numbers never change: no copy.)"""
+        if self.tensor_scalars:
+            call.scalars = self.scalar_buffer(call.device).clone()
+
+    def restore_scalars(self, call: Call) -> None:
+        if call.scalars is not None:
+            self.scalar_buffer(call.device).copy_(call.scalars)
+
     def terms_reading(self, input_name: str) -> str:
         """The names of the head's terms that read ``input_name``, for error messages."""
         reads = {

@@ -48,6 +48,9 @@ class Call:
     # reduction="none": (output index, divisor) of each class-weighted term, whose kernel value is
     # its rows' sum (inputs.class_weight_rows): out.terms holds that sum divided
     value_divisors: tuple[tuple[int, torch.Tensor], ...] = ()
+    # the head's runtime scalars as this call's forward read them, where its backward launches
+    # again and the head has tensor scalars (HeadLoss.keep_scalars): a later call may change them
+    scalars: torch.Tensor | None = None
     rows: int = field(init=False)
 
     def __post_init__(self) -> None:

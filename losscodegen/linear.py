@@ -172,6 +172,7 @@ class _LinearFunction(torch.autograd.Function):
         # input changed in place before backward fails there (torch's version check)
         ctx.launcher = launcher
         ctx.save_for_backward(hidden, weight, bias, *fused.tensors())
+        fused.head.keep_scalars(fused.call)
         rows = row_outputs(fused.head, launcher, fused.call)
         side.append(rows)
         return (loss, values, *[rows[n] for n in fused.head.kernel.ROW_LOSS_TERMS])
@@ -184,6 +185,7 @@ class _LinearFunction(torch.autograd.Function):
             if launcher is None:
                 raise RuntimeError(f"HeadLoss.linear: {BACKWARD_TWICE}")
             ctx.saved_tensors
+            ctx.fused.head.restore_scalars(ctx.fused.call)
             if grad_loss is None and all(g is None for g in grad_rows):
                 return None, None, None, None, None
             grads = ctx.fused.backward(launcher, ctx.want, grad_loss, list(grad_rows))

@@ -163,3 +163,51 @@ def test_an_input_changed_in_place_before_a_compiled_per_row_backward_raises_as_
     A.mul_(-3)
     with pytest.raises(RuntimeError, match=_INPLACE):
         loss.sum().backward()
+
+
+# ---- 4. each call's backward uses its own forward's parameter values --------------------------------
+def _grpo_reference_grad(logits, labels, inputs, kl_beta, z_weight):
+    """float64 d/dlogits of sum over valid rows of GRPO(kl_beta) + z_weight * lse**2."""
+    z = logits.double().requires_grad_()
+    lse = torch.logsumexp(z, -1)
+    logp = torch.log_softmax(z, -1).gather(-1, labels.clamp(min=0)[:, None])[:, 0]
+    r = torch.exp(logp - inputs["old_logprobs"].double())
+    A, d = inputs["advantages"].double(), inputs["ref_logprobs"].double() - logp
+    per_row = -torch.min(r * A, r.clamp(0.8, 1.2) * A) + kl_beta * (torch.exp(d) - d - 1) + z_weight * lse ** 2
+    torch.where(labels != -100, per_row, 0).sum().backward()
+    return z.grad
+
+
+def test_a_schedule_step_between_a_per_row_forward_and_its_backward_keeps_the_forwards_values():
+    logits, labels, inputs = _policy()
+    beta, weight = torch.tensor(0.1), torch.tensor(0.5)
+    head = lcg.HeadLoss(lcg.GRPO(kl_beta=beta), lcg.ZLoss(weight=weight))
+    x1, x2 = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    first = head(x1, labels, reduction="none", **inputs)
+    beta.fill_(0.7)                      # the schedule's next step, and a call with it
+    weight.fill_(2.0)
+    second = head(x2, labels, reduction="none", **inputs)
+    first.loss.sum().backward()
+    second.loss.sum().backward()
+    torch.testing.assert_close(x1.grad.double(), _grpo_reference_grad(logits, labels, inputs, 0.1, 0.5),
+                               rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(x2.grad.double(), _grpo_reference_grad(logits, labels, inputs, 0.7, 2.0),
+                               rtol=1e-4, atol=1e-6)
+
+
+def test_a_schedule_step_between_a_per_row_linear_forward_and_its_backward_keeps_the_forwards_values():
+    g = torch.Generator().manual_seed(6)
+    R, H, V = 12, 8, 40
+    hidden, weight = torch.randn(R, H, generator=g), torch.randn(V, H, generator=g)
+    labels = torch.randint(0, V, (R,), generator=g)
+    z_weight = torch.tensor(0.5)
+    head = lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(weight=z_weight))
+    h1, h2 = hidden.clone().requires_grad_(), hidden.clone().requires_grad_()
+    first = head.linear(h1, weight, labels, reduction="none", chunk_rows=5)
+    z_weight.fill_(3.0)
+    head.linear(h2, weight, labels, reduction="none", chunk_rows=5)
+    first.loss.sum().backward()
+    h64 = hidden.double().requires_grad_()
+    z = h64 @ weight.double().T
+    (F.cross_entropy(z, labels, reduction="sum") + 0.5 * (torch.logsumexp(z, -1) ** 2).sum()).backward()
+    torch.testing.assert_close(h1.grad.double(), h64.grad, rtol=1e-4, atol=1e-6)
