@@ -185,9 +185,10 @@ class HeadLoss(torch.nn.Module):
 
     # ---- calls ----------------------------------------------------------------------------------
     def forward(self, logits: torch.Tensor, labels: torch.Tensor | None = None, **inputs: Any) -> HeadOutput:
+        learnable = self._learnable_weights()
         call = check_call(self, self.kernel, logits, labels, inputs)
         run = autograd.compiled if torch.compiler.is_compiling() else autograd.eager
-        return self._output(*run(self, logits, call), call)
+        return self._output(*run(self, logits, call), call, learnable)
 
     def linear(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor | None = None, *,
                bias: torch.Tensor | None = None, teacher_hidden: torch.Tensor | None = None,
@@ -195,18 +196,44 @@ class HeadLoss(torch.nn.Module):
                chunk_rows: int | None = None, **inputs: Any) -> HeadOutput:
         """The head on ``hidden @ weight.T + bias`` without ever holding those logits whole."""
         from . import linear
+        learnable = self._learnable_weights()
         return self._output(*linear.run(self, hidden, weight, labels, bias, teacher_hidden,
-                                        teacher_weight, teacher_bias, chunk_rows, inputs))
+                                        teacher_weight, teacher_bias, chunk_rows, inputs), learnable)
 
-    def _output(self, loss: torch.Tensor, values: torch.Tensor, rows: dict[str, torch.Tensor], call: Call) -> HeadOutput:
+    def _learnable_weights(self) -> tuple[tuple[str, torch.Tensor], ...]:
+        """The loss terms whose weight is a tensor that requires grad (in grad mode), with it. A
+        tensor parameter inside a formula that requires grad is refused, naming it: the kernel
+        derives no gradient for a parameter, and a silent zero would never train it."""
+        if not self.tensor_scalars or not torch.is_grad_enabled():
+            return ()
+        learnable = []
+        for name, value in self.scalars.items():
+            if is_tensor(value) and value.requires_grad:
+                if not name.startswith("weight_"):
+                    raise ValueError(
+                        f"{_scalar_label(name)} is a tensor that requires grad, but a parameter inside a "
+                        "formula gets no gradient (only a term's weight does): pass it .detach(), or "
+                        "make the learnable factor a term's weight")
+                learnable.append((name[len("weight_"):], value))
+        return tuple(learnable)
+
+    def _output(self, loss: torch.Tensor, values: torch.Tensor, rows: dict[str, torch.Tensor], call: Call,
+                learnable: tuple[tuple[str, torch.Tensor], ...] = ()) -> HeadOutput:
         # the kernel's OUTPUTS: the terms, then the metrics, each a tensor of its own to autograd
         # (not a view: in-place ops on it work), sharing the workspace's memory (no device work)
         per_output = [v.detach() for v in values.unbind(0)]
         for i, divisor in call.value_divisors:
             per_output[i] = per_output[i] / divisor
         n = len(self.loss_terms)
-        return HeadOutput(loss, dict(zip(self._names[:n], per_output[:n])),
-                          dict(zip(self._names[n:], per_output[n:])), rows)
+        terms = dict(zip(self._names[:n], per_output[:n]))
+        # A weight that requires grad: loss = sum_k w_k * term_k, so d loss / d w_k is term k's value
+        # (its rows under reduction="none"), the value the kernel reports. It joins the loss as
+        # (w_k - w_k.detach()) * term_k: zero, so the value is the kernel's, with that derivative
+        # (docs/decisions.md). Scalar (or [rows]) torch ops, only for such heads.
+        for name, w in learnable:
+            value = rows[name].detach() if call.reduction == "none" else terms[name]
+            loss = loss + (w - w.detach()).float() * value
+        return HeadOutput(loss, terms, dict(zip(self._names[n:], per_output[n:])), rows)
 
     # ---- what the runtime asks of a head -------------------------------------------------------
     def launches(self, *, sharded: bool, grad: bool, split: bool, exchange: bool = False,

@@ -124,6 +124,10 @@ class TermFactory:
             if isinstance(v, FromTerm):
                 continue
             v = values[k] = _check_value(self.name, f"parameter {k}", v, unbounded=k in bounds)
+            if is_tensor(v) and v.requires_grad:
+                raise ValueError(f"{self.name}: parameter {k} is a tensor that requires grad, but a parameter "
+                                 "inside a formula gets no gradient (only a term's weight does): pass it "
+                                 ".detach(), or make the learnable factor a term's weight")
             if k in planned and is_tensor(v):
                 raise TypeError(f"{self.name}: parameter {k} decides the kernel's reads (a temperature): "
                                 "it must be a number, not a tensor")

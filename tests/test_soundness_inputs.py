@@ -211,3 +211,56 @@ def test_a_schedule_step_between_a_per_row_linear_forward_and_its_backward_keeps
     z = h64 @ weight.double().T
     (F.cross_entropy(z, labels, reduction="sum") + 0.5 * (torch.logsumexp(z, -1) ** 2).sum()).backward()
     torch.testing.assert_close(h1.grad.double(), h64.grad, rtol=1e-4, atol=1e-6)
+
+
+# ---- 5. learnable weights train; a learnable parameter is refused ----------------------------------
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_a_learnable_term_weight_gets_the_terms_value_as_its_gradient(reduction):
+    logits, labels, _ = make_inputs(R=12, V=40)
+    w_ce, w_z = torch.tensor(0.7, requires_grad=True), torch.tensor(0.2, requires_grad=True)
+    head = lcg.HeadLoss(lcg.CrossEntropy(weight=w_ce), lcg.ZLoss(weight=w_z), lcg.Entropy(weight=0.1))
+    x = logits.clone().requires_grad_()
+    out = head(x, labels, reduction=reduction)
+    upstream = torch.linspace(0.5, 1.5, 12) if reduction == "none" else torch.tensor(1.0)
+    (out.loss * upstream).sum().backward()
+    # float64 torch: the same loss with the weights as leaves
+    z, w64 = logits.double().requires_grad_(), torch.tensor([0.7, 0.2], dtype=torch.float64, requires_grad=True)
+    valid = labels != -100
+    rows = torch.stack([F.cross_entropy(z, labels, reduction="none"),
+                        torch.where(valid, torch.logsumexp(z, -1) ** 2, 0)])
+    p = torch.softmax(z, -1)
+    entropy = torch.where(valid, -(p * torch.log_softmax(z, -1)).sum(-1), 0)
+    per_row = w64 @ rows + 0.1 * entropy
+    loss = per_row if reduction == "none" else per_row.sum() / valid.sum()
+    (loss * upstream.double()).sum().backward()
+    torch.testing.assert_close(out.loss.double(), loss.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.stack([w_ce.grad, w_z.grad]).double(), w64.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x.grad.double(), z.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_a_learnable_weight_trains_through_head_linear_and_torch_compile():
+    g = torch.Generator().manual_seed(7)
+    hidden, weight = torch.randn(10, 8, generator=g), torch.randn(30, 8, generator=g)
+    labels = torch.randint(0, 30, (10,), generator=g)
+    w_z = torch.tensor(0.3, requires_grad=True)
+    head = lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(weight=w_z))
+    out = head.linear(hidden.clone().requires_grad_(), weight, labels, chunk_rows=4)
+    out.loss.backward()
+    z = hidden.double() @ weight.double().T
+    want = (torch.logsumexp(z, -1) ** 2).mean()
+    torch.testing.assert_close(w_z.grad.double(), want, rtol=1e-5, atol=1e-6)
+    w_z.grad = None
+    step = torch.compile(lambda x: head(x, labels).loss, backend="aot_eager")
+    step((hidden @ weight.T).requires_grad_()).backward()
+    torch.testing.assert_close(w_z.grad.double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_learnable_parameter_inside_a_formula_is_refused_naming_it():
+    with pytest.raises(ValueError, match="grpo: parameter kl_beta is a tensor that requires grad"):
+        lcg.GRPO(kl_beta=torch.tensor(0.1, requires_grad=True))
+    beta = torch.tensor(0.1)
+    head = lcg.HeadLoss(lcg.GRPO(kl_beta=beta))
+    beta.requires_grad_()
+    logits, labels, inputs = _policy()
+    with pytest.raises(ValueError, match="parameter kl_beta of grpo is a tensor that requires grad"):
+        head(logits, labels, **inputs)
