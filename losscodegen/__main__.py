@@ -74,7 +74,7 @@ def generate(out: Path, manifest: Path, *, check: bool = False) -> int:
     (or name) files no head produces. Returns the number of differences found by ``check``."""
     wanted = {}
     for line, head in manifest_heads(manifest):
-        wanted[load.file_name(head.key)] = (line, head.source().text)
+        wanted[load.file_name(head.key)] = (line, head.source(backends.get()).text)
     if not check and out.exists() and not out.is_dir():
         raise SystemExit(f"--out {out} is not a folder: give --out the folder to write the kernels into")
     differences = 0

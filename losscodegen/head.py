@@ -56,16 +56,21 @@ class HeadLoss(torch.nn.Module):
     """Several loss terms and metrics over the same logits, computed by one generated kernel.
 
     ``HeadLoss(*terms, metrics=(), ignore_index=-100, logit_scale=1.0, softcap=None, validate=True,
-    inplace_backward=False, linear_chunk_bytes=400 MiB)``; call it with ``logits [..., V]``,
+    inplace_backward=False, linear_chunk_bytes=400 MiB, backend="auto")``; call it with ``logits [..., V]``,
     ``labels [...]`` and the keyword inputs the terms need (docs/api.md), or use
     ``head.linear(hidden, weight, labels, ...)``, whose chunks of logits take at most
-    ``linear_chunk_bytes``.
+    ``linear_chunk_bytes``. ``backend``: ``"triton"``, ``"torch"`` (any device, no Triton needed)
+    or ``"auto"`` (Triton where it can run, torch elsewhere: ``backends.resolve``).
     """
 
     def __init__(self, *terms: Term, metrics: tuple[Term, ...] = (), ignore_index: int = -100,
                  logit_scale: float = 1.0, softcap: float | None = None, validate: bool = True,
-                 inplace_backward: bool = False, linear_chunk_bytes: int = 400 * 2**20):
+                 inplace_backward: bool = False, linear_chunk_bytes: int = 400 * 2**20,
+                 backend: str = "auto"):
         super().__init__()
+        if backend not in backends.NAMES:
+            raise ValueError(f"backend must be one of {backends.NAMES}, got {backend!r}")
+        self.backend_name = backend
         metrics = tuple(metrics)
         for t in terms + metrics:
             if not isinstance(t, Term):
@@ -127,13 +132,13 @@ class HeadLoss(torch.nn.Module):
     def _attach(self) -> None:
         """What a head holds for its calls in this process: its backend, its flag buffers and an id
         of its own (the compiled op names heads by id), given again to a copy or an unpickled head."""
-        self.backend = backends.get()
+        self.backend = backends.get(backends.resolve(self.backend_name))
         self.checks = DeviceChecks(self.ignore_index)
         self.head_id = autograd.register(self)
 
-    # A copy (deepcopy, pickle, torch.save) keeps the terms and options, and leaves behind what
-    # belongs to this process and to this head: the loaded kernel module (found again from its
-    # file), the backend, the layouts (compiled kernels), the scalar buffers, the flag buffers and
+    # A copy (deepcopy, pickle, torch.save) keeps the terms and options (``backend_name`` among
+    # them), and leaves behind what belongs to this process and to this head: the loaded kernel
+    # module (found again from its file), the backend (resolved again), the layouts (compiled kernels), the scalar buffers, the flag buffers and
     # the id.
     _PER_PROCESS = ("_kernel", "backend", "layouts", "_scalar_buffers", "checks", "head_id")
 
@@ -169,10 +174,11 @@ class HeadLoss(torch.nn.Module):
     def plan(self) -> Plan:
         return plan(self.lowered(), softcap=self.softcap is not None)
 
-    def source(self) -> KernelSource:
-        p = self.plan()
-        return self.backend.render(p, self.key, header(self._bound, p), _load.codegen_version(self.backend),
-                                   normalize={t.name: kernel_normalize(t) for t in self.loss_terms})
+    def source(self, backend: backends.Backend | None = None) -> KernelSource:
+        """The head's kernel file as ``backend`` (None: the head's) renders it."""
+        p, backend = self.plan(), backend or self.backend
+        return backend.render(p, self.key, header(self._bound, p), _load.codegen_version(backend),
+                              normalize={t.name: kernel_normalize(t) for t in self.loss_terms})
 
     def explain(self) -> str:
         """Formulas, reductions, the derived gradient, the reads and the kernel file serving it."""

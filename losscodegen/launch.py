@@ -230,7 +230,8 @@ class Launcher:
         self.gathered: torch.Tensor | None = None  # all ranks' packed stats, after a "gather"
         self.n_seg = segments.count(call, head.ignore_index) if k.SEGMENTS else 0
         # (an exact read takes the all-gather: it reads every row again after the exchange anyway)
-        self.exchange = None if k.HAS_EXACT else collectives.exchange(call.group, call.device)
+        self.exchange = None if k.HAS_EXACT or not head.backend.exchange \
+            else collectives.exchange(call.group, call.device)
         sig = Signature(call.V_local, dtype, element_size, call.device, call.reduction, call.group, grad,
                         call.divisor is not None, call.topk_ids.shape[1] if k.USES_TOPK else 0,
                         self.exchange is not None)

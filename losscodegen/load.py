@@ -76,8 +76,11 @@ def kernel_dirs() -> list[Path]:
     return extra + [GENERATED]
 
 
-def file_name(key: str) -> str:
-    return f"head_loss_{key}.py"
+def file_name(key: str, backend: backends.Backend | None = None) -> str:
+    """A kernel file's name: ``head_loss_<key>.py`` for the default backend's (the generated/ ones),
+    ``head_loss_<key>_<backend>.py`` for another's (a folder may hold both)."""
+    suffix = "" if backend is None or backend.name == backends.DEFAULT else f"_{backend.name}"
+    return f"head_loss_{key}{suffix}.py"
 
 
 def codegen_of(path: Path) -> str | None:
@@ -93,7 +96,7 @@ def module_path(key: str, backend: backends.Backend | None = None) -> Path:
     """The file that serves ``key``: a current one from a kernel folder, else its place in the cache."""
     current = codegen_version(backend)
     for folder in kernel_dirs():
-        path = folder / file_name(key)
+        path = folder / file_name(key, backend)
         if path.exists():
             found = codegen_of(path)
             if found in (current, None):
@@ -108,7 +111,7 @@ def module_path(key: str, backend: backends.Backend | None = None) -> Path:
             _warn_once(path, f"losscodegen: {path} was written by another code generator (CODEGEN "
                              f"{found}, running {current}); generating this head into the cache instead. "
                              "Regenerate that folder with `python -m losscodegen generate`.")
-    return cache_dir() / current / file_name(key)
+    return cache_dir() / current / file_name(key, backend)
 
 
 def _warn_once(path: Path, message: str) -> None:
@@ -166,7 +169,7 @@ def load(key: str, generate: Callable[[], str], backend: backends.Backend | None
         _warn_once(path, f"losscodegen: {path} does not match the hash of its text (TEXT_HASH): it was "
                          "truncated, edited or damaged; generating it again.")
         write_atomic(path, generate())
-    name = f"losscodegen_kernels.head_loss_{key}"
+    name = f"losscodegen_kernels.{path.stem}"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # (a jit decorator may read the source through it: triton.jit does)

@@ -19,6 +19,24 @@ def device():
     return DEVICE
 
 
+def use_backend(name: str) -> None:
+    """Heads built with backend="auto" (the default) get backend ``name`` in this process (what
+    the ``backend`` fixture sets, and a test's spawned ranks through LOSSCODEGEN_TEST_BACKEND)."""
+    from losscodegen import backends
+    resolve = backends.resolve
+    backends.resolve = lambda option: name if option == "auto" else resolve(option)
+
+
+@pytest.fixture(params=["triton", "torch"])
+def backend(request, monkeypatch):
+    """A test run once with each backend: heads it builds with the default backend="auto" get it."""
+    from losscodegen import backends
+    monkeypatch.setattr(backends, "resolve", backends.resolve)   # (undone after the test)
+    monkeypatch.setenv("LOSSCODEGEN_TEST_BACKEND", request.param)
+    use_backend(request.param)
+    return request.param
+
+
 @pytest.fixture(autouse=True)
 def _nan_workspace(monkeypatch):
     """Every call's workspace starts as NaN, not as whatever memory held: a kernel that reads a slot

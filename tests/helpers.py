@@ -1,6 +1,7 @@
 """Run a head and its float64 reference on the same random inputs and compare."""
 from __future__ import annotations
 
+import os
 import socket
 
 import torch
@@ -43,6 +44,14 @@ def topk_inputs(R, V, K, g):
     return dict(teacher_topk_ids=ids, teacher_topk_logprobs=torch.log_softmax(torch.randn(R, K, generator=g), -1))
 
 
+def _on_backend(worker, *args) -> None:
+    # a spawned rank: the parent test's backend (conftest's ``backend`` fixture), if it chose one
+    if os.environ.get("LOSSCODEGEN_TEST_BACKEND"):
+        from conftest import use_backend
+        use_backend(os.environ["LOSSCODEGEN_TEST_BACKEND"])
+    worker(*args)
+
+
 def run_ranks(worker, world: int, n_results: int) -> list:
     """``worker(rank, world, port, queue)`` in ``world`` spawned processes (gloo over a free local
     port); the ``n_results`` items they put on the queue."""
@@ -51,7 +60,7 @@ def run_ranks(worker, world: int, n_results: int) -> list:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, world, port, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_on_backend, args=(worker, r, world, port, queue)) for r in range(world)]
     for p in procs:
         p.start()
     results = [queue.get(timeout=600) for _ in range(n_results)]

@@ -15,6 +15,9 @@ from losscodegen import inputs as lcg_inputs
 from losscodegen import symbols as S
 from losscodegen.testing import compare
 
+# the tests on one device run on both backends (conftest's ``backend``: the heads built with backend="auto")
+BOTH = pytest.mark.usefixtures("backend")
+
 R, V, H = 11, 203, 16
 
 
@@ -44,6 +47,7 @@ def _torch(z, y, w, **kw):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@BOTH
 def test_matches_torch_cross_entropy_weight(dtype, reduction):
     z, y, w, _ = _data(dtype=dtype)
     head = lcg.HeadLoss(lcg.CrossEntropy(class_weight=w))
@@ -77,6 +81,7 @@ def _reference(z, y, w, mask=None, divisor=None, z_weight=0.0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("divisor", [None, 7.0])
+@BOTH
 def test_with_z_loss_only_cross_entropy_is_weighted(dtype, divisor):
     z, y, w, g = _data(1, dtype)
     mask = torch.rand(R, generator=g) > 0.2
@@ -90,6 +95,7 @@ def test_with_z_loss_only_cross_entropy_is_weighted(dtype, divisor):
     compare("gradient", grad, want_grad, dtype)
 
 
+@BOTH
 def test_parity_tool_and_declared_terms():
     w = _data()[2]
     lcg.testing.assert_parity(lcg.HeadLoss(lcg.CrossEntropy(class_weight=w), lcg.ZLoss(weight=1e-3),
@@ -100,6 +106,7 @@ def test_parity_tool_and_declared_terms():
     lcg.testing.assert_parity(lcg.HeadLoss(lcg.LogProb(class_weight=w, normalize="sum")), rows=R, vocab=V)
 
 
+@BOTH
 def test_normalize_sum_and_ignored_rows_only():
     z, y, w, _ = _data(2)
     head = lcg.HeadLoss(lcg.CrossEntropy(class_weight=w, normalize="sum"))
@@ -112,6 +119,7 @@ def test_normalize_sum_and_ignored_rows_only():
     assert out.loss.item() == 0.0 and not grad.any()
 
 
+@BOTH
 def test_zero_total_weight_is_zero_not_nan():
     z, y, w, _ = _data(3)
     w = w.clone()
@@ -125,6 +133,7 @@ def test_zero_total_weight_is_zero_not_nan():
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
+@BOTH
 def test_linear(reduction):
     g = torch.Generator().manual_seed(4)
     h = torch.randn(R, H, generator=g, dtype=torch.float64)
@@ -204,6 +213,7 @@ def test_vocab_parallel():
                 compare("gradient", grad, want_grad, torch.float32, where=where)
 
 
+@BOTH
 def test_compiled_equals_eager():
     z, y, w, _ = _data(6)
     head = lcg.HeadLoss(lcg.CrossEntropy(class_weight=w), lcg.ZLoss(weight=1e-2))
@@ -221,6 +231,7 @@ def test_compiled_equals_eager():
     torch.testing.assert_close(x1.grad, x2.grad)
 
 
+@BOTH
 def test_buffer_follows_the_head_and_in_place_updates():
     z, y, w, _ = _data(7)
     w = w.clone()
@@ -234,6 +245,7 @@ def test_buffer_follows_the_head_and_in_place_updates():
 
 
 @pytest.mark.parametrize("kw", [{}, {"loss_mask": torch.ones(R, dtype=torch.bool)}, {"reduction": "none"}])
+@BOTH
 def test_a_few_small_ops_and_none_without_class_weights(kw):
     """Checking a call's inputs: no torch op for a head without class weights; a few ops on [rows]
     (none on [rows, V]) with them."""
@@ -252,6 +264,7 @@ def test_a_few_small_ops_and_none_without_class_weights(kw):
 
 
 # ---- refused, by name ---------------------------------------------------------------------------------
+@BOTH
 def test_bad_class_weights_are_refused():
     w = torch.rand(V)
     for bad, error, match in [
@@ -283,6 +296,7 @@ def test_bad_class_weights_are_refused():
         lcg.declare_term("mine", S.token("class_weight__cross_entropy") * S.lse)
 
 
+@BOTH
 def test_bad_calls_are_refused():
     z, y, w, _ = _data(9)
     head = lcg.HeadLoss(lcg.CrossEntropy(class_weight=w[:-1]))

@@ -7,6 +7,9 @@ import torch
 import losscodegen as lcg
 from helpers import check_head, make_inputs
 
+# every test here runs on both backends (conftest's ``backend``: the heads built with backend="auto")
+pytestmark = pytest.mark.usefixtures("backend")
+
 DTYPES = [torch.float32, torch.bfloat16]
 SINGLE = {
     "ce": lambda: (lcg.CrossEntropy(),),

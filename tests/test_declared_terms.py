@@ -8,6 +8,9 @@ from helpers import make_inputs
 from losscodegen import symbols as S
 from losscodegen.testing import assert_parity
 
+# every test here runs on both backends (conftest's ``backend``: the heads built with backend="auto")
+pytestmark = pytest.mark.usefixtures("backend")
+
 p_y = S.exp(S.target_logit - S.lse)
 Poly1 = lcg.declare_term("poly1", S.lse - S.target_logit + S.param("eps") * (1 - p_y))
 Focal = lcg.declare_term("focal", -(1 - p_y) ** S.param("gamma") * (S.target_logit - S.lse))

@@ -5,6 +5,9 @@ import torch
 import losscodegen as lcg
 from helpers import check_head, make_inputs
 
+# every test here runs on both backends (conftest's ``backend``: the heads built with backend="auto")
+pytestmark = pytest.mark.usefixtures("backend")
+
 
 def _teacher(logits, g, dtype=None):
     t = torch.randn(logits.shape, generator=g) * 2 + 0.5 * logits.float()

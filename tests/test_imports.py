@@ -11,10 +11,12 @@ import losscodegen
 
 PACKAGE = Path(losscodegen.__file__).resolve().parent
 COMPILER = {"losscodegen.symbols", "losscodegen.terms", "losscodegen.lower", "losscodegen.plan",
-            "losscodegen.emit", "losscodegen.resources", "losscodegen.backends.triton.render"}
+            "losscodegen.emit", "losscodegen.resources", "losscodegen.backends.triton.render",
+            "losscodegen.backends.torch.render"}
 BACKENDS = "losscodegen.backends."
 # what each backend is written in: imported by that backend's folder and nowhere else in the package
-LANGUAGES = {"triton": {"triton"}}
+# (torch: the runtime's own language, so nothing to keep out of the other modules but the folder itself)
+LANGUAGES = {"triton": {"triton"}, "torch": set()}
 
 
 def _module_name(path: Path) -> str:

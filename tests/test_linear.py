@@ -11,6 +11,9 @@ import losscodegen as lcg
 from helpers import policy_inputs, run_ranks, spec, topk_inputs
 from reference import head_reference
 
+# every test here runs on both backends (conftest's ``backend``: the heads built with backend="auto")
+pytestmark = pytest.mark.usefixtures("backend")
+
 H, V = 16, 72
 
 
@@ -180,7 +183,9 @@ def _worker(rank, world, port, queue):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_vocab_parallel_linear(world):
+def test_vocab_parallel_linear(world, backend):
+    if backend == "torch" and world > 2:
+        pytest.skip("the torch backend's merge across ranks is the same code for any world: 2 ranks cover it")
     results = run_ranks(_worker, world, world * 4)
     for name, rank, loss, ref_loss, value_err, h_err, w_err, b_err in results:
         assert abs(loss - ref_loss) <= 1e-5 * max(1.0, abs(ref_loss)), (name, rank, loss, ref_loss)

@@ -14,6 +14,9 @@ from helpers import run_ranks
 from losscodegen.backends.triton import tiles
 from losscodegen.testing import TOLERANCES, reference
 
+# the parity tests run on both backends (conftest's ``backend``: the heads built with backend="auto")
+BOTH = pytest.mark.usefixtures("backend")
+
 NEG_INF = float("-inf")
 R, V = 5, 700
 SMALL_TILES = tiles.Config(512, 4)   # fp32 tiles of 256 entries: row 0's first two are all -inf
@@ -113,6 +116,7 @@ def _check(head, names, x, y, by_hand, split=False, **kw):
     ((lcg.JSD(),), ()),
     ((lcg.CrossEntropy(), lcg.ForwardKL(), lcg.JSD()), (lcg.Entropy(),)),
 ], ids=["ce_z_entropy_acc", "entropy", "fkl", "rkl", "jsd", "ce_fkl_jsd"])
+@BOTH
 def test_masked_vocabulary_gives_the_xlogy_values(terms, metrics, split):
     x, t, y = _inputs()
     head = lcg.HeadLoss(*terms, metrics=metrics)
@@ -121,6 +125,7 @@ def test_masked_vocabulary_gives_the_xlogy_values(terms, metrics, split):
 
 
 @pytest.mark.parametrize("term", [lcg.ForwardKL(), lcg.JSD()], ids=lambda term: term.name)
+@BOTH
 def test_teacher_only_neg_inf_is_finite_for_fkl_and_jsd(term):
     """q = 0 where only the teacher is -inf: FKL and JSD stay finite (RKL is +inf there, as in torch)."""
     x, t, y = _inputs(seed=1, teacher_only=0.2)
@@ -129,12 +134,14 @@ def test_teacher_only_neg_inf_is_finite_for_fkl_and_jsd(term):
 
 
 @pytest.mark.parametrize("term", [lcg.ReverseKL(), lcg.JSD()], ids=lambda term: term.name)
+@BOTH
 def test_student_only_neg_inf_is_finite_for_rkl_and_jsd(term):
     x, t, y = _inputs(seed=2, student_only=0.2)
     _check(lcg.HeadLoss(term), [term.name], x, y, lambda n, z, yy: _by_hand(n, z, t.double(), yy),
            teacher_logits=t)
 
 
+@BOTH
 def test_topk_forward_kl_with_neg_inf_logprobs_and_logits():
     """-inf top-k log-probs (a teacher's entries of probability 0), -inf logits elsewhere."""
     x, _, y = _inputs(seed=3)
@@ -154,6 +161,7 @@ def test_topk_forward_kl_with_neg_inf_logprobs_and_logits():
            teacher_topk_ids=ids, teacher_topk_logprobs=lps)
 
 
+@BOTH
 def test_grpo_and_policy_metrics_with_masked_vocabulary():
     x, _, y = _inputs(seed=4)
     g = torch.Generator().manual_seed(4)
@@ -179,6 +187,7 @@ def test_grpo_and_policy_metrics_with_masked_vocabulary():
     _check(head, ["grpo", "entropy", "ratio_mean", "kl_new_old", "clip_fraction"], x, y, by_hand, **kw)
 
 
+@BOTH
 def test_a_row_of_all_neg_inf_is_nan_for_that_row_only():
     """A row with no finite logit (or no finite teacher logit) has no distribution: its values are
     NaN, the other rows' are as usual (reduction="none" shows it row by row)."""
@@ -198,6 +207,7 @@ def test_a_row_of_all_neg_inf_is_nan_for_that_row_only():
     assert torch.isfinite(ent(x[[0, 2, 4]], y[[0, 2, 4]]).metrics["entropy"])
 
 
+@BOTH
 def test_real_nans_are_not_hidden():
     """A NaN logit, or a NaN teacher logit, is not -inf: the loss and that row's gradient stay NaN."""
     x, t, y = _inputs(seed=6)
@@ -211,6 +221,7 @@ def test_real_nans_are_not_hidden():
     assert torch.isfinite(xk.grad[4]).all()
 
 
+@BOTH
 def test_bad_labels_still_raise_with_neg_inf_logits():
     x, t, y = _inputs(seed=7)
     y[0] = V
@@ -244,6 +255,7 @@ def _sharded_worker(rank, world, port, queue):
     dist.destroy_process_group()
 
 
+@BOTH
 def test_a_vocab_shard_of_all_neg_inf_merges_to_the_unsharded_values():
     """Vocab-parallel: a rank whose whole shard of a row is -inf adds nothing to the merged sums."""
     for rank, values, ref_values, grad, ref_grad in run_ranks(_sharded_worker, 2, 2):

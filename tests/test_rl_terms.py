@@ -13,6 +13,9 @@ from losscodegen.lower import IS_Y
 from losscodegen.testing import compare
 from helpers import DEVICE, make_inputs, policy_inputs
 
+# every test here runs on both backends (conftest's ``backend``: the heads built with backend="auto")
+pytestmark = pytest.mark.usefixtures("backend")
+
 _l = S.target_logit - S.lse                      # log p_y
 _r = S.exp(_l - S.token("old_logprobs"))         # the importance ratio
 _A = S.token("advantages")

@@ -10,6 +10,9 @@ from losscodegen import symbols as S
 from losscodegen.testing import compare
 from helpers import DEVICE, make_inputs
 
+# every test here runs on both backends (conftest's ``backend``: the heads built with backend="auto")
+pytestmark = pytest.mark.usefixtures("backend")
+
 
 def _reference_rows(z, labels):
     """float64 per-row cross entropy, z-loss, entropy, log p_y and accuracy (0 on ignored rows)."""

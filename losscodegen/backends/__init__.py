@@ -10,11 +10,15 @@ plan: ``ARGS``, ``FIXED``, ``CONSTEXPRS``, ``COLUMNS``...), names the files its 
 launches the module's kernels with the arguments the runtime gives by the declared names. The runtime
 (head.py, inputs.py, launch.py, linear.py, autograd.py, load.py, __main__.py) reaches a backend only
 through a head's ``backend`` (``get()``) and never imports one's modules, nor what it is written in.
+
+Two backends ship: ``triton`` (CUDA, or Triton's interpreter) and ``torch`` (any device, no Triton
+needed). A head's ``backend="auto"`` is ``resolve``d to one of them in each process.
 """
 from __future__ import annotations
 
 import functools
 import importlib
+import os
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Mapping, Protocol, runtime_checkable
@@ -25,7 +29,9 @@ if TYPE_CHECKING:
     from ..emit import KernelSource
     from ..plan import Plan
 
+# the backend whose kernel files ``python -m losscodegen generate`` writes (the package's generated/)
 DEFAULT = "triton"
+NAMES = ("auto", "triton", "torch")
 
 
 class Launchable(Protocol):
@@ -50,6 +56,7 @@ class Config(Protocol):
 class Backend(Protocol):
     name: str
     sources: tuple[Path, ...]   # what its rendering reads besides the compiler stages (CODEGEN)
+    exchange: bool              # whether its kernels can exchange vocab shards' stats in-kernel
 
     def render(self, plan: Plan, key: str, header: str, codegen: str,
                normalize: Mapping[str, str] | None = None) -> KernelSource:
@@ -96,5 +103,27 @@ class Backend(Protocol):
 
 @functools.cache
 def get(name: str = DEFAULT) -> Backend:
-    """The backend ``losscodegen/backends/<name>/`` (its ``BACKEND``)."""
+    """The backend ``losscodegen/backends/<name>/`` (its ``BACKEND``); only that folder is imported."""
     return importlib.import_module(f"{__name__}.{name}").BACKEND
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y")
+
+
+def resolve(name: str) -> str:
+    """A head's ``backend=`` option as a backend's name: ``"auto"`` is Triton where it can run (a
+    CUDA device, or Triton's interpreter with TRITON_INTERPRET=1, and triton importable), torch
+    elsewhere."""
+    if name not in NAMES:
+        raise ValueError(f"backend must be one of {NAMES}, got {name!r}")
+    if name != "auto":
+        return name
+    import torch
+    if not (torch.cuda.is_available() or _interpreting()):
+        return "torch"
+    try:
+        importlib.import_module("triton")
+    except ImportError:
+        return "torch"
+    return "triton"

@@ -18,6 +18,7 @@ from .dispatch import Kernel
 class Triton:
     name = "triton"
     sources = (Path(renderer.__file__), TEMPLATES / "head_loss.py.j2")
+    exchange = True         # GPUs that map each other's memory exchange stats in-kernel
     render = staticmethod(renderer.render)
     config = staticmethod(tiles.choose)
     scale_rows = staticmethod(helpers.scale_rows)
@@ -28,7 +29,8 @@ class Triton:
         if device.type == "cpu" and not helpers.INTERPRETED:
             raise ValueError("the inputs are CPU tensors, which losscodegen's kernels take only in "
                              "Triton's interpreter: set TRITON_INTERPRET=1 in the environment before "
-                             "importing triton or losscodegen (or pass CUDA tensors)")
+                             "importing triton or losscodegen (or pass CUDA tensors, or build the head "
+                             "with backend=\"torch\", which runs on any device)")
 
     def describe_config(self, state: tuple[str, int, int]) -> str:
         return (f"tile for a large vocabulary, by rule: {tiles.rule(state)} (on a GPU a measured table may "

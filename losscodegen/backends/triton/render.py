@@ -16,7 +16,9 @@ import sympy as sp
 
 from ... import symbols as S
 from ...emit import (FLAG_SLOTS, TINY, ArrayPrinter, KernelSource, Signature, check_interface,
-                     mixtures_in_log_space, neg_inf_handling, no_underflow_nan, seal, signatures, vanishes_at_neg_inf, wrap)
+                     neg_inf_handling, seal, signatures, vanishes_at_neg_inf, wrap)
+from ...emit import M_REF as _M_REF, MT_REF as _MT_REF, online_exponent as _online_exponent, \
+    online_groups as _group_online, printed_bodies as _printed, stats_relative as _stats_relative
 from ...lower import IS_Y, M, MT, TM, ZM, ZYM, base_of, shift
 from ...plan import Plan, pow2
 from ...resources import TEMPLATES
@@ -197,48 +199,6 @@ def _tile_sums(sums: list[tuple[str, str]], masked: bool) -> list[str]:
         lines.append(f"{var} = tl.sum({run[0][0]}, 0)")
         split(run[0][1], var)
     return lines
-
-
-def _group_online(plan: Plan) -> dict[tuple, list]:
-    """The first read's online accumulators over the vocabulary, grouped by their exponent (alpha,
-    beta): a group shares one rescale and one exponential a tile."""
-    groups: dict[tuple, list] = {}
-    for acc in plan.lowered.accumulators:
-        if acc.online and acc.domain == "vocab":
-            groups.setdefault((acc.alpha, acc.beta), []).append(acc)
-    return groups
-
-
-# the running maxima as the exponents' reference: m_ref is 0 while every logit so far is -inf
-_M_REF, _MT_REF = sp.Symbol("m_ref", real=True), sp.Symbol("m_t_ref", real=True)
-
-
-def _printed(lw) -> tuple[dict[str, sp.Expr], tuple[sp.Expr, sp.Expr]]:
-    """Each sum's summand and the gradient's vocabulary and top-k parts as printed: a sum of
-    exponentials under a log or a reciprocal plus TINY (emit.no_underflow_nan), and in the
-    gradient, the log of a mixture of two exponentials from the larger exponent
-    (emit.mixtures_in_log_space)."""
-    vocab, topk = (*S.ELEMENT_SYMBOLS, ZM, TM), S.TOPK_SYMBOLS
-    # the log of a mixture from the larger exponent in the gradient only, where log(p / M) enters a
-    # difference that cancels (JSD's beta p (log(p / M) - KL)); in a sum its error averages out, and
-    # there the plain log is 12 operations an element fewer (measured: JSD 4.74 ms with both reads
-    # so, against 4.51 with neither, on an H100 at 8192 x 128256)
-    body = {a.name: no_underflow_nan(a.body, topk if a.domain == "topk" else vocab) for a in lw.accumulators}
-    return body, tuple(mixtures_in_log_space(no_underflow_nan(g, elements), elements)
-                       for g, elements in ((lw.grad_vocab, vocab), (lw.grad_topk, topk)))
-
-
-def _online_exponent(alpha: sp.Expr, beta: sp.Expr) -> sp.Expr:
-    """The exponent of an online group's elements, against the running maxima: in the elements
-    relative to them (zm = z - m_ref, tm = t - m_t_ref), which the relative sums' bodies read too,
-    so that the exponent and the bodies share one subtraction an element."""
-    return alpha * ZM + beta * TM
-
-
-def _stats_relative(exprs: list[sp.Expr]) -> list[tuple[sp.Symbol, sp.Expr]]:
-    """The first read's relative elements that ``exprs`` read, each with its value."""
-    return [(e, value) for e, value in ((ZM, S.logit - _M_REF), (TM, S.teacher_logit - _MT_REF))
-            if any(x.has(e) for x in exprs)]
 
 
 def _merge(plan: Plan) -> dict[str, list[str]]:
