@@ -157,6 +157,23 @@ class _SumOverRanks(torch.autograd.Function):
         return grad, None
 
 
+class _SumGradOverRanks(torch.autograd.Function):
+    """The identity, whose backward sums the gradient over ``groups``: a weight replicated over the mesh
+    dimensions that shard the rows gets every rank's rows' share."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, groups: list) -> torch.Tensor:
+        ctx.groups = groups
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.clone()
+        for g in ctx.groups:
+            collectives.all_reduce(grad, g)
+        return grad, None
+
+
 def _refuse_groups(inputs: dict[str, Any]) -> None:
     for key in ("process_group", "segment_group"):
         if inputs.get(key) is not None:
@@ -301,12 +318,14 @@ def linear(head, hidden, weight, labels, bias, teacher_hidden, teacher_weight, t
       Replicate there when they are a DTensor laid out otherwise); hidden states sharded by rows on
       the other mesh dimensions are data/sequence parallel as in ``forward``.
     """
-    owner = _fsdp_owner(weight) if is_dtensor(weight) else None
-    if owner is not None:
-        module, holder, name = owner
-        return through_module(module, lambda h: head.linear(
-            h, getattr(holder, name), labels, bias=bias, teacher_hidden=teacher_hidden,
-            teacher_weight=teacher_weight, teacher_bias=teacher_bias, chunk_rows=chunk_rows, **inputs), hidden)
+    for param in (weight, teacher_weight):
+        owner = _fsdp_owner(param) if is_dtensor(param) else None
+        if owner is not None:
+            module, live = owner
+            return through_module(module, lambda h: head.linear(
+                h, live(weight), labels, bias=live(bias), teacher_hidden=teacher_hidden,
+                teacher_weight=live(teacher_weight), teacher_bias=live(teacher_bias), chunk_rows=chunk_rows,
+                **inputs), hidden)
     from torch.distributed.tensor import DTensor, Replicate
     _refuse_groups(inputs)
     if is_dtensor(weight):
@@ -348,6 +367,9 @@ def linear(head, hidden, weight, labels, bias, teacher_hidden, teacher_weight, t
         return t.to_local()
 
     w, b = local_weight("weight", weight), local_weight("bias", bias)
+    if layout.rows and is_dtensor(weight):   # (replicated over the row dimensions: _layout refused others)
+        w, b = [t if t is None or not t.requires_grad else _SumGradOverRanks.apply(t, layout.row_groups)
+                for t in (w, b)]
     tw, tb = local_weight("teacher_weight", teacher_weight), local_weight("teacher_bias", teacher_bias)
     th = _local("teacher_hidden", teacher_hidden, layout, layout.placements, rows_local) \
         if teacher_hidden is not None else None
@@ -364,19 +386,22 @@ def linear(head, hidden, weight, labels, bias, teacher_hidden, teacher_weight, t
                       lambda s: DTensor.from_local(s, mesh, replicated, run_check=False))
 
 
-def _fsdp_owner(param: Any) -> tuple[Any, Any, str] | None:
-    """(the module ``fully_shard`` was applied to, the module holding ``param``, its name there) where
-    FSDP2 manages ``param`` as a sharded parameter; None otherwise."""
+def _fsdp_owner(param: Any) -> tuple[torch.nn.Module, Callable[[Any], Any]] | None:
+    """Where FSDP2 manages ``param`` as a sharded parameter: (the module ``fully_shard`` was applied
+    to, a function giving each of that module's sharded parameters its current value, the gathered
+    one while the module's forward runs, and anything else as it is); None otherwise."""
     if "torch.distributed.fsdp" not in sys.modules:
         return None
     from torch.distributed._composable_state import _module_state_mapping
     for module, state_ref in list(_module_state_mapping.items()):
         state = state_ref()
-        for group in getattr(state, "_fsdp_param_groups", None) or ():
-            for fsdp_param in group.fsdp_params:
-                if fsdp_param.sharded_param is param:
-                    info = fsdp_param._module_info
-                    return module, info.module, info.param_name
+        held = {id(p.sharded_param): p._module_info for group in getattr(state, "_fsdp_param_groups", None) or ()
+                for p in group.fsdp_params}
+        if id(param) in held:
+            def live(t: Any) -> Any:
+                info = held.get(id(t))
+                return t if info is None else getattr(info.module, info.param_name)
+            return module, live
     return None
 
 
