@@ -13,7 +13,7 @@ from typing import Any
 import sympy as sp
 import torch
 
-from . import autograd, backends
+from . import autograd, backends, distributed
 from . import load as _load
 from . import symbols as S
 from .emit import KernelSource, header
@@ -191,6 +191,8 @@ class HeadLoss(torch.nn.Module):
 
     # ---- calls ----------------------------------------------------------------------------------
     def forward(self, logits: torch.Tensor, labels: torch.Tensor | None = None, **inputs: Any) -> HeadOutput:
+        if distributed.is_dtensor(logits):
+            return distributed.forward(self, logits, labels, inputs)
         learnable = self._learnable_weights()
         call = check_call(self, self.kernel, logits, labels, inputs)
         run = autograd.compiled if torch.compiler.is_compiling() else autograd.eager
@@ -201,6 +203,9 @@ class HeadLoss(torch.nn.Module):
                teacher_weight: torch.Tensor | None = None, teacher_bias: torch.Tensor | None = None,
                chunk_rows: int | None = None, **inputs: Any) -> HeadOutput:
         """The head on ``hidden @ weight.T + bias`` without ever holding those logits whole."""
+        if distributed.is_dtensor(weight) or distributed.is_dtensor(hidden) or distributed.is_dtensor(teacher_weight):
+            return distributed.linear(self, hidden, weight, labels, bias, teacher_hidden, teacher_weight,
+                                      teacher_bias, chunk_rows, inputs)
         from . import linear
         learnable = self._learnable_weights()
         return self._output(*linear.run(self, hidden, weight, labels, bias, teacher_hidden,

@@ -1,0 +1,119 @@
+"""FSDP2 over gloo CPU ranks (one spawn, every case inside): ``head.linear`` with a weight that
+``fully_shard`` manages, and ``apply_losscodegen`` on a tiny Llama wrapped by FSDP2 (lm_head as its own
+unit or in the root, tied or not). Each rank trains on its own rows; FSDP averages the gradients over
+the ranks, so each parameter's gradient must be the mean over the ranks of the unsharded model's
+gradients (float64 reference for ``head.linear``, the model's own loss for the integration)."""
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import losscodegen as lcg
+from helpers import run_ranks, spec
+from reference import head_reference
+
+TOL = 2e-5
+
+
+def _err(got, want):
+    got, want = got.detach().double(), want.detach().double()
+    assert got.shape == want.shape, (got.shape, want.shape)
+    return float((got - want).abs().max()), max(1.0, float(want.abs().max()))
+
+
+def _full(t):
+    from torch.distributed.tensor import DTensor
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _linear_cases(rank, world):
+    """head.linear(hidden, lm_head.weight, ...) with ``fully_shard(lm_head)``: the weight gathered and
+    its gradient reduce-scattered (averaged) by FSDP, the hidden states' gradient this rank's."""
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    V, H, R = 24, 16, 7
+    lm_head = torch.nn.Linear(H, V, bias=True)
+    W, b = lm_head.weight.detach().clone(), lm_head.bias.detach().clone()
+    fully_shard(lm_head)
+    head = lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(weight=1e-2), metrics=(lcg.Entropy(),))
+    rows = []
+    for reduction in ("mean", "none"):
+        lm_head.zero_grad()
+        g = torch.Generator().manual_seed(20)
+        hiddens = [torch.randn(R, H, generator=g) for _ in range(world)]
+        labels = [torch.randint(0, V, (R,), generator=g) for _ in range(world)]
+        h = hiddens[rank].clone().requires_grad_()
+        out = head.linear(h, lm_head.weight, labels[rank], bias=lm_head.bias, reduction=reduction)
+        (out.loss.sum() if reduction == "none" else out.loss).backward()
+        # reference: each rank's float64 loss, gradients averaged over the ranks as FSDP does
+        Wd, bd = W.double().requires_grad_(), b.double().requires_grad_()
+        grads_h = []
+        for r in range(world):
+            hd = hiddens[r].double().requires_grad_()
+            loss, values, _ = head_reference([spec(t, head) for t in head.loss_terms],
+                                             [spec(t, head) for t in head.metric_terms],
+                                             hd @ Wd.T + bd, labels[r], reduction=reduction)
+            grads_h.append(hd.grad)
+            if r == rank:
+                rows += [(f"linear/{reduction}/loss", *_err(out.loss, loss))]
+                rows += [(f"linear/{reduction}/{n}", *_err(v, values[n])) for n, v in {**out.terms, **out.metrics}.items()]
+        rows += [(f"linear/{reduction}/grad_hidden", *_err(h.grad, grads_h[rank])),
+                 (f"linear/{reduction}/grad_weight", *_err(_full(lm_head.weight.grad), Wd.grad / world)),
+                 (f"linear/{reduction}/grad_bias", *_err(_full(lm_head.bias.grad), bd.grad / world))]
+    return rows
+
+
+def _model_cases(rank, world):
+    """apply_losscodegen on a tiny Llama under FSDP2 against the unsharded, unpatched model."""
+    from torch.distributed.fsdp import fully_shard
+    from losscodegen.integrations.transformers import apply_losscodegen
+    from helpers import tiny_causal_lm
+    rows = []
+    for case in ("lm_head_unit", "root", "tied"):
+        model = tiny_causal_lm(32, tie_word_embeddings=case == "tied")
+        reference = copy.deepcopy(model)
+        if case == "lm_head_unit":
+            fully_shard(model.lm_head)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        apply_losscodegen(model)
+        model.train()
+        g = torch.Generator().manual_seed(30)
+        ids = [torch.randint(4, 32, (2, 6), generator=g) for _ in range(world)]
+        out = model(input_ids=ids[rank], labels=ids[rank])
+        out.loss.backward()
+        reference.train()
+        losses = [reference(input_ids=i, labels=i).loss for i in ids]
+        (sum(losses) / world).backward()
+        rows.append((f"model/{case}/loss", *_err(out.loss, losses[rank])))
+        ours = dict(model.named_parameters())
+        for name, p in reference.named_parameters():
+            rows.append((f"model/{case}/grad/{name}", *_err(_full(ours[name].grad), p.grad)))
+    return rows
+
+
+def _worker(rank, world, port, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        rows = _linear_cases(rank, world)
+        if world == 2:
+            rows += _model_cases(rank, world)
+        queue.put((rank, rows, None))
+    except Exception:  # (reported by the test, not lost in a child's stderr)
+        import traceback
+        queue.put((rank, [], traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2])
+def test_fsdp2_sharded_weights_give_the_unsharded_values_and_averaged_gradients(world):
+    pytest.importorskip("transformers")
+    for rank, rows, error in run_ranks(_worker, world, world):
+        assert error is None, f"rank {rank}:\n{error}"
+        assert rows
+        for what, err, scale in rows:
+            assert err <= TOL * scale, (rank, what, err, scale)
