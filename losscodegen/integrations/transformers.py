@@ -40,7 +40,7 @@ except ImportError:  # (earlier transformers 5 releases sliced inline, as this d
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         return hidden_states[:, keep, :]
 
-__all__ = ["apply_losscodegen", "LosscodegenCallback", "LosscodegenState", "TokenMeans", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["apply_losscodegen", "AutoLosscodegenForCausalLM", "LosscodegenCallback", "LosscodegenState", "TokenMeans", "SUPPORTED_MODEL_TYPES"]
 
 
 @dataclass(frozen=True)
@@ -323,3 +323,17 @@ class LosscodegenCallback(TrainerCallback):
         logs.update(values)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(values)   # (the Trainer appended a copy of logs before calling us)
+
+
+class AutoLosscodegenForCausalLM(transformers.AutoModelForCausalLM):
+    """``transformers.AutoModelForCausalLM`` whose models come patched: ``from_pretrained(...)`` and
+    ``from_config(...)`` take the same arguments, plus ``head=`` (None: ``HeadLoss(CrossEntropy())`` with
+    the model's final-logit transform), and return ``apply_losscodegen(model, head)``."""
+
+    @classmethod
+    def from_pretrained(cls, *args: Any, head: lcg.HeadLoss | None = None, **kwargs: Any) -> nn.Module:
+        return apply_losscodegen(transformers.AutoModelForCausalLM.from_pretrained(*args, **kwargs), head)
+
+    @classmethod
+    def from_config(cls, config: Any, *, head: lcg.HeadLoss | None = None, **kwargs: Any) -> nn.Module:
+        return apply_losscodegen(transformers.AutoModelForCausalLM.from_config(config, **kwargs), head)
