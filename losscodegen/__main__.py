@@ -144,22 +144,27 @@ def demo() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m losscodegen")
+    parser = argparse.ArgumentParser(prog="python -m losscodegen", description="losscodegen's kernels from the command line: generate them, "
+                                     "check them against float64, tune their launches, see one run",
+                                     epilog="`python -m losscodegen COMMAND --help` describes each command's options")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="write (or --check) one kernel file per head of a manifest")
-    gen.add_argument("--manifest", type=Path, default=load.GENERATED / "manifest")
-    gen.add_argument("--out", type=Path, default=None, help="default: the manifest's folder")
+    manifest_help = "the heads, one a line (default: the package's own, generated/manifest)"
+    gen.add_argument("--manifest", type=Path, default=load.GENERATED / "manifest", help=manifest_help)
+    gen.add_argument("--out", type=Path, default=None, help="the folder to write into (default: the manifest's)")
     gen.add_argument("--check", action="store_true", help="compare instead of writing; exit 1 if stale")
     chk = sub.add_parser("check", help="parity of every head of a manifest with its float64 reference")
-    chk.add_argument("--manifest", type=Path, default=load.GENERATED / "manifest")
-    chk.add_argument("--device", choices=("cpu", "cuda"), default=None)
+    chk.add_argument("--manifest", type=Path, default=load.GENERATED / "manifest", help=manifest_help)
+    chk.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                     help="where to run the kernels (default: cuda if available; cpu runs Triton's interpreter)")
     chk.add_argument("--vocab", type=_positive, default=500,
                      help="logits' columns (a class-weighted head: the length of its class weights)")
     chk.add_argument("--rows", type=_positive, default=24, help="rows of random inputs")
     tun = sub.add_parser("tune", help="measure launch configurations on this GPU (kept for later calls)")
-    tun.add_argument("--manifest", type=Path, default=load.GENERATED / "manifest")
-    tun.add_argument("--vocab", type=int, nargs="+", default=[32000, 64128, 128256, 262144])
-    tun.add_argument("--rows", type=int, default=8192)
+    tun.add_argument("--manifest", type=Path, default=load.GENERATED / "manifest", help=manifest_help)
+    tun.add_argument("--vocab", type=int, nargs="+", default=[32000, 64128, 128256, 262144],
+                     help="the vocabulary sizes to measure at (default: %(default)s)")
+    tun.add_argument("--rows", type=int, default=8192, help="rows of logits per measured call (default: %(default)s)")
     tun.add_argument("--out", type=Path, default=None, help="write this table instead of the user's")
     sub.add_parser("demo", help="run a real head on random logits and print what it computes")
     args = parser.parse_args(argv)

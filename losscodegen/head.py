@@ -30,12 +30,16 @@ def _real(name: str, x: Any) -> float:
     return float(x)
 
 
-@torch.compiler.assume_constant_result
 def _kernel_of(head_id: str) -> ModuleType:
     # torch.compile runs this once while tracing and keeps the module as a constant: finding or
     # generating a kernel (files, sympy) is nothing Dynamo should trace.
     head = autograd.head_of(head_id)
     return _load.load(head.key, lambda: head.source().text, head.backend)
+
+
+# torch.compiler.assume_constant_result(_kernel_of) without importing Dynamo (2-3 s) with the package:
+# the decorator sets this mark and nothing else (tests/test_imports.py checks that against torch's).
+_kernel_of._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 @dataclass

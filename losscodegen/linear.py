@@ -202,12 +202,15 @@ class _LinearFunction(torch.autograd.Function):
                 None)
 
 
-# Eager even inside a compiled function (a graph break): Dynamo would trace into the chunk loop and
-# the kernels' launches, which it cannot (docs/api.md).
-@torch.compiler.disable
-def run(head, hidden, weight, labels, bias, teacher_hidden, teacher_weight, teacher_bias, chunk_rows,
-        inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], Any]:
-    """(loss, values, rows, the checked call)."""
+def run(*args: Any) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], Any]:
+    """(loss, values, rows, the checked call). Eager even inside a compiled function (a graph break):
+    Dynamo would trace into the chunk loop and the kernels' launches, which it cannot (docs/api.md).
+    (torch.compiler.disable applied here, where Dynamo runs, not at import: it imports Dynamo, 2-3 s.)"""
+    return torch.compiler.disable(_run)(*args) if torch.compiler.is_compiling() else _run(*args)
+
+
+def _run(head, hidden, weight, labels, bias, teacher_hidden, teacher_weight, teacher_bias, chunk_rows,
+         inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], Any]:
     hidden, weight, bias = _as_linear(hidden, weight, bias)
     teacher_hidden, teacher_weight, teacher_bias = _as_linear(teacher_hidden, teacher_weight, teacher_bias)
     fused = _check(head, hidden, weight, labels, bias, teacher_hidden, teacher_weight, teacher_bias,

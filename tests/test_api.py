@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import sympy
 import torch
 
 import losscodegen as lcg
@@ -78,6 +79,14 @@ def test_explain_names_reads_gradient_and_file(head):
     assert "exact" in lcg.HeadLoss(lcg.JSD()).explain()
 
 
+# The sympy that wrote generated/: another sympy prints some expressions differently (each file's
+# CODEGEN stamp hashes the version, so at run time they are regenerated, never used stale).
+GENERATED_WITH_SYMPY = "1.14.0"
+
+
+@pytest.mark.skipif(sympy.__version__ != GENERATED_WITH_SYMPY,
+                    reason=f"generated/ was written under sympy {GENERATED_WITH_SYMPY}; its byte-for-byte "
+                           f"check runs under that version only (this is sympy {sympy.__version__})")
 def test_generated_is_up_to_date(tmp_path):
     subprocess.run([sys.executable, "-m", "losscodegen", "generate", "--out", str(tmp_path)],
                    check=True, cwd=ROOT, capture_output=True)

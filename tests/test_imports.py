@@ -4,10 +4,17 @@ and a backend is one folder: only its own modules import what it is written in (
 other, and the runtime reaches it through ``losscodegen.backends`` alone."""
 from __future__ import annotations
 
+import argparse
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 import losscodegen
+from losscodegen import head
 
 PACKAGE = Path(losscodegen.__file__).resolve().parent
 COMPILER = {"losscodegen.symbols", "losscodegen.terms", "losscodegen.lower", "losscodegen.plan",
@@ -91,3 +98,43 @@ def test_a_backend_is_one_folder():
                 continue
             reached = sorted(imports & language) + sorted(n for n in imports if n.startswith(BACKENDS + name))
             assert not reached, f"{m} imports {reached}: only losscodegen/backends/{name}/ may"
+
+
+def test_importing_losscodegen_loads_neither_dynamo_nor_a_training_library():
+    """``import losscodegen`` costs torch's own import and little more: no Dynamo (2-3 s), no
+    transformers or trl (a fresh interpreter, so that no other test's imports count)."""
+    code = ("import sys, losscodegen, losscodegen.integrations\n"
+            "heavy = ('torch._dynamo', 'transformers', 'trl', 'accelerate', 'datasets')\n"
+            "print(sorted(m for m in heavy if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", f"import losscodegen loads {done.stdout.strip()}"
+
+
+def test_the_kernel_lookup_is_marked_as_torch_compilers_decorator_marks_it():
+    """head._kernel_of is marked constant for Dynamo by hand (the decorator imports Dynamo): the mark
+    must be what ``torch.compiler.assume_constant_result`` sets, on this torch."""
+    def probe():
+        return 0
+    marked = torch.compiler.assume_constant_result(probe)
+    assert marked is probe and vars(probe) == {"_dynamo_marked_constant": True}, vars(probe)
+    assert vars(head._kernel_of).items() >= vars(probe).items()
+
+
+def test_command_line_help_describes_every_option(monkeypatch):
+    from losscodegen.__main__ import main
+    parsers: list[argparse.ArgumentParser] = []
+
+    def capture(self, *args, **kwargs):   # the parser main() builds, before it parses anything
+        parsers.append(self)
+        raise SystemExit(0)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", capture)
+    with pytest.raises(SystemExit):
+        main([])
+    (top,) = parsers
+    (commands,) = [a for a in top._actions if isinstance(a, argparse._SubParsersAction)]
+    undescribed = [f"{name} {action.option_strings or action.dest}"
+                   for name, parser in commands.choices.items() for action in parser._actions if not action.help]
+    described = {c.dest for c in commands._choices_actions if c.help}
+    undescribed += [name for name in commands.choices if name not in described]
+    assert top.description and not undescribed, f"options without a help text: {undescribed}"

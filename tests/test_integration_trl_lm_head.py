@@ -230,7 +230,7 @@ def test_bad_arguments_name_them():
         ours(input_ids=torch.randint(4, V, (B, T)), fused_lm_head=True)
     with pytest.raises(TypeError, match="model must be"):
         lcg_trl.add_fused_lm_head(torch.nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="no model with TRL's fused LM head"):
+    with pytest.raises(ValueError, match="loss does not come from TRL's fused LM head"):
         lcg_trl.replace_fused_lm_heads(transformers.Trainer(model=_model(), args=transformers.TrainingArguments(
             output_dir="/tmp/lcg-trl-lm-head-test", use_cpu=True, report_to=[])))
 

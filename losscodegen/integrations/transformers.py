@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import inspect
 import math
+import sys
 import types
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -27,6 +29,7 @@ try:
     import transformers
     from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
     from transformers.modeling_outputs import CausalLMOutputWithPast
+    from transformers.trainer_callback import CallbackHandler, TrainerCallback
     from transformers.utils.generic import can_return_tuple
 except ImportError as e:  # pragma: no cover - the message is the point
     raise ImportError('losscodegen.integrations.transformers needs transformers>=5: pip install "losscodegen[hf]"') from e
@@ -37,7 +40,7 @@ except ImportError:  # (earlier transformers 5 releases sliced inline, as this d
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         return hidden_states[:, keep, :]
 
-__all__ = ["apply_losscodegen", "LosscodegenState", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["apply_losscodegen", "AutoLosscodegenForCausalLM", "LosscodegenCallback", "LosscodegenState", "TokenMeans", "SUPPORTED_MODEL_TYPES"]
 
 
 @dataclass(frozen=True)
@@ -91,16 +94,49 @@ _IGNORE_INDEX = -100   # ForCausalLMLoss's, and what transformers' collators pad
 
 
 @dataclass
+class TokenMeans:
+    """The head's terms and metrics summed over the forwards since the last ``take()``, and the tokens
+    they scored: ``take()`` gives each as a per-token mean over all of them (an accumulated batch, or the
+    evaluation set), not the last micro-batch's. Sums stay on the device until ``take()``."""
+
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    tokens: torch.Tensor | None = None
+
+    def add(self, out: lcg.HeadOutput, tokens: torch.Tensor, divisor: Any) -> None:
+        # a term is its sum over the valid rows / divisor; a metric a mean over the valid rows
+        divisor = tokens if divisor is None else divisor
+        values = {**{k: v * divisor for k, v in out.terms.items()}, **{k: v * tokens for k, v in out.metrics.items()}}
+        for k, v in values.items():
+            self.sums[k] = v if k not in self.sums else self.sums[k] + v
+        self.tokens = tokens if self.tokens is None else self.tokens + tokens
+
+    def take(self) -> dict[str, float]:
+        """The per-token means (over every process, where torch.distributed runs), then empty."""
+        if self.tokens is None:
+            return {}
+        names = list(self.sums)
+        totals = torch.stack([self.sums[k].float() for k in names] + [self.tokens.float()])
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(totals)
+        self.sums, self.tokens = {}, None
+        totals = totals.tolist()
+        return {k: v / max(totals[-1], 1.0) for k, v in zip(names, totals)}
+
+
+@dataclass
 class LosscodegenState:
-    """``model.losscodegen`` on a patched model: the head, the model's final-logit transform, and the
-    last training forward's ``terms`` and ``metrics`` (detached fp32 scalars, unweighted, as in
-    ``HeadOutput``; from the last micro-batch), for logging."""
+    """``model.losscodegen`` on a patched model: the head, the model's final-logit transform, the last
+    forward's ``terms`` and ``metrics`` (detached fp32 scalars, unweighted, as in ``HeadOutput``), and
+    ``train`` / ``eval``: their per-token means since they were last taken (``LosscodegenCallback`` logs them)."""
 
     head: lcg.HeadLoss
     final_logits: FinalLogits
     forward: Callable[..., Any]          # the model's own forward, bound to it
     terms: dict[str, torch.Tensor] = field(default_factory=dict)
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    train: TokenMeans = field(default_factory=TokenMeans)
+    eval: TokenMeans = field(default_factory=TokenMeans)
+    warned_unused: bool = False          # (a training forward without labels warns once)
 
 
 def apply_losscodegen(model: nn.Module, head: lcg.HeadLoss | None = None) -> nn.Module:
@@ -152,7 +188,24 @@ def apply_losscodegen(model: nn.Module, head: lcg.HeadLoss | None = None) -> nn.
     # deepcopy of the model is bound to the copy.
     forward.__signature__ = inspect.signature(type(model).forward)
     object.__setattr__(model, "forward", types.MethodType(can_return_tuple(forward), model))
+    # TRL's trainers replace the forward with their fused LM head, then tag the model: the tag is when
+    # a head TRL's fused loss does not compute is refused (docs/integrations-trl.md)
+    object.__setattr__(model, "add_model_tags", types.MethodType(_add_model_tags, model))
     return model
+
+
+def _add_model_tags(self: nn.Module, tags: Any) -> None:
+    type(self).add_model_tags(self, tags)
+    if "trl" not in sys.modules:
+        return
+    from losscodegen.integrations.trl_lm_head import computes_trls_fused_loss, trl_fused_head_of
+    if not computes_trls_fused_loss(self.losscodegen.head) and trl_fused_head_of(self) is not None:
+        raise ValueError(
+            f"this {type(self).__name__} was patched by apply_losscodegen with a head whose objective is not "
+            f"cross-entropy alone ({', '.join(t.name for t in self.losscodegen.head.loss_terms)}), and a TRL trainer "
+            "(tags: {}) has given it TRL's fused LM head, whose loss is plain cross-entropy: it would train on a "
+            "different objective. Train it with transformers.Trainer, or give apply_losscodegen a head of "
+            "CrossEntropy() alone".format(", ".join(map(str, tags if isinstance(tags, (list, tuple)) else [tags]))))
 
 
 def _check_head(head: lcg.HeadLoss, final: FinalLogits, model_type: str) -> None:
@@ -178,6 +231,12 @@ def _forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     labels = arguments.pop("labels", None)
     shift_labels = extra.pop("shift_labels", None)
     if labels is None and shift_labels is None:
+        if self.training and torch.is_grad_enabled() and not state.warned_unused:
+            state.warned_unused = True
+            warnings.warn("apply_losscodegen: a training forward without labels returns the logits and does not use "
+                          "the head: the loss is computed outside the model (Trainer's label_smoothing_factor, "
+                          "compute_loss_func, or a trainer's own loss). For label smoothing use "
+                          "CrossEntropy(label_smoothing=...) in the head instead", stacklevel=3)
         return state.forward(*args, **kwargs)      # generation, or logits only: the model's own forward
     num_items_in_batch = extra.pop("num_items_in_batch", None)
     extra.pop("ignore_index", None)                # (ForCausalLMLoss's keyword; the head checks -100)
@@ -194,10 +253,87 @@ def _forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     logits = None
     if self.training:
         out = head.linear(hidden, lm_head.weight, shift_labels, bias=lm_head.bias, divisor=num_items_in_batch)
-        state.terms, state.metrics = out.terms, out.metrics
     else:
         raw = lm_head(hidden)
         out = head(raw, shift_labels, divisor=num_items_in_batch)
         logits = raw if state.final_logits.apply is None else state.final_logits.apply(raw)
+    state.terms, state.metrics = out.terms, out.metrics
+    (state.train if self.training else state.eval).add(out, (shift_labels != _IGNORE_INDEX).sum(), num_items_in_batch)
     return CausalLMOutputWithPast(loss=out.loss, logits=logits, past_key_values=outputs.past_key_values,
                                   hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+
+
+def _patchable(model: nn.Module) -> nn.Module:
+    """The causal LM under a PEFT wrapper (the instance whose forward the patch replaces)."""
+    return model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+
+
+class LosscodegenCallback(TrainerCallback):
+    """``Trainer(..., callbacks=[LosscodegenCallback(head=None)])``: patches the trainer's model with
+    ``apply_losscodegen(model, head)`` when the trainer is built (or when training begins, if added later;
+    a model patched already is kept, and must have ``head`` if one is given), and logs the head's terms and
+    metrics into the Trainer's logs (``log_history`` and every ``report_to``): per-token means over the
+    tokens since the last log (with ``logging_steps=1``, the accumulated batch), and for ``evaluate()`` over
+    the evaluation set, under the evaluation's prefix (``eval_cross_entropy``)."""
+
+    def __init__(self, head: lcg.HeadLoss | None = None):
+        if head is not None and not isinstance(head, lcg.HeadLoss):
+            raise TypeError(f"head must be a losscodegen HeadLoss or None, got {type(head).__name__}")
+        self.head = head
+
+    def _patch(self, args: Any, model: nn.Module | None) -> None:
+        # Logs reach report_to through the dict the callbacks are given, in their order: this one goes
+        # first, so that the reporting callbacks (before the user's in the Trainer's list) see its values.
+        handler = sys._getframe(2).f_locals.get("self")     # (CallbackHandler.call_event, which calls us)
+        if isinstance(handler, CallbackHandler) and handler.callbacks[0] is not self:
+            handler.callbacks.remove(self)
+            handler.callbacks.insert(0, self)
+        if model is None:
+            return
+        target = _patchable(model)
+        state = vars(target).get("losscodegen")
+        if state is None:
+            apply_losscodegen(target, self.head)
+        elif self.head is not None and state.head is not self.head:
+            raise ValueError("LosscodegenCallback(head=...): the trainer's model is patched already, with another head")
+        if getattr(args, "label_smoothing_factor", 0.0):
+            warnings.warn(f"label_smoothing_factor={args.label_smoothing_factor}: the Trainer computes a label-smoothed "
+                          "loss from the logits itself, and the head is not used; use CrossEntropy(label_smoothing=...) "
+                          "in the head instead", stacklevel=4)
+
+    def on_init_end(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kwargs: Any) -> None:
+        self._patch(args, model)
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: nn.Module | None = None,
+                       **kwargs: Any) -> None:
+        self._patch(args, model)
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, model: nn.Module | None = None,
+               **kwargs: Any) -> None:
+        lcg_state = None if model is None else vars(_patchable(model)).get("losscodegen")
+        if logs is None or lcg_state is None:
+            return
+        if "loss" in logs:          # a training log
+            values = lcg_state.train.take()
+        else:                       # evaluate()'s: {prefix}_loss, ...
+            prefix = next((k[:-len("loss")] for k in logs if k.endswith("_loss")), None)
+            if prefix is None:
+                return
+            values = {prefix + k: v for k, v in lcg_state.eval.take().items()}
+        logs.update(values)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(values)   # (the Trainer appended a copy of logs before calling us)
+
+
+class AutoLosscodegenForCausalLM(transformers.AutoModelForCausalLM):
+    """``transformers.AutoModelForCausalLM`` whose models come patched: ``from_pretrained(...)`` and
+    ``from_config(...)`` take the same arguments, plus ``head=`` (None: ``HeadLoss(CrossEntropy())`` with
+    the model's final-logit transform), and return ``apply_losscodegen(model, head)``."""
+
+    @classmethod
+    def from_pretrained(cls, *args: Any, head: lcg.HeadLoss | None = None, **kwargs: Any) -> nn.Module:
+        return apply_losscodegen(transformers.AutoModelForCausalLM.from_pretrained(*args, **kwargs), head)
+
+    @classmethod
+    def from_config(cls, config: Any, *, head: lcg.HeadLoss | None = None, **kwargs: Any) -> nn.Module:
+        return apply_losscodegen(transformers.AutoModelForCausalLM.from_config(config, **kwargs), head)

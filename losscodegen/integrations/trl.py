@@ -34,7 +34,8 @@ try:
 except ImportError as e:  # pragma: no cover - the message is the point
     raise ImportError('losscodegen.integrations.trl needs trl>=1.16: pip install "losscodegen[hf]"') from e
 
-__all__ = ["GRPOTrainer", "FUSED_LOSS_TYPES", "FUSED_IMPORTANCE_SAMPLING_LEVELS", "unfused_options"]
+__all__ = ["GRPOTrainer", "FUSED_LOSS_TYPES", "FUSED_IMPORTANCE_SAMPLING_LEVELS", "unfused_options",
+           "generalized_jsd_loss"]
 
 FUSED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
 FUSED_IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
@@ -213,6 +214,59 @@ def _add_fused_objective(model: Any, cast_lm_head_to_fp32: bool) -> None:
         return FusedObjectiveOutput(loss=out.loss, terms=out.terms, metrics=out.metrics, rows=out.rows)
 
     model.forward = types.MethodType(functools.wraps(type(model).forward)(forward), model)
+
+
+_JSD_REDUCTIONS = ("batchmean", "sum", "mean")
+
+
+@functools.lru_cache(maxsize=64)
+def _jsd_head(beta: float, temperature: float) -> lcg.HeadLoss:
+    # TRL's beta weighs the teacher in the mixture (its 0 and 1 are the KLs themselves, not the limits
+    # of the formula, which vanish); losscodegen's JSD weighs the student: beta = 1 - TRL's
+    if beta == 0:
+        term = lcg.ForwardKL(temperature=temperature)
+    elif beta == 1:
+        term = lcg.ReverseKL(temperature=temperature)
+    else:
+        term = lcg.JSD(beta=1.0 - beta, temperature=temperature)
+    return lcg.HeadLoss(term)
+
+
+def generalized_jsd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
+                         labels: torch.Tensor | None = None, beta: float = 0.5, temperature: float = 1.0,
+                         reduction: str = "batchmean", num_items_in_batch: Any = None) -> torch.Tensor:
+    """TRL's ``GKDTrainer.generalized_jsd_loss`` (same arguments, same meaning and value), from one fused
+    pass over the vocabulary: ``beta`` weighs the teacher in the mixture ``m = (1 - beta) p_student + beta
+    p_teacher``, the loss is ``beta KL(teacher || m) + (1 - beta) KL(student || m)`` per token, ``beta=0``
+    is the forward KL ``KL(teacher || student)`` and ``beta=1`` the reverse KL, both logits divided by
+    ``temperature``; positions whose label is -100 are left out. The sum over the tokens is divided by
+    ``num_items_in_batch`` when given, else by the reduction's count: ``"batchmean"`` the tokens kept (the
+    batch size without labels), ``"mean"`` the tokens kept times the vocabulary, ``"sum"`` none.
+    (TRL's other reductions return a ``[tokens, vocab]`` tensor, which a fused pass does not build.)
+    The gradient reaches the student's logits (the teacher's is not computed)."""
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta <= 1:
+        raise ValueError(f"beta must be a number in [0, 1], got {beta!r}")
+    if reduction not in _JSD_REDUCTIONS and num_items_in_batch is None:
+        raise ValueError(f"reduction={reduction!r}: losscodegen's generalized_jsd_loss computes {_JSD_REDUCTIONS} "
+                         "(TRL's other reductions return the [tokens, vocab] divergences, which a fused pass does not "
+                         "build)")
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(f"student_logits {tuple(student_logits.shape)} and teacher_logits "
+                         f"{tuple(teacher_logits.shape)} must have one shape")
+    head = _jsd_head(float(beta), float(temperature))
+    vocab = student_logits.shape[-1]
+    if num_items_in_batch is not None:
+        divisor = num_items_in_batch
+    elif reduction == "sum":
+        divisor = 1.0
+    elif labels is None:
+        divisor = student_logits.shape[0] if reduction == "batchmean" else student_logits.numel()
+    else:
+        kept = (labels != -100).sum()
+        divisor = kept.clamp(min=1) if reduction == "batchmean" else kept * vocab
+    if isinstance(divisor, torch.Tensor):
+        divisor = divisor.to(student_logits.device)
+    return head(student_logits, labels, teacher_logits=teacher_logits, divisor=divisor).loss
 
 
 class GRPOTrainer(trl.GRPOTrainer):

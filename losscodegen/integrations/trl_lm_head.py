@@ -32,7 +32,8 @@ try:
 except ImportError as e:  # pragma: no cover - the message is the point
     raise ImportError('losscodegen.integrations.trl needs trl>=1.16: pip install "losscodegen[hf]"') from e
 
-__all__ = ["add_fused_lm_head", "replace_fused_lm_heads", "final_logit_transform", "FUSED_OUTPUTS"]
+__all__ = ["add_fused_lm_head", "replace_fused_lm_heads", "final_logit_transform", "computes_trls_fused_loss",
+           "FUSED_OUTPUTS"]
 
 # FusedCausalLMOutput's per-token fields that ``outputs=`` may ask for (TRL's names and order)
 FUSED_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
@@ -166,7 +167,7 @@ def _load_balancing_loss(model: nn.Module, text_config: Any, backbone: Any, atte
                                     attention_mask)
 
 
-def _trl_fused_head(module: nn.Module) -> dict[str, Any] | None:
+def trl_fused_head_of(module: nn.Module) -> dict[str, Any] | None:
     """The arguments TRL's ``add_fused_lm_head`` was given for ``module`` (and the forward it wrapped),
     read from the forward it set; None where it set none."""
     forward = vars(module).get("forward")
@@ -183,11 +184,46 @@ def _trl_fused_head(module: nn.Module) -> dict[str, Any] | None:
     return {k: cells[k] for k in wanted}
 
 
+def computes_trls_fused_loss(head: lcg.HeadLoss) -> bool:
+    """Whether ``head``'s objective is the one TRL's fused LM head computes (its ``-log_probs``):
+    cross-entropy alone, weight 1, no label smoothing, no class weights."""
+    if len(head.loss_terms) != 1:
+        return False
+    (term,) = head.loss_terms
+    return term.name == "cross_entropy" and term.class_weight is None and term.normalize == "tokens" \
+        and float(term.weight) == 1.0 and float(dict(term.params).get("label_smoothing", 0.0)) == 0.0
+
+
+# TRL's trainers whose loss reads the fused LM head's outputs (``fused_lm_head=True``) in TRL 1.16
+_READS_FUSED = ("SFTTrainer", "DPOTrainer", "KTOTrainer", "GRPOTrainer", "RLOOTrainer")
+_LOSS_METHODS = ("compute_loss", "_compute_loss")
+
+
+def _reads_fused_outputs(trainer: Any) -> bool:
+    """Whether ``trainer``'s loss is one of ``_READS_FUSED``'s, not overridden by a subclass (GKD subclasses
+    SFTTrainer and computes its loss from full logits) other than losscodegen's own."""
+    import trl
+    known = tuple(getattr(trl, name) for name in _READS_FUSED)
+    base = next((c for c in type(trainer).__mro__ if c in known), None)
+    if base is None:
+        return False
+    for name in _LOSS_METHODS:
+        method = getattr(type(trainer), name, None)
+        if method is not getattr(base, name, None) and not method.__module__.startswith("losscodegen."):
+            return False
+    return True
+
+
 def replace_fused_lm_heads(trainer: Any) -> Any:
     """Put losscodegen's fused LM head in place of TRL's on every model of ``trainer`` that TRL gave one
     (its model, the PEFT base model under it, its reference model), with the temperature, fp32 cast and
     outputs TRL chose for it; return the trainer. Call it after building the trainer, before training.
-    Works for any TRL trainer that uses ``add_fused_lm_head`` (GRPO, RLOO, DPO, KTO, SFT in TRL 1.16)."""
+    Works for any TRL trainer whose loss reads ``add_fused_lm_head``'s outputs (GRPO, RLOO, DPO, KTO, SFT in
+    TRL 1.16); a trainer whose loss does not (GKD's, a subclass's own ``compute_loss``) is refused, and so is a
+    model patched by ``apply_losscodegen`` with a head other than cross-entropy alone."""
+    if not _reads_fused_outputs(trainer):
+        raise ValueError(f"{type(trainer).__name__}'s loss does not come from TRL's fused LM head (its compute_loss is "
+                         f"not one of {', '.join(_READS_FUSED)}'s): replacing the head would change nothing it trains on")
     seen: set[int] = set()
     replaced = 0
     for value in list(vars(trainer).values()):
@@ -197,9 +233,14 @@ def replace_fused_lm_heads(trainer: Any) -> Any:
             if id(module) in seen:
                 continue
             seen.add(id(module))
-            found = _trl_fused_head(module)
+            found = trl_fused_head_of(module)
             if found is None:
                 continue
+            state = vars(module).get("losscodegen")    # (apply_losscodegen's: its head is not TRL's loss)
+            if state is not None and not computes_trls_fused_loss(state.head):
+                raise ValueError(f"{type(module).__name__} was patched by apply_losscodegen with a head that is not "
+                                 f"cross-entropy alone, and {type(trainer).__name__}'s loss reads TRL's fused LM head "
+                                 "(log-probabilities): it would train on a different objective")
             module.forward = found.pop("original_forward")     # TRL's patch undone, then ours
             add_fused_lm_head(module, **found)
             replaced += 1

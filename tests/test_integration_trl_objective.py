@@ -1,0 +1,113 @@
+"""Never a silently different objective under TRL: a model patched by apply_losscodegen with a head
+that is not TRL's fused cross-entropy is refused when a TRL trainer gives it TRL's fused LM head;
+``replace_fused_lm_heads`` refuses trainers whose loss does not read the fused outputs (GKD's); a
+training forward whose loss is computed outside the model (label smoothing) warns; and
+``generalized_jsd_loss`` is TRL's GKD loss (its beta convention), value and gradient, against TRL's own
+function."""
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+datasets = pytest.importorskip("datasets")
+
+import losscodegen as lcg  # noqa: E402
+from losscodegen.integrations import trl as lcg_trl  # noqa: E402
+from losscodegen.integrations.transformers import apply_losscodegen  # noqa: E402
+from helpers import tiny_causal_lm, tiny_tokenizer  # noqa: E402
+
+V = 96
+OUT = "/tmp/lcg-trl-objective-test"
+
+
+def _sft(model, cls=None):
+    args = trl.SFTConfig(output_dir=OUT, use_cpu=True, report_to=[], bf16=False)
+    return (cls or trl.SFTTrainer)(model=model, args=args, processing_class=tiny_tokenizer(V),
+                                   train_dataset=datasets.Dataset.from_dict({"text": ["t5 t6 t7 t8"] * 4}))
+
+
+def test_sft_trainer_refuses_a_patched_model_whose_head_is_not_its_cross_entropy():
+    model = apply_losscodegen(tiny_causal_lm(V), lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(weight=1e-2)))
+    with pytest.raises(ValueError, match=r"z_loss.*different objective"):
+        _sft(model)
+
+
+def test_sft_trainer_takes_a_patched_model_whose_head_is_its_cross_entropy():
+    """CE alone is what TRL's fused head computes: SFT's loss is the unpatched model's."""
+    ours = apply_losscodegen(tiny_causal_lm(V), lcg.HeadLoss(lcg.CrossEntropy(), metrics=(lcg.Entropy(),)))
+    theirs, ours = _sft(tiny_causal_lm(V)), _sft(ours)
+    ids = torch.randint(4, V, (2, 8), generator=torch.Generator().manual_seed(0))
+    inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
+    for t in (theirs, ours):
+        t.model.train()
+    torch.testing.assert_close(ours.compute_loss(ours.model, dict(inputs)),
+                               theirs.compute_loss(theirs.model, dict(inputs)), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("head", [lcg.HeadLoss(lcg.CrossEntropy(label_smoothing=0.1)),
+                                  lcg.HeadLoss(lcg.CrossEntropy(weight=2.0))])
+def test_cross_entropy_unlike_trls_is_refused_too(head):
+    with pytest.raises(ValueError, match="different objective"):
+        _sft(apply_losscodegen(tiny_causal_lm(V), head))
+
+
+def test_replace_fused_lm_heads_refuses_a_trainer_whose_loss_does_not_read_them():
+    class OwnLoss(trl.SFTTrainer):   # as GKD's trainer: an SFTTrainer computing its loss from full logits
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return model(input_ids=inputs["input_ids"]).logits.logsumexp(-1).mean()
+    trainer = _sft(tiny_causal_lm(V), OwnLoss)
+    with pytest.raises(ValueError, match="OwnLoss's loss does not come from TRL's fused LM head"):
+        lcg_trl.replace_fused_lm_heads(trainer)
+    from trl.experimental.gkd import GKDTrainer
+    assert not lcg_trl.replace_fused_lm_heads.__globals__["_reads_fused_outputs"](
+        GKDTrainer.__new__(GKDTrainer))
+
+
+def test_a_training_forward_whose_loss_is_computed_outside_warns_once():
+    """Trainer(label_smoothing_factor>0) takes the labels out of the model's inputs: the head is unused."""
+    model = apply_losscodegen(tiny_causal_lm(V)).train()
+    ids = torch.randint(4, V, (2, 8))
+    with pytest.warns(UserWarning, match="label_smoothing"):
+        model(input_ids=ids)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(input_ids=ids)
+        with torch.no_grad():
+            model.eval()(input_ids=ids)
+
+
+JSD_CASES = [dict(beta=0.5), dict(beta=0.0), dict(beta=1.0), dict(beta=0.3, temperature=0.7),
+             dict(beta=0.9, reduction="sum"), dict(beta=0.2, reduction="mean"),
+             dict(beta=0.5, num_items_in_batch=torch.tensor(7.0)), dict(beta=0.5, labels=None),
+             dict(beta=0.7, labels=None, reduction="mean")]
+
+
+@pytest.mark.parametrize("case", JSD_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_generalized_jsd_loss_is_trls(case):
+    from trl.experimental.gkd import GKDTrainer
+    g = torch.Generator().manual_seed(1)
+    student = (3 * torch.randn(2, 5, 80, generator=g)).requires_grad_()
+    teacher = 3 * torch.randn(2, 5, 80, generator=g)
+    labels = torch.randint(0, 80, (2, 5), generator=g)
+    labels[0, :2] = -100
+    labels[1, 4] = -100
+    kwargs = {"labels": labels, **case}
+    student64 = student.detach().double().requires_grad_()
+    want = GKDTrainer.generalized_jsd_loss(student64, teacher.double(), **kwargs)
+    got = lcg_trl.generalized_jsd_loss(student, teacher, **kwargs)
+    want.backward()
+    got.backward()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(student.grad.double(), student64.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_generalized_jsd_loss_refuses_what_one_pass_cannot_give():
+    x = torch.randn(4, 16)
+    with pytest.raises(ValueError, match="reduction='none'"):
+        lcg_trl.generalized_jsd_loss(x, x, reduction="none")
+    with pytest.raises(ValueError, match="beta"):
+        lcg_trl.generalized_jsd_loss(x, x, beta=1.5)
+    with pytest.raises(ValueError, match="one shape"):
+        lcg_trl.generalized_jsd_loss(x, x[:, :8])
