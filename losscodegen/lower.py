@@ -496,7 +496,8 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
                 _means.setdefault(u, sp.Symbol(f"U{len(_means)}_{_name}", real=True))
                 return _means[u]
             F = formula.replace(S.segment_mean, mean)
-            if {s for s in F.free_symbols if not s.name.startswith(S.RUNTIME_PREFIX)} - set(means.values()):
+            if {s for s in F.free_symbols if not s.name.startswith(S.RUNTIME_PREFIX)} \
+                    - set(means.values()) - set(S.SEGMENT_SYMBOLS):
                 raise ValueError(f"{name}: every row quantity of a segment term must sit inside "
                                  f"segment_mean(...), found {sorted(map(str, F.free_symbols))}")
             coefs = tuple(sp.Symbol(f"{U.name}_coef", real=True) for U in means.values())

@@ -25,7 +25,8 @@ __all__ = [
     "lse", "teacher_lse", "lse_at", "teacher_lse_at",
     "softmax", "logsoftmax", "softmax_at", "logsoftmax_at",
     "teacher_prob", "teacher_logprob", "teacher_prob_at", "teacher_logprob_at",
-    "vsum", "topk_sum", "segment_mean", "token", "param", "LSE", "stop_gradient", "clamp",
+    "vsum", "topk_sum", "segment_mean", "segment_sum", "segment_count", "token", "param", "LSE",
+    "stop_gradient", "clamp",
 ]
 
 
@@ -122,6 +123,18 @@ class segment_mean(sp.Function):
     is_real = True
 
 
+# The number of valid rows of a segment, in a segment term outside ``segment_mean`` (F's own
+# level): the segment kernel's per-segment row count, a variable it names ``count``
+# (templates/head_loss.py.j2), which this symbol prints as; testing.py's reference fills it too.
+segment_count = _real("count")
+
+
+def segment_sum(expr: sp.Expr) -> sp.Expr:
+    """Sum of a row-level expression over the valid rows of the row's segment:
+    ``segment_count * segment_mean(expr)`` (a sequence's log-probability, no length token needed)."""
+    return segment_count * segment_mean(expr)
+
+
 class stop_gradient(sp.Function):
     """``stop_gradient(x)``: the value of ``x``, derivative 0 (torch's ``x.detach()``). Allowed at
     any level: around a row quantity, inside ``vsum`` or ``segment_mean``, or around either."""
@@ -205,6 +218,7 @@ teacher_logprob = teacher_logprob_at(1)
 ELEMENT_SYMBOLS = (logit, teacher_logit)
 TOPK_SYMBOLS = (topk_logit, topk_logprob)
 ROW_SYMBOLS = (target_logit, label, argmax, vocab_size)
+SEGMENT_SYMBOLS = (segment_count,)
 
 # The sympy functions a formula may use besides the constructs defined in this module: both
 # printers (the Triton kernel's, backends/triton/render.TritonPrinter, and the float64 reference's,

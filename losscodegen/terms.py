@@ -188,7 +188,7 @@ def _check_constructs(name: str, formula: sp.Expr) -> None:
 
 def _check_symbols(name: str, formula: sp.Expr) -> None:
     """Symbols come from losscodegen.symbols: token and param names free of the head's own names."""
-    known = set(S.ELEMENT_SYMBOLS + S.TOPK_SYMBOLS + S.ROW_SYMBOLS)
+    known = set(S.ELEMENT_SYMBOLS + S.TOPK_SYMBOLS + S.ROW_SYMBOLS + S.SEGMENT_SYMBOLS)
     for sym in sorted(formula.free_symbols - known, key=str):
         for prefix, make, taken, where in (
                 (S.TOKEN_PREFIX, S.token, _CALL_NAMES, "an argument or keyword of the head's call"),
@@ -228,6 +228,12 @@ def _check_levels(name: str, formula: sp.Expr) -> None:
             if r.has(*other):
                 raise ValueError(f"{name}: {[str(s) for s in other]} may only appear inside {where}, "
                                  f"not inside {red.__name__}(...): {r}")
+    if formula.has(*S.SEGMENT_SYMBOLS):
+        inside = [r for r in formula.atoms(*reductions) if r.has(*S.SEGMENT_SYMBOLS)]
+        if inside or not formula.has(S.segment_mean):
+            raise ValueError(f"{name}: segment_count (a segment's valid rows) belongs to a segment term, "
+                             f"outside its segment_mean(...)/vsum(...): write S.segment_sum(u) for a "
+                             f"sum over the segment's rows{f', not {inside[0]}' if inside else ''}")
     for lse in formula.atoms(S.LSE):
         if any(not s.name.startswith(S.PARAM_PREFIX) for s in lse.free_symbols):
             raise ValueError(f"{name}: a log-normaliser's temperature must be a number or a param, "

@@ -175,6 +175,8 @@ def _segment_term(formula, ns, valid, seg, divisor, reduction, sequence) -> torc
     term with normalize="sequence", given ``num_segments`` or None): divided by every segment, the
     empty ones too (``num_segments``, else the largest valid segment id + 1), whatever the divisor."""
     ids = sorted(set(seg[valid].tolist()))
+    ns[S.segment_count.name] = torch.tensor([float(((seg == s) & valid).sum()) for s in ids],
+                                            dtype=torch.float64, device=seg.device)
     means = {}
     for k, mean in enumerate(formula.atoms(S.segment_mean)):
         u = torch.as_tensor(_evaluate(mean.args[0], ns), dtype=torch.float64).expand(seg.shape[0], 1)[:, 0]
