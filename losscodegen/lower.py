@@ -24,6 +24,7 @@ from . import symbols as S
 M = sp.Symbol("m", real=True)          # max_i z_i
 MT = sp.Symbol("m_t", real=True)       # max_i t_i
 IS_Y = sp.Symbol("is_y", real=True)    # element: [i == y]
+IS_ARGMAX = sp.Symbol("is_argmax", real=True)  # element: [i == argmax_j z_j] (first index of the max)
 ZM = sp.Symbol("zm", real=True)        # element: z_i - m, exact in fp32 near the max (the reads after the first)
 TM = sp.Symbol("tm", real=True)        # element: t_i - m_t
 ZYM = sp.Symbol("zym", real=True)      # row: z_y - m
@@ -31,7 +32,8 @@ ZYM = sp.Symbol("zym", real=True)      # row: z_y - m
 # row symbols known before the first read (not the target logit: on a vocab shard it is known only
 # after the shards' stats are merged, so a vocabulary sum that reads it is an exact one)
 _BEFORE_STATS = {S.label, S.vocab_size}
-_Z_DEPENDENT_ROW = (S.target_logit,)                      # row inputs that move with the logits
+# row inputs that move with the logits, and the element indicator their derivative puts on z_i
+_Z_DEPENDENT_ROW = {S.target_logit: IS_Y, S.row_max: IS_ARGMAX}
 _ELEMENT = (S.logit, S.teacher_logit, S.topk_logit, S.topk_logprob)  # what varies along a reduction
 
 
@@ -552,7 +554,7 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
             alpha, beta = lw.norm_of[x]
             grad_vocab += coef(total) * alpha * sp.exp(alpha * S.logit + beta * S.teacher_logit - x)
         else:
-            grad_vocab += coef(total) * IS_Y
+            grad_vocab += coef(total) * _Z_DEPENDENT_ROW[x]
 
     grad_vocab, grad_topk = _value(grad_vocab), _value(grad_topk)
 
@@ -574,7 +576,7 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
     parts = {n.symbol: n.value for n in normalizers}
 
     def finish(expr: sp.Expr) -> sp.Expr:
-        expr = _value(expr).xreplace(lowered_red).xreplace(parts)
+        expr = _value(expr).xreplace(lowered_red).xreplace(parts).xreplace({S.row_max: M})
         if _only_smooth(expr, S.target_logit):
             expr = expr.xreplace({S.target_logit: ZYM + M})
         return sp.powsimp(expr, deep=True, combine="exp")
@@ -630,6 +632,6 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
         uses_labels=bool(free & {S.target_logit, S.label, IS_Y, ZYM}),
         uses_teacher=bool(free & {S.teacher_logit, MT, TM}) or any(b != 0 for _, b in lw.norms),
         uses_topk=any(a.domain == "topk" for a in accumulators),
-        uses_argmax=S.argmax in free,
+        uses_argmax=bool(free & {S.argmax, IS_ARGMAX}),
         uncombined=uncombined,
     )

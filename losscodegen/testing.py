@@ -118,7 +118,8 @@ class Reference:
         # an ignored row's target: its argmax, a finite logit (a -inf one would make 0 * inf in the backward)
         yc = torch.where(valid, y.clamp(0, V - 1), z.detach().argmax(-1))[:, None]
         ns = {"z": z, "z_y": z.gather(1, yc), "label": y[:, None].double(), "vocab_size": z.new_tensor(float(V)),
-              "argmax": z.argmax(-1, keepdim=True).double(), "t": None}
+              "argmax": z.argmax(-1, keepdim=True).double(), "t": None,
+              S.row_max.name: z.gather(1, z.detach().argmax(-1, keepdim=True))}
         # a row whose logits (or teacher logits) are all -inf has no distribution: its values are NaN
         no_dist = (z == float("-inf")).all(-1)
         if inputs.get("teacher_logits") is not None:
