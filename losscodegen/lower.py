@@ -420,7 +420,7 @@ def _known(k: sp.Expr) -> bool:
     return all(s.name.startswith((S.RUNTIME_PREFIX, S.TOKEN_PREFIX)) for s in k.free_symbols)
 
 
-def _shared_coefficients(reds, loss: sp.Expr):
+def _shared_coefficients(reds, loss: sp.Expr, totals=None):
     """The reductions the gradient reads, grouped where ``dL/dR_j = C * k_j`` with one row factor
     ``C`` and each ``k_j`` a polynomial in known factors: ``(domain, C, [(body_j, k_j)])``. A group
     is differentiated as one sum ``sum_i sum_j k_j body_j``, where sympy can cancel between the
@@ -428,7 +428,8 @@ def _shared_coefficients(reds, loss: sp.Expr):
     row sums once ``beta*p + (1 - beta)*q`` over ``m`` is seen to be 1."""
     groups: list[tuple[str, list[tuple[sp.Expr, sp.Expr]]]] = []
     for (domain, body), r in reds:
-        c = derive(loss, r)
+        c = (totals or {}).get(r, None)
+        c = derive(loss, r) if c is None else c   # (totals: dL/dR with the paths through nested sums)
         if c == 0:
             continue
         for g_domain, members in groups:
@@ -528,7 +529,13 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
         coefs.append((sym, expr))
         return sym
 
-    groups = _shared_coefficients(list(lw.reductions.items()), loss)
+    # A vocabulary sum read inside another's summand (LogitNorm's sum of z^2 inside its sum of
+    # exp(z / (tau*||z||))) moves with z_i through that summand too: its coefficient collects the path.
+    totals = {r: derive(loss, r) for r in lw.red_of}
+    for outer, (domain, body) in list(lw.red_of.items()):
+        for inner in body.free_symbols & set(totals):
+            totals[inner] += totals[outer] * lw.sum_of(domain, derive(body, inner))
+    groups = _shared_coefficients(list(lw.reductions.items()), loss, totals)
     grad_vocab, grad_topk = sp.S.Zero, sp.S.Zero
     for domain, C, members in groups:
         elem = S.logit if domain == "vocab" else S.topk_logit
@@ -557,9 +564,16 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
             grad_vocab += coef(total) * _Z_DEPENDENT_ROW[x]
 
     grad_vocab, grad_topk = _value(grad_vocab), _value(grad_topk)
+    nested = {r for _, body in lw.reductions for r in body.free_symbols if r in lw.red_of}
 
     # ---- placeholders -> accumulators ----------------------------------------------------------
     lowered_red = {r: lw.lower_reduction(domain, _value(body)) for (domain, body), r in lw.reductions.items()}
+    for r in nested:
+        if any(not a.online for a in lw.accs.values() if sp.Symbol(a.name, real=True) in lowered_red[r].free_symbols):
+            raise ValueError(f"a sum read inside another sum must be one of the first read (a sum of "
+                             f"exp(a*z) times z, t or inputs), not {lw.red_of[r][1]}")
+    # a nested sum inside a summand, and the gradient's summands, read as the first read's sums
+    grad_vocab = grad_vocab.xreplace(lowered_red)
     for key, sym in list(lw.norms.items()):
         lw.acc("vocab", True, key[0], key[1], sp.S.One)
     normalizers = tuple(
@@ -589,12 +603,13 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
     # is exact up to an ulp of itself, where z - N would carry the rounding of |N| (the gradient
     # of a row with logits near 100 off by 5e-6 relative, 30x torch's).
     relative = {n.symbol: n.alpha * M + n.beta * MT + n.log_acc for n in normalizers}
-    relative.update({S.logit: ZM + M, S.teacher_logit: TM + MT})
+    relative.update({S.logit: ZM + M, S.teacher_logit: TM + MT, S.row_max: M})
 
     def per_element(expr: sp.Expr) -> sp.Expr:
         return sp.powsimp(expr.xreplace(relative), deep=True, combine="exp")
     grad_vocab = per_element(grad_vocab)
-    lw.accs = {k: (a if a.online else Accumulator(a.name, a.domain, False, a.alpha, a.beta, per_element(a.body)))
+    lw.accs = {k: (a if a.online else Accumulator(a.name, a.domain, False, a.alpha, a.beta,
+                                                  per_element(a.body.xreplace(lowered_red))))
                for k, a in lw.accs.items()}
     exprs = [e for _, e in row_values] + [e for _, e in coefs]
     uncombined = len(_prune(list(lw.accs.values()), normalizers, exprs)[0])

@@ -22,12 +22,19 @@ SeqPG = lcg.declare_term(
 # Baichuan 2 (arXiv 2309.10305) max-z loss: 2e-4 * (max_i z_i)^2 per token
 MaxZ = lcg.declare_term("max_z", S.row_max ** 2)
 MaxGap = lcg.declare_term("max_gap", S.row_max - S.target_logit, metric_only=True)
+# LogitNorm (arXiv 2205.09310): cross-entropy of z / (tau * ||z||), ||z|| a first-read sum inside the
+# softmax's sum (read again once it is known), shifted by the row max so that no exp overflows
+_k = 1 / (S.param("tau") * (S.sqrt(S.vsum(S.logit ** 2)) + 1e-7))
+LogitNorm = lcg.declare_term(
+    "logit_norm", _k * (S.row_max - S.target_logit) + S.log(S.vsum(S.exp(_k * (S.logit - S.row_max)))),
+    defaults={"tau": 0.04})
 
 
 def _heads():
     return {"segment_sum": lcg.HeadLoss(SeqPG(), lcg.CrossEntropy(weight=0.3)),
             "row_max": lcg.HeadLoss(lcg.CrossEntropy(), MaxZ(weight=2e-4 * 500), metrics=(MaxGap(),)),
-            "row_max_softcap": lcg.HeadLoss(MaxZ(), softcap=4.0, logit_scale=0.8)}
+            "row_max_softcap": lcg.HeadLoss(MaxZ(), softcap=4.0, logit_scale=0.8),
+            "nested_vsum": lcg.HeadLoss(LogitNorm(), metrics=(lcg.Entropy(),))}
 
 
 @pytest.mark.parametrize("name", list(_heads()))
@@ -73,7 +80,7 @@ def _linear(name):
     return head, hidden, weight, labels, inputs
 
 
-@pytest.mark.parametrize("name", ["segment_sum", "row_max"])
+@pytest.mark.parametrize("name", ["segment_sum", "row_max", "nested_vsum"])
 def test_construct_through_linear_equals_logits(name):
     head, hidden, weight, labels, inputs = _linear(name)
     h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
@@ -90,7 +97,7 @@ def test_construct_through_linear_equals_logits(name):
 def _vp_worker(rank, world, port, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    for name in ("segment_sum", "row_max"):
+    for name in ("segment_sum", "row_max", "nested_vsum"):
         head, hidden, weight, labels, inputs = _linear(name)
         z = (hidden @ weight.T).detach()
         full = z.clone().requires_grad_()
@@ -107,23 +114,35 @@ def _vp_worker(rank, world, port, queue):
 
 
 def test_constructs_vocab_parallel_equal_unsharded():
-    for name, loss, ref, err, scale, values in run_ranks(_vp_worker, 2, 4):
+    for name, loss, ref, err, scale, values in run_ranks(_vp_worker, 2, 6):
         assert abs(loss - ref) <= 1e-5 * max(1.0, abs(ref)), (name, loss, ref)
         assert err <= 1e-5 * scale, (name, err, scale)
         for k, (v, r) in values.items():
             assert abs(v - r) <= 1e-5 * max(1.0, abs(r)), (name, k, v, r)
 
 
-def test_explain_shows_the_segment_count_and_the_argmax_gradient():
+def test_explain_shows_the_segment_count_the_argmax_gradient_and_the_nested_sum():
     text = _heads()["segment_sum"].explain()
     assert "segment term seq_pg" in text and "count" in text
     assert "is_argmax" in _heads()["row_max"].explain()
+    # ||z||^2 in the first read, the softmax of z / (tau*||z||) in the second
+    text = _heads()["nested_vsum"].explain()
+    assert "sum_i 1 * z**2    [online]" in text and "exact" in text and "2 for the loss" in text
+
+
+def test_a_nested_sum_that_needs_a_second_read_itself_is_refused():
+    inner = S.vsum(S.softmax * S.log(S.softmax + S.teacher_prob))   # an exact sum
+    head = lcg.HeadLoss(lcg.declare_term("x", S.vsum(S.softmax * inner))())
+    with pytest.raises(ValueError, match="must be one of the first read"):
+        head.explain()   # (the head is lowered at its first use)
 
 
 @pytest.mark.parametrize("formula,match", [
     (S.segment_count * _l, "segment_count"),
     (S.segment_count * S.segment_mean(_l) + S.vsum(S.segment_count * S.softmax), "segment_count"),
-    (S.vsum(S.softmax * (S.logit - S.row_max)), "row_max inside vsum"),
+    (S.vsum(S.logit * S.vsum(S.softmax * S.row_max)), "nested reductions"),
+    (S.vsum(S.logit * S.vsum(S.logit * S.vsum(S.logit))), "nested reductions"),
+    (S.topk_sum(S.topk_logit * S.vsum(S.logit)), "nested reductions"),
     # GSPO-token: a per-token formula reading a segment mean
     (S.exp(S.segment_mean(_l)) * S.token("advantages"), "per-row formula that reads a segment statistic"),
     (S.segment_mean(_l) - _l, "per-row formula that reads a segment statistic"),
