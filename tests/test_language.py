@@ -34,7 +34,9 @@ def _heads():
     return {"segment_sum": lcg.HeadLoss(SeqPG(), lcg.CrossEntropy(weight=0.3)),
             "row_max": lcg.HeadLoss(lcg.CrossEntropy(), MaxZ(weight=2e-4 * 500), metrics=(MaxGap(),)),
             "row_max_softcap": lcg.HeadLoss(MaxZ(), softcap=4.0, logit_scale=0.8),
-            "nested_vsum": lcg.HeadLoss(LogitNorm(), metrics=(lcg.Entropy(),))}
+            "nested_vsum": lcg.HeadLoss(LogitNorm(), metrics=(lcg.Entropy(),)),
+            # lse - max: row_max as the factor of an online sum
+            "row_max_in_vsum": lcg.HeadLoss(lcg.declare_term("log_mass", S.log(S.vsum(S.exp(S.logit - S.row_max))))())}
 
 
 @pytest.mark.parametrize("name", list(_heads()))
@@ -150,3 +152,26 @@ def test_a_nested_sum_that_needs_a_second_read_itself_is_refused():
 def test_outside_the_language_is_refused_saying_what_to_write(formula, match):
     with pytest.raises(ValueError, match=match):
         lcg.declare_term("x", formula)
+
+
+def test_dpo_declared_as_in_the_docs_equals_the_built_in():
+    """docs/adding-a-loss.md's DPO, written with segment_sum and a chosen token, is P.DPO."""
+    from losscodegen import preference as P
+    chosen, lr = S.token("chosen"), S.token("ref_logprobs")
+    margin = S.segment_sum(chosen * (_l - lr)) - S.segment_sum((1 - chosen) * (_l - lr))
+    declared = lcg.HeadLoss(lcg.declare_term("dpo", -P.logsigmoid(S.param("beta") * margin))(beta=0.3))
+    built_in = lcg.HeadLoss(P.DPO(beta=0.3))
+    g = torch.Generator().manual_seed(4)
+    z = torch.randn(4, 5, 30, generator=g)
+    y = torch.randint(0, 30, (4, 5), generator=g)
+    y[:, 0] = -100
+    inputs = P.pair_inputs(built_in, y, ref_chosen_logps=torch.tensor([-12.0, -14.0]),
+                           ref_rejected_logps=torch.tensor([-13.0, -11.0]))
+    grads = []
+    for head in (declared, built_in):
+        x = z.clone().requires_grad_()
+        head(x, y, **inputs).loss.backward()
+        grads.append(x.grad)
+    assert torch.allclose(grads[0], grads[1], rtol=1e-5, atol=1e-7)
+    lcg.testing.assert_parity(declared, rows=20, vocab=30, labels=y.reshape(-1),
+                              **{k: (v.reshape(-1) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()})
