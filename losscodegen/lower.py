@@ -24,6 +24,7 @@ from . import symbols as S
 M = sp.Symbol("m", real=True)          # max_i z_i
 MT = sp.Symbol("m_t", real=True)       # max_i t_i
 IS_Y = sp.Symbol("is_y", real=True)    # element: [i == y]
+IS_ARGMAX = sp.Symbol("is_argmax", real=True)  # element: [i == argmax_j z_j] (first index of the max)
 ZM = sp.Symbol("zm", real=True)        # element: z_i - m, exact in fp32 near the max (the reads after the first)
 TM = sp.Symbol("tm", real=True)        # element: t_i - m_t
 ZYM = sp.Symbol("zym", real=True)      # row: z_y - m
@@ -31,7 +32,8 @@ ZYM = sp.Symbol("zym", real=True)      # row: z_y - m
 # row symbols known before the first read (not the target logit: on a vocab shard it is known only
 # after the shards' stats are merged, so a vocabulary sum that reads it is an exact one)
 _BEFORE_STATS = {S.label, S.vocab_size}
-_Z_DEPENDENT_ROW = (S.target_logit,)                      # row inputs that move with the logits
+# row inputs that move with the logits, and the element indicator their derivative puts on z_i
+_Z_DEPENDENT_ROW = {S.target_logit: IS_Y, S.row_max: IS_ARGMAX}
 _ELEMENT = (S.logit, S.teacher_logit, S.topk_logit, S.topk_logprob)  # what varies along a reduction
 
 
@@ -418,7 +420,7 @@ def _known(k: sp.Expr) -> bool:
     return all(s.name.startswith((S.RUNTIME_PREFIX, S.TOKEN_PREFIX)) for s in k.free_symbols)
 
 
-def _shared_coefficients(reds, loss: sp.Expr):
+def _shared_coefficients(reds, loss: sp.Expr, totals=None):
     """The reductions the gradient reads, grouped where ``dL/dR_j = C * k_j`` with one row factor
     ``C`` and each ``k_j`` a polynomial in known factors: ``(domain, C, [(body_j, k_j)])``. A group
     is differentiated as one sum ``sum_i sum_j k_j body_j``, where sympy can cancel between the
@@ -426,7 +428,8 @@ def _shared_coefficients(reds, loss: sp.Expr):
     row sums once ``beta*p + (1 - beta)*q`` over ``m`` is seen to be 1."""
     groups: list[tuple[str, list[tuple[sp.Expr, sp.Expr]]]] = []
     for (domain, body), r in reds:
-        c = derive(loss, r)
+        c = (totals or {}).get(r, None)
+        c = derive(loss, r) if c is None else c   # (totals: dL/dR with the paths through nested sums)
         if c == 0:
             continue
         for g_domain, members in groups:
@@ -496,7 +499,8 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
                 _means.setdefault(u, sp.Symbol(f"U{len(_means)}_{_name}", real=True))
                 return _means[u]
             F = formula.replace(S.segment_mean, mean)
-            if {s for s in F.free_symbols if not s.name.startswith(S.RUNTIME_PREFIX)} - set(means.values()):
+            if {s for s in F.free_symbols if not s.name.startswith(S.RUNTIME_PREFIX)} \
+                    - set(means.values()) - set(S.SEGMENT_SYMBOLS):
                 raise ValueError(f"{name}: every row quantity of a segment term must sit inside "
                                  f"segment_mean(...), found {sorted(map(str, F.free_symbols))}")
             coefs = tuple(sp.Symbol(f"{U.name}_coef", real=True) for U in means.values())
@@ -525,7 +529,13 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
         coefs.append((sym, expr))
         return sym
 
-    groups = _shared_coefficients(list(lw.reductions.items()), loss)
+    # A vocabulary sum read inside another's summand (LogitNorm's sum of z^2 inside its sum of
+    # exp(z / (tau*||z||))) moves with z_i through that summand too: its coefficient collects the path.
+    totals = {r: derive(loss, r) for r in lw.red_of}
+    for outer, (domain, body) in list(lw.red_of.items()):
+        for inner in body.free_symbols & set(totals):
+            totals[inner] += totals[outer] * lw.sum_of(domain, derive(body, inner))
+    groups = _shared_coefficients(list(lw.reductions.items()), loss, totals)
     grad_vocab, grad_topk = sp.S.Zero, sp.S.Zero
     for domain, C, members in groups:
         elem = S.logit if domain == "vocab" else S.topk_logit
@@ -551,12 +561,19 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
             alpha, beta = lw.norm_of[x]
             grad_vocab += coef(total) * alpha * sp.exp(alpha * S.logit + beta * S.teacher_logit - x)
         else:
-            grad_vocab += coef(total) * IS_Y
+            grad_vocab += coef(total) * _Z_DEPENDENT_ROW[x]
 
     grad_vocab, grad_topk = _value(grad_vocab), _value(grad_topk)
+    nested = {r for _, body in lw.reductions for r in body.free_symbols if r in lw.red_of}
 
     # ---- placeholders -> accumulators ----------------------------------------------------------
     lowered_red = {r: lw.lower_reduction(domain, _value(body)) for (domain, body), r in lw.reductions.items()}
+    for r in nested:
+        if any(not a.online for a in lw.accs.values() if sp.Symbol(a.name, real=True) in lowered_red[r].free_symbols):
+            raise ValueError(f"a sum read inside another sum must be one of the first read (a sum of "
+                             f"exp(a*z) times z, t or inputs), not {lw.red_of[r][1]}")
+    # a nested sum inside a summand, and the gradient's summands, read as the first read's sums
+    grad_vocab = grad_vocab.xreplace(lowered_red)
     for key, sym in list(lw.norms.items()):
         lw.acc("vocab", True, key[0], key[1], sp.S.One)
     normalizers = tuple(
@@ -573,7 +590,7 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
     parts = {n.symbol: n.value for n in normalizers}
 
     def finish(expr: sp.Expr) -> sp.Expr:
-        expr = _value(expr).xreplace(lowered_red).xreplace(parts)
+        expr = _value(expr).xreplace(lowered_red).xreplace(parts).xreplace({S.row_max: M})
         if _only_smooth(expr, S.target_logit):
             expr = expr.xreplace({S.target_logit: ZYM + M})
         return sp.powsimp(expr, deep=True, combine="exp")
@@ -586,12 +603,13 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
     # is exact up to an ulp of itself, where z - N would carry the rounding of |N| (the gradient
     # of a row with logits near 100 off by 5e-6 relative, 30x torch's).
     relative = {n.symbol: n.alpha * M + n.beta * MT + n.log_acc for n in normalizers}
-    relative.update({S.logit: ZM + M, S.teacher_logit: TM + MT})
+    relative.update({S.logit: ZM + M, S.teacher_logit: TM + MT, S.row_max: M})
 
     def per_element(expr: sp.Expr) -> sp.Expr:
         return sp.powsimp(expr.xreplace(relative), deep=True, combine="exp")
     grad_vocab = per_element(grad_vocab)
-    lw.accs = {k: (a if a.online else Accumulator(a.name, a.domain, False, a.alpha, a.beta, per_element(a.body)))
+    lw.accs = {k: (a if a.online else Accumulator(a.name, a.domain, False, a.alpha, a.beta,
+                                                  per_element(a.body.xreplace(lowered_red))))
                for k, a in lw.accs.items()}
     exprs = [e for _, e in row_values] + [e for _, e in coefs]
     uncombined = len(_prune(list(lw.accs.values()), normalizers, exprs)[0])
@@ -629,6 +647,6 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
         uses_labels=bool(free & {S.target_logit, S.label, IS_Y, ZYM}),
         uses_teacher=bool(free & {S.teacher_logit, MT, TM}) or any(b != 0 for _, b in lw.norms),
         uses_topk=any(a.domain == "topk" for a in accumulators),
-        uses_argmax=S.argmax in free,
+        uses_argmax=bool(free & {S.argmax, IS_ARGMAX}),
         uncombined=uncombined,
     )

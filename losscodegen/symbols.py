@@ -4,10 +4,11 @@ Three levels of quantities (see docs/architecture.md):
 
 * element symbols -- one entry ``i`` of the vocabulary row: ``logit`` (z_i), ``teacher_logit`` (t_i),
   and for top-k teacher inputs ``topk_logit`` (z at id_k) and ``topk_logprob`` (l_k);
-* row symbols -- one float per token: ``target_logit``, ``label``, ``argmax``, ``vocab_size``,
+* row symbols -- one float per token: ``target_logit``, ``label``, ``argmax``, ``row_max``, ``vocab_size``,
   ``token(name)`` inputs, and the log-normalisers ``lse_at(T)`` / ``teacher_lse_at(T)``;
 * reductions -- ``vsum(element expr)`` over the vocabulary, ``topk_sum(expr)`` over the K teacher
-  entries, and ``segment_mean(row expr)`` over the valid rows of a segment.
+  entries, and ``segment_mean(row expr)`` over the valid rows of a segment (``segment_sum(row expr)``:
+  its sum, ``segment_count`` times the mean).
 
 A term is a sympy expression at row level. Nothing here knows how it is computed.
 """
@@ -21,11 +22,12 @@ from sympy import Abs, Max, Min, Piecewise, cos, erf, exp, log, sign, sin, sqrt,
 __all__ = [
     "Abs", "Max", "Min", "Piecewise", "exp", "log", "sqrt", "sign", "tanh", "sin", "cos", "erf",
     "logit", "teacher_logit", "topk_logit", "topk_logprob",
-    "target_logit", "label", "argmax", "vocab_size",
+    "target_logit", "label", "argmax", "row_max", "vocab_size",
     "lse", "teacher_lse", "lse_at", "teacher_lse_at",
     "softmax", "logsoftmax", "softmax_at", "logsoftmax_at",
     "teacher_prob", "teacher_logprob", "teacher_prob_at", "teacher_logprob_at",
-    "vsum", "topk_sum", "segment_mean", "token", "param", "LSE", "stop_gradient", "clamp",
+    "vsum", "topk_sum", "segment_mean", "segment_sum", "segment_count", "token", "param", "LSE",
+    "stop_gradient", "clamp",
 ]
 
 
@@ -43,6 +45,9 @@ topk_logprob = _real("l_k")
 target_logit = _real("z_y")
 label = _real("label")
 argmax = _real("argmax")
+# max_i z_i, the row's largest logit: the value at argmax (its derivative goes to the first index
+# of the maximum, as torch's z.gather(-1, z.argmax(-1)) has it); a row quantity, not for inside vsum
+row_max = _real("z_max")
 vocab_size = _real("vocab_size")
 
 # keyword inputs every head accepts; a head's per-row tokens come on top (inputs.py checks them)
@@ -120,6 +125,18 @@ class segment_mean(sp.Function):
 
     nargs = 1
     is_real = True
+
+
+# The number of valid rows of a segment, in a segment term outside ``segment_mean`` (F's own
+# level): the segment kernel's per-segment row count, a variable it names ``count``
+# (templates/head_loss.py.j2), which this symbol prints as; testing.py's reference fills it too.
+segment_count = _real("count")
+
+
+def segment_sum(expr: sp.Expr) -> sp.Expr:
+    """Sum of a row-level expression over the valid rows of the row's segment:
+    ``segment_count * segment_mean(expr)`` (a sequence's log-probability, no length token needed)."""
+    return segment_count * segment_mean(expr)
 
 
 class stop_gradient(sp.Function):
@@ -204,7 +221,8 @@ teacher_logprob = teacher_logprob_at(1)
 
 ELEMENT_SYMBOLS = (logit, teacher_logit)
 TOPK_SYMBOLS = (topk_logit, topk_logprob)
-ROW_SYMBOLS = (target_logit, label, argmax, vocab_size)
+ROW_SYMBOLS = (target_logit, label, argmax, row_max, vocab_size)
+SEGMENT_SYMBOLS = (segment_count,)
 
 # The sympy functions a formula may use besides the constructs defined in this module: both
 # printers (the Triton kernel's, backends/triton/render.TritonPrinter, and the float64 reference's,

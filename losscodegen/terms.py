@@ -227,7 +227,7 @@ def _check_constructs(name: str, formula: sp.Expr) -> None:
 
 def _check_symbols(name: str, formula: sp.Expr) -> None:
     """Symbols come from losscodegen.symbols: token and param names free of the head's own names."""
-    known = set(S.ELEMENT_SYMBOLS + S.TOPK_SYMBOLS + S.ROW_SYMBOLS)
+    known = set(S.ELEMENT_SYMBOLS + S.TOPK_SYMBOLS + S.ROW_SYMBOLS + S.SEGMENT_SYMBOLS)
     for sym in sorted(formula.free_symbols - known, key=str):
         for prefix, make, taken, where in (
                 (S.TOKEN_PREFIX, S.token, _CALL_NAMES, "an argument or keyword of the head's call"),
@@ -254,8 +254,14 @@ def _check_levels(name: str, formula: sp.Expr) -> None:
     reductions = (S.vsum, S.topk_sum, S.segment_mean)
     for red in formula.atoms(*reductions):
         inner = red.args[0]
+        # one level of vsum inside vsum (LogitNorm's ||z|| inside its softmax): the inner sum is
+        # read first, the outer one in a second read (lower.py checks the inner one is a first-read sum)
+        if isinstance(red, S.vsum) and not inner.has(S.topk_sum, S.segment_mean) and not any(
+                r.args[0].has(*reductions) or r.has(S.row_max) for r in inner.atoms(S.vsum)):
+            continue
         if inner.has(*reductions):
-            raise ValueError(f"{name}: nested reductions are not supported: {red}")
+            raise ValueError(f"{name}: nested reductions are not supported beyond a vsum(...) of the first "
+                             f"read inside another vsum(...): {red}")
     outside = formula.replace(lambda e: isinstance(e, (S.vsum, S.topk_sum)), lambda e: sp.S.Zero)
     for sym, where in ((S.ELEMENT_SYMBOLS, "vsum(...)"), (S.TOPK_SYMBOLS, "topk_sum(...)")):
         if outside.has(*sym):
@@ -267,6 +273,25 @@ def _check_levels(name: str, formula: sp.Expr) -> None:
             if r.has(*other):
                 raise ValueError(f"{name}: {[str(s) for s in other]} may only appear inside {where}, "
                                  f"not inside {red.__name__}(...): {r}")
+
+    if formula.has(*S.SEGMENT_SYMBOLS):
+        inside = [r for r in formula.atoms(*reductions) if r.has(*S.SEGMENT_SYMBOLS)]
+        if inside or not formula.has(S.segment_mean):
+            raise ValueError(f"{name}: segment_count (a segment's valid rows) belongs to a segment term, "
+                             f"outside its segment_mean(...)/vsum(...): write S.segment_sum(u) for a "
+                             f"sum over the segment's rows{f', not {inside[0]}' if inside else ''}")
+    if formula.has(S.segment_mean):
+        mean = sp.Dummy("U", real=True)   # (not 0: 0 * token would hide the token)
+        outside = formula.replace(lambda e: isinstance(e, S.segment_mean), lambda e: mean)
+        rows = [str(s) for s in outside.free_symbols if not s.name.startswith(S.PARAM_PREFIX)
+                and s not in S.SEGMENT_SYMBOLS and s != mean] + [str(r) for r in outside.atoms(S.LSE, S.vsum, S.topk_sum)]
+        if rows:
+            raise ValueError(
+                f"{name}: a segment term is a formula of segment_mean(...)s; {', '.join(sorted(rows))} "
+                "stand(s) outside them. A per-row formula that reads a segment statistic (GSPO-token's "
+                "sg(R_s) * exp(l - sg(l)) per token) is not supported yet: put the row quantity inside "
+                "segment_mean(...) (or segment_sum(...)), or pass the statistic as a token(...) computed "
+                "by a first call (reduction='none')")
     for lse in formula.atoms(S.LSE):
         if any(not s.name.startswith(S.PARAM_PREFIX) for s in lse.free_symbols):
             raise ValueError(f"{name}: a log-normaliser's temperature must be a number or a param, "

@@ -118,7 +118,8 @@ class Reference:
         # an ignored row's target: its argmax, a finite logit (a -inf one would make 0 * inf in the backward)
         yc = torch.where(valid, y.clamp(0, V - 1), z.detach().argmax(-1))[:, None]
         ns = {"z": z, "z_y": z.gather(1, yc), "label": y[:, None].double(), "vocab_size": z.new_tensor(float(V)),
-              "argmax": z.argmax(-1, keepdim=True).double(), "t": None}
+              "argmax": z.argmax(-1, keepdim=True).double(), "t": None,
+              S.row_max.name: z.gather(1, z.detach().argmax(-1, keepdim=True))}
         # a row whose logits (or teacher logits) are all -inf has no distribution: its values are NaN
         no_dist = (z == float("-inf")).all(-1)
         if inputs.get("teacher_logits") is not None:
@@ -175,6 +176,8 @@ def _segment_term(formula, ns, valid, seg, divisor, reduction, sequence) -> torc
     term with normalize="sequence", given ``num_segments`` or None): divided by every segment, the
     empty ones too (``num_segments``, else the largest valid segment id + 1), whatever the divisor."""
     ids = sorted(set(seg[valid].tolist()))
+    ns[S.segment_count.name] = torch.tensor([float(((seg == s) & valid).sum()) for s in ids],
+                                            dtype=torch.float64, device=seg.device)
     means = {}
     for k, mean in enumerate(formula.atoms(S.segment_mean)):
         u = torch.as_tensor(_evaluate(mean.args[0], ns), dtype=torch.float64).expand(seg.shape[0], 1)[:, 0]

@@ -19,7 +19,7 @@ from ...emit import (FLAG_SLOTS, TINY, ArrayPrinter, KernelSource, Signature, ch
                      neg_inf_handling, seal, signatures, vanishes_at_neg_inf, wrap)
 from ...emit import M_REF as _M_REF, MT_REF as _MT_REF, online_exponent as _online_exponent, \
     online_groups as _group_online, printed_bodies as _printed, stats_relative as _stats_relative
-from ...lower import IS_Y, M, MT, TM, ZM, ZYM, base_of, shift
+from ...lower import IS_ARGMAX, IS_Y, M, MT, TM, ZM, ZYM, base_of, shift
 from ...plan import Plan, pow2
 from ...resources import TEMPLATES
 
@@ -357,6 +357,7 @@ def render(plan: Plan, key: str, header: str, codegen: str,
         topk_grad=None if lw.grad_topk == 0 else topk_grad_expr,
         neg_inf=neg_inf, pad=pad,
         uses_is_y=lw.grad_vocab.has(IS_Y),
+        uses_is_argmax=lw.grad_vocab.has(IS_ARGMAX),
         columns=[c.name for c in plan.columns], exact_columns=list(plan.exact),
         merge=_merge(plan),
         row_loss_terms=row_loss_terms, scalars=scalars, scalar_loads=scalar_loads, normalize=norm,

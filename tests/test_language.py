@@ -1,0 +1,177 @@
+"""The formula language's second level: segment sums (a sequence's total without length tokens),
+the row max of the logits (max-z loss), and the refusals that say what to write instead. Each
+against the float64 reference, through head(...), head.linear(...) and vocab-parallel (2 gloo ranks)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import losscodegen as lcg
+from losscodegen import symbols as S
+from helpers import run_ranks
+
+_l = S.target_logit - S.lse
+# Dr. GRPO-style sequence loss (arXiv 2503.20783): each sequence's summed -A*log p, over a constant
+# length budget instead of its own length; here divided by sqrt(length) to read segment_count too
+SeqPG = lcg.declare_term(
+    "seq_pg", -S.segment_sum(S.token("advantages") * _l) / S.segment_count ** S.param("power"),
+    defaults={"power": 0.5})
+# Baichuan 2 (arXiv 2309.10305) max-z loss: 2e-4 * (max_i z_i)^2 per token
+MaxZ = lcg.declare_term("max_z", S.row_max ** 2)
+MaxGap = lcg.declare_term("max_gap", S.row_max - S.target_logit, metric_only=True)
+# LogitNorm (arXiv 2205.09310): cross-entropy of z / (tau * ||z||), ||z|| a first-read sum inside the
+# softmax's sum (read again once it is known), shifted by the row max so that no exp overflows
+_k = 1 / (S.param("tau") * (S.sqrt(S.vsum(S.logit ** 2)) + 1e-7))
+LogitNorm = lcg.declare_term(
+    "logit_norm", _k * (S.row_max - S.target_logit) + S.log(S.vsum(S.exp(_k * (S.logit - S.row_max)))),
+    defaults={"tau": 0.04})
+
+
+def _heads():
+    return {"segment_sum": lcg.HeadLoss(SeqPG(), lcg.CrossEntropy(weight=0.3)),
+            "row_max": lcg.HeadLoss(lcg.CrossEntropy(), MaxZ(weight=2e-4 * 500), metrics=(MaxGap(),)),
+            "row_max_softcap": lcg.HeadLoss(MaxZ(), softcap=4.0, logit_scale=0.8),
+            "nested_vsum": lcg.HeadLoss(LogitNorm(), metrics=(lcg.Entropy(),)),
+            # lse - max: row_max as the factor of an online sum
+            "row_max_in_vsum": lcg.HeadLoss(lcg.declare_term("log_mass", S.log(S.vsum(S.exp(S.logit - S.row_max))))())}
+
+
+@pytest.mark.parametrize("name", list(_heads()))
+def test_construct_matches_float64_reference(name):
+    lcg.testing.assert_parity(_heads()[name], rows=18, vocab=70)
+
+
+def test_segment_sum_is_the_segments_total():
+    """segment_sum(l) of a sequence is its log-probability: sum over its valid rows, by hand."""
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(9, 30, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 30, (9,), generator=g)
+    y[4] = -100
+    seg = torch.tensor([0, 0, 0, 1, 1, 1, 1, 2, 2])
+    head = lcg.HeadLoss(lcg.declare_term("seq_logp", S.segment_sum(_l))(), )
+    out = head(z.float(), y, segment_ids=seg, num_segments=3)
+    lp = torch.log_softmax(z, -1).gather(1, y.clamp_min(0)[:, None])[:, 0].masked_fill(y == -100, 0)
+    expected = torch.stack([lp[seg == s].sum() for s in range(3)]).mean()
+    assert abs(out.loss.item() - expected.item()) <= 1e-5 * abs(expected.item())
+
+
+def test_row_max_gradient_goes_to_the_first_maximum_like_torch():
+    z = torch.tensor([[1.0, 3.0, 3.0, -2.0], [0.5, 0.1, 0.5, 0.2]])
+    y = torch.tensor([0, 3])
+    x = z.clone().requires_grad_()
+    lcg.HeadLoss(MaxZ())(x, y).loss.backward()
+    ref = z.double().clone().requires_grad_()
+    (ref.gather(1, ref.argmax(-1, keepdim=True)) ** 2).mean().backward()
+    assert torch.equal(x.grad, ref.grad.float())
+
+
+def _linear(name):
+    head = _heads()[name]
+    g = torch.Generator().manual_seed(1)
+    R, H, V = 12, 16, 40
+    hidden, weight = torch.randn(R, H, generator=g), torch.randn(V, H, generator=g) * 0.5
+    labels = torch.randint(0, V, (R,), generator=g)
+    labels[2] = -100
+    inputs = {}
+    if head.terms_reading("segment_ids"):
+        inputs = dict(segment_ids=torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 3, 3]), num_segments=4,
+                      advantages=torch.randn(R, generator=g))
+    return head, hidden, weight, labels, inputs
+
+
+@pytest.mark.parametrize("name", ["segment_sum", "row_max", "nested_vsum"])
+def test_construct_through_linear_equals_logits(name):
+    head, hidden, weight, labels, inputs = _linear(name)
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    fused = head.linear(h1, w1, labels, chunk_rows=5, **inputs)
+    fused.loss.backward()
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    plain = head(h2 @ w2.T, labels, **inputs)
+    plain.loss.backward()
+    assert torch.allclose(fused.loss, plain.loss, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(h1.grad, h2.grad, rtol=1e-4, atol=1e-6)
+    assert torch.allclose(w1.grad, w2.grad, rtol=1e-4, atol=1e-6)
+
+
+def _vp_worker(rank, world, port, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    for name in ("segment_sum", "row_max", "nested_vsum"):
+        head, hidden, weight, labels, inputs = _linear(name)
+        z = (hidden @ weight.T).detach()
+        full = z.clone().requires_grad_()
+        ref = head(full, labels, **inputs)
+        ref.loss.backward()
+        Vl = z.shape[-1] // world
+        shard = z[:, rank * Vl:(rank + 1) * Vl].clone().requires_grad_()
+        out = head(shard, labels, process_group=dist.group.WORLD, **inputs)
+        out.loss.backward()
+        err = (shard.grad - full.grad[:, rank * Vl:(rank + 1) * Vl]).abs().max().item()
+        values = {k: (v.item(), ref.metrics[k].item()) for k, v in out.metrics.items()}
+        queue.put((name, out.loss.item(), ref.loss.item(), err, full.grad.abs().max().item(), values))
+    dist.destroy_process_group()
+
+
+def test_constructs_vocab_parallel_equal_unsharded():
+    for name, loss, ref, err, scale, values in run_ranks(_vp_worker, 2, 6):
+        assert abs(loss - ref) <= 1e-5 * max(1.0, abs(ref)), (name, loss, ref)
+        assert err <= 1e-5 * scale, (name, err, scale)
+        for k, (v, r) in values.items():
+            assert abs(v - r) <= 1e-5 * max(1.0, abs(r)), (name, k, v, r)
+
+
+def test_explain_shows_the_segment_count_the_argmax_gradient_and_the_nested_sum():
+    text = _heads()["segment_sum"].explain()
+    assert "segment term seq_pg" in text and "count" in text
+    assert "is_argmax" in _heads()["row_max"].explain()
+    # ||z||^2 in the first read, the softmax of z / (tau*||z||) in the second
+    text = _heads()["nested_vsum"].explain()
+    assert "sum_i 1 * z**2    [online]" in text and "exact" in text and "2 for the loss" in text
+
+
+def test_a_nested_sum_that_needs_a_second_read_itself_is_refused():
+    inner = S.vsum(S.softmax * S.log(S.softmax + S.teacher_prob))   # an exact sum
+    head = lcg.HeadLoss(lcg.declare_term("x", S.vsum(S.softmax * inner))())
+    with pytest.raises(ValueError, match="must be one of the first read"):
+        head.explain()   # (the head is lowered at its first use)
+
+
+@pytest.mark.parametrize("formula,match", [
+    (S.segment_count * _l, "segment_count"),
+    (S.segment_count * S.segment_mean(_l) + S.vsum(S.segment_count * S.softmax), "segment_count"),
+    (S.vsum(S.logit * S.vsum(S.softmax * S.row_max)), "nested reductions"),
+    (S.vsum(S.logit * S.vsum(S.logit * S.vsum(S.logit))), "nested reductions"),
+    (S.topk_sum(S.topk_logit * S.vsum(S.logit)), "nested reductions"),
+    # GSPO-token: a per-token formula reading a segment mean
+    (S.exp(S.segment_mean(_l)) * S.token("advantages"), "per-row formula that reads a segment statistic"),
+    (S.segment_mean(_l) - _l, "per-row formula that reads a segment statistic"),
+])
+def test_outside_the_language_is_refused_saying_what_to_write(formula, match):
+    with pytest.raises(ValueError, match=match):
+        lcg.declare_term("x", formula)
+
+
+def test_dpo_declared_as_in_the_docs_equals_the_built_in():
+    """docs/adding-a-loss.md's DPO, written with segment_sum and a chosen token, is P.DPO."""
+    from losscodegen import preference as P
+    chosen, lr = S.token("chosen"), S.token("ref_logprobs")
+    margin = S.segment_sum(chosen * (_l - lr)) - S.segment_sum((1 - chosen) * (_l - lr))
+    declared = lcg.HeadLoss(lcg.declare_term("dpo", -P.logsigmoid(S.param("beta") * margin))(beta=0.3))
+    built_in = lcg.HeadLoss(P.DPO(beta=0.3))
+    g = torch.Generator().manual_seed(4)
+    z = torch.randn(4, 5, 30, generator=g)
+    y = torch.randint(0, 30, (4, 5), generator=g)
+    y[:, 0] = -100
+    inputs = P.pair_inputs(built_in, y, ref_chosen_logps=torch.tensor([-12.0, -14.0]),
+                           ref_rejected_logps=torch.tensor([-13.0, -11.0]))
+    grads = []
+    for head in (declared, built_in):
+        x = z.clone().requires_grad_()
+        head(x, y, **inputs).loss.backward()
+        grads.append(x.grad)
+    assert torch.allclose(grads[0], grads[1], rtol=1e-5, atol=1e-7)
+    lcg.testing.assert_parity(declared, rows=20, vocab=30, labels=y.reshape(-1),
+                              **{k: (v.reshape(-1) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()})
