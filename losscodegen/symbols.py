@@ -100,6 +100,12 @@ class LSE(sp.Function):
     nargs = 2
     is_real = True
 
+    @property
+    def is_number(self) -> bool:
+        # a row value, not a constant: with number arguments sympy would take it for one, which it
+        # cannot compare (S.Max(S.lse, 0) raised "The argument 'LSE(1, 0)' is not comparable")
+        return False
+
 
 class vsum(sp.Function):
     """Sum over the vocabulary of an element-level expression."""
