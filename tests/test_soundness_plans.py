@@ -52,3 +52,13 @@ def test_a_kink_of_a_log_normaliser_and_a_number_builds():
     """S.Max(S.lse, 0): a log-normaliser is a row value, not a number sympy fails to compare."""
     Hinge = lcg.declare_term("hinge", S.Max(S.lse - S.target_logit, 1) + S.Min(S.lse_at(2), 3))
     check(lcg.HeadLoss(Hinge()), Plan(tile=(16, 4, False)), rows=6, vocab=40, seed=0)
+
+
+def test_a_per_row_temperature_in_a_vocabulary_exponential_is_refused_naming_it():
+    """exp(z / token) inside vsum has no maximum to subtract (its coefficient is known per row only)
+    and overflowed fp32 past z / token = 88: refused at declare_term, naming the exponential."""
+    with pytest.raises(ValueError, match=r"exp\(z/tok_tau\).*token\('tau'\).*param"):
+        lcg.declare_term("tempered_lse", S.log(S.vsum(S.exp(S.logit / S.token("tau")))))
+    # a number or a param there is a coefficient the kernel shifts by: accepted, and right past 88
+    Tempered = lcg.declare_term("tempered_lse", S.log(S.vsum(S.exp(S.logit / S.param("tau")))))
+    check(lcg.HeadLoss(Tempered(tau=0.02)), Plan(tile=(16, 4, True)), rows=6, vocab=40, seed=0)
