@@ -10,6 +10,9 @@
     on a GPU: measure the fastest launch configuration of every manifest head's plan state at each
     vocabulary, kept in ``$LOSSCODEGEN_CACHE/tiles.json`` (which the runtime reads) or written to
     ``--out`` (the form shipped as losscodegen/backends/triton/tiles.json).
+``python -m losscodegen fuzz [--minutes N] [--seed S] [--device cpu|cuda]``
+    the differential fuzzer (losscodegen/fuzz.py): random formulas and heads under every plan,
+    against the float64 reference; each mismatch printed as a minimal regression test.
 ``python -m losscodegen demo``
     a real head on random logits: its losses, gradient and plan.
 
@@ -166,12 +169,21 @@ def main(argv: list[str] | None = None) -> int:
                      help="the vocabulary sizes to measure at (default: %(default)s)")
     tun.add_argument("--rows", type=int, default=8192, help="rows of logits per measured call (default: %(default)s)")
     tun.add_argument("--out", type=Path, default=None, help="write this table instead of the user's")
+    fz = sub.add_parser("fuzz", help="random formulas, heads and plans against the float64 reference")
+    fz.add_argument("--minutes", type=float, default=1.0)
+    fz.add_argument("--seed", type=int, default=0)
+    fz.add_argument("--device", choices=("cpu", "cuda"), default=None)
     sub.add_parser("demo", help="run a real head on random logits and print what it computes")
     args = parser.parse_args(argv)
     if args.command == "demo":
         _restart_in_interpreter(not torch.cuda.is_available())
         demo()
         return 0
+    if args.command == "fuzz":
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        _restart_in_interpreter(device == "cpu")
+        from losscodegen import fuzz
+        return int(bool(fuzz.fuzz(seconds=60 * args.minutes, seed=args.seed, device=device).mismatches))
     if args.command == "check":
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         _restart_in_interpreter(device == "cpu")

@@ -473,6 +473,50 @@ def check_interface(text: str, sigs: dict[str, Signature]) -> None:
         unused = sorted(set(sig.args + sig.fixed) - {n.id for n in ast.walk(fn) if isinstance(n, ast.Name)})
         if unused:
             raise ValueError(f"{sig.name}: declared arguments {unused} are never read by the template")
+        out_of_scope = _read_out_of_scope(fn, module_names | set(params))
+        if out_of_scope:
+            raise ValueError(f"{sig.name} reads {out_of_scope} where no assignment reaches (a value "
+                             "computed inside a loop is gone after it, in Triton's compiler; its "
+                             "interpreter, which runs the loop as Python, would not say so)")
+
+
+def _read_out_of_scope(fn: ast.FunctionDef, known: set[str]) -> list[str]:
+    """The names (with their line) a kernel reads where, in Triton's scoping, nothing defines them:
+    a name first assigned inside a loop does not outlive the loop. (The branches of an ``if`` are
+    taken as both defining what either does: most conditions are constexprs.)"""
+    found: list[str] = []
+
+    def read(node: ast.AST, defined: set[str]) -> None:
+        found.extend(f"{n.id} (line {n.lineno})" for n in ast.walk(node)
+                     if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id not in defined)
+
+    def stored(node: ast.AST) -> set[str]:
+        return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+
+    def block(stmts: list[ast.stmt], defined: set[str]) -> set[str]:
+        for st in stmts:
+            if isinstance(st, (ast.For, ast.While)):
+                read(st.iter if isinstance(st, ast.For) else st.test, defined)
+                block(st.body, defined | (stored(st.target) if isinstance(st, ast.For) else set()))
+            elif isinstance(st, ast.If):
+                read(st.test, defined)
+                defined = defined | block(st.body, set(defined)) | block(st.orelse, set(defined))
+            elif isinstance(st, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                if st.value is not None:
+                    read(st.value, defined)
+                targets = st.targets if isinstance(st, ast.Assign) else [st.target]
+                if isinstance(st, ast.AugAssign) and isinstance(st.target, ast.Name) and st.target.id not in defined:
+                    found.append(f"{st.target.id} (line {st.lineno})")
+                for t in targets:   # (a subscript or attribute target reads its base)
+                    if not isinstance(t, ast.Name):
+                        read(t, defined)
+                defined = defined | set().union(*(stored(t) for t in targets))
+            else:
+                read(st, defined)
+        return defined
+
+    block(fn.body, set(known))
+    return sorted(set(found))
 
 
 # The kernel's flag buffer: one slot a kind of bad value, in this order (validation.py reads them).

@@ -235,10 +235,11 @@ class Launcher:
         sig = Signature(call.V_local, dtype, element_size, call.device, call.reduction, call.group, grad,
                         call.divisor is not None, call.topk_ids.shape[1] if k.USES_TOPK else 0,
                         self.exchange is not None)
-        layout = head.layouts.get(sig)
+        # (a configuration being measured takes no layout kept from a call before it, nor leaves one)
+        layout = head.layouts.get(sig) if head.tile_override is None else None
         if layout is None:
             layout = _layout(head, sig)
-            if head.tile_override is None:   # (a configuration being measured is nobody's to keep)
+            if head.tile_override is None:
                 head.layouts[sig] = layout
         self.layout, self.vocab = layout, layout.vocab
         if head.tensor_scalars:

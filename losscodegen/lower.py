@@ -476,6 +476,18 @@ def _simpler(expr: sp.Expr) -> sp.Expr:
     return candidate if _cost(candidate) < _cost(expr) else expr
 
 
+def _log_of_exp(expr: sp.Expr) -> sp.Expr:
+    """``log(exp(E) * R)`` as ``E + log(R)`` (exp(E) > 0 for every real E): the log of a sum of
+    exp(alpha*z) with no normaliser is ``alpha*m + log(acc)``, where ``log(exp(alpha*m)*acc)``
+    overflows past alpha*m = 88."""
+    def split(arg: sp.Expr) -> sp.Expr:
+        exps = [f for f in sp.Mul.make_args(arg) if isinstance(f, sp.exp)]
+        if not exps or not isinstance(arg, sp.Mul):
+            return sp.log(arg)
+        return sp.Add(*[f.args[0] for f in exps]) + sp.log(arg / sp.Mul(*exps))
+    return expr.replace(sp.log, split)
+
+
 def _piecewise(expr: sp.Expr) -> sp.Expr:
     """Min/Max/Abs as Piecewise, so that sympy differentiates them branch by branch."""
     return expr.replace(lambda e: isinstance(e, (sp.Min, sp.Max, sp.Abs)),
@@ -593,10 +605,20 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
         expr = _value(expr).xreplace(lowered_red).xreplace(parts).xreplace({S.row_max: M})
         if _only_smooth(expr, S.target_logit):
             expr = expr.xreplace({S.target_logit: ZYM + M})
-        return sp.powsimp(expr, deep=True, combine="exp")
+        return _log_of_exp(sp.powsimp(expr, deep=True, combine="exp"))
 
     row_values = [(n, finish(e)) for n, e in row_values]
     coefs = [(s, finish(e)) for s, e in coefs]
+    # A coefficient's factor exp(E) of the row maxima (1/R of a sum of exp(alpha*z) with no
+    # normaliser: exp(-alpha*m)/acc) goes to the elements it multiplies, to meet their
+    # exp(alpha*z) = exp(alpha*m + alpha*zm) in one exponential: apart, past alpha*m = 88 one
+    # underflows to 0 and the other overflows to inf
+    moved = {}
+    for i, (sym, e) in enumerate(coefs):
+        factor = sp.Mul(*[f for f in sp.Mul.make_args(e) if isinstance(f, sp.exp) and f.has(M, MT)])
+        if factor != 1:
+            coefs[i], moved[sym] = (sym, e / factor), sym * factor
+    grad_vocab, grad_topk = grad_vocab.xreplace(moved), sp.powsimp(grad_topk.xreplace(moved), deep=True, combine="exp")
 
     # Per-element expressions of the reads after the first see each element relative to the final
     # maxima and each normaliser as maxima + log(acc): exp(z - N) is exp(zm - L_N), whose exponent

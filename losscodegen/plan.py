@@ -61,7 +61,9 @@ class Plan:
     lowered: Lowered
     softcap: bool
     columns: tuple[Column, ...]   # the first read's packed per-row stats, gathered across vocab shards
-    exact: tuple[str, ...]        # the exact read's sums, summed across vocab shards
+    exact: tuple[str, ...]        # the exact sums (the exact read's, and the top-k entries' that need
+                                  # the final normalisers), summed across vocab shards: a launch with
+                                  # the final stats computes them (``launch_sequence``'s has_exact)
 
     @property
     def reads(self) -> int:
@@ -70,7 +72,7 @@ class Plan:
 
     def launches(self, *, sharded: bool, grad: bool, split: bool = False,
                  exchange: bool = False) -> tuple[Launch, ...]:
-        return launch_sequence(has_exact=self.lowered.has_exact, segments=bool(self.lowered.segments),
+        return launch_sequence(has_exact=bool(self.exact), segments=bool(self.lowered.segments),
                                sharded=sharded, grad=grad, split=split, exchange=exchange)
 
     @property
@@ -116,7 +118,7 @@ class Plan:
         for label, sharded, exchange in (("single device", False, False), ("sharded", True, False),
                                          ("sharded, in-kernel exchange", True, True)):
             seq = self.launches(sharded=sharded, grad=True, exchange=exchange)
-            lines.append(f"{label}: {len(seq)} launch(es): " + " -> ".join(_describe(l, lw.has_exact) for l in seq))
+            lines.append(f"{label}: {len(seq)} launch(es): " + " -> ".join(_describe(l, bool(self.exact)) for l in seq))
         return "\n".join(lines)
 
 
@@ -132,8 +134,11 @@ def launch_sequence(*, has_exact: bool, segments: bool, sharded: bool, grad: boo
     measured faster, one launch a read: ``split``); a segment term needs every row's values before
     any gradient (rows, segments, then gradient); under vocab parallelism each exchange of row
     statistics ends a launch, unless the shards exchange them in-kernel (``exchange``: GPUs that map
-    each other's memory), which keeps a head without an exact read in one launch (an exact read
-    needs every shard's normalisers before it, and its sums are all-reduced after it)."""
+    each other's memory), which keeps a head without exact sums in one launch (exact sums need
+    every shard's normalisers before them, and are all-reduced after them). ``has_exact``: the head
+    has exact sums, of the vocabulary or of the top-k entries alone (those read no vocabulary, but
+    split or sharded, the launch that reads them back would find them unwritten without an exact
+    launch)."""
     out = []
     if sharded and exchange and not has_exact:
         first = dict(stats=True, exchange=True, merge=True)

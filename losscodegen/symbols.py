@@ -105,6 +105,12 @@ class LSE(sp.Function):
     nargs = 2
     is_real = True
 
+    @property
+    def is_number(self) -> bool:
+        # a row value, not a constant: with number arguments sympy would take it for one, which it
+        # cannot compare (S.Max(S.lse, 0) raised "The argument 'LSE(1, 0)' is not comparable")
+        return False
+
 
 class vsum(sp.Function):
     """Sum over the vocabulary of an element-level expression."""
@@ -176,6 +182,30 @@ class clamp(sp.Function):
         x, lo, hi = self.args
         inside = {1: sp.And(x >= lo, x <= hi), 2: sp.And(x < lo, lo < hi), 3: sp.Or(x > hi, hi < lo)}
         return sp.Piecewise((1, inside[argindex]), (0, True))
+
+
+def check_exponentials(name: str, formula: sp.Expr) -> None:
+    """Refuse an exponential inside ``vsum`` whose coefficient of the element (``d arg / d z_i``,
+    ``d arg / d t_i``) reads a row value (a token, the label, a log-normaliser, ...): a sum of
+    ``exp(alpha*z_i)`` is kept relative to the row's maximum ``exp(alpha*m)`` only for an ``alpha``
+    known when the kernel is built, and without it overflows fp32 once ``alpha*z_i > 88``
+    (``exp(z / token)``: a per-row temperature). Numbers and params (a param there is planned: the
+    kernel keeps it as a number) are coefficients it can shift by."""
+    for red in formula.atoms(vsum):
+        for e in red.args[0].atoms(sp.exp):
+            arg = e.args[0]
+            for elem in ELEMENT_SYMBOLS:
+                coefficient = arg.diff(elem)
+                rows = sorted(f"token({s.name[len(TOKEN_PREFIX):]!r})" if s.name.startswith(TOKEN_PREFIX)
+                              else str(s) for s in coefficient.free_symbols
+                              if s not in ELEMENT_SYMBOLS and not s.name.startswith(PARAM_PREFIX))
+                if rows or coefficient.has(LSE, vsum, topk_sum, segment_mean):
+                    raise ValueError(
+                        f"{name}: {e} inside vsum(...): the coefficient of {elem} in an exponential, "
+                        f"{coefficient}, reads a row value ({', '.join(rows) or coefficient}), so the "
+                        "sum has no maximum to subtract and overflows float32 (exp(z / token) past "
+                        "z / token = 88); the coefficient must be a number or a param "
+                        "(S.param('temperature'), a number when the term is built)")
 
 
 def _inv(temperature) -> sp.Expr:

@@ -195,6 +195,7 @@ def declare_term(name: str, formula: sp.Expr, *, defaults: Mapping[str, Any] | N
     _check_constructs(name, formula)
     _check_symbols(name, formula)
     _check_levels(name, formula)
+    S.check_exponentials(name, formula)
     return TermFactory(name, formula, dict(defaults or {}), metric_only)
 
 

@@ -102,6 +102,17 @@ class Reference:
     head: HeadLoss
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor | None = None, **inputs: Any):
+        x, out, values, _ = self.evaluate(logits, labels, **inputs)
+        if out.requires_grad:
+            (out.sum() if inputs.get("reduction") == "none" else out).backward()
+        grad = x.grad if x.grad is not None else torch.zeros_like(x)
+        return out.detach(), values, grad.reshape(logits.shape)
+
+    def evaluate(self, logits: torch.Tensor, labels: torch.Tensor | None = None, **inputs: Any):
+        """``(x, out, values, rows)`` before any backward: ``x`` the float64 leaf the logits became
+        (``[rows, V]``), ``out`` the loss (per row under reduction="none") and ``rows`` each
+        non-segment output's per-row values (0 on invalid rows), both in the graph of ``x``, so
+        that a caller can take gradients of its own (upstream gradients on ``out.rows``)."""
         head = self.head
         V = logits.shape[-1]
         shape = logits.shape[:-1]
@@ -147,7 +158,7 @@ class Reference:
         divisor, reduction = inputs.get("divisor"), inputs.get("reduction", "mean")
         n_valid = float(valid.sum().clamp_min(1))
         normalize = {t.name: t.normalize for t in head.loss_terms}
-        values, per_row_loss, loss = {}, z.new_zeros(R), z.new_zeros(())
+        values, rows, per_row_loss, loss = {}, {}, z.new_zeros(R), z.new_zeros(())
         for name, formula, is_metric in head._bound:
             weight = 0.0 if is_metric else ns[f"weight_{name}"]
             if formula.has(S.segment_mean):
@@ -161,13 +172,10 @@ class Reference:
                     else float(divisor) if divisor is not None else class_weights.get(name, n_valid)
                 value = per_row.sum() / div
                 per_row_loss = per_row_loss + weight * per_row
+                rows[name] = per_row.reshape(shape)
             values[name] = value.detach()
             loss = loss + weight * value
-        out = per_row_loss.reshape(shape) if reduction == "none" else loss
-        if out.requires_grad:
-            (out.sum() if reduction == "none" else out).backward()
-        grad = x.grad if x.grad is not None else torch.zeros_like(x)
-        return out.detach(), values, grad.reshape(logits.shape)
+        return x, per_row_loss.reshape(shape) if reduction == "none" else loss, values, rows
 
 
 def _segment_term(formula, ns, valid, seg, divisor, reduction, sequence) -> torch.Tensor:

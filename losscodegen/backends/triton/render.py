@@ -283,7 +283,9 @@ def render(plan: Plan, key: str, header: str, codegen: str,
     tk_temps, tk_bodies = _statements([body[a.name] for a in topk_exact], "k")
     row_temps, row_exprs = _statements([e for _, e in lw.row_values], "r")
     coef_temps, coef_exprs = _statements([e for _, e in lw.grad_coefs], "c")
-    grad_temps, (grad_expr, topk_grad_expr) = _statements([grad_vocab, grad_topk], "d")
+    # (apart: the vocabulary's live in its loop, the top-k entries' after it)
+    grad_temps, (grad_expr,) = _statements([grad_vocab], "d")
+    topk_grad_temps, (topk_grad_expr,) = _statements([grad_topk], "dk")
 
     row_names = [n for n, _ in lw.row_values]
     seg_names = [seg.name for seg in lw.segments]
@@ -354,7 +356,7 @@ def render(plan: Plan, key: str, header: str, codegen: str,
         rows_p2=pow2(len(row_names)),
         coef_temps=coef_temps, coefs=list(zip([s.name for s, _ in lw.grad_coefs], coef_exprs)),
         grad_temps=grad_temps, grad_expr=grad_expr,
-        topk_grad=None if lw.grad_topk == 0 else topk_grad_expr,
+        topk_grad=None if lw.grad_topk == 0 else topk_grad_expr, topk_grad_temps=topk_grad_temps,
         neg_inf=neg_inf, pad=pad,
         uses_is_y=lw.grad_vocab.has(IS_Y),
         uses_is_argmax=lw.grad_vocab.has(IS_ARGMAX),

@@ -1,0 +1,64 @@
+"""Soundness: a head the compiler accepts computes its float64 value and gradient under every plan
+the runtime may choose (split launches, small tiles, vocab-parallel ranks), and a kernel file that
+Triton's compiler would refuse is refused when it is generated, not only on a GPU. Each test here
+is a bug the differential fuzzer (losscodegen/fuzz.py) found."""
+import ast
+
+import pytest
+
+import losscodegen as lcg
+from losscodegen import emit
+from losscodegen import symbols as S
+from losscodegen.fuzz import Plan, check
+
+# token-level unlikelihood: a top-k sum that needs the final lse, and no exact read of the vocabulary
+Unlikelihood = lcg.declare_term("unlikelihood", -S.topk_sum(S.log(1 - S.exp(S.topk_logit - S.lse))))
+
+
+@pytest.mark.parametrize("plan", [Plan(tile=(16, 4, True)), Plan(tile=(16, 4, True), reduction="none"),
+                                  Plan(dtype="bfloat16", tile=(32, 4, True))], ids=str)
+def test_token_level_unlikelihood_with_split_launches(plan):
+    check(lcg.HeadLoss(Unlikelihood(), lcg.CrossEntropy()), plan, rows=8, vocab=64, seed=1)
+
+
+def test_token_level_unlikelihood_on_two_gloo_ranks():
+    check(lcg.HeadLoss(Unlikelihood(), lcg.CrossEntropy()),
+          Plan(kind="sharded", world=2, shards=(32, 32)), rows=8, vocab=64, seed=1)
+
+
+def test_a_topk_gradient_kernel_keeps_its_values_in_scope():
+    """The top-k part of the gradient reads nothing that the vocabulary loop computed: Triton's
+    compiler refuses a name used after the loop that defines it (the interpreter does not)."""
+    head = lcg.HeadLoss(Unlikelihood())
+    head.source()   # generation runs emit.check_interface, which refuses a name read out of its scope
+
+
+def test_a_kernel_reading_a_loop_value_after_the_loop_is_refused_at_generation():
+    text = ("def k(V, BLOCK):\n"
+            "    acc = 0.0\n"
+            "    for start in range(0, V, BLOCK):\n"
+            "        d0 = start * 2\n"
+            "        acc += d0\n"
+            "    if V > 0:\n"
+            "        e = acc\n"
+            "    else:\n"
+            "        e = 1.0\n"
+            "    return acc + d0 + e\n")
+    fn = ast.parse(text).body[0]
+    assert emit._read_out_of_scope(fn, {"range"} | {"V", "BLOCK"}) == ["d0 (line 10)"]
+
+
+def test_a_kink_of_a_log_normaliser_and_a_number_builds():
+    """S.Max(S.lse, 0): a log-normaliser is a row value, not a number sympy fails to compare."""
+    Hinge = lcg.declare_term("hinge", S.Max(S.lse - S.target_logit, 1) + S.Min(S.lse_at(2), 3))
+    check(lcg.HeadLoss(Hinge()), Plan(tile=(16, 4, False)), rows=6, vocab=40, seed=0)
+
+
+def test_a_per_row_temperature_in_a_vocabulary_exponential_is_refused_naming_it():
+    """exp(z / token) inside vsum has no maximum to subtract (its coefficient is known per row only)
+    and overflowed fp32 past z / token = 88: refused at declare_term, naming the exponential."""
+    with pytest.raises(ValueError, match=r"exp\(z/tok_tau\).*token\('tau'\).*param"):
+        lcg.declare_term("tempered_lse", S.log(S.vsum(S.exp(S.logit / S.token("tau")))))
+    # a number or a param there is a coefficient the kernel shifts by: accepted, and right past 88
+    Tempered = lcg.declare_term("tempered_lse", S.log(S.vsum(S.exp(S.logit / S.param("tau")))))
+    check(lcg.HeadLoss(Tempered(tau=0.02)), Plan(tile=(16, 4, True)), rows=6, vocab=40, seed=0)
