@@ -16,6 +16,20 @@ def group_info(group: Any) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
+def shard_columns(group: Any, width: int, device: torch.device) -> tuple[int, int]:
+    """(this rank's first vocabulary column, the whole vocabulary's size) from every rank's
+    ``width``: shards of any width, in rank order. One all-gather of one int a rank, which waits for
+    it: the head calls it once per width (``HeadLoss.shard_columns``), every rank at the same call."""
+    if group is None:
+        return 0, width
+    import torch.distributed as dist
+    world, rank = group_info(group)
+    widths = torch.empty(world, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(widths, torch.tensor([width], dtype=torch.int64, device=device), group=group)
+    widths = widths.tolist()
+    return sum(widths[:rank]), sum(widths)
+
+
 def gather(out: torch.Tensor, part: torch.Tensor, group: Any) -> None:
     """Every rank's ``part``, one after the other, into ``out``."""
     import torch.distributed as dist

@@ -13,7 +13,7 @@ from typing import Any
 import sympy as sp
 import torch
 
-from . import autograd, backends, distributed
+from . import autograd, backends, collectives, distributed
 from . import load as _load
 from . import symbols as S
 from .emit import KernelSource, header
@@ -123,6 +123,7 @@ class HeadLoss(torch.nn.Module):
                 self.class_weight_tokens[token] = (t.name, t.normalize == "tokens")
                 self.register_buffer(f"class_weight_{t.name}", t.class_weight.detach(), persistent=False)
         self._scalar_buffers: dict[torch.device, tuple[torch.Tensor, list]] = {}
+        self._shards: dict[tuple, tuple[int, int]] = {}   # shard_columns by (group, width, device)
         self._kernel: ModuleType | None = None
         self.layouts: dict[tuple, Any] = {}        # launch.py's per-signature layouts
         self.tile_override: Any = None             # a backend Config every call takes (its tune)
@@ -144,7 +145,7 @@ class HeadLoss(torch.nn.Module):
     # them), and leaves behind what belongs to this process and to this head: the loaded kernel
     # module (found again from its file), the backend (resolved again), the layouts (compiled kernels), the scalar buffers, the flag buffers and
     # the id.
-    _PER_PROCESS = ("_kernel", "backend", "layouts", "_scalar_buffers", "checks", "head_id")
+    _PER_PROCESS = ("_kernel", "backend", "layouts", "_scalar_buffers", "_shards", "checks", "head_id")
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -154,7 +155,7 @@ class HeadLoss(torch.nn.Module):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        self._kernel, self.layouts, self._scalar_buffers = None, {}, {}
+        self._kernel, self.layouts, self._scalar_buffers, self._shards = None, {}, {}, {}
         self._attach()
 
     @property
@@ -294,6 +295,17 @@ class HeadLoss(torch.nn.Module):
             return
         for slot, value in entry[1]:
             slot.copy_(value)
+
+    def shard_columns(self, group: Any, width: int, device: torch.device) -> tuple[int, int]:
+        """Under vocab parallelism over ``group``: (this rank's first vocabulary column, the
+        vocabulary's size), from every rank's shard width (any widths: 61 columns as 31 + 30). The
+        widths are exchanged at the head's first call with this width, then kept: every rank of the
+        group makes that first call together, as it makes every call of the head."""
+        key = (group, width, device)
+        columns = self._shards.get(key)
+        if columns is None:
+            columns = self._shards[key] = collectives.shard_columns(group, width, device)
+        return columns
 
     def keep_scalars(self, call: Call) -> None:
         """For a call whose backward launches again (reduction="none"): a device copy of the scalars

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import collectives
+from . import segments
 from .symbols import STANDARD_INPUTS  # (declared with the formula language: no token takes these names)
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -120,6 +120,15 @@ def check_rows(head, kernel: ModuleType, shape: tuple[int, ...], V_local: int, d
         if num_segments is not None and (not isinstance(num_segments, int) or isinstance(num_segments, bool)
                                          or num_segments < 0):
             raise ValueError(f"num_segments must be a non-negative int, got {num_segments!r}")
+        if num_segments is not None:
+            segments.check_count(num_segments)
+        elif inputs.get("segment_group") is None and not any(kernel.NORMALIZE[n] == "sequence"
+                                                             for n in kernel.SEGMENTS):
+            # Ids of any size (global sample indices) where they only group rows: compacted on the
+            # device, no host sync, at most one segment a row. (A normalize="sequence" term divides
+            # by the number of ids, and a segment_group's ranks must agree on them: those count
+            # them as they are, segments.count.)
+            segment_ids, num_segments = segments.compact(segment_ids), math.prod(shape)
     mask = check_rowwise("loss_mask", inputs.get("loss_mask"), shape, dev, boolean=True)
     divisor = check_divisor(inputs.get("divisor"), reduction, dev)
     tokens, value_divisors = [], []
@@ -153,10 +162,10 @@ def class_weight_rows(head, token: str, labels: torch.Tensor, mask: torch.Tensor
     labels do, and every rank computes the same."""
     term, mean_of_rows = head.class_weight_tokens[token]
     weights = getattr(head, f"class_weight_{term}")
-    world = collectives.group_info(inputs.get("process_group"))[0]
-    if weights.shape[0] != V_local * world:
+    vocab = head.shard_columns(inputs.get("process_group"), V_local, labels.device)[1]
+    if weights.shape[0] != vocab:
         raise ValueError(f"class_weight of {term} must have one weight per class of the vocabulary "
-                         f"({V_local * world}), got {weights.shape[0]}")
+                         f"({vocab}), got {weights.shape[0]}")
     if weights.device != labels.device:
         raise ValueError(f"class_weight of {term} is on {weights.device} but logits are on {labels.device} "
                          "(head.to(device) moves it)")

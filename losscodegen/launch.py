@@ -108,7 +108,7 @@ class _Layout:
 
 def _layout(head, sig: Signature) -> _Layout:
     k, backend = head.kernel, head.backend
-    world, rank = collectives.group_info(sig.group)
+    world = collectives.group_info(sig.group)[0]
     sharded = sig.group is not None
     config = backend.config(head, k, sig.V_local, sig.dtype, sig.device, sharded=sharded)
     # reduction="none" with a gradient: the forward keeps the stats, and backward runs the gradient
@@ -119,8 +119,9 @@ def _layout(head, sig: Signature) -> _Layout:
     cut = next((i + 1 for i, launch in enumerate(launches) if launch.then == "segments"), len(launches))
     name = f"head_loss_{k.KEY}"
     options = config.launch(sig.V_local, sig.element_size)
+    vocab_start, n_vocab = head.shard_columns(sig.group, sig.V_local, sig.device)   # (shards of any width)
     fixed = dict(world=world, logit_scale=head.logit_scale, softcap=float(head.softcap or 1.0), V=sig.V_local,
-                 vocab_start=rank * sig.V_local, n_vocab=sig.V_local * world, ignore_index=head.ignore_index,
+                 vocab_start=vocab_start, n_vocab=n_vocab, ignore_index=head.ignore_index,
                  scalars_ptr=head.scalar_buffer(sig.device))
     constexprs = dict(SUM=sig.reduction == "sum", PER_ROW=sig.reduction == "none", BLOCK_V=options.pop("BLOCK_V"),
                       BLOCK_K=pow2(sig.topk) if sig.topk else 1, BLOCK_R=_BLOCK_R)
@@ -142,7 +143,7 @@ def _layout(head, sig: Signature) -> _Layout:
     # normalised by tokens when the call gives no divisor (segment terms count their own rows).
     norms = {k.NORMALIZE[n] for n in k.OUTPUTS if n not in k.SEGMENTS}
     count = "mean" in norms or ("tokens" in norms and not sig.divisor and sig.reduction != "sum")
-    return _Layout(world, sig.V_local * world, tuple(zip(launches, kernels)), cut, deferred, count,
+    return _Layout(world, n_vocab, tuple(zip(launches, kernels)), cut, deferred, count,
                    backend.prologue(count), binder(k, k.ARGS),
                    binder(k, k.SEGMENT_ARGS) if k.SEGMENTS else None, segment_kernel)
 

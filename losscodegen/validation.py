@@ -102,8 +102,9 @@ class DeviceChecks:
             raise ValueError(f"labels: values must be in [0, {f.vocab}) or ignore_index="
                              f"{self.ignore_index}; found {label} in {when} (its loss is NaN)")
         if seg != NONE:
-            raise ValueError(f"segment_ids of valid rows must be in [0, num_segments={f.num_segments}); "
-                             f"found {seg} in {when} (its loss is NaN)")
+            # (a negative id: ids that only group rows are compacted, and num_segments is not the user's)
+            bound = "be non-negative" if seg < 0 else f"be in [0, num_segments={f.num_segments})"
+            raise ValueError(f"segment_ids of valid rows must {bound}; found {seg} in {when} (its loss is NaN)")
         if topk != NONE:
             raise ValueError(f"teacher_topk_ids of valid rows must be in [0, {f.vocab}); found {topk} "
                              f"in {when} (its loss is NaN)")

@@ -76,7 +76,8 @@ _OUT_OF_RANGE = r"segment_ids of valid rows must be in \[0, num_segments=2\)"
 
 
 @pytest.mark.parametrize("bad, match", [
-    (dict(segment_ids=torch.tensor([0, -1, 1, 1])), _OUT_OF_RANGE),
+    (dict(segment_ids=torch.tensor([0, -1, 1, 1])), "segment_ids of valid rows must be non-negative; found -1"),
+    (dict(segment_ids=torch.tensor([0, -1, 1, 1]), num_segments=2), "must be non-negative; found -1"),
     (dict(segment_ids=torch.tensor([0, 3, 1, 1]), num_segments=2), _OUT_OF_RANGE),
     (dict(segment_ids=torch.tensor([0, 0, 1, 1]), num_segments=-1), "num_segments"),
 ])

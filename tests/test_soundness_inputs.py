@@ -264,3 +264,36 @@ def test_a_learnable_parameter_inside_a_formula_is_refused_naming_it():
     logits, labels, inputs = _policy()
     with pytest.raises(ValueError, match="parameter kl_beta of grpo is a tensor that requires grad"):
         head(logits, labels, **inputs)
+
+
+# ---- 7. segment ids of any size ---------------------------------------------------------------------
+def test_gspo_with_global_sample_ids_equals_gspo_with_small_ids():
+    from reference import gspo_total
+    logits, labels, g = make_inputs(R=14, V=48, ignored=(2, 9))
+    inputs = policy_inputs(logits, labels, g, spread=0.002)
+    inputs.pop("ref_logprobs")
+    small = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 4, 4, 5, 5, 5])
+    ids = small * 2**40 + 7 * 2**33                # a sampler's global indices
+    ids[9] = -1                                    # an ignored row's padding id
+    head = lcg.HeadLoss(lcg.GSPO())
+    x = logits.clone().requires_grad_()
+    out = head(x, labels, segment_ids=ids, **inputs)
+    out.loss.backward()
+    z = logits.double().requires_grad_()
+    total, count = gspo_total(z, labels, labels != -100, inputs["advantages"], inputs["old_logprobs"], small)
+    (total / count).backward()
+    torch.testing.assert_close(out.loss.double(), (total / count).detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x.grad.double(), z.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_segment_ids_too_many_to_size_are_refused_naming_num_segments():
+    logits, labels, g = make_inputs(R=6, V=32)
+    inputs = policy_inputs(logits, labels, g)
+    inputs.pop("ref_logprobs")
+    ids = torch.arange(6) * 2**40
+    with pytest.raises(ValueError, match="num_segments=5497558138881 .*at most 16777216 segments"):
+        lcg.HeadLoss(lcg.GSPO())(logits, labels, segment_ids=ids, num_segments=5 * 2**40 + 1, **inputs)
+    # a normalize="sequence" term divides by the number of ids: they are used as they are
+    per_sequence = lcg.HeadLoss(lcg.LogProb(normalize="sequence"))
+    with pytest.raises(ValueError, match="at most 16777216 segments"):
+        per_sequence(logits, labels, segment_ids=ids)

@@ -128,8 +128,9 @@ def test_sharded_equals_unsharded(world, backend):
         for k, (v, r) in values.items():
             assert abs(v - r) <= 1e-5 * max(1.0, abs(r)), (name, rank, k, v, r)
         assert grad_err <= 1e-5 * grad_max, (name, rank, grad_err, grad_max)
-        # one round: the packed stats; a head with an exact read adds one all-reduce
-        assert calls == {"all_gather_into_tensor": 1, "all_reduce": int(exact)}, (name, calls)
+        # one round: the packed stats; a head with an exact read adds one all-reduce. (This is the
+        # head's first call: one all-gather more exchanges the shards' widths, once.)
+        assert calls == {"all_gather_into_tensor": 1 + 1, "all_reduce": int(exact)}, (name, calls)
 
 
 def test_in_kernel_exchange_keeps_one_launch_where_it_applies():
@@ -153,3 +154,65 @@ def test_no_in_kernel_exchange_off_the_gpu():
     from losscodegen import collectives
     assert collectives.exchange(None, torch.device("cpu")) is None
     assert collectives.exchange(object(), torch.device("cpu")) is None
+
+
+def _uneven_heads():
+    return {
+        "ce_family": lcg.HeadLoss(lcg.CrossEntropy(label_smoothing=0.1), lcg.ZLoss(weight=1e-2),
+                                  metrics=(lcg.Entropy(), lcg.TokenAccuracy())),
+        "distill": lcg.HeadLoss(lcg.CrossEntropy(weight=0.5), lcg.ForwardKL(temperature=2.0)),
+        "grpo": lcg.HeadLoss(lcg.GRPO(kl_beta=0.04), metrics=(lcg.ClipFraction(),)),
+    }
+
+
+def _uneven_worker(rank, world, port, queue):
+    """Each rank holds its share of 61 columns, as torch.tensor_split cuts them (31 + 30; 21 + 20
+    + 20): against the float64 reference of the whole vocabulary, by head(...) and head.linear."""
+    from helpers import spec
+    from reference import head_reference
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    V, R, H = 61, 10, 6
+    cols = torch.tensor_split(torch.arange(V), world)[rank]
+    for name, head in _uneven_heads().items():
+        x, y, kw = _inputs({"teacher", "policy"} if name != "ce_family" else set(), R=R, V=V)
+        skw = dict(kw)
+        if "teacher_logits" in kw:
+            skw["teacher_logits"] = kw["teacher_logits"][:, cols].contiguous()
+        if name != "distill":
+            skw.pop("teacher_logits", None)
+            kw.pop("teacher_logits", None)
+        shard = x[:, cols].clone().requires_grad_()
+        out = head(shard, y, process_group=dist.group.WORLD, **skw)
+        out.loss.backward()
+        terms = [spec(t, head) for t in head.loss_terms]
+        loss, values, grad = head_reference(terms, [spec(t, head) for t in head.metric_terms], x, y, **kw)
+        errors = {k: abs(float(v) - float(values[k])) / max(1.0, abs(float(values[k])))
+                  for k, v in {**out.terms, **out.metrics}.items()}
+        errors["loss"] = abs(float(out.loss) - float(loss)) / max(1.0, abs(float(loss)))
+        errors["grad"] = float((shard.grad.double() - grad[:, cols]).abs().max() / grad.abs().max())
+        queue.put((name, rank, errors))
+    # head.linear: this rank's rows of the output layer
+    g = torch.Generator().manual_seed(11)
+    hidden, weight = torch.randn(R, H, generator=g), torch.randn(V, H, generator=g)
+    y = torch.randint(0, V, (R,), generator=g)
+    head = _uneven_heads()["ce_family"]
+    h = hidden.clone().requires_grad_()
+    w = weight[cols].clone().requires_grad_()
+    out = head.linear(h, w, y, process_group=dist.group.WORLD, chunk_rows=4)
+    out.loss.backward()
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    loss, _, _ = head_reference([spec(t, head) for t in head.loss_terms], [], h64 @ w64.T, y)  # (and backward)
+    queue.put(("linear", rank, {"loss": abs(float(out.loss) - float(loss)) / max(1.0, abs(float(loss))),
+                                "hidden": float((h.grad.double() - h64.grad).abs().max() / h64.grad.abs().max()),
+                                "weight": float((w.grad.double() - w64.grad[cols]).abs().max()
+                                                / w64.grad.abs().max())}))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_vocab_shards_of_uneven_widths_match_the_whole_vocabulary(world):
+    results = run_ranks(_uneven_worker, world, world * (len(_uneven_heads()) + 1))
+    assert len(results) == world * 4
+    for name, rank, errors in results:
+        assert max(errors.values()) <= 2e-5, (name, rank, errors)
