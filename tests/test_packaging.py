@@ -158,4 +158,14 @@ def test_the_wheel_carries_templates_and_kernels(tmp_path):
     assert kernels and kernels <= names
     assert {"losscodegen/templates/head_loss.py.j2", "losscodegen/generated/manifest",
             "losscodegen/backends/triton/tiles.json", "losscodegen/py.typed", "losscodegen/integrations/transformers.py",
-            "losscodegen/integrations/trl.py"} <= names
+            "losscodegen/integrations/trl.py", "losscodegen/templates/head_loss_torch.py.j2",
+            "losscodegen/backends/torch/render.py"} <= names
+
+
+def test_triton_is_required_on_linux_only():
+    """Where Triton cannot be installed (macOS, Windows) the wheel installs, and heads run on the
+    torch backend."""
+    import tomllib
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (triton,) = [d for d in deps if d.startswith("triton")]
+    assert triton.replace(" ", "").endswith(";platform_system=='Linux'"), triton
