@@ -1,5 +1,5 @@
 """Every model type apply_losscodegen supports, against the unpatched model's own forward (which
-computes its own loss): a tiny model of each family from its config (1-2 layers, hidden 32, vocabulary
+computes its own loss): a tiny model of each family from its config (1 layer, 2 where experts follow a dense one, hidden 32, vocabulary
 96, random weights, fp32, CPU), the training loss with num_items_in_batch and every parameter's
 gradient; mixture-of-experts models with their router's load-balancing loss (output_router_logits,
 router_aux_loss_coef); *ForConditionalGeneration models through their language model. And the docs'
@@ -17,7 +17,7 @@ from losscodegen.integrations.transformers import (SUPPORTED_MODEL_TYPES, apply_
                                                    register_model_type)
 
 V = 96
-TEXT = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+TEXT = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
             eos_token_id=2)
 MOE = dict(num_local_experts=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
@@ -40,11 +40,11 @@ CASES = {
     "gpt_oss": MOE,
     "qwen2_moe": dict(MOE, shared_expert_intermediate_size=16),
     "qwen3_next": dict(MOE, shared_expert_intermediate_size=16, linear_num_value_heads=2, linear_num_key_heads=2,
-                       linear_key_head_dim=8, linear_value_head_dim=8, layer_types=["linear_attention",
-                                                                                    "full_attention"]),
+                       linear_key_head_dim=8, linear_value_head_dim=8, num_hidden_layers=2,
+                       layer_types=["linear_attention", "full_attention"]),
     "deepseek_v3": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, q_lora_rank=16,
                         kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_group=1,
-                        topk_group=1, first_k_dense_replace=1, n_shared_experts=1, head_dim=4,
+                        topk_group=1, first_k_dense_replace=1, n_shared_experts=1, head_dim=4, num_hidden_layers=2,
                         num_key_value_heads=4),
     "llama4_text": dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=64),
     "gemma3": dict(text_config=TEXT, vision_config=VISION, mm_tokens_per_image=4, image_token_index=90,

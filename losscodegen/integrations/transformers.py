@@ -238,14 +238,14 @@ def _add_model_tags(self: nn.Module, tags: Any) -> None:
     type(self).add_model_tags(self, tags)
     if "trl" not in sys.modules:
         return
-    from losscodegen.integrations.trl_lm_head import computes_trls_fused_loss, trl_fused_head_of
-    if not computes_trls_fused_loss(self.losscodegen.head) and trl_fused_head_of(self) is not None:
+    from losscodegen.integrations.trl_lm_head import drops_objective
+    if drops_objective(self):
         raise ValueError(
             f"this {type(self).__name__} was patched by apply_losscodegen with a head whose objective is not "
             f"cross-entropy alone ({', '.join(t.name for t in self.losscodegen.head.loss_terms)}), and a TRL trainer "
             "(tags: {}) has given it TRL's fused LM head, whose loss is plain cross-entropy: it would train on a "
-            "different objective. Train it with transformers.Trainer, or give apply_losscodegen a head of "
-            "CrossEntropy() alone".format(", ".join(map(str, tags if isinstance(tags, (list, tuple)) else [tags]))))
+            "different objective. Use losscodegen.integrations.trl.SFTTrainer (which trains on the head's objective), "
+            "transformers.Trainer, or a head of CrossEntropy() alone".format(", ".join(map(str, tags if isinstance(tags, (list, tuple)) else [tags]))))
 
 
 def _check_head(head: lcg.HeadLoss, final: FinalLogits, model_type: str) -> None:
