@@ -6,7 +6,8 @@
   ``LosscodegenCallback`` switch it on without calling it, the callback logging the head's terms;
 - ``losscodegen.integrations.trl``: TRL's GRPO trainer on one fused head call per micro-batch,
   ``generalized_jsd_loss`` (TRL's GKD loss, fused), and ``add_fused_lm_head`` / ``replace_fused_lm_heads``:
-  TRL's fused LM head on ``head.linear``, under TRL's own loss code (``losscodegen.integrations.trl_lm_head``).
+  TRL's fused LM head on ``head.linear``, under TRL's own loss code (``losscodegen.integrations.trl_lm_head``);
+  its SFT trainer on the patched model's objective; ``losscodegen.integrations.trl_gkd``: GKD in one fused call.
 
 Importing this package imports neither transformers nor trl (``pip install "losscodegen[hf]"``).
 """

@@ -192,7 +192,7 @@ class FusedObjectiveOutput(ModelOutput):
     rows: dict | None = None
 
 
-def _add_fused_objective(model: Any, cast_lm_head_to_fp32: bool) -> None:
+def add_fused_objective(model: Any, cast_lm_head_to_fp32: bool) -> None:
     """Patch ``model`` (the instance TRL gave its fused LM head) so that ``model(..., losscodegen=(head,
     labels, inputs, n))`` runs the backbone and ``head.linear(..., **inputs)`` on the hidden states that
     predict the last ``n`` tokens; any other call goes to the forward it had."""
@@ -221,9 +221,10 @@ _JSD_REDUCTIONS = ("batchmean", "sum", "mean")
 
 
 @functools.lru_cache(maxsize=64)
-def _jsd_head(beta: float, temperature: float) -> lcg.HeadLoss:
-    # TRL's beta weighs the teacher in the mixture (its 0 and 1 are the KLs themselves, not the limits
-    # of the formula, which vanish); losscodegen's JSD weighs the student: beta = 1 - TRL's
+def jsd_head(beta: float, temperature: float) -> lcg.HeadLoss:
+    """The head of TRL's ``generalized_jsd_loss(..., beta, temperature)``. TRL's beta weighs the teacher in
+    the mixture (its 0 and 1 are the KLs themselves, not the limits of the formula, which vanish);
+    losscodegen's JSD weighs the student: beta = 1 - TRL's."""
     if beta == 0:
         term = lcg.ForwardKL(temperature=temperature)
     elif beta == 1:
@@ -254,7 +255,7 @@ def generalized_jsd_loss(student_logits: torch.Tensor, teacher_logits: torch.Ten
     if student_logits.shape != teacher_logits.shape:
         raise ValueError(f"student_logits {tuple(student_logits.shape)} and teacher_logits "
                          f"{tuple(teacher_logits.shape)} must have one shape")
-    head = _jsd_head(float(beta), float(temperature))
+    head = jsd_head(float(beta), float(temperature))
     vocab = student_logits.shape[-1]
     if num_items_in_batch is not None:
         divisor = num_items_in_batch
@@ -281,7 +282,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         super().__init__(*args, **kwargs)
         _refuse(unfused_options(self.args, self.model))
         target = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        _add_fused_objective(target, self.args.cast_lm_head_to_fp32)
+        add_fused_objective(target, self.args.cast_lm_head_to_fp32)
         self._lcg_heads: dict[tuple[bool, bool], tuple[lcg.HeadLoss, frozenset[str]]] = {}
         self._lcg_final_logits = final_logit_transform(self.model, self.temperature)
         # the ratio is a sequence's (GSPO), the loss weighs sequences (VESPO) or masks them (the off-policy
