@@ -241,3 +241,38 @@ def test_trl_cispo_and_sapo(data):
     same(lambda x: head(x, y, **inp).loss, cispo, z)
     head = lcg.HeadLoss(lcg.SAPO(temperature_pos=tau_pos, temperature_neg=tau_neg))
     same(lambda x: head(x, y, **inp).loss, sapo, z)
+
+
+def test_mixed_dtype_fused_linear_computes_in_the_wider_dtype(data):
+    """Liger's fused linear cross-entropy on bf16 hidden states and an fp32 weight: ours computes in
+    fp32, as F.linear on the upcast hidden states; each gradient comes back in its input's dtype."""
+    _, _, y, g = data
+    h = torch.randn(R, H, generator=g).to(torch.bfloat16).requires_grad_()
+    w = torch.randn(V, H, generator=g).requires_grad_()
+    head = lcg.HeadLoss(lcg.CrossEntropy())
+    out = head.linear(h, w, y)
+    out.loss.backward()
+    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    want = F.cross_entropy(F.linear(h64, w64), y, ignore_index=-100)
+    want.backward()
+    torch.testing.assert_close(out.loss.double(), want, rtol=1e-5, atol=1e-6)
+    assert h.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
+    torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(h.grad.double(), h64.grad, rtol=1e-2, atol=1e-3)   # (rounded to bf16)
+
+
+def test_the_docs_pass_term_options_by_keyword():
+    """Term options are keyword-only: every term call the docs write names its arguments."""
+    import re
+    from pathlib import Path
+    names = [n for n in lcg.__all__ if n[0].isupper() and n not in ("HeadLoss", "HeadOutput")]
+    call = re.compile(r"\b(?:lcg\.)?(%s)\(([^()]*)\)" % "|".join(names))
+    root = Path(__file__).resolve().parent.parent
+    positional = []
+    for path in sorted((root / "docs").glob("*.md")) + [root / "README.md"]:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            for m in call.finditer(line):
+                first = m.group(2).split(",")[0].strip()
+                if first and "=" not in first and not first.startswith("*") and first != "...":
+                    positional.append(f"{path.name}:{number}: {m.group(0)}")
+    assert not positional, positional

@@ -28,7 +28,7 @@ import losscodegen as lcg
 try:
     import transformers
     from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
     from transformers.trainer_callback import CallbackHandler, TrainerCallback
     from transformers.utils.generic import can_return_tuple
 except ImportError as e:  # pragma: no cover - the message is the point
@@ -40,7 +40,8 @@ except ImportError:  # (earlier transformers 5 releases sliced inline, as this d
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         return hidden_states[:, keep, :]
 
-__all__ = ["apply_losscodegen", "AutoLosscodegenForCausalLM", "LosscodegenCallback", "LosscodegenState", "TokenMeans", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["apply_losscodegen", "register_model_type", "AutoLosscodegenForCausalLM", "LosscodegenCallback",
+           "LosscodegenState", "ModelType", "TokenMeans", "SUPPORTED_MODEL_TYPES"]
 
 
 @dataclass(frozen=True)
@@ -53,43 +54,77 @@ class FinalLogits:
     apply: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
-def _plain(model: nn.Module) -> FinalLogits:
-    return FinalLogits()
+@dataclass(frozen=True)
+class ModelType:
+    """How a model type's forward computes its training loss around the output layer (``register_model_type``).
+    Each config attribute is read from the text config (``config.get_text_config()``)."""
+
+    softcap: str | None = None           # logits = tanh(logits / c) * c, c = config.<softcap> (when not None)
+    logit_scale: str | None = None       # logits = logits * config.<logit_scale>
+    logit_divisor: str | None = None     # logits = logits / config.<logit_divisor>
+    router_aux_loss: bool = False        # + router_aux_loss_coef * its module's load_balancing_loss_func(...)
+    base_takes_labels: bool = False      # the base model is given labels too (Gemma 3's multimodal attention mask)
+
+    def final_logits(self, model: nn.Module) -> FinalLogits:
+        config = model.config.get_text_config()
+        cap = None if self.softcap is None else getattr(config, self.softcap)
+        scale = None if self.logit_scale is None else float(getattr(config, self.logit_scale))
+        divisor = None if self.logit_divisor is None else float(getattr(config, self.logit_divisor))
+        if cap is None and scale is None and divisor is None:
+            return FinalLogits()
+
+        def apply(x: torch.Tensor) -> torch.Tensor:   # (as the forwards write it: the same bits)
+            x = x if cap is None else torch.tanh(x / cap) * cap
+            x = x if scale is None else x * scale
+            return x if divisor is None else x / divisor
+        logit_scale = (1.0 if scale is None else scale) / (1.0 if divisor is None else divisor)
+        return FinalLogits(softcap=None if cap is None else float(cap), logit_scale=logit_scale, apply=apply)
 
 
-def _softcap(model: nn.Module) -> FinalLogits:
-    # Gemma2ForCausalLM / Gemma3ForCausalLM: logits / cap, tanh, * cap
-    cap = model.config.final_logit_softcapping
-    if cap is None:
-        return FinalLogits()
-    cap = float(cap)
-    return FinalLogits(softcap=cap, apply=lambda x: torch.tanh(x / cap) * cap)
-
-
-def _scale(model: nn.Module) -> FinalLogits:
-    # CohereForCausalLM / Cohere2ForCausalLM: logits * self.logit_scale (= config.logit_scale)
-    scale = float(model.logit_scale)
-    return FinalLogits(logit_scale=scale, apply=lambda x: x * scale)
-
-
-def _divide(model: nn.Module) -> FinalLogits:
-    # GraniteForCausalLM: logits / config.logits_scaling
-    scaling = float(model.config.logits_scaling)
-    return FinalLogits(logit_scale=1.0 / scaling, apply=lambda x: x / scaling)
-
-
-# model_type -> its final-logit transform. Every type here has a forward that is exactly: base model,
-# slice_logits_to_keep, lm_head (an nn.Linear), the transform, self.loss_function(logits, labels, ...)
-# and nothing else (tests/test_integration_transformers.py checks each against its unpatched forward).
-_FINAL_LOGITS: dict[str, Callable[[nn.Module], FinalLogits]] = {
-    **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "gemma", "phi", "phi3", "olmo2", "starcoder2",
-                     "smollm3", "glm", "helium"), _plain),
-    "gemma2": _softcap, "gemma3_text": _softcap,
-    "cohere": _scale, "cohere2": _scale,
-    "granite": _divide,
+_PLAIN, _MOE = ModelType(), ModelType(router_aux_loss=True)
+# model_type -> what its forward does. Every type here has a forward that is exactly: base model,
+# slice_logits_to_keep, lm_head (an nn.Linear), the final-logit transform, self.loss_function(logits,
+# labels, ...) and, for mixture-of-experts models with output_router_logits, the router's load-balancing
+# loss, and nothing else (read from transformers 5.24's modeling files; tests/test_integration_models.py
+# checks each against its unpatched forward). *ForConditionalGeneration types: their language model's
+# text path (the base model takes the images).
+_MODEL_TYPES: dict[str, ModelType] = {
+    **dict.fromkeys(("llama", "mistral", "ministral", "qwen2", "qwen3", "gemma", "phi", "phi3", "olmo", "olmo2",
+                     "olmo3", "starcoder2", "smollm3", "glm", "glm4", "helium", "exaone4", "deepseek_v3",
+                     "llama4_text", "qwen2_5_vl", "qwen2_vl", "llava"), _PLAIN),
+    **dict.fromkeys(("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "qwen3_next"), _MOE),
+    "gemma2": ModelType(softcap="final_logit_softcapping"),
+    "gemma3_text": ModelType(softcap="final_logit_softcapping"),
+    "gemma3": ModelType(base_takes_labels=True),     # (Gemma3ForConditionalGeneration applies no softcap)
+    "cohere": ModelType(logit_scale="logit_scale"), "cohere2": ModelType(logit_scale="logit_scale"),
+    "granite": ModelType(logit_divisor="logits_scaling"),
 }
-SUPPORTED_MODEL_TYPES = tuple(sorted(_FINAL_LOGITS))
+# the types checked against transformers' forwards (register_model_type adds others)
+SUPPORTED_MODEL_TYPES = tuple(sorted(_MODEL_TYPES))
 
+
+def register_model_type(model_type: str, *, softcap: str | None = None, logit_scale: str | None = None,
+                        logit_divisor: str | None = None, router_aux_loss: bool = False,
+                        base_takes_labels: bool = False) -> None:
+    """Let ``apply_losscodegen`` patch models of ``model_type`` (``config.model_type``), whose forward
+    is: ``outputs = self.base_model(...)`` (given ``labels`` too with ``base_takes_labels``), the hidden
+    states sliced by ``slice_logits_to_keep``, ``logits = self.lm_head(hidden)`` (an ``nn.Linear``), then
+    the final-logit transform named by config attributes (``softcap``: ``tanh(x / c) * c``; then
+    ``logit_scale``: times it; ``logit_divisor``: divided by it), ``loss = self.loss_function(logits,
+    labels, ...)``, and with ``router_aux_loss``, ``loss += self.router_aux_loss_coef *
+    load_balancing_loss_func(outputs.router_logits, self.num_experts, self.num_experts_per_tok,
+    attention_mask)`` (the function of the model's own module) when ``output_router_logits``. A forward
+    that does anything else would train on a different objective: check it against the unpatched model
+    (loss and gradients) before relying on it."""
+    if not isinstance(model_type, str) or not model_type:
+        raise TypeError(f"model_type must be a non-empty str (a config's model_type), got {model_type!r}")
+    _MODEL_TYPES[model_type] = ModelType(softcap=softcap, logit_scale=logit_scale, logit_divisor=logit_divisor,
+                                         router_aux_loss=bool(router_aux_loss),
+                                         base_takes_labels=bool(base_takes_labels))
+
+
+# the outputs' key-value cache field: "cache" since transformers 5.24 ("past_key_values" before)
+_CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 _IGNORE_INDEX = -100   # ForCausalLMLoss's, and what transformers' collators pad labels with
 
 
@@ -132,6 +167,8 @@ class LosscodegenState:
     head: lcg.HeadLoss
     final_logits: FinalLogits
     forward: Callable[..., Any]          # the model's own forward, bound to it
+    model_type: ModelType
+    router_loss: Callable[..., torch.Tensor] | None   # its module's load_balancing_loss_func (router_aux_loss)
     terms: dict[str, torch.Tensor] = field(default_factory=dict)
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
     train: TokenMeans = field(default_factory=TokenMeans)
@@ -158,9 +195,10 @@ def apply_losscodegen(model: nn.Module, head: lcg.HeadLoss | None = None) -> nn.
     if not isinstance(model, transformers.PreTrainedModel):
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
     model_type = getattr(model.config, "model_type", None)
-    if model_type not in _FINAL_LOGITS:
+    if model_type not in _MODEL_TYPES:
         raise ValueError(f"apply_losscodegen: model type {model_type!r} ({type(model).__name__}) is not one whose "
-                         f"forward losscodegen has been checked against; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+                         f"forward losscodegen has been checked against; supported: {', '.join(sorted(_MODEL_TYPES))} "
+                         "(register_model_type adds one)")
     lm_head = getattr(model, "lm_head", None)
     if not isinstance(lm_head, nn.Linear):
         raise ValueError(f"apply_losscodegen: {type(model).__name__} needs an nn.Linear lm_head "
@@ -171,7 +209,9 @@ def apply_losscodegen(model: nn.Module, head: lcg.HeadLoss | None = None) -> nn.
                          "(a custom loss would be replaced silently)")
     if "losscodegen" in vars(model):
         raise ValueError("apply_losscodegen: this model is already patched (model.losscodegen)")
-    final = _FINAL_LOGITS[model_type](model)
+    spec = _MODEL_TYPES[model_type]
+    final = spec.final_logits(model)
+    router_loss = sys.modules[type(model).__module__].load_balancing_loss_func if spec.router_aux_loss else None
     if head is None:
         head = lcg.HeadLoss(lcg.CrossEntropy(), softcap=final.softcap, logit_scale=final.logit_scale)
     elif not isinstance(head, lcg.HeadLoss):
@@ -179,7 +219,7 @@ def apply_losscodegen(model: nn.Module, head: lcg.HeadLoss | None = None) -> nn.
     _check_head(head, final, model_type)
     # (set without nn.Module's __setattr__: the state holds a module, the head, that must not become a
     # submodule of the model)
-    object.__setattr__(model, "losscodegen", LosscodegenState(head, final, model.forward))
+    object.__setattr__(model, "losscodegen", LosscodegenState(head, final, model.forward, spec, router_loss))
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return _forward(self, *args, **kwargs)
@@ -198,14 +238,14 @@ def _add_model_tags(self: nn.Module, tags: Any) -> None:
     type(self).add_model_tags(self, tags)
     if "trl" not in sys.modules:
         return
-    from losscodegen.integrations.trl_lm_head import computes_trls_fused_loss, trl_fused_head_of
-    if not computes_trls_fused_loss(self.losscodegen.head) and trl_fused_head_of(self) is not None:
+    from losscodegen.integrations.trl_lm_head import drops_objective
+    if drops_objective(self):
         raise ValueError(
             f"this {type(self).__name__} was patched by apply_losscodegen with a head whose objective is not "
             f"cross-entropy alone ({', '.join(t.name for t in self.losscodegen.head.loss_terms)}), and a TRL trainer "
             "(tags: {}) has given it TRL's fused LM head, whose loss is plain cross-entropy: it would train on a "
-            "different objective. Train it with transformers.Trainer, or give apply_losscodegen a head of "
-            "CrossEntropy() alone".format(", ".join(map(str, tags if isinstance(tags, (list, tuple)) else [tags]))))
+            "different objective. Use losscodegen.integrations.trl.SFTTrainer (which trains on the head's objective), "
+            "transformers.Trainer, or a head of CrossEntropy() alone".format(", ".join(map(str, tags if isinstance(tags, (list, tuple)) else [tags]))))
 
 
 def _check_head(head: lcg.HeadLoss, final: FinalLogits, model_type: str) -> None:
@@ -241,7 +281,12 @@ def _forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     num_items_in_batch = extra.pop("num_items_in_batch", None)
     extra.pop("ignore_index", None)                # (ForCausalLMLoss's keyword; the head checks -100)
     logits_to_keep = arguments.pop("logits_to_keep", 0)
-    outputs = self.base_model(**arguments, **extra)
+    spec = state.model_type
+    if spec.router_aux_loss and arguments.get("output_router_logits") is None:   # (as the forward resolves it)
+        arguments["output_router_logits"] = self.config.output_router_logits
+    if spec.base_takes_labels:
+        arguments["labels"] = labels
+    outputs = self.model(**arguments, **extra)     # (every supported forward's backbone: self.model)
     hidden = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
     if shift_labels is None:
         # ForCausalLMLoss: pad one ignored label at the end, then position t predicts label t + 1
@@ -259,8 +304,16 @@ def _forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         logits = raw if state.final_logits.apply is None else state.final_logits.apply(raw)
     state.terms, state.metrics = out.terms, out.metrics
     (state.train if self.training else state.eval).add(out, (shift_labels != _IGNORE_INDEX).sum(), num_items_in_batch)
-    return CausalLMOutputWithPast(loss=out.loss, logits=logits, past_key_values=outputs.past_key_values,
-                                  hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+    common = dict(logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+    common[_CACHE] = getattr(outputs, _CACHE, None)
+    if not spec.router_aux_loss:
+        return CausalLMOutputWithPast(loss=out.loss, **common)
+    loss, aux_loss = out.loss, None
+    if arguments["output_router_logits"]:
+        aux_loss = state.router_loss(outputs.router_logits, self.num_experts, self.num_experts_per_tok,
+                                     arguments.get("attention_mask"))
+        loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
+    return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, router_logits=outputs.router_logits, **common)
 
 
 def _patchable(model: nn.Module) -> nn.Module:

@@ -24,8 +24,9 @@ import torch
 
 import losscodegen as lcg
 from losscodegen import symbols as S
-from losscodegen.integrations.trl_lm_head import (add_fused_lm_head, final_logit_transform,  # noqa: F401
-                                                  replace_fused_lm_heads)
+from losscodegen.integrations.trl_lm_head import (add_fused_lm_head, computes_trls_fused_loss,  # noqa: F401
+                                                  final_logit_transform, fusing_objective, replace_fused_lm_heads,
+                                                  trl_fused_head_of)
 
 try:
     import trl
@@ -34,7 +35,7 @@ try:
 except ImportError as e:  # pragma: no cover - the message is the point
     raise ImportError('losscodegen.integrations.trl needs trl>=1.16: pip install "losscodegen[hf]"') from e
 
-__all__ = ["GRPOTrainer", "FUSED_LOSS_TYPES", "FUSED_IMPORTANCE_SAMPLING_LEVELS", "unfused_options",
+__all__ = ["GRPOTrainer", "SFTTrainer", "FUSED_LOSS_TYPES", "FUSED_IMPORTANCE_SAMPLING_LEVELS", "unfused_options",
            "generalized_jsd_loss"]
 
 FUSED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
@@ -191,7 +192,7 @@ class FusedObjectiveOutput(ModelOutput):
     rows: dict | None = None
 
 
-def _add_fused_objective(model: Any, cast_lm_head_to_fp32: bool) -> None:
+def add_fused_objective(model: Any, cast_lm_head_to_fp32: bool) -> None:
     """Patch ``model`` (the instance TRL gave its fused LM head) so that ``model(..., losscodegen=(head,
     labels, inputs, n))`` runs the backbone and ``head.linear(..., **inputs)`` on the hidden states that
     predict the last ``n`` tokens; any other call goes to the forward it had."""
@@ -220,9 +221,10 @@ _JSD_REDUCTIONS = ("batchmean", "sum", "mean")
 
 
 @functools.lru_cache(maxsize=64)
-def _jsd_head(beta: float, temperature: float) -> lcg.HeadLoss:
-    # TRL's beta weighs the teacher in the mixture (its 0 and 1 are the KLs themselves, not the limits
-    # of the formula, which vanish); losscodegen's JSD weighs the student: beta = 1 - TRL's
+def jsd_head(beta: float, temperature: float) -> lcg.HeadLoss:
+    """The head of TRL's ``generalized_jsd_loss(..., beta, temperature)``. TRL's beta weighs the teacher in
+    the mixture (its 0 and 1 are the KLs themselves, not the limits of the formula, which vanish);
+    losscodegen's JSD weighs the student: beta = 1 - TRL's."""
     if beta == 0:
         term = lcg.ForwardKL(temperature=temperature)
     elif beta == 1:
@@ -253,7 +255,7 @@ def generalized_jsd_loss(student_logits: torch.Tensor, teacher_logits: torch.Ten
     if student_logits.shape != teacher_logits.shape:
         raise ValueError(f"student_logits {tuple(student_logits.shape)} and teacher_logits "
                          f"{tuple(teacher_logits.shape)} must have one shape")
-    head = _jsd_head(float(beta), float(temperature))
+    head = jsd_head(float(beta), float(temperature))
     vocab = student_logits.shape[-1]
     if num_items_in_batch is not None:
         divisor = num_items_in_batch
@@ -280,7 +282,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         super().__init__(*args, **kwargs)
         _refuse(unfused_options(self.args, self.model))
         target = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        _add_fused_objective(target, self.args.cast_lm_head_to_fp32)
+        add_fused_objective(target, self.args.cast_lm_head_to_fp32)
         self._lcg_heads: dict[tuple[bool, bool], tuple[lcg.HeadLoss, frozenset[str]]] = {}
         self._lcg_final_logits = final_logit_transform(self.model, self.temperature)
         # the ratio is a sequence's (GSPO), the loss weighs sequences (VESPO) or masks them (the off-policy
@@ -462,3 +464,37 @@ class GRPOTrainer(trl.GRPOTrainer):
             metrics["clip_ratio/low_min"].append(nanmin(per_seq[:, 0]).item())
             metrics["clip_ratio/high_max"].append(nanmax(per_seq[:, 1]).item())
         return loss
+
+
+class SFTTrainer(trl.SFTTrainer):
+    """``trl.SFTTrainer`` with the same constructor, on losscodegen's fused LM head. A model patched by
+    ``apply_losscodegen`` trains on its head's objective (CE + z-loss, ...: TRL's own trainer refuses such
+    a model, whose head its loss would drop); any other model on TRL's loss, cross-entropy. SFT's loss
+    is ``-sum(log_probs) / num_items_in_batch`` over the fused outputs: the fused head gives each token's
+    objective as ``-log_probs``, and TRL's ``compute_loss`` (its metrics, the router loss of a
+    mixture-of-experts model, its scaling across processes) runs unchanged. With an objective other than
+    cross-entropy, options whose loss does not come from the fused outputs are refused at construction."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        with fusing_objective():
+            super().__init__(*args, **kwargs)
+        target = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        state = vars(target).get("losscodegen")
+        objective = None if state is None or computes_trls_fused_loss(state.head) else state.head
+        if objective is not None:
+            refused = [f"loss_type={self.args.loss_type!r} (only 'nll' is -sum(log_probs))"] \
+                if self.args.loss_type != "nll" else []
+            if self.args.label_smoothing_factor:
+                refused.append(f"label_smoothing_factor={self.args.label_smoothing_factor} (a loss from the full "
+                               "logits: use CrossEntropy(label_smoothing=...) in the head)")
+            if self.compute_loss_func is not None:
+                refused.append("compute_loss_func (a loss from the full logits)")
+            if refused:
+                raise ValueError("losscodegen's SFTTrainer cannot train on the model's head "
+                                 f"({', '.join(t.name for t in objective.loss_terms)}) with " + "; ".join(refused))
+        found = trl_fused_head_of(target)
+        if found is None:
+            raise ValueError(f"{type(target).__name__} has no TRL fused LM head after trl.SFTTrainer's constructor: "
+                             "this TRL is not one losscodegen was checked against")
+        target.forward = found.pop("original_forward")     # TRL's patch undone, then ours
+        add_fused_lm_head(target, **found, objective=objective)

@@ -12,9 +12,11 @@ scored, zeros elsewhere, the config's final-logit transform and the temperature,
 """
 from __future__ import annotations
 
+import contextvars
 import functools
 import math
 import types
+import contextlib
 from contextlib import nullcontext
 from typing import Any
 
@@ -72,16 +74,21 @@ def final_logit_transform(model: nn.Module, temperature: float = 1.0) -> tuple[f
     return softcap, scale / temperature
 
 
-def _head(outputs: tuple[str, ...], softcap: float | None, logit_scale: float) -> lcg.HeadLoss:
-    terms = [lcg.LogProb()] + ([lcg.Entropy()] if "entropy" in outputs else [])
+def _head(outputs: tuple[str, ...], softcap: float | None, logit_scale: float,
+          objective: lcg.HeadLoss | None) -> lcg.HeadLoss:
     metrics = [m() for name, m in (("log_sum_sq_probs", _LogSumSqProbs), ("mean_logits", _MeanLogits),
                                    ("is_top1", lcg.TokenAccuracy)) if name in outputs]
+    if objective is None:
+        terms = [lcg.LogProb()] + ([lcg.Entropy()] if "entropy" in outputs else [])
+    else:   # the objective's terms; the entropy logged only (a metric)
+        terms = list(objective.loss_terms)
+        metrics += [lcg.Entropy()] if "entropy" in outputs else []
     return lcg.HeadLoss(*terms, metrics=tuple(metrics), softcap=softcap, logit_scale=logit_scale,
                         ignore_index=_IGNORE_INDEX)
 
 
 def add_fused_lm_head(model: nn.Module, temperature: float = 1.0, cast_lm_head_to_fp32: bool = False,
-                      outputs: tuple[str, ...] = ("log_probs",)) -> None:
+                      outputs: tuple[str, ...] = ("log_probs",), *, objective: lcg.HeadLoss | None = None) -> None:
     """``trl.trainer.utils.add_fused_lm_head``, computed by losscodegen: patch ``model`` (a causal LM
     instance) so that ``model(..., labels=labels, fused_lm_head=True)`` returns TRL's
     ``FusedCausalLMOutput`` from one ``head.linear`` call, without the ``[batch, seq, vocab]`` logits;
@@ -89,6 +96,11 @@ def add_fused_lm_head(model: nn.Module, temperature: float = 1.0, cast_lm_head_t
 
     ``outputs``: the per-token fields computed, among ``FUSED_OUTPUTS`` (``log_probs``, and so ``loss``,
     always). ``log_probs`` and ``entropy`` carry gradients; the others are detached, as in TRL.
+
+    ``objective`` (losscodegen's, for a loss that is ``-sum(log_probs) / n`` such as SFT's): a head
+    whose loss terms replace the log-likelihood: ``log_probs`` is then each token's objective, negated
+    (so that ``loss`` and SFT's loss are the objective), and ``entropy`` is detached. Its softcap and
+    scale must be the model's (``final_logit_transform``).
     """
     if isinstance(outputs, str) or not all(isinstance(o, str) for o in outputs) \
             or not set(outputs) <= set(FUSED_OUTPUTS):
@@ -98,7 +110,13 @@ def add_fused_lm_head(model: nn.Module, temperature: float = 1.0, cast_lm_head_t
     if not callable(getattr(model, "get_output_embeddings", None)) or not hasattr(model, "config"):
         raise TypeError(f"model must be a transformers causal LM (a PreTrainedModel with an output layer), "
                         f"got {type(model).__name__}")
-    head = _head(tuple(outputs), *final_logit_transform(model, temperature))
+    softcap, logit_scale = final_logit_transform(model, temperature)
+    if objective is not None and ((objective.softcap is None) != (softcap is None) or not math.isclose(
+            objective.logit_scale, logit_scale, rel_tol=1e-9) or (softcap is not None and not math.isclose(
+            objective.softcap, softcap, rel_tol=1e-9))):
+        raise ValueError(f"objective: softcap={objective.softcap}, logit_scale={objective.logit_scale}, but TRL's head "
+                         f"on this model has softcap={softcap}, logit_scale={logit_scale}")
+    head = _head(tuple(outputs), softcap, logit_scale, objective)
     fields = tuple(f for f in FUSED_OUTPUTS if f in outputs or f == "log_probs")
     original_forward = model.forward
     text_config = model.config.get_text_config()
@@ -140,8 +158,8 @@ def add_fused_lm_head(model: nn.Module, temperature: float = 1.0, cast_lm_head_t
         # count them); each field is scattered back to the labels' shape, zero elsewhere.
         with autocast, maybe_gather_lm_head_ctx(weight, bias):
             out = head.linear(hidden[mask], weight, labels[mask], bias=bias, reduction="none")
-        per_token = {f: out.rows[_ROWS[f]].new_zeros(mask.shape).masked_scatter(mask, out.rows[_ROWS[f]])
-                     for f in fields}
+        rows = dict(out.rows, logprob=-out.loss) if objective is not None else out.rows
+        per_token = {f: rows[_ROWS[f]].new_zeros(mask.shape).masked_scatter(mask, rows[_ROWS[f]]) for f in fields}
         if "is_top1" in per_token:
             per_token["is_top1"] = per_token["is_top1"] == 1
         log_probs = per_token["log_probs"]
@@ -192,6 +210,28 @@ def computes_trls_fused_loss(head: lcg.HeadLoss) -> bool:
     (term,) = head.loss_terms
     return term.name == "cross_entropy" and term.class_weight is None and term.normalize == "tokens" \
         and float(term.weight) == 1.0 and float(dict(term.params).get("label_smoothing", 0.0)) == 0.0
+
+
+# set while losscodegen's own trainers are built: they fuse the patched model's objective themselves
+_FUSING_OBJECTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("losscodegen_fusing", default=False)
+
+
+@contextlib.contextmanager
+def fusing_objective() -> Any:
+    """While a losscodegen trainer that fuses the patched model's objective is built: no refusal."""
+    token = _FUSING_OBJECTIVE.set(True)
+    try:
+        yield
+    finally:
+        _FUSING_OBJECTIVE.reset(token)
+
+
+def drops_objective(model: nn.Module) -> bool:
+    """Whether ``model``, patched by ``apply_losscodegen``, has TRL's fused LM head in place of its forward
+    while its head is not TRL's cross-entropy (and no losscodegen trainer is fusing it)."""
+    state = vars(model).get("losscodegen")
+    return state is not None and not _FUSING_OBJECTIVE.get() and not computes_trls_fused_loss(state.head) \
+        and trl_fused_head_of(model) is not None
 
 
 # TRL's trainers whose loss reads the fused LM head's outputs (``fused_lm_head=True``) in TRL 1.16
