@@ -433,10 +433,13 @@ def signatures(plan: Plan, key: str, reads_scalars: bool, per_sequence: tuple[st
     out = {"head_loss": Signature(f"head_loss_{key}", tuple(args), tuple(fixed), tuple(constexprs),
                                   tuple(a for a in varying if a in args + fixed))}
     if segments:
+        by_rows = any(seg.rows for seg in lw.segments)   # row terms of segment statistics
         seg_args = ("ws_ptr", "off_seg_sums", "off_seg_coefs", "n_seg",
-                    *(("div_ptr",) if set(segments) - set(per_sequence) else ()))
+                    *(("div_ptr",) if set(segments) - set(per_sequence) else ()),
+                    *(("seg_ptr", "off_rows", "n_rows") if by_rows else ()))
         out["segments"] = Signature(f"segments_{key}", seg_args, ("scalars_ptr",),
-                                    ("SUM", "BLOCK_S"), ("n_seg", "off_seg_sums", "off_seg_coefs"))
+                                    ("SUM", "BLOCK_S"), ("n_seg", "off_seg_sums", "off_seg_coefs",
+                                                         *(("off_rows", "n_rows") if by_rows else ())))
     return out
 
 

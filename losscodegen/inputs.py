@@ -106,6 +106,10 @@ def check_rows(head, kernel: ModuleType, shape: tuple[int, ...], V_local: int, d
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     if kernel.SEGMENTS and reduction == "none":
         raise ValueError(f"reduction='none' has no per-row value for segment terms {kernel.SEGMENTS}")
+    if kernel.SEGMENT_ROW_TERMS and inputs.get("segment_group") is not None:
+        raise ValueError(f"segment_group: {kernel.SEGMENT_ROW_TERMS} read(s) segment statistics per row, "
+                         "whose gradient through the means needs every rank's rows: not supported "
+                         "sequence-parallel yet (gather the segment's rows on one rank)")
     labels = check_rowwise("labels", labels, shape, dev, integer=True, required=kernel.USES_LABELS,
                            needed_by=head.terms_reading)
     topk_ids = topk_logprobs = None

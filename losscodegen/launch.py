@@ -140,8 +140,9 @@ def _layout(head, sig: Signature) -> _Layout:
             values = by_name(dict(SUM=sig.reduction == "sum", BLOCK_S=block), k.SEGMENT_CONSTEXPRS, seg_name)
             return backend.kernel(getattr(k, seg_name), seg_fixed, dict(zip(k.SEGMENT_CONSTEXPRS, values)), {})
     # The valid rows are counted when a row output is divided by them: a metric always, a term
-    # normalised by tokens when the call gives no divisor (segment terms count their own rows).
-    norms = {k.NORMALIZE[n] for n in k.OUTPUTS if n not in k.SEGMENTS}
+    # normalised by tokens when the call gives no divisor (segment terms count their own rows; a
+    # row term of segment statistics is a row term).
+    norms = {k.NORMALIZE[n] for n in k.OUTPUTS if n not in k.SEGMENTS or n in k.SEGMENT_ROW_TERMS}
     count = "mean" in norms or ("tokens" in norms and not sig.divisor and sig.reduction != "sum")
     return _Layout(world, n_vocab, tuple(zip(launches, kernels)), cut, deferred, count,
                    backend.prologue(count), binder(k, k.ARGS),

@@ -81,13 +81,20 @@ class Normalizer:
 
 @dataclass(frozen=True)
 class SegmentTerm:
-    """A term ``F(U_1..U_r)`` of per-segment means ``U_j = mean(u_j)`` of row quantities ``u_j``."""
+    """A term ``F(U_1..U_r)`` of per-segment means ``U_j = mean(u_j)`` of row quantities ``u_j``.
+
+    With ``rows``, a row term of segment statistics: ``F(P, U)`` per row, ``P`` the row quantities
+    it reads besides the means (each written as a row value), summed over the valid rows and
+    divided as a row term is; the segment kernel evaluates it row by row once the means are known,
+    and adds each row's ``dF/dU_j`` into its segment's ``dL/du_j``."""
 
     name: str
     means: tuple[sp.Symbol, ...]       # U_j
-    formula: sp.Expr                   # F(U)
+    formula: sp.Expr                   # F(U) (or F(P, U))
     dformula: tuple[sp.Expr, ...]      # dF/dU_j
     coefs: tuple[sp.Symbol, ...]       # per-row dL/du_j fed back to the gradient launch
+    rows: tuple[tuple[sp.Symbol, str], ...] = ()   # (P_k, the row value that holds it)
+    valid: str = ""                    # the row value that is 1 on a valid row
 
 
 @dataclass(frozen=True)
@@ -510,19 +517,27 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
             def mean(u, _means=means, _name=name):
                 _means.setdefault(u, sp.Symbol(f"U{len(_means)}_{_name}", real=True))
                 return _means[u]
-            F = formula.replace(S.segment_mean, mean)
-            if {s for s in F.free_symbols if not s.name.startswith(S.RUNTIME_PREFIX)} \
-                    - set(means.values()) - set(S.SEGMENT_SYMBOLS):
-                raise ValueError(f"{name}: every row quantity of a segment term must sit inside "
-                                 f"segment_mean(...), found {sorted(map(str, F.free_symbols))}")
+            F = lw.abstract(formula.replace(S.segment_mean, mean))
             coefs = tuple(sp.Symbol(f"{U.name}_coef", real=True) for U in means.values())
             for (u, U), c in zip(means.items(), coefs):
                 row_u = lw.abstract(u)
                 row_values.append((U.name, row_u))
                 loss += c * row_u
-            segments.append(SegmentTerm(name, tuple(means.values()), _value(F),
-                                        tuple(_value(derive(F, U)) for U in means.values()), coefs))
-            weights.append(sp.Symbol(f"w_{name}", real=True))  # folded into coefs at run time
+            w = sp.Symbol(f"w_{name}", real=True)
+            weights.append(w)  # (a segment term's is folded into its coefs at run time)
+            atoms = sorted({s for s in F.free_symbols if not s.name.startswith(S.RUNTIME_PREFIX)}
+                           - set(means.values()) - set(S.SEGMENT_SYMBOLS), key=str)
+            P = {a: sp.Symbol(f"P{k}_{name}", real=True) for k, a in enumerate(atoms)}
+            if P:
+                # a row term of segment statistics (GSPO-token): its direct path is a row term's,
+                # with the means read per row in the gradient launch; the path through the means
+                # comes back through the coefs, which the segment kernel sums row by row
+                row_values += [(p.name, a) for a, p in P.items()] + [(f"V_{name}", sp.S.One)]
+                loss += w * F
+            segments.append(SegmentTerm(
+                name, tuple(means.values()), _value(F.xreplace(P)),
+                tuple(_value(derive(F, U).xreplace(P)) for U in means.values()), coefs,
+                tuple((p, p.name) for p in P.values()), f"V_{name}" if P else ""))
             continue
         f = lw.abstract(formula)
         row_values.append((name, f))
@@ -584,7 +599,9 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
         if any(not a.online for a in lw.accs.values() if sp.Symbol(a.name, real=True) in lowered_red[r].free_symbols):
             raise ValueError(f"a sum read inside another sum must be one of the first read (a sum of "
                              f"exp(a*z) times z, t or inputs), not {lw.red_of[r][1]}")
-    # a nested sum inside a summand, and the gradient's summands, read as the first read's sums
+    # a nested sum inside a summand (or a row factor of one: vsum(z * vsum(z))), and the gradient's
+    # summands, read as the first read's sums
+    lowered_red = {r: v.xreplace(lowered_red) for r, v in lowered_red.items()}
     grad_vocab = grad_vocab.xreplace(lowered_red)
     for key, sym in list(lw.norms.items()):
         lw.acc("vocab", True, key[0], key[1], sp.S.One)

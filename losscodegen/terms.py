@@ -281,18 +281,6 @@ def _check_levels(name: str, formula: sp.Expr) -> None:
             raise ValueError(f"{name}: segment_count (a segment's valid rows) belongs to a segment term, "
                              f"outside its segment_mean(...)/vsum(...): write S.segment_sum(u) for a "
                              f"sum over the segment's rows{f', not {inside[0]}' if inside else ''}")
-    if formula.has(S.segment_mean):
-        mean = sp.Dummy("U", real=True)   # (not 0: 0 * token would hide the token)
-        outside = formula.replace(lambda e: isinstance(e, S.segment_mean), lambda e: mean)
-        rows = [str(s) for s in outside.free_symbols if not s.name.startswith(S.PARAM_PREFIX)
-                and s not in S.SEGMENT_SYMBOLS and s != mean] + [str(r) for r in outside.atoms(S.LSE, S.vsum, S.topk_sum)]
-        if rows:
-            raise ValueError(
-                f"{name}: a segment term is a formula of segment_mean(...)s; {', '.join(sorted(rows))} "
-                "stand(s) outside them. A per-row formula that reads a segment statistic (GSPO-token's "
-                "sg(R_s) * exp(l - sg(l)) per token) is not supported yet: put the row quantity inside "
-                "segment_mean(...) (or segment_sum(...)), or pass the statistic as a token(...) computed "
-                "by a first call (reduction='none')")
     for lse in formula.atoms(S.LSE):
         if any(not s.name.startswith(S.PARAM_PREFIX) for s in lse.free_symbols):
             raise ValueError(f"{name}: a log-normaliser's temperature must be a number or a param, "

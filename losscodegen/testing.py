@@ -161,7 +161,13 @@ class Reference:
         values, rows, per_row_loss, loss = {}, {}, z.new_zeros(R), z.new_zeros(())
         for name, formula, is_metric in head._bound:
             weight = 0.0 if is_metric else ns[f"weight_{name}"]
-            if formula.has(S.segment_mean):
+            if formula.has(S.segment_mean) and _reads_rows(formula):
+                # a row term of segment statistics: each row's formula with its segment's means
+                per_row = _evaluate(_row_means(formula, ns, valid, inputs["segment_ids"].reshape(-1)), ns)
+                per_row = torch.where(valid, torch.as_tensor(per_row, dtype=torch.float64).expand(R, 1)[:, 0], 0.0)
+                div = 1.0 if reduction == "sum" else float(divisor) if divisor is not None else n_valid
+                value = per_row.sum() / div
+            elif formula.has(S.segment_mean):
                 value = _segment_term(formula, ns, valid, inputs["segment_ids"].reshape(-1), divisor, reduction,
                                       inputs.get("num_segments") if normalize[name] == "sequence" else False)
             else:
@@ -176,6 +182,30 @@ class Reference:
             values[name] = value.detach()
             loss = loss + weight * value
         return x, per_row_loss.reshape(shape) if reduction == "none" else loss, values, rows
+
+
+def _reads_rows(formula: sp.Expr) -> bool:
+    """Whether a formula of segment means reads row quantities outside them (GSPO-token)."""
+    outside = formula.replace(lambda e: isinstance(e, S.segment_mean), lambda e: sp.Dummy(real=True))
+    return bool(outside.atoms(S.LSE, S.vsum, S.topk_sum)) or any(
+        not s.name.startswith(S.RUNTIME_PREFIX) and s not in S.SEGMENT_SYMBOLS and not isinstance(s, sp.Dummy)
+        for s in outside.free_symbols)
+
+
+def _row_means(formula, ns, valid, seg) -> sp.Expr:
+    """``formula`` with each segment_mean a per-row symbol bound in ``ns`` to the mean over the
+    row's segment's valid rows (and ``segment_count`` to that segment's valid rows)."""
+    ids = sorted(set(seg[valid].tolist()))
+    sel = {s: (seg == s) & valid for s in ids}
+    count = sum(torch.where(seg == s, float(sel[s].sum()), 0.0) for s in ids) if ids else torch.zeros(seg.shape[0])
+    ns[S.segment_count.name] = torch.as_tensor(count, dtype=torch.float64, device=seg.device)[:, None]
+    means = {}
+    for k, mean in enumerate(formula.atoms(S.segment_mean)):
+        u = torch.as_tensor(_evaluate(mean.args[0], ns), dtype=torch.float64).expand(seg.shape[0], 1)[:, 0]
+        per_row = sum((torch.where(seg == s, u[sel[s]].mean(), 0.0) for s in ids), u.new_zeros(seg.shape[0]))
+        means[mean] = sp.Symbol(f"segment_mean_{k}", real=True)
+        ns[means[mean].name] = per_row[:, None]
+    return formula.xreplace(means)
 
 
 def _segment_term(formula, ns, valid, seg, divisor, reduction, sequence) -> torch.Tensor:

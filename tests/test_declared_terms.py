@@ -79,6 +79,6 @@ def test_declare_errors():
     with pytest.raises(ValueError, match="identifier"):
         lcg.declare_term("not a name", S.lse)
     with pytest.raises(ValueError, match="nested"):
-        lcg.declare_term("nested", S.vsum(S.vsum(S.logit)))
+        lcg.declare_term("nested", S.vsum(S.vsum(S.vsum(S.logit))))   # (one vsum inside another is allowed)
     with pytest.raises(ValueError, match="inside vsum"):
         lcg.declare_term("loose", S.logit - S.lse)

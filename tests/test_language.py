@@ -19,6 +19,17 @@ _l = S.target_logit - S.lse
 SeqPG = lcg.declare_term(
     "seq_pg", -S.segment_sum(S.token("advantages") * _l) / S.segment_count ** S.param("power"),
     defaults={"power": 0.5})
+# GSPO-token (arXiv 2507.18071, eq. 13): per token s = sg(R_seq) * pi(y_t) / sg(pi(y_t)), R_seq the
+# sequence's geometric-mean ratio; each token's clipped objective over its sequence's length (with
+# divisor= the number of sequences, the paper's mean of sequence means)
+_R = S.exp(S.segment_mean(_l - S.token("old_logprobs")))
+_s = S.stop_gradient(_R) * S.exp(_l - S.stop_gradient(_l))
+_A = S.token("advantages")
+GSPOToken = lcg.declare_term(
+    "gspo_token", -S.Min(_s * _A, S.clamp(_s, 1 - S.param("eps_low"), 1 + S.param("eps_high")) * _A) / S.segment_count,
+    defaults={"eps_low": 3e-4, "eps_high": 4e-4})
+# a per-token term whose direct path reads the mean too: each log-prob's squared distance to its sequence's
+SeqSpread = lcg.declare_term("seq_spread", (_l - S.segment_mean(_l)) ** 2)
 # Baichuan 2 (arXiv 2309.10305) max-z loss: 2e-4 * (max_i z_i)^2 per token
 MaxZ = lcg.declare_term("max_z", S.row_max ** 2)
 MaxGap = lcg.declare_term("max_gap", S.row_max - S.target_logit, metric_only=True)
@@ -32,9 +43,13 @@ LogitNorm = lcg.declare_term(
 
 def _heads():
     return {"segment_sum": lcg.HeadLoss(SeqPG(), lcg.CrossEntropy(weight=0.3)),
+            "row_reads_segment": lcg.HeadLoss(GSPOToken(), SeqSpread(weight=0.5), lcg.CrossEntropy(weight=0.1)),
             "row_max": lcg.HeadLoss(lcg.CrossEntropy(), MaxZ(weight=2e-4 * 500), metrics=(MaxGap(),)),
             "row_max_softcap": lcg.HeadLoss(MaxZ(), softcap=4.0, logit_scale=0.8),
             "nested_vsum": lcg.HeadLoss(LogitNorm(), metrics=(lcg.Entropy(),)),
+            # an inner sum as the row factor of an online outer sum (the mean logit times the sum of z p)
+            "nested_row_factor": lcg.HeadLoss(lcg.declare_term(
+                "centred", S.vsum(S.softmax * S.logit * S.vsum(S.logit) / S.vocab_size))()),
             # lse - max: row_max as the factor of an online sum
             "row_max_in_vsum": lcg.HeadLoss(lcg.declare_term("log_mass", S.log(S.vsum(S.exp(S.logit - S.row_max))))())}
 
@@ -79,10 +94,14 @@ def _linear(name):
     if head.terms_reading("segment_ids"):
         inputs = dict(segment_ids=torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 3, 3]), num_segments=4,
                       advantages=torch.randn(R, generator=g))
+    if head.terms_reading("old_logprobs"):
+        with torch.no_grad():
+            lp = torch.log_softmax(hidden @ weight.T, -1).gather(1, labels.clamp_min(0)[:, None])[:, 0]
+        inputs["old_logprobs"] = lp + 3e-4 * torch.randn(R, generator=g)   # ratios on both clip sides
     return head, hidden, weight, labels, inputs
 
 
-@pytest.mark.parametrize("name", ["segment_sum", "row_max", "nested_vsum"])
+@pytest.mark.parametrize("name", ["segment_sum", "row_reads_segment", "row_max", "nested_vsum"])
 def test_construct_through_linear_equals_logits(name):
     head, hidden, weight, labels, inputs = _linear(name)
     h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
@@ -99,7 +118,7 @@ def test_construct_through_linear_equals_logits(name):
 def _vp_worker(rank, world, port, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    for name in ("segment_sum", "row_max", "nested_vsum"):
+    for name in ("segment_sum", "row_reads_segment", "row_max", "nested_vsum"):
         head, hidden, weight, labels, inputs = _linear(name)
         z = (hidden @ weight.T).detach()
         full = z.clone().requires_grad_()
@@ -116,7 +135,7 @@ def _vp_worker(rank, world, port, queue):
 
 
 def test_constructs_vocab_parallel_equal_unsharded():
-    for name, loss, ref, err, scale, values in run_ranks(_vp_worker, 2, 6):
+    for name, loss, ref, err, scale, values in run_ranks(_vp_worker, 2, 8):
         assert abs(loss - ref) <= 1e-5 * max(1.0, abs(ref)), (name, loss, ref)
         assert err <= 1e-5 * scale, (name, err, scale)
         for k, (v, r) in values.items():
@@ -145,9 +164,6 @@ def test_a_nested_sum_that_needs_a_second_read_itself_is_refused():
     (S.vsum(S.logit * S.vsum(S.softmax * S.row_max)), "nested reductions"),
     (S.vsum(S.logit * S.vsum(S.logit * S.vsum(S.logit))), "nested reductions"),
     (S.topk_sum(S.topk_logit * S.vsum(S.logit)), "nested reductions"),
-    # GSPO-token: a per-token formula reading a segment mean
-    (S.exp(S.segment_mean(_l)) * S.token("advantages"), "per-row formula that reads a segment statistic"),
-    (S.segment_mean(_l) - _l, "per-row formula that reads a segment statistic"),
 ])
 def test_outside_the_language_is_refused_saying_what_to_write(formula, match):
     with pytest.raises(ValueError, match=match):
@@ -175,3 +191,40 @@ def test_dpo_declared_as_in_the_docs_equals_the_built_in():
     assert torch.allclose(grads[0], grads[1], rtol=1e-5, atol=1e-7)
     lcg.testing.assert_parity(declared, rows=20, vocab=30, labels=y.reshape(-1),
                               **{k: (v.reshape(-1) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()})
+
+
+def test_gspo_token_matches_the_papers_formula_in_torch():
+    """GSPO-token against its definition written in float64 torch with .detach() (not our reference):
+    loss = (1/G) sum_seq (1/|seq|) sum_t -min(s_t A_t, clip(s_t) A_t), s_t = sg(R) pi_t / sg(pi_t)."""
+    g = torch.Generator().manual_seed(5)
+    R, V, eps_low, eps_high = 14, 40, 3e-4, 4e-4
+    z = torch.randn(R, V, generator=g, dtype=torch.float64)
+    y = torch.randint(0, V, (R,), generator=g)
+    y[[2, 9]] = -100
+    seg = torch.tensor([0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2, 2, 3, 3])
+    A = torch.randn(R, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        old = torch.log_softmax(z, -1).gather(1, y.clamp_min(0)[:, None])[:, 0] + 4e-4 * torch.randn(R, generator=g)
+    x = z.clone().requires_grad_()
+    l = torch.log_softmax(x, -1).gather(1, y.clamp_min(0)[:, None])[:, 0]
+    total = 0
+    for s in range(4):
+        rows = (seg == s) & (y != -100)
+        ratio = torch.exp((l[rows] - old[rows]).mean())
+        st = ratio.detach() * torch.exp(l[rows] - l[rows].detach())
+        total = total + (-torch.minimum(st * A[rows], st.clamp(1 - eps_low, 1 + eps_high) * A[rows])).mean()
+    (total / 4).backward()
+    ours = z.float().clone().requires_grad_()
+    out = lcg.HeadLoss(GSPOToken())(ours, y, segment_ids=seg, num_segments=4, advantages=A.float(),
+                                    old_logprobs=old.float(), divisor=4.0)
+    out.loss.backward()
+    assert abs(out.loss.item() - total.item() / 4) <= 1e-5 * max(1.0, abs(total.item() / 4))
+    err = (ours.grad.double() - x.grad).abs().max().item()
+    assert err <= 1e-4 * x.grad.abs().max().item(), err
+
+
+def test_row_term_of_segment_statistics_refuses_sequence_parallel_and_says_why():
+    head = lcg.HeadLoss(SeqSpread())
+    z, y = torch.randn(4, 10), torch.tensor([1, 2, 3, 4])
+    with pytest.raises(ValueError, match="segment_group"):
+        head(z, y, segment_ids=torch.tensor([0, 0, 1, 1]), num_segments=2, segment_group=object())

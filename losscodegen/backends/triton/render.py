@@ -296,7 +296,13 @@ def render(plan: Plan, key: str, header: str, codegen: str,
     for seg in lw.segments:
         temps, (value, *grads) = _statements([seg.formula, *seg.dformula], f"{seg.name}_u")
         seg_fns.append(dict(name=seg.name, temps=temps, value=value, slot=lw.outputs.index(seg.name),
-                            grads=[(seg_means.index(U.name), g) for U, g in zip(seg.means, grads)]))
+                            grads=[(seg_means.index(U.name), g) for U, g in zip(seg.means, grads)],
+                            # a row term of segment statistics: its row values, read row by row
+                            rows=[(p.name, row_names.index(r)) for p, r in seg.rows],
+                            valid=row_names.index(seg.valid) if seg.valid else None))
+    row_segs = [seg.name for seg in lw.segments if seg.rows]
+    # the means (and the count) the gradient launch reads per row for their direct path
+    grad_means = [(U.name, seg_means.index(U.name)) for seg in lw.segments if seg.rows for U in seg.means]
     n_out = len(lw.outputs)
 
     # Runtime scalars (each loss term's weight, then the runtime parameters) come from one fp32
@@ -313,10 +319,11 @@ def render(plan: Plan, key: str, header: str, codegen: str,
         used = {s.name for e in exprs for s in e.free_symbols} | {f"weight_{w}" for w in weights}
         return [f"{n} = tl.load(scalars_ptr + {i})" for i, n in enumerate(scalars) if n in used]
     scalar_loads = dict(reads=loads(reads_exprs), rows=loads([e for _, e in lw.row_values], row_loss_terms),
-                        grad=loads(grad_exprs, row_loss_terms), finish=loads([], row_loss_terms),
+                        grad=loads(grad_exprs, row_loss_terms + row_segs), finish=loads([], row_loss_terms),
                         segments=loads(seg_exprs, seg_names))
     for seg in seg_fns:
         seg["per_sequence"] = norm[seg["name"]] == "sequence"
+        seg["div"] = "div_rows" if seg["rows"] else "div_seq" if seg["per_sequence"] else "div"
     sigs = signatures(plan, key, any(scalar_loads[b] for b in ("reads", "rows", "grad", "finish")),
                       tuple(seg["name"] for seg in seg_fns if seg["per_sequence"]), bool(row_loss_terms))
 
@@ -365,6 +372,7 @@ def render(plan: Plan, key: str, header: str, codegen: str,
         row_loss_terms=row_loss_terms, scalars=scalars, scalar_loads=scalar_loads, normalize=norm,
         grad_weights=[(n, f"weight_{n} * grad_scale" if norm[n] == "tokens" else f"weight_{n}")
                       for n in row_loss_terms],
+        row_segs=row_segs, grad_means=grad_means,
         per_row_loss=" + ".join(f"weight_{n} * v{row_names.index(n)}" for n in row_loss_terms) or "0.0",
         finish=[(n, row_names.index(n), lw.outputs.index(n),
                  {"tokens": " * value_scale", "mean": " * count_scale", "sum": ""}[norm[n]])
