@@ -45,6 +45,7 @@ import subprocess
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable
 from unittest import mock
 
@@ -81,8 +82,13 @@ def setting(name: str, gpu: str, cpu: str) -> str:
     return os.environ.get(f"MGPU_{name}", cpu if ARGS.cpu else gpu)
 
 
-SHAPES = [tuple(int(n) for n in s.split("x")) for s in setting("SHAPES", "8192x128256,4096x262144", "16x1008").split(",")]
-SCALING_SHAPE = tuple(int(n) for n in setting("SCALING_SHAPE", "x".join(map(str, SHAPES[0])), "x".join(map(str, SHAPES[0]))).split("x"))
+def parse_shape(text: str) -> tuple[int, int]:
+    rows, vocab = (int(n) for n in text.split("x"))
+    return rows, vocab
+
+
+SHAPES = [parse_shape(s) for s in setting("SHAPES", "8192x128256,4096x262144", "16x1008").split(",")]   # rows x vocab
+SCALING_SHAPE = parse_shape(os.environ["MGPU_SCALING_SHAPE"]) if "MGPU_SCALING_SHAPE" in os.environ else SHAPES[0]
 DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[setting("DTYPE", "bf16", "bf16")]
 HIDDEN = int(setting("HIDDEN", "4096", "32"))            # head.linear's hidden size
 LINEAR_ROWS = int(setting("LINEAR_ROWS", "2048", "16"))  # head.linear's rows in the correctness part
@@ -243,11 +249,11 @@ class Collectives(TorchDispatchMode):
     def __enter__(self):
         original = collectives.Exchange.next
 
-        def counted(exchange, rows, columns):   # each rank writes its rows' stats to every peer
+        def next_counted(exchange, rows, columns):   # each rank writes its rows' stats (and a flag
             self.ops.append(("in-kernel exchange", 4 * rows * columns, exchange.world,
                              4.0 * (exchange.world - 1) * (rows * columns + rows + 1)))
-            return original(exchange, rows, columns)
-        self._patch = mock.patch.object(collectives.Exchange, "next", counted)
+            return original(exchange, rows, columns)   # a row, one a launch) to every peer
+        self._patch = mock.patch.object(collectives.Exchange, "next", next_counted)
         self._patch.__enter__()
         return super().__enter__()
 
@@ -311,7 +317,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def worst_over_ranks(errors: dict[str, float]) -> dict[str, float]:
-    t = torch.tensor(list(errors.values()), dtype=torch.float64, device=DEVICE)
+    """Each error's worst over the ranks (a NaN counted as infinite: MAX need not keep NaNs)."""
+    t = torch.tensor([math.inf if math.isnan(v) else v for v in errors.values()], dtype=torch.float64,
+                     device=DEVICE)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return dict(zip(errors, t.tolist()))
 
@@ -327,7 +335,7 @@ def compare(out, ref: dict[str, torch.Tensor], grads: list[tuple[str, Any, torch
     errs = {"loss_err": rel(plain(got["loss"]), ref["loss"]),
             "value_err": max(rel(plain(got[k]), v) if k in got else math.inf for k, v in ref.items())}
     for name, g, want in grads:
-        errs[name] = math.inf if g is None else rel(plain(g) if not isinstance(g, DTensor) else g.to_local(), want)
+        errs[name] = math.inf if g is None else rel(g.to_local() if isinstance(g, DTensor) else g, want)
     return worst_over_ranks(errs)
 
 
@@ -389,12 +397,14 @@ def dtensor_variant(mesh, R: int, V: int, *, rows_over: str | None) -> Variant:
                       for d in dims]
         return DTensor.from_local(t, mesh, placements, run_check=False)
 
+    def as_dtensor(name: str, t: Any) -> bool:   # the teacher's logits always; per-row inputs where rows shard
+        return isinstance(t, torch.Tensor) and (rows_over is not None or name == "teacher_logits")
+
     def run(head, x, y, kw, ref_grad):
         xd = place(x[rows, cols].contiguous(), True).detach().requires_grad_()
         loc = local_inputs(kw, rows, cols)
         y_in = place(y[rows], False) if rows_over else y
-        loc = {k: place(v, k == "teacher_logits") if isinstance(v, torch.Tensor) and (rows_over or k == "teacher_logits")
-               else v for k, v in loc.items()}
+        loc = {k: place(v, k == "teacher_logits") if as_dtensor(k, v) else v for k, v in loc.items()}
         out = head(xd, y_in, **loc)
         out.loss.backward()
         g = xd.grad
@@ -406,20 +416,25 @@ def dtensor_variant(mesh, R: int, V: int, *, rows_over: str | None) -> Variant:
     return run
 
 
+@dataclass
 class Case:
     """One sharded call to check against the unsharded one: its part of the record, its label, the
-    variant, and for counting its collectives: the rows a rank holds and the ranks they exchange over."""
+    variant, for counting its collectives the rows a rank holds and the ranks they exchange over,
+    the exchange's path, and whether to count its collectives (one call more)."""
 
-    def __init__(self, part: str, label: str, run: Variant, rows: int, ranks: int,
-                 path: Callable = contextlib.nullcontext, count: bool = True) -> None:
-        self.part, self.label, self.run, self.rows, self.ranks = part, label, run, rows, ranks
-        self.path, self.count = path, count
+    part: str
+    label: str
+    run: Variant
+    rows: int
+    ranks: int
+    path: Callable = contextlib.nullcontext
+    count: bool = True
 
 
 def cases(R: int, V: int, needs: tuple[str, ...]) -> list[Case]:
     cols, tp = shard_of(V, WORLD, RANK), WORLD // DP
     vocab = groups_variant(slice(None), cols, process_group=GROUP)
-    out = [Case("correctness", f"vocab/{WORLD}", vocab, R, WORLD)]
+    out = [Case("correctness", f"vocab/{WORLD}", vocab, R, WORLD, count=False)]   # (counted by scaling)
     if exchange_in_kernel(GROUP):   # the default took the in-kernel exchange: the all-gather too
         out.append(Case("correctness", f"vocab/{WORLD}, all-gather", vocab, R, WORLD, _forced_all_gather, False))
     if "segments" in needs:
@@ -430,7 +445,8 @@ def cases(R: int, V: int, needs: tuple[str, ...]) -> list[Case]:
                                     process_group=MESH_2D.get_group("tp"), segment_group=MESH_2D.get_group("dp")),
                      R // DP, tp)]
     if "dtensor" in RUN_PARTS:
-        out += [Case("dtensor", f"Shard(-1), mesh ({WORLD},)", dtensor_variant(MESH_1D, R, V, rows_over=None), R, WORLD),
+        out += [Case("dtensor", f"Shard(-1), mesh ({WORLD},)", dtensor_variant(MESH_1D, R, V, rows_over=None),
+                     R, WORLD),
                 Case("dtensor", f"Shard(0), Shard(-1), mesh ({DP}, {tp})",
                      dtensor_variant(MESH_2D, R, V, rows_over="dp"), R // DP, tp)]
     return out
@@ -684,7 +700,7 @@ def scale_head(name: str, R: int, V: int) -> dict[str, Any]:
     width = V // WORLD
     works = {"same global work": R, "same work per rank": WORLD * R}
     if name == LINEAR_NAME:
-        head, columns = LINEAR_HEAD, len(LINEAR_HEAD.kernel.COLUMNS)
+        columns = len(LINEAR_HEAD.kernel.COLUMNS)
         single = linear_step(R, V, V)
         sharded = {w: linear_step(rows, V, width, process_group=GROUP) for w, rows in works.items()}
     else:
@@ -818,7 +834,8 @@ def main() -> int:
     RECORD["meta"] = dict(
         world=WORLD, backend=dist.get_backend(), device=device_name(), dtype=str(DTYPE), shapes=SHAPES,
         scaling_shape=SCALING_SHAPE, dp_x_tp=[DP, WORLD // DP], iters=ITERS, warmup=WARMUP, rounds=ROUNDS,
-        in_kernel_exchange=exchange_in_kernel(GROUP), commit=commit(), torch=torch.__version__,
+        in_kernel_exchange=exchange_in_kernel(GROUP), commit=commit(),
+        codegen=lcg.load.codegen_version(), torch=torch.__version__,
         triton=md.version("triton"), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         env={k: os.environ.get(k) for k in (*MULTICAST_OFF, "TRITON_INTERPRET", "LOSSCODEGEN_EXCHANGE")})
     if "correctness" in RUN_PARTS or "dtensor" in RUN_PARTS:
