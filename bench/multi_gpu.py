@@ -26,7 +26,7 @@ Parts (`--parts`, all by default), each rank on its own GPU over NCCL:
 Timings use a fixed number of iterations on every rank: a timer that picks its own repeat count
 (triton's do_bench) can pick a different one per rank, and the ranks then wait forever on each
 other's collectives. One JSON record per run, `DIR/<device>-multigpu-<N>.json`, rewritten after
-each part (a run stopped by its time limit keeps what it finished); a table is printed last. The
+each step (a run stopped by its time limit keeps what it finished); a table is printed last. The
 exit status is 1 where a check failed.
 
 `--cpu`: gloo ranks on the CPU, tiny sizes, kernels in Triton's interpreter: the same code paths
@@ -102,7 +102,7 @@ B2B_REPEATS = int(setting("B2B_REPEATS", "8", "1"))      # rounds of the 6 back-
 ONLY_HEADS = setting("HEADS", "all", "all")                # a comma-separated subset of HEADS (and LINEAR_NAME)
 SCALING_HEADS = setting("SCALING_HEADS", ONLY_HEADS, ONLY_HEADS)
 
-faulthandler.dump_traceback_later(int(setting("WATCHDOG", "570", "600")), exit=True)
+faulthandler.dump_traceback_later(int(setting("WATCHDOG", "540", "600")), exit=True)
 T0 = time.time()
 RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 if ARGS.cpu:
@@ -739,7 +739,7 @@ def scaling() -> None:
         log(f"scaling: {name}, {R}x{V}")
         RECORD.setdefault("scaling", []).append(scale_head(name, R, V))
         free()
-        write_record()
+        write_record()   # (after each head: the scaling part is the longest)
 
 
 # ---- record and table ---------------------------------------------------------------------------
@@ -838,20 +838,25 @@ def main() -> int:
         codegen=lcg.load.codegen_version(), torch=torch.__version__,
         triton=md.version("triton"), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         env={k: os.environ.get(k) for k in (*MULTICAST_OFF, "TRITON_INTERPRET", "LOSSCODEGEN_EXCHANGE")})
-    if "correctness" in RUN_PARTS or "dtensor" in RUN_PARTS:
-        for R, V in SHAPES:
-            check_heads(R, V)
-            write_record()
+    # the first shape's checks, FSDP2 and the scaling first, the other shapes' checks last: a run
+    # cut short by its time limit loses the least new of its work (the record is written after each)
+    checks = "correctness" in RUN_PARTS or "dtensor" in RUN_PARTS
+    steps: list[Callable[[], None]] = []
+    if checks:
+        steps.append(lambda: check_heads(*SHAPES[0]))
         if chosen(LINEAR_NAME, ONLY_HEADS):
-            check_linear(SHAPES[0][1])
+            steps.append(lambda: check_linear(SHAPES[0][1]))
         if "correctness" in RUN_PARTS and B2B_REPEATS:
-            check_back_to_back(*SHAPES[0])
-        write_record()
+            steps.append(lambda: check_back_to_back(*SHAPES[0]))
     if "fsdp" in RUN_PARTS:
-        check_fsdp()
-        write_record()
+        steps.append(check_fsdp)
     if "scaling" in RUN_PARTS:
-        scaling()
+        steps.append(scaling)
+    if checks:
+        steps += [lambda R=R, V=V: check_heads(R, V) for R, V in SHAPES[1:]]
+    for step in steps:
+        step()
+        write_record()
     failed = [f"{c['head']}, {c['variant']}, {c['shape']}" for part in ("correctness", "dtensor", "fsdp")
               for c in RECORD.get(part, []) if c["status"] != "pass"]
     RECORD["failed"] = failed
