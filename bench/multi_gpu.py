@@ -249,10 +249,11 @@ class Collectives(TorchDispatchMode):
     def __enter__(self):
         original = collectives.Exchange.next
 
-        def next_counted(exchange, rows, columns):   # each rank writes its rows' stats (and a flag
+        def next_counted(exchange, rows, columns):
+            # each rank writes its rows' stats, a flag a row and one a launch to every peer
             self.ops.append(("in-kernel exchange", 4 * rows * columns, exchange.world,
                              4.0 * (exchange.world - 1) * (rows * columns + rows + 1)))
-            return original(exchange, rows, columns)   # a row, one a launch) to every peer
+            return original(exchange, rows, columns)
         self._patch = mock.patch.object(collectives.Exchange, "next", next_counted)
         self._patch.__enter__()
         return super().__enter__()
@@ -779,15 +780,18 @@ def goals() -> list[str]:
         return []
     eff = {r["head"]: min(r[w]["efficiency"]["no-op"] for w in ("same global work", "same work per rank"))
            for r in recs}
-    rounds = {r["head"]: r["collectives"]["rounds"] for r in recs}
-    wire = {r["head"]: r["collectives"]["wire_over_ideal"] for r in recs}
+    # rounds and bytes: the logits heads' (head.linear adds dL/dhidden's all-reduce, which no
+    # exchange of row stats replaces; its counts are in the table)
+    rounds = {r["head"]: r["collectives"]["rounds"] for r in recs if r["head"] != LINEAR_NAME}
+    wire = {r["head"]: r["collectives"]["wire_over_ideal"] for r in recs if r["head"] != LINEAR_NAME}
 
     def line(goal, ok, values, fmt):
         return f"goal {goal}: {'met' if ok else 'NOT met'} ({', '.join(f'{k} {fmt(v)}' for k, v in values.items())})"
     return [line(">= 0.9 parallel efficiency on the shard-local work (no-op path, worst of both works)",
                  min(eff.values()) >= 0.9, eff, lambda v: f"{v:.2f}"),
-            line("one collective round per call (default path)", max(rounds.values()) <= 1, rounds, str),
-            line("no more on the wire than the packed row stats' all-reduce (default path)",
+            line("one collective round per call (default path, logits heads)", max(rounds.values(), default=0) <= 1,
+                 rounds, str),
+            line("no more on the wire than the packed row stats' all-reduce (default path, logits heads)",
                  all(v is not None and v <= 1 for v in wire.values()), wire,
                  lambda v: "-" if v is None else f"{v:.2f}x")]
 

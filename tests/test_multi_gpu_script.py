@@ -41,7 +41,7 @@ def test_multi_gpu_script_runs_every_part_and_its_checks_pass_on_two_cpu_ranks(t
     assert scaled["head"] == "CE" and scaled["collectives"]["rounds"] == 1   # the packed stats' all-gather
     # at 2 ranks the all-gather of the packed stats moves what their all-reduce would
     assert abs(scaled["collectives"]["wire_over_ideal"] - 1.0) < 1e-9
-    assert "goal one collective round per call (default path): met" in stdout
+    assert "goal one collective round per call (default path, logits heads): met" in stdout
 
 
 def test_multi_gpu_script_checks_sequence_parallel_gspo_on_three_cpu_ranks(tmp_path):
