@@ -55,11 +55,57 @@ MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 for _k, _v in MULTICAST_OFF.items():
     os.environ.setdefault(_k, _v)
 PARTS = ("correctness", "dtensor", "fsdp", "scaling")
+WORKS = ("same global work", "same work per rank")
+
+
+def markdown(paths: list[str]) -> str:
+    """The records' scaling side by side (a column per record, its ranks heading it: the sharded
+    call's ms / one GPU's on the same machine, efficiencies, rounds and bytes), then each record's
+    checks counted, as markdown for docs/performance.md."""
+    records = sorted((json.load(open(p)) for p in paths), key=lambda r: r["meta"]["world"])
+    heads = list(dict.fromkeys(s["head"] for r in records for s in r.get("scaling", [])))
+    out = []
+    for work in WORKS:
+        out += [f"{work}: ms, N ranks / 1 GPU (efficiency; on the shard-local work; rounds, wire / ideal):", "",
+                "| head | " + " | ".join(f"{r['meta']['world']} ranks" for r in records) + " |",
+                "|---|" + "---|" * len(records)]
+        for head in heads:
+            cells = []
+            for r in records:
+                s = next((s for s in r.get("scaling", []) if s["head"] == head), None)
+                if s is None:
+                    cells.append("-")
+                    continue
+                w, c = s[work], s["collectives"]
+                wire = "-" if c["wire_over_ideal"] is None else f"{c['wire_over_ideal']:.2f}x"
+                cells.append(f"{w['ms']['default']:.3f} / {s['ms_1gpu']:.3f} ({w['efficiency']['default']:.2f}; "
+                             f"{w['efficiency']['no-op']:.2f}; {c['rounds']}, {wire})")
+            out.append(f"| {head} | " + " | ".join(cells) + " |")
+        out.append("")
+    for r in records:
+        m = r["meta"]
+        checks = [c for part in ("correctness", "dtensor", "fsdp") for c in r.get(part, [])]
+        worst = {k: max(c[k] for c in checks if k in c) for k in ("value_err", "grad_err")
+                 if any(k in c for c in checks)}
+        out.append(f"- {m['world']} x {m['device']} ({m['date']}, codegen {m.get('codegen')}): "
+                   f"{sum(c['status'] == 'pass' for c in checks)} of {len(checks)} checks passed"
+                   + "".join(f", worst {k.removesuffix('_err')} error {v:.1e}" for k, v in worst.items())
+                   + "".join(f"; {part}: {r[part + '_status']['status']}" for part in ("dtensor", "fsdp")
+                             if r.get(part + "_status", {}).get("status") == "unsupported"))
+    return "\n".join(out)
+
+
 _parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-_parser.add_argument("--out", required=True, help="folder of the JSON record")
+_parser.add_argument("--out", help="folder of the JSON record (required for a run)")
 _parser.add_argument("--cpu", action="store_true", help="gloo on the CPU, tiny sizes, Triton's interpreter")
 _parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+_parser.add_argument("--markdown", nargs="+", metavar="RECORD", help="print these records' tables (no run)")
 ARGS = _parser.parse_args()
+if ARGS.markdown:
+    print(markdown(ARGS.markdown))
+    sys.exit(0)
+if not ARGS.out:
+    _parser.error("--out is required for a run")
 RUN_PARTS = [p for p in ARGS.parts.split(",") if p]
 if set(RUN_PARTS) - set(PARTS):
     _parser.error(f"--parts: unknown {sorted(set(RUN_PARTS) - set(PARTS))}, of {PARTS}")
@@ -699,7 +745,7 @@ def scale_head(name: str, R: int, V: int) -> dict[str, Any]:
     work and path, the sharded call (the slowest rank), in ROUNDS rounds alternating between them
     after one not kept; each time the median of its rounds."""
     width = V // WORLD
-    works = {"same global work": R, "same work per rank": WORLD * R}
+    works = dict(zip(WORKS, (R, WORLD * R)))
     if name == LINEAR_NAME:
         columns = len(LINEAR_HEAD.kernel.COLUMNS)
         single = linear_step(R, V, V)
@@ -778,7 +824,7 @@ def goals() -> list[str]:
     recs = RECORD.get("scaling", [])
     if not recs:
         return []
-    eff = {r["head"]: min(r[w]["efficiency"]["no-op"] for w in ("same global work", "same work per rank"))
+    eff = {r["head"]: min(r[w]["efficiency"]["no-op"] for w in WORKS)
            for r in recs}
     # rounds and bytes: the logits heads' (head.linear adds dL/dhidden's all-reduce, which no
     # exchange of row stats replaces; its counts are in the table)
