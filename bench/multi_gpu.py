@@ -26,11 +26,12 @@ Parts (`--parts`, all by default), each rank on its own GPU over NCCL:
 Timings use a fixed number of iterations on every rank: a timer that picks its own repeat count
 (triton's do_bench) can pick a different one per rank, and the ranks then wait forever on each
 other's collectives. One JSON record per run, `DIR/<device>-multigpu-<N>.json`, rewritten after
-each part (a run stopped by its time limit keeps what it finished); a table is printed last. The
+each step (a run stopped by its time limit keeps what it finished); a table is printed last. The
 exit status is 1 where a check failed.
 
 `--cpu`: gloo ranks on the CPU, tiny sizes, kernels in Triton's interpreter: the same code paths
-(tests/test_multi_gpu_script.py). Sizes and counts: the MGPU_* variables below."""
+(tests/test_multi_gpu_script.py). Sizes and counts: the MGPU_* variables below.
+`python bench/multi_gpu.py --markdown RECORD...`: the records' tables for docs/performance.md."""
 from __future__ import annotations
 
 import argparse
@@ -45,6 +46,7 @@ import subprocess
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable
 from unittest import mock
 
@@ -54,11 +56,57 @@ MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 for _k, _v in MULTICAST_OFF.items():
     os.environ.setdefault(_k, _v)
 PARTS = ("correctness", "dtensor", "fsdp", "scaling")
+WORKS = ("same global work", "same work per rank")
+
+
+def markdown(paths: list[str]) -> str:
+    """The records' scaling side by side (a column per record, its ranks heading it: the sharded
+    call's ms / one GPU's on the same machine, efficiencies, rounds and bytes), then each record's
+    checks counted, as markdown for docs/performance.md."""
+    records = sorted((json.load(open(p)) for p in paths), key=lambda r: r["meta"]["world"])
+    heads = list(dict.fromkeys(s["head"] for r in records for s in r.get("scaling", [])))
+    out = []
+    for work in WORKS:
+        out += [f"{work}: ms, N ranks / 1 GPU (efficiency; on the shard-local work; rounds, wire / ideal):", "",
+                "| head | " + " | ".join(f"{r['meta']['world']} ranks" for r in records) + " |",
+                "|---|" + "---|" * len(records)]
+        for head in heads:
+            cells = []
+            for r in records:
+                s = next((s for s in r.get("scaling", []) if s["head"] == head), None)
+                if s is None:
+                    cells.append("-")
+                    continue
+                w, c = s[work], s["collectives"]
+                wire = "-" if c["wire_over_ideal"] is None else f"{c['wire_over_ideal']:.2f}x"
+                cells.append(f"{w['ms']['default']:.3f} / {s['ms_1gpu']:.3f} ({w['efficiency']['default']:.2f}; "
+                             f"{w['efficiency']['no-op']:.2f}; {c['rounds']}, {wire})")
+            out.append(f"| {head} | " + " | ".join(cells) + " |")
+        out.append("")
+    for r in records:
+        m = r["meta"]
+        checks = [c for part in ("correctness", "dtensor", "fsdp") for c in r.get(part, [])]
+        worst = {k: max(c[k] for c in checks if k in c) for k in ("value_err", "grad_err")
+                 if any(k in c for c in checks)}
+        out.append(f"- {m['world']} x {m['device']} ({m['date']}, codegen {m.get('codegen')}): "
+                   f"{sum(c['status'] == 'pass' for c in checks)} of {len(checks)} checks passed"
+                   + "".join(f", worst {k.removesuffix('_err')} error {v:.1e}" for k, v in worst.items())
+                   + "".join(f"; {part}: {r[part + '_status']['status']}" for part in ("dtensor", "fsdp")
+                             if r.get(part + "_status", {}).get("status") == "unsupported"))
+    return "\n".join(out)
+
+
 _parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-_parser.add_argument("--out", required=True, help="folder of the JSON record")
+_parser.add_argument("--out", help="folder of the JSON record (required for a run)")
 _parser.add_argument("--cpu", action="store_true", help="gloo on the CPU, tiny sizes, Triton's interpreter")
 _parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+_parser.add_argument("--markdown", nargs="+", metavar="RECORD", help="print these records' tables (no run)")
 ARGS = _parser.parse_args()
+if ARGS.markdown:
+    print(markdown(ARGS.markdown))
+    sys.exit(0)
+if not ARGS.out:
+    _parser.error("--out is required for a run")
 RUN_PARTS = [p for p in ARGS.parts.split(",") if p]
 if set(RUN_PARTS) - set(PARTS):
     _parser.error(f"--parts: unknown {sorted(set(RUN_PARTS) - set(PARTS))}, of {PARTS}")
@@ -81,8 +129,13 @@ def setting(name: str, gpu: str, cpu: str) -> str:
     return os.environ.get(f"MGPU_{name}", cpu if ARGS.cpu else gpu)
 
 
-SHAPES = [tuple(int(n) for n in s.split("x")) for s in setting("SHAPES", "8192x128256,4096x262144", "16x1008").split(",")]
-SCALING_SHAPE = tuple(int(n) for n in setting("SCALING_SHAPE", "x".join(map(str, SHAPES[0])), "x".join(map(str, SHAPES[0]))).split("x"))
+def parse_shape(text: str) -> tuple[int, int]:
+    rows, vocab = (int(n) for n in text.split("x"))
+    return rows, vocab
+
+
+SHAPES = [parse_shape(s) for s in setting("SHAPES", "8192x128256,4096x262144", "16x1008").split(",")]   # rows x vocab
+SCALING_SHAPE = parse_shape(os.environ["MGPU_SCALING_SHAPE"]) if "MGPU_SCALING_SHAPE" in os.environ else SHAPES[0]
 DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[setting("DTYPE", "bf16", "bf16")]
 HIDDEN = int(setting("HIDDEN", "4096", "32"))            # head.linear's hidden size
 LINEAR_ROWS = int(setting("LINEAR_ROWS", "2048", "16"))  # head.linear's rows in the correctness part
@@ -96,7 +149,7 @@ B2B_REPEATS = int(setting("B2B_REPEATS", "8", "1"))      # rounds of the 6 back-
 ONLY_HEADS = setting("HEADS", "all", "all")                # a comma-separated subset of HEADS (and LINEAR_NAME)
 SCALING_HEADS = setting("SCALING_HEADS", ONLY_HEADS, ONLY_HEADS)
 
-faulthandler.dump_traceback_later(int(setting("WATCHDOG", "570", "600")), exit=True)
+faulthandler.dump_traceback_later(int(setting("WATCHDOG", "540", "600")), exit=True)
 T0 = time.time()
 RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 if ARGS.cpu:
@@ -243,11 +296,12 @@ class Collectives(TorchDispatchMode):
     def __enter__(self):
         original = collectives.Exchange.next
 
-        def counted(exchange, rows, columns):   # each rank writes its rows' stats to every peer
+        def next_counted(exchange, rows, columns):
+            # each rank writes its rows' stats, a flag a row and one a launch to every peer
             self.ops.append(("in-kernel exchange", 4 * rows * columns, exchange.world,
                              4.0 * (exchange.world - 1) * (rows * columns + rows + 1)))
             return original(exchange, rows, columns)
-        self._patch = mock.patch.object(collectives.Exchange, "next", counted)
+        self._patch = mock.patch.object(collectives.Exchange, "next", next_counted)
         self._patch.__enter__()
         return super().__enter__()
 
@@ -311,7 +365,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def worst_over_ranks(errors: dict[str, float]) -> dict[str, float]:
-    t = torch.tensor(list(errors.values()), dtype=torch.float64, device=DEVICE)
+    """Each error's worst over the ranks (a NaN counted as infinite: MAX need not keep NaNs)."""
+    t = torch.tensor([math.inf if math.isnan(v) else v for v in errors.values()], dtype=torch.float64,
+                     device=DEVICE)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return dict(zip(errors, t.tolist()))
 
@@ -327,7 +383,7 @@ def compare(out, ref: dict[str, torch.Tensor], grads: list[tuple[str, Any, torch
     errs = {"loss_err": rel(plain(got["loss"]), ref["loss"]),
             "value_err": max(rel(plain(got[k]), v) if k in got else math.inf for k, v in ref.items())}
     for name, g, want in grads:
-        errs[name] = math.inf if g is None else rel(plain(g) if not isinstance(g, DTensor) else g.to_local(), want)
+        errs[name] = math.inf if g is None else rel(g.to_local() if isinstance(g, DTensor) else g, want)
     return worst_over_ranks(errs)
 
 
@@ -389,12 +445,14 @@ def dtensor_variant(mesh, R: int, V: int, *, rows_over: str | None) -> Variant:
                       for d in dims]
         return DTensor.from_local(t, mesh, placements, run_check=False)
 
+    def as_dtensor(name: str, t: Any) -> bool:   # the teacher's logits always; per-row inputs where rows shard
+        return isinstance(t, torch.Tensor) and (rows_over is not None or name == "teacher_logits")
+
     def run(head, x, y, kw, ref_grad):
         xd = place(x[rows, cols].contiguous(), True).detach().requires_grad_()
         loc = local_inputs(kw, rows, cols)
         y_in = place(y[rows], False) if rows_over else y
-        loc = {k: place(v, k == "teacher_logits") if isinstance(v, torch.Tensor) and (rows_over or k == "teacher_logits")
-               else v for k, v in loc.items()}
+        loc = {k: place(v, k == "teacher_logits") if as_dtensor(k, v) else v for k, v in loc.items()}
         out = head(xd, y_in, **loc)
         out.loss.backward()
         g = xd.grad
@@ -406,20 +464,25 @@ def dtensor_variant(mesh, R: int, V: int, *, rows_over: str | None) -> Variant:
     return run
 
 
+@dataclass
 class Case:
     """One sharded call to check against the unsharded one: its part of the record, its label, the
-    variant, and for counting its collectives: the rows a rank holds and the ranks they exchange over."""
+    variant, for counting its collectives the rows a rank holds and the ranks they exchange over,
+    the exchange's path, and whether to count its collectives (one call more)."""
 
-    def __init__(self, part: str, label: str, run: Variant, rows: int, ranks: int,
-                 path: Callable = contextlib.nullcontext, count: bool = True) -> None:
-        self.part, self.label, self.run, self.rows, self.ranks = part, label, run, rows, ranks
-        self.path, self.count = path, count
+    part: str
+    label: str
+    run: Variant
+    rows: int
+    ranks: int
+    path: Callable = contextlib.nullcontext
+    count: bool = True
 
 
 def cases(R: int, V: int, needs: tuple[str, ...]) -> list[Case]:
     cols, tp = shard_of(V, WORLD, RANK), WORLD // DP
     vocab = groups_variant(slice(None), cols, process_group=GROUP)
-    out = [Case("correctness", f"vocab/{WORLD}", vocab, R, WORLD)]
+    out = [Case("correctness", f"vocab/{WORLD}", vocab, R, WORLD, count=False)]   # (counted by scaling)
     if exchange_in_kernel(GROUP):   # the default took the in-kernel exchange: the all-gather too
         out.append(Case("correctness", f"vocab/{WORLD}, all-gather", vocab, R, WORLD, _forced_all_gather, False))
     if "segments" in needs:
@@ -430,7 +493,8 @@ def cases(R: int, V: int, needs: tuple[str, ...]) -> list[Case]:
                                     process_group=MESH_2D.get_group("tp"), segment_group=MESH_2D.get_group("dp")),
                      R // DP, tp)]
     if "dtensor" in RUN_PARTS:
-        out += [Case("dtensor", f"Shard(-1), mesh ({WORLD},)", dtensor_variant(MESH_1D, R, V, rows_over=None), R, WORLD),
+        out += [Case("dtensor", f"Shard(-1), mesh ({WORLD},)", dtensor_variant(MESH_1D, R, V, rows_over=None),
+                     R, WORLD),
                 Case("dtensor", f"Shard(0), Shard(-1), mesh ({DP}, {tp})",
                      dtensor_variant(MESH_2D, R, V, rows_over="dp"), R // DP, tp)]
     return out
@@ -682,9 +746,9 @@ def scale_head(name: str, R: int, V: int) -> dict[str, Any]:
     work and path, the sharded call (the slowest rank), in ROUNDS rounds alternating between them
     after one not kept; each time the median of its rounds."""
     width = V // WORLD
-    works = {"same global work": R, "same work per rank": WORLD * R}
+    works = dict(zip(WORKS, (R, WORLD * R)))
     if name == LINEAR_NAME:
-        head, columns = LINEAR_HEAD, len(LINEAR_HEAD.kernel.COLUMNS)
+        columns = len(LINEAR_HEAD.kernel.COLUMNS)
         single = linear_step(R, V, V)
         sharded = {w: linear_step(rows, V, width, process_group=GROUP) for w, rows in works.items()}
     else:
@@ -723,7 +787,7 @@ def scaling() -> None:
         log(f"scaling: {name}, {R}x{V}")
         RECORD.setdefault("scaling", []).append(scale_head(name, R, V))
         free()
-        write_record()
+        write_record()   # (after each head: the scaling part is the longest)
 
 
 # ---- record and table ---------------------------------------------------------------------------
@@ -761,17 +825,20 @@ def goals() -> list[str]:
     recs = RECORD.get("scaling", [])
     if not recs:
         return []
-    eff = {r["head"]: min(r[w]["efficiency"]["no-op"] for w in ("same global work", "same work per rank"))
+    eff = {r["head"]: min(r[w]["efficiency"]["no-op"] for w in WORKS)
            for r in recs}
-    rounds = {r["head"]: r["collectives"]["rounds"] for r in recs}
-    wire = {r["head"]: r["collectives"]["wire_over_ideal"] for r in recs}
+    # rounds and bytes: the logits heads' (head.linear adds dL/dhidden's all-reduce, which no
+    # exchange of row stats replaces; its counts are in the table)
+    rounds = {r["head"]: r["collectives"]["rounds"] for r in recs if r["head"] != LINEAR_NAME}
+    wire = {r["head"]: r["collectives"]["wire_over_ideal"] for r in recs if r["head"] != LINEAR_NAME}
 
     def line(goal, ok, values, fmt):
         return f"goal {goal}: {'met' if ok else 'NOT met'} ({', '.join(f'{k} {fmt(v)}' for k, v in values.items())})"
     return [line(">= 0.9 parallel efficiency on the shard-local work (no-op path, worst of both works)",
                  min(eff.values()) >= 0.9, eff, lambda v: f"{v:.2f}"),
-            line("one collective round per call (default path)", max(rounds.values()) <= 1, rounds, str),
-            line("no more on the wire than the packed row stats' all-reduce (default path)",
+            line("one collective round per call (default path, logits heads)", max(rounds.values(), default=0) <= 1,
+                 rounds, str),
+            line("no more on the wire than the packed row stats' all-reduce (default path, logits heads)",
                  all(v is not None and v <= 1 for v in wire.values()), wire,
                  lambda v: "-" if v is None else f"{v:.2f}x")]
 
@@ -818,23 +885,29 @@ def main() -> int:
     RECORD["meta"] = dict(
         world=WORLD, backend=dist.get_backend(), device=device_name(), dtype=str(DTYPE), shapes=SHAPES,
         scaling_shape=SCALING_SHAPE, dp_x_tp=[DP, WORLD // DP], iters=ITERS, warmup=WARMUP, rounds=ROUNDS,
-        in_kernel_exchange=exchange_in_kernel(GROUP), commit=commit(), torch=torch.__version__,
+        in_kernel_exchange=exchange_in_kernel(GROUP), commit=commit(),
+        codegen=lcg.load.codegen_version(), torch=torch.__version__,
         triton=md.version("triton"), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         env={k: os.environ.get(k) for k in (*MULTICAST_OFF, "TRITON_INTERPRET", "LOSSCODEGEN_EXCHANGE")})
-    if "correctness" in RUN_PARTS or "dtensor" in RUN_PARTS:
-        for R, V in SHAPES:
-            check_heads(R, V)
-            write_record()
+    # the first shape's checks, FSDP2 and the scaling first, the other shapes' checks last: a run
+    # cut short by its time limit loses the least new of its work (the record is written after each)
+    checks = "correctness" in RUN_PARTS or "dtensor" in RUN_PARTS
+    steps: list[Callable[[], None]] = []
+    if checks:
+        steps.append(lambda: check_heads(*SHAPES[0]))
         if chosen(LINEAR_NAME, ONLY_HEADS):
-            check_linear(SHAPES[0][1])
+            steps.append(lambda: check_linear(SHAPES[0][1]))
         if "correctness" in RUN_PARTS and B2B_REPEATS:
-            check_back_to_back(*SHAPES[0])
-        write_record()
+            steps.append(lambda: check_back_to_back(*SHAPES[0]))
     if "fsdp" in RUN_PARTS:
-        check_fsdp()
-        write_record()
+        steps.append(check_fsdp)
     if "scaling" in RUN_PARTS:
-        scaling()
+        steps.append(scaling)
+    if checks:
+        steps += [lambda R=R, V=V: check_heads(R, V) for R, V in SHAPES[1:]]
+    for step in steps:
+        step()
+        write_record()
     failed = [f"{c['head']}, {c['variant']}, {c['shape']}" for part in ("correctness", "dtensor", "fsdp")
               for c in RECORD.get(part, []) if c["status"] != "pass"]
     RECORD["failed"] = failed

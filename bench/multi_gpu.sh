@@ -21,7 +21,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 out="${OUT:-docs/perf}"
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
-# the script's own watchdog ends a stuck run at 570 s (MGPU_WATCHDOG), inside the 10-minute limit,
+# the script's own watchdog ends a stuck run at 540 s (MGPU_WATCHDOG), inside the 10-minute limit,
 # leaving the record of the parts it finished
 python3 -m torch.distributed.run --standalone --nproc_per_node "$N" bench/multi_gpu.py --out "$out" "$@" \
   2>&1 | tee "$out/multigpu-$N.log"

@@ -11,6 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(tmp_path, ranks: int, *args: str, env: dict[str, str], pythonpath: str = "") -> tuple[int, str, dict]:
+    """(exit status, stdout, the record) of a run on ``ranks`` gloo ranks."""
     out = tmp_path / "records"
     environ = {**os.environ, "TRITON_INTERPRET": "1", **env,
                "PYTHONPATH": os.pathsep.join(p for p in (pythonpath, str(ROOT), os.environ.get("PYTHONPATH")) if p)}
@@ -19,7 +20,7 @@ def _run(tmp_path, ranks: int, *args: str, env: dict[str, str], pythonpath: str 
                           cwd=ROOT, env=environ, capture_output=True, text=True, timeout=600)
     records = list(out.glob(f"cpu-multigpu-{ranks}*.json"))
     assert len(records) == 1, (records, proc.stdout[-3000:], proc.stderr[-5000:])
-    return proc.returncode, proc.stdout, json.loads(records[0].read_text())
+    return proc.returncode, proc.stdout, json.loads(records[0].read_text()) | {"path": str(records[0])}
 
 
 def test_multi_gpu_script_runs_every_part_and_its_checks_pass_on_two_cpu_ranks(tmp_path):
@@ -41,7 +42,12 @@ def test_multi_gpu_script_runs_every_part_and_its_checks_pass_on_two_cpu_ranks(t
     assert scaled["head"] == "CE" and scaled["collectives"]["rounds"] == 1   # the packed stats' all-gather
     # at 2 ranks the all-gather of the packed stats moves what their all-reduce would
     assert abs(scaled["collectives"]["wire_over_ideal"] - 1.0) < 1e-9
-    assert "goal one collective round per call (default path): met" in stdout
+    assert "goal one collective round per call (default path, logits heads): met" in stdout
+    # the docs' tables from the record
+    table = subprocess.run([sys.executable, str(ROOT / "bench" / "multi_gpu.py"), "--markdown", record["path"]],
+                           capture_output=True, text=True, check=True).stdout
+    assert "| head | 2 ranks |" in table and f"| CE | {scaled['same global work']['ms']['default']:.3f} /" in table
+    assert f"{len(checks)} of {len(checks)} checks passed" in table
 
 
 def test_multi_gpu_script_checks_sequence_parallel_gspo_on_three_cpu_ranks(tmp_path):
