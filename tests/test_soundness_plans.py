@@ -62,3 +62,10 @@ def test_a_per_row_temperature_in_a_vocabulary_exponential_is_refused_naming_it(
     # a number or a param there is a coefficient the kernel shifts by: accepted, and right past 88
     Tempered = lcg.declare_term("tempered_lse", S.log(S.vsum(S.exp(S.logit / S.param("tau")))))
     check(lcg.HeadLoss(Tempered(tau=0.02)), Plan(tile=(16, 4, True)), rows=6, vocab=40, seed=0)
+
+
+@pytest.mark.parametrize("normalize", ["sum", "sequence"])
+def test_a_metric_asked_for_another_normalisation_is_refused(normalize):
+    """A metric is a mean over the valid rows: Entropy(normalize="sum") as a metric was silently a mean."""
+    with pytest.raises(ValueError, match=f"entropy: a metric is a mean.*normalize='{normalize}'"):
+        lcg.HeadLoss(lcg.CrossEntropy(), metrics=(lcg.Entropy(normalize=normalize),))
