@@ -77,6 +77,17 @@ class ArrayPrinter(PythonCodePrinter):
     def _print_log(self, expr: sp.log) -> str:
         return self._call("log", expr.args[0])
 
+    # lower.CANCELLATIONS, which lowering writes where fp32 would cancel
+    def _print_expm1(self, expr) -> str:
+        return self._call("expm1", expr.args[0])
+
+    def _print_log1p(self, expr) -> str:
+        return self._call("log1p", expr.args[0])
+
+    def _print_expm1mx(self, expr) -> str:
+        x = self.parenthesize(expr.args[0], 100)
+        return f"({self._call('expm1', expr.args[0])} - {x})"
+
     def _print_Abs(self, expr: sp.Abs) -> str:
         return self._call("abs", expr.args[0])
 

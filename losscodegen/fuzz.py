@@ -25,6 +25,7 @@ import random
 import socket
 import time
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -656,6 +657,7 @@ def nan_workspaces() -> None:
 def _rank_main(rank: int, world: int, port: int, jobs, results) -> None:
     import torch.distributed as dist
     nan_workspaces()
+    warnings.simplefilter("ignore")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     heads: dict[str, Any] = {}
@@ -788,13 +790,23 @@ def fuzz(*, seconds: float = 60.0, seed: int = 0, device: str = "cpu", cases: in
          sharded: bool = True, compile_share: float = 0.02, shrink_budget: int = 60, out=print) -> Counts:
     """Random cases until ``seconds`` pass (or ``cases`` heads are tried); each mismatch shrunk and
     printed as a regression test. Returns the counts."""
+    with warnings.catch_warnings():
+        # (the interpreter's numpy warns of the inf and NaN the kernels mean to compute)
+        warnings.simplefilter("ignore")
+        return _fuzz(seconds, seed, device, cases, sharded, compile_share, shrink_budget, out)
+
+
+def _fuzz(seconds, seed, device, cases, sharded, compile_share, shrink_budget, out) -> Counts:
     nan_workspaces()
     rng = random.Random(seed)
     counts = Counts()
     ranks: dict[int, Ranks] = {}
-    start = time.monotonic()
+    start = reported = time.monotonic()
     try:
         while time.monotonic() - start < seconds and (cases is None or counts.heads < cases):
+            if time.monotonic() - reported > 60:
+                reported = time.monotonic()
+                out(f"{(reported - start) / 60:.1f} min: {counts}")
             case = generate_case(rng)
             counts.formulas += sum(t.formula is not None for t in case.terms)
             try:

@@ -84,6 +84,10 @@ class HeadLoss(torch.nn.Module):
             if t.metric_only:
                 raise ValueError(f"{t.name} is a metric only: pass it in metrics=(...)")
         for t in metrics:
+            if t.normalize != "tokens":
+                raise ValueError(f"{t.name}: a metric is a mean over the valid rows, so "
+                                 f"normalize={t.normalize!r} would be ignored; pass the term in the head's "
+                                 "terms (weight=0.0 to log it) for another normalisation")
             if t.class_weight is not None:
                 raise ValueError(f"{t.name}: a metric is a mean over the valid rows and takes no "
                                  "class_weight; pass the term in the head's terms (weight=0.0 to log it)")

@@ -248,10 +248,70 @@ class _Lowering:
         return value
 
 
+class expm1(sp.Function):
+    """``exp(x) - 1``, precise where it is small (no cancellation): ``exp(d) - 1`` as written."""
+
+    nargs = 1
+    is_real = True
+
+    def fdiff(self, argindex=1):
+        return sp.exp(self.args[0])
+
+
+class expm1mx(sp.Function):
+    """``exp(x) - 1 - x``, precise where it is small (~x**2/2): GRPO's KL ``e^d - d - 1``."""
+
+    nargs = 1
+    is_real = True
+
+    def fdiff(self, argindex=1):
+        return expm1(self.args[0])
+
+
+class log1p(sp.Function):
+    """``log(1 + x)``, precise where x is small."""
+
+    nargs = 1
+    is_real = True
+
+    def fdiff(self, argindex=1):
+        return 1 / (1 + self.args[0])
+
+
+# the functions _cancellations writes (each printer prints them: emit.ArrayPrinter, TritonPrinter)
+CANCELLATIONS = (expm1, expm1mx, log1p)
+
+
+def _cancellations(expr: sp.Expr) -> sp.Expr:
+    """Row math rewritten where fp32 would cancel: ``c*exp(x) - c - c*x`` as ``c*expm1mx(x)``,
+    ``c*exp(x) - c`` as ``c*expm1(x)`` (the rest of the sum kept as it is), ``log(1 + x)`` as
+    ``log1p(x)``. (``e^d - d - 1`` at d = 1e-3 keeps 3 of fp32's digits; torch's own fp32 ones
+    fewer or more, depending on its libm's exp.)"""
+    def in_add(add: sp.Add) -> sp.Expr:
+        for term in add.args:
+            exps = [f for f in sp.Mul.make_args(term) if isinstance(f, sp.exp)]
+            if len(exps) != 1:
+                continue
+            (e,), x = exps, exps[0].args[0]
+            c = term / e
+            rest = list(sp.Add.make_args(sp.expand(add - term)))
+            for fn, parts in ((expm1mx, -c * (1 + x)), (expm1, -c)):
+                wanted = list(sp.Add.make_args(sp.expand(parts)))
+                if all(p in rest for p in wanted):
+                    for p in wanted:
+                        rest.remove(p)
+                    return c * fn(x) + sp.Add(*rest)
+        return add
+    expr = expr.replace(lambda e: isinstance(e, sp.Add) and any(isinstance(a, sp.Mul) and a.has(sp.exp) or
+                                                                isinstance(a, sp.exp) for a in e.args), in_add)
+    return expr.replace(lambda e: isinstance(e, sp.log) and isinstance(e.args[0], sp.Add) and 1 in e.args[0].args,
+                        lambda e: log1p(e.args[0] - 1))
+
+
 def _only_smooth(expr: sp.Expr, x: sp.Symbol) -> bool:
     """Whether ``x`` appears only in sums, products, powers, exp, log and tanh of ``expr``: no
     condition, Min/Max/Abs or other function reads it."""
-    smooth = (sp.exp, sp.log, sp.tanh)
+    smooth = (sp.exp, sp.log, sp.tanh, *CANCELLATIONS)
     return not any(isinstance(node, (sp.core.function.Application, sp.core.relational.Relational))
                    and not isinstance(node, smooth) and node.has(x) for node in sp.preorder_traversal(expr))
 
@@ -539,7 +599,7 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
                 tuple(_value(derive(F, U).xreplace(P)) for U in means.values()), coefs,
                 tuple((p, p.name) for p in P.values()), f"V_{name}" if P else ""))
             continue
-        f = lw.abstract(formula)
+        f = _cancellations(lw.abstract(formula))
         row_values.append((name, f))
         if not is_metric:
             w = sp.Symbol(f"w_{name}", real=True)

@@ -367,3 +367,33 @@ def test_metrics_on_par_with_torch_at_scale():
     for name, (_, fn) in METRICS.items():
         v32, v64 = (torch_side(fn, x, y, I, d)[0].sum() / valid for d in (torch.float32, torch.float64))
         assert_on_par(f"{name} (4096 x 128256)", out.metrics[name], v32, v64, floor=1e-7)
+
+
+def test_kl_penalty_for_small_log_ratios_is_precise_to_a_few_ulps():
+    """GRPO's KL penalty e^d - d - 1 (d = ref_logprobs - log p_y) for |d| from 1e-5 to 1, and its
+    gradient (e^d - 1) (p - onehot(y)): within a few ulps of their values beyond what the rounding
+    of d itself (a few ulps of its parts) moves them, whatever libm's exp rounds: lowering writes
+    them as expm1mx(d) and expm1(d), where e^d - d - 1 would cancel (its error was measured against
+    torch's own fp32 error, which depends on the machine's libm)."""
+    g = torch.Generator().manual_seed(0)
+    R, V = 12, 64
+    x = (torch.randn(R, V, generator=g) * 2).double()
+    y = torch.randint(0, V, (R,), generator=g)
+    d = torch.logspace(-5, 0, R, dtype=torch.float64) * torch.tensor([1.0, -1.0]).repeat(R // 2)
+    logp = torch.log_softmax(x, -1)
+    ref = (logp.gather(1, y[:, None])[:, 0] + d).float()
+    xx = x.float().clone().requires_grad_()
+    out = lcg.HeadLoss(lcg.RefKL())(xx, y, ref_logprobs=ref, reduction="none")
+    out.loss.sum().backward()
+    dd = ref.double() - logp.gather(1, y[:, None])[:, 0]
+    m = x.max(-1).values
+    # d's own rounding in fp32: a few ulps of its parts (ref, z_y - m, log of the normaliser's sum)
+    d_err = 4 * EPS32 * (ref.double().abs() + (x.gather(1, y[:, None])[:, 0] - m).abs()
+                         + (torch.logsumexp(x, -1) - m))
+    want = torch.expm1(dd) - dd
+    bar = 8 * EPS32 * want.abs() + torch.expm1(dd).abs() * d_err
+    assert ((out.loss.double() - want).abs() <= bar).all(), (out.loss.double() - want).abs() / bar
+    p, onehot = logp.exp(), torch.nn.functional.one_hot(y, V).double()
+    want_grad = -torch.expm1(dd)[:, None] * (onehot - p)
+    bar = (8 * EPS32 * torch.expm1(dd).abs() + dd.exp() * d_err)[:, None] * ((onehot - p).abs() + p)
+    assert ((xx.grad.double() - want_grad).abs() <= bar).all(), ((xx.grad.double() - want_grad).abs() / bar).max()

@@ -62,3 +62,34 @@ def test_a_per_row_temperature_in_a_vocabulary_exponential_is_refused_naming_it(
     # a number or a param there is a coefficient the kernel shifts by: accepted, and right past 88
     Tempered = lcg.declare_term("tempered_lse", S.log(S.vsum(S.exp(S.logit / S.param("tau")))))
     check(lcg.HeadLoss(Tempered(tau=0.02)), Plan(tile=(16, 4, True)), rows=6, vocab=40, seed=0)
+
+
+@pytest.mark.parametrize("normalize", ["sum", "sequence"])
+def test_a_metric_asked_for_another_normalisation_is_refused(normalize):
+    """A metric is a mean over the valid rows: Entropy(normalize="sum") as a metric was silently a mean."""
+    with pytest.raises(ValueError, match=f"entropy: a metric is a mean.*normalize='{normalize}'"):
+        lcg.HeadLoss(lcg.CrossEntropy(), metrics=(lcg.Entropy(normalize=normalize),))
+
+
+@pytest.mark.parametrize("term", [lambda: lcg.TopKForwardKL(temperature=2.0), lambda: Unlikelihood()],
+                         ids=["topk_forward_kl", "unlikelihood"])
+def test_a_bf16_gradient_at_the_topk_ids_is_rounded_once(term):
+    """The dense and the sparse parts of the gradient at a top-k id summed in fp32 and rounded to
+    bf16 once: within one rounding of the float64 gradient (half an ulp; a whole one in Triton's
+    interpreter, whose fp32 -> bf16 conversion truncates). The dense part was rounded to bf16, read
+    back, added to and rounded again: 64 half-ulps off where the two parts nearly cancel."""
+    import os
+
+    import torch
+    from losscodegen.testing import random_inputs, reference
+    head = lcg.HeadLoss(term(), lcg.CrossEntropy())
+    logits, labels, kw = random_inputs(head, rows=16, vocab=64, dtype=torch.bfloat16, seed=4)
+    x = logits.clone().requires_grad_()
+    head(x, labels, **kw).loss.backward()
+    want = reference(head)(logits, labels, **kw)[2]
+    ids = kw["teacher_topk_ids"]
+    got_k, want_k = x.grad.double().gather(1, ids), want.gather(1, ids)
+    rounding = 2.0 ** (torch.floor(torch.log2(want_k.abs().clamp_min(1e-30))) - 8)  # half a bf16 ulp
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        rounding = 2 * rounding
+    assert ((got_k - want_k).abs() <= rounding * 1.001).all(), ((got_k - want_k).abs() / rounding).max()

@@ -53,6 +53,15 @@ class TritonPrinter(ArrayPrinter):
     def _print_log(self, expr: sp.log) -> str:
         return f"_log({self._print(expr.args[0])})"  # defined by the template (a fast base-2 log)
 
+    def _print_expm1(self, expr) -> str:
+        return f"_expm1({self._print(expr.args[0])})"   # the template's, as the two below
+
+    def _print_expm1mx(self, expr) -> str:
+        return f"_expm1mx({self._print(expr.args[0])})"
+
+    def _print_log1p(self, expr) -> str:
+        return f"_log1p({self._print(expr.args[0])})"
+
     def _print_tanh(self, expr: sp.tanh) -> str:
         # defined by the template: an error relative to the value (softcap's c*tanh(x/c) is ~x near 0,
         # where the saturating 2/(1 + exp(-2u)) - 1 keeps only an absolute error)
