@@ -297,3 +297,18 @@ def test_segment_ids_too_many_to_size_are_refused_naming_num_segments():
     per_sequence = lcg.HeadLoss(lcg.LogProb(normalize="sequence"))
     with pytest.raises(ValueError, match="at most 16777216 segments"):
         per_sequence(logits, labels, segment_ids=ids)
+
+
+# ---- 10. metric rows are detached, eager or compiled --------------------------------------------------
+def test_metric_rows_are_detached_and_term_rows_differentiable_eager_and_compiled():
+    logits, labels, _ = make_inputs(R=8, V=32)
+    head = lcg.HeadLoss(lcg.CrossEntropy(), metrics=(lcg.Entropy(), lcg.TokenAccuracy()))
+
+    def step(x):
+        out = head(x, labels, reduction="none")
+        return out.rows["cross_entropy"], out.rows["entropy"], out.rows["token_accuracy"]
+    for fn in (step, torch.compile(step, fullgraph=True, backend="aot_eager")):
+        ce, entropy, accuracy = fn(logits.clone().requires_grad_())
+        assert ce.requires_grad and not entropy.requires_grad and not accuracy.requires_grad
+        want = F.cross_entropy(logits.double(), labels, reduction="none")
+        torch.testing.assert_close(ce.detach().double(), want, rtol=1e-5, atol=1e-6)
