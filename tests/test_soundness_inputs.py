@@ -178,17 +178,23 @@ def _grpo_reference_grad(logits, labels, inputs, kl_beta, z_weight):
     return z.grad
 
 
-def test_a_schedule_step_between_a_per_row_forward_and_its_backward_keeps_the_forwards_values():
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_schedule_step_between_a_per_row_forward_and_its_backward_keeps_the_forwards_values(compiled):
     logits, labels, inputs = _policy()
     beta, weight = torch.tensor(0.1), torch.tensor(0.5)
     head = lcg.HeadLoss(lcg.GRPO(kl_beta=beta), lcg.ZLoss(weight=weight))
+
+    def step(x):
+        return head(x, labels, reduction="none", **inputs).loss
+    if compiled:
+        step = torch.compile(step, fullgraph=True, backend="aot_eager")
     x1, x2 = logits.clone().requires_grad_(), logits.clone().requires_grad_()
-    first = head(x1, labels, reduction="none", **inputs)
+    first = step(x1)
     beta.fill_(0.7)                      # the schedule's next step, and a call with it
     weight.fill_(2.0)
-    second = head(x2, labels, reduction="none", **inputs)
-    first.loss.sum().backward()
-    second.loss.sum().backward()
+    second = step(x2)
+    first.sum().backward()
+    second.sum().backward()
     torch.testing.assert_close(x1.grad.double(), _grpo_reference_grad(logits, labels, inputs, 0.1, 0.5),
                                rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(x2.grad.double(), _grpo_reference_grad(logits, labels, inputs, 0.7, 2.0),
