@@ -176,7 +176,9 @@ def compiled(head, logits: torch.Tensor, call: Call) -> tuple[torch.Tensor, torc
     if call.reduction != "none":
         return loss, values, {}
     k = head.kernel
-    return loss, values, {n: rows[k.ROW_VALUES.index(n)] for n in k.OUTPUTS}
+    # a term's rows are differentiable, a metric's detached, as in eager (``row_outputs``)
+    return loss, values, {n: rows[k.ROW_VALUES.index(n)] if n in k.ROW_LOSS_TERMS else
+                          rows[k.ROW_VALUES.index(n)].detach() for n in k.OUTPUTS}
 
 
 # The ops are defined with a schema and a plain kernel, not with ``torch.library.custom_op``, whose

@@ -178,17 +178,23 @@ def _grpo_reference_grad(logits, labels, inputs, kl_beta, z_weight):
     return z.grad
 
 
-def test_a_schedule_step_between_a_per_row_forward_and_its_backward_keeps_the_forwards_values():
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_schedule_step_between_a_per_row_forward_and_its_backward_keeps_the_forwards_values(compiled):
     logits, labels, inputs = _policy()
     beta, weight = torch.tensor(0.1), torch.tensor(0.5)
     head = lcg.HeadLoss(lcg.GRPO(kl_beta=beta), lcg.ZLoss(weight=weight))
+
+    def step(x):
+        return head(x, labels, reduction="none", **inputs).loss
+    if compiled:
+        step = torch.compile(step, fullgraph=True, backend="aot_eager")
     x1, x2 = logits.clone().requires_grad_(), logits.clone().requires_grad_()
-    first = head(x1, labels, reduction="none", **inputs)
+    first = step(x1)
     beta.fill_(0.7)                      # the schedule's next step, and a call with it
     weight.fill_(2.0)
-    second = head(x2, labels, reduction="none", **inputs)
-    first.loss.sum().backward()
-    second.loss.sum().backward()
+    second = step(x2)
+    first.sum().backward()
+    second.sum().backward()
     torch.testing.assert_close(x1.grad.double(), _grpo_reference_grad(logits, labels, inputs, 0.1, 0.5),
                                rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(x2.grad.double(), _grpo_reference_grad(logits, labels, inputs, 0.7, 2.0),
@@ -297,3 +303,18 @@ def test_segment_ids_too_many_to_size_are_refused_naming_num_segments():
     per_sequence = lcg.HeadLoss(lcg.LogProb(normalize="sequence"))
     with pytest.raises(ValueError, match="at most 16777216 segments"):
         per_sequence(logits, labels, segment_ids=ids)
+
+
+# ---- 10. metric rows are detached, eager or compiled --------------------------------------------------
+def test_metric_rows_are_detached_and_term_rows_differentiable_eager_and_compiled():
+    logits, labels, _ = make_inputs(R=8, V=32)
+    head = lcg.HeadLoss(lcg.CrossEntropy(), metrics=(lcg.Entropy(), lcg.TokenAccuracy()))
+
+    def step(x):
+        out = head(x, labels, reduction="none")
+        return out.rows["cross_entropy"], out.rows["entropy"], out.rows["token_accuracy"]
+    for fn in (step, torch.compile(step, fullgraph=True, backend="aot_eager")):
+        ce, entropy, accuracy = fn(logits.clone().requires_grad_())
+        assert ce.requires_grad and not entropy.requires_grad and not accuracy.requires_grad
+        want = F.cross_entropy(logits.double(), labels, reduction="none")
+        torch.testing.assert_close(ce.detach().double(), want, rtol=1e-5, atol=1e-6)
