@@ -392,7 +392,11 @@ def _fsdp_owner(param: Any) -> tuple[torch.nn.Module, Callable[[Any], Any]] | No
     one while the module's forward runs, and anything else as it is); None otherwise."""
     if "torch.distributed.fsdp" not in sys.modules:
         return None
-    from torch.distributed._composable_state import _module_state_mapping
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+    except ImportError as e:  # (a torch that moved it: the weight's kind cannot be told, so no guess)
+        raise RuntimeError("losscodegen: a DTensor weight, and FSDP's record of its parameters "
+                           "(torch.distributed._composable_state) is not where this torch keeps it") from e
     for module, state_ref in list(_module_state_mapping.items()):
         state = state_ref()
         held = {id(p.sharded_param): p._module_info for group in getattr(state, "_fsdp_param_groups", None) or ()

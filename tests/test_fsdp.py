@@ -65,6 +65,43 @@ def _linear_cases(rank, world):
     return rows
 
 
+class _Tied(torch.nn.Module):
+    """An embedding and an output layer sharing one weight, the hidden states the embeddings."""
+
+    def __init__(self, V, H):
+        super().__init__()
+        self.embed = torch.nn.Embedding(V, H)
+        self.lm_head = torch.nn.Linear(H, V, bias=False)
+        self.lm_head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return torch.tanh(self.embed(ids))
+
+
+def _tied_cases(rank, world):
+    """Tied embeddings in one FSDP2 unit (the root): head.linear on the root's output with
+    ``model.lm_head.weight``, the shared weight's gradient from both uses, averaged over the ranks."""
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(1)
+    V, H = 24, 16
+    model = _Tied(V, H)
+    reference = copy.deepcopy(model).double()
+    fully_shard(model)
+    head = lcg.HeadLoss(lcg.CrossEntropy(), metrics=(lcg.Entropy(),))
+    g = torch.Generator().manual_seed(21)
+    ids = [torch.randint(0, V, (9,), generator=g) for _ in range(world)]
+    labels = [torch.randint(0, V, (9,), generator=g) for _ in range(world)]
+    out = head.linear(model(ids[rank]), model.lm_head.weight, labels[rank])
+    out.loss.backward()
+    losses = []
+    for r in range(world):
+        loss, _, _ = head_reference([spec(t, head) for t in head.loss_terms], [], reference(ids[r]) @
+                                    reference.lm_head.weight.T, labels[r])
+        losses.append(loss)
+    return [("tied/loss", *_err(out.loss, losses[rank])),
+            ("tied/grad", *_err(_full(model.embed.weight.grad), reference.embed.weight.grad / world))]
+
+
 def _model_cases(rank, world):
     """apply_losscodegen on a tiny Llama under FSDP2 against the unsharded, unpatched model."""
     from torch.distributed.fsdp import fully_shard
@@ -99,7 +136,7 @@ def _worker(rank, world, port, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        rows = _linear_cases(rank, world)
+        rows = _linear_cases(rank, world) + _tied_cases(rank, world)
         if world == 2:
             rows += _model_cases(rank, world)
         queue.put((rank, rows, None))
