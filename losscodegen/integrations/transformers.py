@@ -93,11 +93,16 @@ _PLAIN, _MOE = ModelType(), ModelType(router_aux_loss=True)
 _MODEL_TYPES: dict[str, ModelType] = {
     **dict.fromkeys(("llama", "mistral", "ministral", "qwen2", "qwen3", "gemma", "phi", "phi3", "olmo", "olmo2",
                      "olmo3", "starcoder2", "smollm3", "glm", "glm4", "helium", "exaone4", "deepseek_v3",
-                     "llama4_text", "qwen2_5_vl", "qwen2_vl", "llava"), _PLAIN),
-    **dict.fromkeys(("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "qwen3_next"), _MOE),
+                     "llama4_text", "qwen2_5_vl", "qwen2_vl", "llava", "ernie4_5", "seed_oss", "apertus", "arcee",
+                     "nemotron", "stablelm", "hunyuan_v1_dense", "glm4_moe", "mistral3", "qwen3_vl", "internvl",
+                     "smolvlm"), _PLAIN),
+    **dict.fromkeys(("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "qwen3_next", "olmoe", "phimoe", "ernie4_5_moe",
+                     "minimax"), _MOE),
+    "granitemoe": ModelType(logit_divisor="logits_scaling", router_aux_loss=True),
     "gemma2": ModelType(softcap="final_logit_softcapping"),
     "gemma3_text": ModelType(softcap="final_logit_softcapping"),
     "gemma3": ModelType(base_takes_labels=True),     # (Gemma3ForConditionalGeneration applies no softcap)
+    "paligemma": ModelType(softcap="final_logit_softcapping"),
     "cohere": ModelType(logit_scale="logit_scale"), "cohere2": ModelType(logit_scale="logit_scale"),
     "granite": ModelType(logit_divisor="logits_scaling"),
 }
