@@ -87,7 +87,16 @@ CASES.update(
                    vision_config={**VISION, "model_type": "siglip_vision_model", "projection_dim": 32},
                    projection_dim=32, hidden_size=32),
 )
-MULTIMODAL = ("gemma3", "llava", "qwen2_5_vl", "qwen2_vl", "mistral3", "qwen3_vl", "internvl", "smolvlm", "paligemma")
+CASES.update(
+    hunyuan_v1_moe=dict(num_experts=4, moe_topk=2, moe_intermediate_size=16),
+    falcon_h1=dict(lm_head_multiplier=0.5, mamba_d_ssm=16, mamba_n_heads=4, mamba_d_head=4, mamba_d_state=8,
+                   mamba_n_groups=1, mamba_chunk_size=8),
+    glm4v=dict(text_config={**TEXT, "rope_scaling": {"rope_type": "default", "mrope_section": [1, 1, 2]}},
+               image_token_id=90, video_token_id=91, image_start_token_id=92, image_end_token_id=93,
+               vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                                  patch_size=4, spatial_merge_size=1, temporal_patch_size=1)),
+)
+MULTIMODAL = ("gemma3", "glm4v", "llava", "qwen2_5_vl", "qwen2_vl", "mistral3", "qwen3_vl", "internvl", "smolvlm", "paligemma")
 
 
 def tiny(model_type):

@@ -95,7 +95,7 @@ _MODEL_TYPES: dict[str, ModelType] = {
                      "olmo3", "starcoder2", "smollm3", "glm", "glm4", "helium", "exaone4", "deepseek_v3",
                      "llama4_text", "qwen2_5_vl", "qwen2_vl", "llava", "ernie4_5", "seed_oss", "apertus", "arcee",
                      "nemotron", "stablelm", "hunyuan_v1_dense", "glm4_moe", "mistral3", "qwen3_vl", "internvl",
-                     "smolvlm"), _PLAIN),
+                     "smolvlm", "hunyuan_v1_moe", "glm4v"), _PLAIN),
     **dict.fromkeys(("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "qwen3_next", "olmoe", "phimoe", "ernie4_5_moe",
                      "minimax"), _MOE),
     "granitemoe": ModelType(logit_divisor="logits_scaling", router_aux_loss=True),
@@ -103,6 +103,7 @@ _MODEL_TYPES: dict[str, ModelType] = {
     "gemma3_text": ModelType(softcap="final_logit_softcapping"),
     "gemma3": ModelType(base_takes_labels=True),     # (Gemma3ForConditionalGeneration applies no softcap)
     "paligemma": ModelType(softcap="final_logit_softcapping"),
+    "falcon_h1": ModelType(logit_scale="lm_head_multiplier"),
     "cohere": ModelType(logit_scale="logit_scale"), "cohere2": ModelType(logit_scale="logit_scale"),
     "granite": ModelType(logit_divisor="logits_scaling"),
 }
