@@ -147,7 +147,8 @@ def demo() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m losscodegen", description="losscodegen's kernels from the command line: generate them, "
+    parser = argparse.ArgumentParser(prog="python -m losscodegen",
+                                     description="losscodegen's kernels from the command line: generate them, "
                                      "check them against float64, tune their launches, see one run",
                                      epilog="`python -m losscodegen COMMAND --help` describes each command's options")
     sub = parser.add_subparsers(dest="command", required=True)

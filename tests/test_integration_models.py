@@ -29,7 +29,15 @@ MROPE = {"type": "mrope", "mrope_section": [1, 1, 2]}
 # experts few and small
 CASES = {
     **{t: {} for t in ("llama", "mistral", "ministral", "qwen2", "qwen3", "gemma", "phi", "phi3", "olmo", "olmo2",
-                       "olmo3", "starcoder2", "smollm3", "glm", "glm4", "helium", "exaone4")},
+                       "olmo3", "starcoder2", "smollm3", "glm", "glm4", "helium", "exaone4", "ernie4_5", "seed_oss",
+                       "apertus", "arcee", "nemotron", "stablelm", "hunyuan_v1_dense")},
+    "glm4_moe": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_group=1, topk_group=1,
+                     first_k_dense_replace=1, num_hidden_layers=2),
+    "olmoe": MOE,
+    "phimoe": MOE,
+    "ernie4_5_moe": dict(MOE, moe_num_experts=4, moe_k=2, moe_layer_start_index=0),
+    "minimax": dict(MOE, layer_types=["full_attention"]),
+    "granitemoe": dict(MOE, logits_scaling=4.0),
     "gemma2": dict(final_logit_softcapping=3.0),
     "gemma3_text": dict(final_logit_softcapping=2.5),
     "cohere": dict(logit_scale=0.5),
@@ -61,7 +69,34 @@ CASES = {
                      vision_config=dict(depth=1, embed_dim=16, hidden_size=32, mlp_ratio=2, num_heads=2, patch_size=4,
                                         spatial_merge_size=1, temporal_patch_size=1)),
 }
-MULTIMODAL = ("gemma3", "llava", "qwen2_5_vl", "qwen2_vl")
+CASES.update(
+    mistral3=dict(text_config={**TEXT, "model_type": "mistral"}, image_token_index=90, spatial_merge_size=1,
+                  vision_config={**VISION, "model_type": "pixtral", "head_dim": 8}),
+    qwen3_vl=dict(text_config={**TEXT, "rope_scaling": {"rope_type": "default", "mrope_section": [1, 1, 2]}},
+                  image_token_id=90, video_token_id=91, vision_start_token_id=92,
+                  vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                                     patch_size=4, spatial_merge_size=1, temporal_patch_size=1,
+                                     deepstack_visual_indexes=[0], num_position_embeddings=16)),
+    internvl=dict(text_config={**TEXT, "model_type": "qwen2"}, image_token_id=90,
+                  vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     image_size=[16, 16], patch_size=[8, 8])),
+    smolvlm=dict(text_config={**TEXT, "model_type": "llama"}, image_token_id=90, scale_factor=1,
+                 vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                    image_size=16, patch_size=8)),
+    paligemma=dict(text_config={**TEXT, "model_type": "gemma2", "final_logit_softcapping": 3.0}, image_token_index=90,
+                   vision_config={**VISION, "model_type": "siglip_vision_model", "projection_dim": 32},
+                   projection_dim=32, hidden_size=32),
+)
+CASES.update(
+    hunyuan_v1_moe=dict(num_experts=4, moe_topk=2, moe_intermediate_size=16),
+    falcon_h1=dict(lm_head_multiplier=0.5, mamba_d_ssm=16, mamba_n_heads=4, mamba_d_head=4, mamba_d_state=8,
+                   mamba_n_groups=1, mamba_chunk_size=8),
+    glm4v=dict(text_config={**TEXT, "rope_scaling": {"rope_type": "default", "mrope_section": [1, 1, 2]}},
+               image_token_id=90, video_token_id=91, image_start_token_id=92, image_end_token_id=93,
+               vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                                  patch_size=4, spatial_merge_size=1, temporal_patch_size=1)),
+)
+MULTIMODAL = ("gemma3", "glm4v", "llava", "qwen2_5_vl", "qwen2_vl", "mistral3", "qwen3_vl", "internvl", "smolvlm", "paligemma")
 
 
 def tiny(model_type):

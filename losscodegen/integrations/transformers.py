@@ -3,12 +3,14 @@ that its training forwards take the loss from ``head.linear`` on the final hidde
 ``[batch, seq, vocab]`` logits), and leaves every other forward as it was (docs/integrations-transformers.md).
 
 The patched forward does what the model's own forward does around its output layer (read from each
-supported model's source in transformers 5.x): the base model, ``slice_logits_to_keep``, the output
-layer, the model's final-logit transform (Gemma 2/3's softcap, Cohere's scale, Granite's divisor),
-and ``ForCausalLMLoss``'s label shift, ``ignore_index=-100`` and ``num_items_in_batch`` divisor. A
-model type whose forward was not checked against this is refused: a forward that adds a loss
-(mixture-of-experts routers) or transforms the logits differently would otherwise train on a
-silently different objective.
+supported model's source in transformers 5.x, declared as a ``ModelType``): the backbone,
+``slice_logits_to_keep``, the output layer, the model's final-logit transform (Gemma 2/3's softcap,
+Cohere's scale, Granite's divisor), ``ForCausalLMLoss``'s label shift, ``ignore_index=-100`` and
+``num_items_in_batch`` divisor, and a mixture-of-experts model's router load-balancing loss. A model
+type whose forward was not checked against this is refused (``register_model_type`` declares one): a
+forward that adds a loss or transforms the logits differently would otherwise train on a silently
+different objective. ``AutoLosscodegenForCausalLM`` and ``LosscodegenCallback`` switch the patch on
+without calling it; the callback logs the head's terms and metrics into the Trainer's logs.
 """
 from __future__ import annotations
 
@@ -91,11 +93,17 @@ _PLAIN, _MOE = ModelType(), ModelType(router_aux_loss=True)
 _MODEL_TYPES: dict[str, ModelType] = {
     **dict.fromkeys(("llama", "mistral", "ministral", "qwen2", "qwen3", "gemma", "phi", "phi3", "olmo", "olmo2",
                      "olmo3", "starcoder2", "smollm3", "glm", "glm4", "helium", "exaone4", "deepseek_v3",
-                     "llama4_text", "qwen2_5_vl", "qwen2_vl", "llava"), _PLAIN),
-    **dict.fromkeys(("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "qwen3_next"), _MOE),
+                     "llama4_text", "qwen2_5_vl", "qwen2_vl", "llava", "ernie4_5", "seed_oss", "apertus", "arcee",
+                     "nemotron", "stablelm", "hunyuan_v1_dense", "glm4_moe", "mistral3", "qwen3_vl", "internvl",
+                     "smolvlm", "hunyuan_v1_moe", "glm4v"), _PLAIN),
+    **dict.fromkeys(("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "qwen3_next", "olmoe", "phimoe", "ernie4_5_moe",
+                     "minimax"), _MOE),
+    "granitemoe": ModelType(logit_divisor="logits_scaling", router_aux_loss=True),
     "gemma2": ModelType(softcap="final_logit_softcapping"),
     "gemma3_text": ModelType(softcap="final_logit_softcapping"),
     "gemma3": ModelType(base_takes_labels=True),     # (Gemma3ForConditionalGeneration applies no softcap)
+    "paligemma": ModelType(softcap="final_logit_softcapping"),
+    "falcon_h1": ModelType(logit_scale="lm_head_multiplier"),
     "cohere": ModelType(logit_scale="logit_scale"), "cohere2": ModelType(logit_scale="logit_scale"),
     "granite": ModelType(logit_divisor="logits_scaling"),
 }
@@ -240,12 +248,14 @@ def _add_model_tags(self: nn.Module, tags: Any) -> None:
         return
     from losscodegen.integrations.trl_lm_head import drops_objective
     if drops_objective(self):
+        terms = ", ".join(t.name for t in self.losscodegen.head.loss_terms)
+        tags = ", ".join(map(str, tags if isinstance(tags, (list, tuple)) else [tags]))
         raise ValueError(
             f"this {type(self).__name__} was patched by apply_losscodegen with a head whose objective is not "
-            f"cross-entropy alone ({', '.join(t.name for t in self.losscodegen.head.loss_terms)}), and a TRL trainer "
-            "(tags: {}) has given it TRL's fused LM head, whose loss is plain cross-entropy: it would train on a "
-            "different objective. Use losscodegen.integrations.trl.SFTTrainer (which trains on the head's objective), "
-            "transformers.Trainer, or a head of CrossEntropy() alone".format(", ".join(map(str, tags if isinstance(tags, (list, tuple)) else [tags]))))
+            f"cross-entropy alone ({terms}), and a TRL trainer (tags: {tags}) has given it TRL's fused LM head, whose "
+            "loss is plain cross-entropy: it would train on a different objective. Use "
+            "losscodegen.integrations.trl.SFTTrainer (which trains on the head's objective), transformers.Trainer, "
+            "or a head of CrossEntropy() alone")
 
 
 def _check_head(head: lcg.HeadLoss, final: FinalLogits, model_type: str) -> None:
@@ -350,8 +360,9 @@ class LosscodegenCallback(TrainerCallback):
         elif self.head is not None and state.head is not self.head:
             raise ValueError("LosscodegenCallback(head=...): the trainer's model is patched already, with another head")
         if getattr(args, "label_smoothing_factor", 0.0):
-            warnings.warn(f"label_smoothing_factor={args.label_smoothing_factor}: the Trainer computes a label-smoothed "
-                          "loss from the logits itself, and the head is not used; use CrossEntropy(label_smoothing=...) "
+            warnings.warn(f"label_smoothing_factor={args.label_smoothing_factor}: the Trainer computes a "
+                          "label-smoothed loss from the logits itself, and the head is not used; use "
+                          "CrossEntropy(label_smoothing=...) "
                           "in the head instead", stacklevel=4)
 
     def on_init_end(self, args: Any, state: Any, control: Any, model: nn.Module | None = None, **kwargs: Any) -> None:

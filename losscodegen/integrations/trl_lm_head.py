@@ -263,7 +263,8 @@ def replace_fused_lm_heads(trainer: Any) -> Any:
     model patched by ``apply_losscodegen`` with a head other than cross-entropy alone."""
     if not _reads_fused_outputs(trainer):
         raise ValueError(f"{type(trainer).__name__}'s loss does not come from TRL's fused LM head (its compute_loss is "
-                         f"not one of {', '.join(_READS_FUSED)}'s): replacing the head would change nothing it trains on")
+                         f"not one of {', '.join(_READS_FUSED)}'s): replacing the head would change nothing it "
+                         "trains on")
     seen: set[int] = set()
     replaced = 0
     for value in list(vars(trainer).values()):
