@@ -127,7 +127,9 @@ class Lowered:
         lines = ["row values:"]
         lines += [f"  {name} = {expr}" for name, expr in self.row_values]
         for seg in self.segments:
-            lines.append(f"  segment term {seg.name} = {seg.formula}")
+            kind = "row term of segment statistics (row by row, in the segment kernel)" if seg.rows \
+                else "segment term"
+            lines.append(f"  {kind} {seg.name} = {seg.formula}")
         lines.append("normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima):")
         lines += [f"  {n.symbol} = {n.value}" for n in self.normalizers]
         count = f"accumulators ({len(self.accumulators)}"

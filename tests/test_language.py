@@ -146,6 +146,8 @@ def test_explain_shows_the_segment_count_the_argmax_gradient_and_the_nested_sum(
     text = _heads()["segment_sum"].explain()
     assert "segment term seq_pg" in text and "count" in text
     assert "is_argmax" in _heads()["row_max"].explain()
+    assert "row term of segment statistics (row by row, in the segment kernel) gspo_token" \
+        in _heads()["row_reads_segment"].explain()
     # ||z||^2 in the first read, the softmax of z / (tau*||z||) in the second
     text = _heads()["nested_vsum"].explain()
     assert "sum_i 1 * z**2    [online]" in text and "exact" in text and "2 for the loss" in text
@@ -228,3 +230,13 @@ def test_row_term_of_segment_statistics_refuses_sequence_parallel_and_says_why()
     z, y = torch.randn(4, 10), torch.tensor([1, 2, 3, 4])
     with pytest.raises(ValueError, match="segment_group"):
         head(z, y, segment_ids=torch.tensor([0, 0, 1, 1]), num_segments=2, segment_group=object())
+
+
+@pytest.mark.parametrize("name", ["segment_sum", "row_reads_segment", "row_max", "nested_vsum"])
+def test_no_valid_row_gives_zero_and_a_zero_gradient(name):
+    head, hidden, weight, labels, inputs = _linear(name)
+    x = (hidden @ weight.T).detach().requires_grad_()
+    out = head(x, torch.full_like(labels, -100), **inputs)
+    out.loss.backward()
+    assert out.loss.item() == 0.0 and all(v.item() == 0.0 for v in {**out.terms, **out.metrics}.values())
+    assert torch.equal(x.grad, torch.zeros_like(x))

@@ -302,3 +302,13 @@ def test_pair_inputs_checks_its_arguments():
         P.pair_inputs(head, torch.zeros(2, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="chosen and rejected must have the same shape"):
         P.concatenated(torch.zeros(2, 3), torch.zeros(2, 4))
+
+
+def test_no_valid_row_gives_zero_and_a_zero_gradient():
+    logits, input_ids, mask = _batch(seed=10)
+    labels = torch.full_like(_shifted(input_ids, mask), -100)
+    head = lcg.HeadLoss(P.DPO(beta=0.3), P.ORPO(), P.ChosenNLL())
+    x = logits[:, :-1].float().requires_grad_()
+    out = head(x, labels, **P.pair_inputs(head, labels, ref_chosen_logps=torch.zeros(B), ref_rejected_logps=torch.zeros(B)))
+    out.loss.backward()
+    assert out.loss.item() == 0.0 and torch.equal(x.grad, torch.zeros_like(x))
