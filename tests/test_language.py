@@ -240,3 +240,11 @@ def test_no_valid_row_gives_zero_and_a_zero_gradient(name):
     out.loss.backward()
     assert out.loss.item() == 0.0 and all(v.item() == 0.0 for v in {**out.terms, **out.metrics}.values())
     assert torch.equal(x.grad, torch.zeros_like(x))
+
+
+def test_a_batch_statistic_is_a_segment_statistic_of_one_segment():
+    """Each token's cross-entropy weighted by its entropy over the batch's mean entropy (one segment:
+    segment_ids all 0), the gradient through the batch mean included."""
+    H = -S.vsum(S.softmax * S.logsoftmax)
+    head = lcg.HeadLoss(lcg.declare_term("entropy_weighted_ce", (S.lse - S.target_logit) * H / S.segment_mean(H))())
+    lcg.testing.assert_parity(head, rows=16, vocab=40, segment_ids=torch.zeros(16, dtype=torch.long), num_segments=1)
