@@ -220,6 +220,9 @@ def _check_levels(name: str, formula: sp.Expr) -> None:
         if isinstance(red, S.vsum) and not inner.has(S.topk_sum, S.segment_mean) and not any(
                 r.args[0].has(*reductions) or r.has(S.row_max) for r in inner.atoms(S.vsum)):
             continue
+        # a segment mean of a row quantity, a vocabulary or top-k sum included (the mean entropy)
+        if isinstance(red, S.segment_mean) and not inner.has(S.segment_mean):
+            continue
         if inner.has(*reductions):
             raise ValueError(f"{name}: nested reductions are not supported beyond a vsum(...) of the first "
                              f"read inside another vsum(...): {red}")
