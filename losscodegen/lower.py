@@ -114,6 +114,7 @@ class Lowered:
     uses_topk: bool
     uses_argmax: bool
     uncombined: int = 0                          # accumulators before sums of one weight were combined
+    vectors: tuple[str, ...] = ()                # per-class [V] inputs (S.vector), loaded in every read
 
     @property
     def grad_uses_teacher(self) -> bool:
@@ -184,7 +185,7 @@ class _Lowering:
         for (d, b), r in self.reductions.items():
             if d == domain:
                 k = sp.cancel(sp.together(body) / b)
-                if not k.has(*_ELEMENT) and k != 0:
+                if not k.has(*_ELEMENT, *S.vectors_in(k)) and k != 0:
                     return k * r
         return self.reduction(domain, body)
 
@@ -204,8 +205,8 @@ class _Lowering:
 
     def online_piece(self, piece: sp.Expr, domain: str):
         """``row * exp(alpha*z + beta*t) * h`` with h computable in the first read, or None."""
-        if domain == "vocab":
-            elem, z, t = (S.logit, S.teacher_logit), S.logit, S.teacher_logit
+        if domain == "vocab":   # (a per-class vector varies along the vocabulary as the logits do)
+            elem, z, t = (S.logit, S.teacher_logit, *S.vectors_in(piece)), S.logit, S.teacher_logit
         else:
             elem, z, t = (S.topk_logit, S.topk_logprob), S.topk_logit, None
         row, part = piece.as_independent(*elem, as_Add=False)
@@ -263,8 +264,8 @@ def _linear(h: sp.Expr):
     z, t = S.logit, S.teacher_logit
     cz, ct = h.diff(z), h.diff(t)
     c0 = sp.expand(h - cz * z - ct * t)
-    if cz.has(z, t) or ct.has(z, t) or c0.has(z, t) or (cz == 0 and ct == 0):
-        return None
+    if cz.has(z, t) or ct.has(z, t) or c0.has(z, t) or (cz == 0 and ct == 0) or S.vectors_in(h):
+        return None   # (coefficients that vary along the vocabulary are no row factors)
     return c0, cz, ct
 
 
@@ -649,6 +650,9 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
                        *(a.body.free_symbols for a in accumulators))
     tokens = tuple(sorted(s.name[len(S.TOKEN_PREFIX):] for s in free
                           if s.name.startswith(S.TOKEN_PREFIX)))
+    vectors = tuple(sorted(s.name[len(S.VECTOR_PREFIX):] for s in free if s.name.startswith(S.VECTOR_PREFIX)))
+    if set(vectors) & set(tokens):
+        raise ValueError(f"{sorted(set(vectors) & set(tokens))}: one name for a token(...) and a vector(...)")
     params = [s.name for s in free if s.name.startswith(S.PARAM_PREFIX)]
     if params:
         raise ValueError(f"unbound parameters {params}")
@@ -668,4 +672,5 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
         uses_topk=any(a.domain == "topk" for a in accumulators),
         uses_argmax=bool(free & {S.argmax, IS_ARGMAX}),
         uncombined=uncombined,
+        vectors=vectors,
     )

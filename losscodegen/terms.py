@@ -192,7 +192,8 @@ def _check_symbols(name: str, formula: sp.Expr) -> None:
     for sym in sorted(formula.free_symbols - known, key=str):
         for prefix, make, taken, where in (
                 (S.TOKEN_PREFIX, S.token, _CALL_NAMES, "an argument or keyword of the head's call"),
-                (S.PARAM_PREFIX, S.param, _FACTORY_KEYWORDS, "a keyword of the term factory")):
+                (S.PARAM_PREFIX, S.param, _FACTORY_KEYWORDS, "a keyword of the term factory"),
+                (S.VECTOR_PREFIX, S.vector, _CALL_NAMES, "an argument or keyword of the head's call")):
             short = sym.name[len(prefix):]
             if sym.name.startswith(prefix) and short.isidentifier() and sym == make(short):
                 if short in taken:
@@ -227,12 +228,13 @@ def _check_levels(name: str, formula: sp.Expr) -> None:
             raise ValueError(f"{name}: nested reductions are not supported beyond a vsum(...) of the first "
                              f"read inside another vsum(...): {red}")
     outside = formula.replace(lambda e: isinstance(e, (S.vsum, S.topk_sum)), lambda e: sp.S.Zero)
-    for sym, where in ((S.ELEMENT_SYMBOLS, "vsum(...)"), (S.TOPK_SYMBOLS, "topk_sum(...)")):
+    vectors = tuple(S.vectors_in(formula))
+    for sym, where in ((S.ELEMENT_SYMBOLS + vectors, "vsum(...)"), (S.TOPK_SYMBOLS, "topk_sum(...)")):
         if outside.has(*sym):
             raise ValueError(f"{name}: element symbols {[str(s) for s in sym]} may only appear "
                              f"inside {where}: {formula}")
     for red, other, where in ((S.vsum, S.TOPK_SYMBOLS, "topk_sum(...)"),
-                              (S.topk_sum, S.ELEMENT_SYMBOLS, "vsum(...)")):
+                              (S.topk_sum, S.ELEMENT_SYMBOLS + vectors, "vsum(...)")):
         for r in formula.atoms(red):
             if r.has(*other):
                 raise ValueError(f"{name}: {[str(s) for s in other]} may only appear inside {where}, "
