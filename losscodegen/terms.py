@@ -346,7 +346,9 @@ class _CrossEntropyFactory(TermFactory):
             raise ValueError(
                 f"{self.name}: class_weight with label_smoothing is not supported: torch's weighted "
                 "smoothing term -sum_i class_weight[i] * log p_i reads the weight of every class, and the "
-                "kernel reads class weights at the label only (docs/decisions.md)")
+                "kernel reads class weights at the label only (docs/decisions.md); declare it with "
+                "S.vector for the smoothing sum and a one-segment normaliser (docs/adding-a-loss.md, "
+                "'A per-class vector')")
         return super().__call__(weight, normalize=normalize, class_weight=class_weight, **params)
 
 
