@@ -93,7 +93,7 @@ class SegmentTerm:
     formula: sp.Expr                   # F(U) (or F(P, U))
     dformula: tuple[sp.Expr, ...]      # dF/dU_j
     coefs: tuple[sp.Symbol, ...]       # per-row dL/du_j fed back to the gradient launch
-    rows: tuple[tuple[sp.Symbol, str], ...] = ()   # (P_k, the row value that holds it)
+    rows: tuple[sp.Symbol, ...] = ()   # P_k, each held by the row value of its name
     valid: str = ""                    # the row value that is 1 on a valid row
 
 
@@ -430,16 +430,16 @@ def _known(k: sp.Expr) -> bool:
     return all(s.name.startswith((S.RUNTIME_PREFIX, S.TOKEN_PREFIX)) for s in k.free_symbols)
 
 
-def _shared_coefficients(reds, loss: sp.Expr, totals=None):
+def _shared_coefficients(reds, loss: sp.Expr, totals: dict[sp.Symbol, sp.Expr]):
     """The reductions the gradient reads, grouped where ``dL/dR_j = C * k_j`` with one row factor
     ``C`` and each ``k_j`` a polynomial in known factors: ``(domain, C, [(body_j, k_j)])``. A group
     is differentiated as one sum ``sum_i sum_j k_j body_j``, where sympy can cancel between the
     parts: JSD's two KL sums (weights beta and 1 - beta) have a gradient free of 1/m and of two
-    row sums once ``beta*p + (1 - beta)*q`` over ``m`` is seen to be 1."""
+    row sums once ``beta*p + (1 - beta)*q`` over ``m`` is seen to be 1. ``totals``: ``dL/dR`` with
+    the paths through nested sums (a reduction made since, by ``sum_of``, is read, not differentiated)."""
     groups: list[tuple[str, list[tuple[sp.Expr, sp.Expr]]]] = []
     for (domain, body), r in reds:
-        c = (totals or {}).get(r, None)
-        c = derive(loss, r) if c is None else c   # (totals: dL/dR with the paths through nested sums)
+        c = totals.get(r, sp.S.Zero)
         if c == 0:
             continue
         for g_domain, members in groups:
@@ -528,7 +528,7 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
             segments.append(SegmentTerm(
                 name, tuple(means.values()), _value(F.xreplace(P)),
                 tuple(_value(derive(F, U).xreplace(P)) for U in means.values()), coefs,
-                tuple((p, p.name) for p in P.values()), f"V_{name}" if P else ""))
+                tuple(P.values()), f"V_{name}" if P else ""))
             continue
         f = lw.abstract(formula)
         row_values.append((name, f))

@@ -243,9 +243,10 @@ def _check_levels(name: str, formula: sp.Expr) -> None:
     if formula.has(*S.SEGMENT_SYMBOLS):
         inside = [r for r in formula.atoms(*reductions) if r.has(*S.SEGMENT_SYMBOLS)]
         if inside or not formula.has(S.segment_mean):
-            raise ValueError(f"{name}: segment_count (a segment's valid rows) belongs to a segment term, "
-                             f"outside its segment_mean(...)/vsum(...): write S.segment_sum(u) for a "
-                             f"sum over the segment's rows{f', not {inside[0]}' if inside else ''}")
+            raise ValueError(f"{name}: segment_count (a segment's valid rows) belongs to a term of "
+                             f"segment_mean(...)/segment_sum(...), outside them and outside vsum(...); for "
+                             f"a row term averaged over its sequence write normalize='sequence'"
+                             f"{f' ({inside[0]})' if inside else ''}")
     for lse in formula.atoms(S.LSE):
         if any(not s.name.startswith(S.PARAM_PREFIX) for s in lse.free_symbols):
             raise ValueError(f"{name}: a log-normaliser's temperature must be a number or a param, "
