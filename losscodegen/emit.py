@@ -428,6 +428,7 @@ def signatures(plan: Plan, key: str, reads_scalars: bool, per_sequence: tuple[st
     if lw.uses_teacher:
         args += ["t_ptr", "t_stride"]
     args += [f"tok_{tok}_ptr" for tok in lw.tokens]
+    args += [f"vec_{vec}_ptr" for vec in lw.vectors]
     if lw.uses_topk:
         args += ["topk_id_ptr", "topk_lp_ptr", "topk_stride", "K"]
     if segments:

@@ -51,6 +51,7 @@ class Call:
     # the head's runtime scalars as this call's forward read them, where its backward launches
     # again and the head has tensor scalars (HeadLoss.keep_scalars): a later call may change them
     scalars: torch.Tensor | None = None
+    vectors: tuple[torch.Tensor, ...] = ()  # fp32 [V] (the whole vocabulary), in the kernel's VECTORS order
     rows: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -97,7 +98,8 @@ def check_rows(head, kernel: ModuleType, shape: tuple[int, ...], V_local: int, d
                teacher: torch.Tensor | None = None) -> Call:
     """Every input but the logits and the teacher's: the per-row ones shaped like ``shape``."""
     head.backend.check_device(dev)
-    unknown = [k for k in inputs if k not in _ACCEPTED and (k not in kernel.TOKENS or k in head.class_weight_tokens)] \
+    unknown = [k for k in inputs if k not in _ACCEPTED and k not in kernel.VECTORS
+               and (k not in kernel.TOKENS or k in head.class_weight_tokens)] \
         if inputs else ()
     if unknown:
         raise TypeError(f"HeadLoss got unexpected keyword argument(s) {sorted(unknown)}")
@@ -144,12 +146,32 @@ def check_rows(head, kernel: ModuleType, shape: tuple[int, ...], V_local: int, d
         else:
             rows = check_rowwise(name, inputs.get(name), shape, dev, required=True, needed_by=head.terms_reading)
         tokens.append(rows)
+    vectors = tuple(check_vector(name, inputs.get(name), V_local, dev, inputs.get("process_group"),
+                                 head.terms_reading) for name in kernel.VECTORS)
     return Call(
         shape=shape, V_local=V_local, device=dev, x=x, labels=labels, mask=mask, teacher=teacher,
+        vectors=vectors,
         tokens=tuple(tokens), topk_ids=topk_ids, topk_logprobs=topk_logprobs,
         segment_ids=segment_ids, num_segments=num_segments, divisor=divisor,
         reduction=reduction, group=inputs.get("process_group"), segment_group=inputs.get("segment_group"),
         value_divisors=tuple(value_divisors))
+
+
+def check_vector(name: str, value: Any, V_local: int, dev: torch.device, group: Any,
+                 needed_by) -> torch.Tensor:
+    """A per-class input (``S.vector``): a 1-D float tensor over the whole vocabulary (on a vocab
+    shard too: ``V_local`` times the group's size), fp32 contiguous for the kernel."""
+    if value is None:
+        raise ValueError(f"{name} is required by {needed_by(name)}")
+    V = V_local if group is None else V_local * torch.distributed.get_world_size(group)
+    if not isinstance(value, torch.Tensor) or value.shape != (V,) or not value.is_floating_point():
+        raise ValueError(f"{name} must be a float tensor of shape ({V},) (one value per class of the whole "
+                         f"vocabulary), got {getattr(value, 'shape', type(value).__name__)}")
+    if value.device != dev:
+        raise ValueError(f"{name} must be on {dev}, got {value.device}")
+    if value.requires_grad:
+        raise ValueError(f"{name} requires grad, but no gradient flows to a vector input: pass {name}.detach()")
+    return value.float().contiguous()
 
 
 def class_weight_rows(head, token: str, labels: torch.Tensor, mask: torch.Tensor | None, V_local: int,

@@ -78,6 +78,8 @@ def binder(k: ModuleType, names: tuple[str, ...]) -> Callable[..., tuple]:
             exprs.append(f"ws.{name}")
         elif name.startswith("tok_") and name.endswith("_ptr") and name[4:-4] in k.TOKENS:
             exprs.append(f"call.tokens[{k.TOKENS.index(name[4:-4])}]")
+        elif name.startswith("vec_") and name.endswith("_ptr") and name[4:-4] in k.VECTORS:
+            exprs.append(f"call.vectors[{k.VECTORS.index(name[4:-4])}]")
         else:
             raise TypeError(f"{k.__name__} takes an argument {name!r} that launch.py does not know how to pass")
     namespace: dict[str, Any] = {}

@@ -93,7 +93,7 @@ class SegmentTerm:
     formula: sp.Expr                   # F(U) (or F(P, U))
     dformula: tuple[sp.Expr, ...]      # dF/dU_j
     coefs: tuple[sp.Symbol, ...]       # per-row dL/du_j fed back to the gradient launch
-    rows: tuple[tuple[sp.Symbol, str], ...] = ()   # (P_k, the row value that holds it)
+    rows: tuple[sp.Symbol, ...] = ()   # P_k, each held by the row value of its name
     valid: str = ""                    # the row value that is 1 on a valid row
 
 
@@ -114,6 +114,7 @@ class Lowered:
     uses_topk: bool
     uses_argmax: bool
     uncombined: int = 0                          # accumulators before sums of one weight were combined
+    vectors: tuple[str, ...] = ()                # per-class [V] inputs (S.vector), loaded in every read
 
     @property
     def grad_uses_teacher(self) -> bool:
@@ -127,7 +128,9 @@ class Lowered:
         lines = ["row values:"]
         lines += [f"  {name} = {expr}" for name, expr in self.row_values]
         for seg in self.segments:
-            lines.append(f"  segment term {seg.name} = {seg.formula}")
+            kind = "row term of segment statistics (row by row, in the segment kernel)" if seg.rows \
+                else "segment term"
+            lines.append(f"  {kind} {seg.name} = {seg.formula}")
         lines.append("normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima):")
         lines += [f"  {n.symbol} = {n.value}" for n in self.normalizers]
         count = f"accumulators ({len(self.accumulators)}"
@@ -182,7 +185,7 @@ class _Lowering:
         for (d, b), r in self.reductions.items():
             if d == domain:
                 k = sp.cancel(sp.together(body) / b)
-                if not k.has(*_ELEMENT) and k != 0:
+                if not k.has(*_ELEMENT, *S.vectors_in(k)) and k != 0:
                     return k * r
         return self.reduction(domain, body)
 
@@ -202,8 +205,8 @@ class _Lowering:
 
     def online_piece(self, piece: sp.Expr, domain: str):
         """``row * exp(alpha*z + beta*t) * h`` with h computable in the first read, or None."""
-        if domain == "vocab":
-            elem, z, t = (S.logit, S.teacher_logit), S.logit, S.teacher_logit
+        if domain == "vocab":   # (a per-class vector varies along the vocabulary as the logits do)
+            elem, z, t = (S.logit, S.teacher_logit, *S.vectors_in(piece)), S.logit, S.teacher_logit
         else:
             elem, z, t = (S.topk_logit, S.topk_logprob), S.topk_logit, None
         row, part = piece.as_independent(*elem, as_Add=False)
@@ -321,8 +324,8 @@ def _linear(h: sp.Expr):
     z, t = S.logit, S.teacher_logit
     cz, ct = h.diff(z), h.diff(t)
     c0 = sp.expand(h - cz * z - ct * t)
-    if cz.has(z, t) or ct.has(z, t) or c0.has(z, t) or (cz == 0 and ct == 0):
-        return None
+    if cz.has(z, t) or ct.has(z, t) or c0.has(z, t) or (cz == 0 and ct == 0) or S.vectors_in(h):
+        return None   # (coefficients that vary along the vocabulary are no row factors)
     return c0, cz, ct
 
 
@@ -487,16 +490,16 @@ def _known(k: sp.Expr) -> bool:
     return all(s.name.startswith((S.RUNTIME_PREFIX, S.TOKEN_PREFIX)) for s in k.free_symbols)
 
 
-def _shared_coefficients(reds, loss: sp.Expr, totals=None):
+def _shared_coefficients(reds, loss: sp.Expr, totals: dict[sp.Symbol, sp.Expr]):
     """The reductions the gradient reads, grouped where ``dL/dR_j = C * k_j`` with one row factor
     ``C`` and each ``k_j`` a polynomial in known factors: ``(domain, C, [(body_j, k_j)])``. A group
     is differentiated as one sum ``sum_i sum_j k_j body_j``, where sympy can cancel between the
     parts: JSD's two KL sums (weights beta and 1 - beta) have a gradient free of 1/m and of two
-    row sums once ``beta*p + (1 - beta)*q`` over ``m`` is seen to be 1."""
+    row sums once ``beta*p + (1 - beta)*q`` over ``m`` is seen to be 1. ``totals``: ``dL/dR`` with
+    the paths through nested sums (a reduction made since, by ``sum_of``, is read, not differentiated)."""
     groups: list[tuple[str, list[tuple[sp.Expr, sp.Expr]]]] = []
     for (domain, body), r in reds:
-        c = (totals or {}).get(r, None)
-        c = derive(loss, r) if c is None else c   # (totals: dL/dR with the paths through nested sums)
+        c = totals.get(r, sp.S.Zero)
         if c == 0:
             continue
         for g_domain, members in groups:
@@ -597,7 +600,7 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
             segments.append(SegmentTerm(
                 name, tuple(means.values()), _value(F.xreplace(P)),
                 tuple(_value(derive(F, U).xreplace(P)) for U in means.values()), coefs,
-                tuple((p, p.name) for p in P.values()), f"V_{name}" if P else ""))
+                tuple(P.values()), f"V_{name}" if P else ""))
             continue
         f = _cancellations(lw.abstract(formula))
         row_values.append((name, f))
@@ -729,6 +732,9 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
                        *(a.body.free_symbols for a in accumulators))
     tokens = tuple(sorted(s.name[len(S.TOKEN_PREFIX):] for s in free
                           if s.name.startswith(S.TOKEN_PREFIX)))
+    vectors = tuple(sorted(s.name[len(S.VECTOR_PREFIX):] for s in free if s.name.startswith(S.VECTOR_PREFIX)))
+    if set(vectors) & set(tokens):
+        raise ValueError(f"{sorted(set(vectors) & set(tokens))}: one name for a token(...) and a vector(...)")
     params = [s.name for s in free if s.name.startswith(S.PARAM_PREFIX)]
     if params:
         raise ValueError(f"unbound parameters {params}")
@@ -748,4 +754,5 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
         uses_topk=any(a.domain == "topk" for a in accumulators),
         uses_argmax=bool(free & {S.argmax, IS_ARGMAX}),
         uncombined=uncombined,
+        vectors=vectors,
     )

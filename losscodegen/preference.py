@@ -77,6 +77,14 @@ def _scores(f_divergence_type: str) -> tuple[sp.Expr, sp.Expr]:
                      f"'alpha_divergence', got {f_divergence_type!r}")
 
 
+def _wpo_weight() -> sp.Expr:
+    """WPO's pair weight (arXiv 2406.11827, eq. 2; TRL's use_weighting): the product over the two
+    responses of exp(mean over the response's rows of log p_y - log sum_i p_i^2), detached."""
+    aligned = _l - S.log(S.vsum(S.softmax ** 2))
+    chosen, rejected = _split(aligned)
+    return S.stop_gradient(S.exp(_per_token(chosen, _n_chosen) + _per_token(rejected, _n_rejected)))
+
+
 def _per_token(x: sp.Expr, n: sp.Expr) -> sp.Expr:
     return x / S.Max(n, 1)   # TRL: / completion_mask.sum(dim=1).clamp(min=1.0)
 
@@ -126,10 +134,11 @@ def ChosenNLL(*, weight: Any = 1.0) -> Term:
 
 def DPO(*, loss_type: str = "sigmoid", beta: Any = 0.1, label_smoothing: Any = 0.0,
         f_divergence_type: str = "reverse_kl", f_alpha_divergence_coef: float = 1.0,
-        discopop_tau: Any = 0.05, weight: Any = 1.0) -> Term:
+        discopop_tau: Any = 0.05, use_weighting: bool = False, weight: Any = 1.0) -> Term:
     """TRL's DPO loss of ``loss_type`` (its ``DPOConfig`` options of the same names), named
     ``dpo_<loss_type>``: per pair, averaged over the pairs. Reads ``pair_inputs``' tokens. Give
-    several (with their ``loss_weights`` as ``weight=``) in one head for TRL's list of loss types."""
+    several (with their ``loss_weights`` as ``weight=``) in one head for TRL's list of loss types.
+    ``use_weighting``: WPO's detached pair weight (``_wpo_weight``)."""
     if loss_type in _BATCH_SORTED:
         raise ValueError(f"loss_type={loss_type!r} sorts the log-ratios over the batch, which is no "
                          "per-pair formula: compute the sums with lcg.LogProb (reduction='none') and "
@@ -146,7 +155,8 @@ def DPO(*, loss_type: str = "sigmoid", beta: Any = 0.1, label_smoothing: Any = 0
     if f_divergence_type == "alpha_divergence" and abs(f_alpha_divergence_coef - 1.0) < 1e-6:
         f_divergence_type = "reverse_kl"   # TRL's limit case
     cs, rs = _scores(f_divergence_type)
-    return _term(f"dpo_{loss_type}", _dpo_formula(loss_type, cs, rs), weight,
+    formula = _dpo_formula(loss_type, cs, rs) * (_wpo_weight() if use_weighting else 1)
+    return _term(f"dpo_{loss_type}", formula, weight,
                  dict(beta=beta, label_smoothing=label_smoothing, discopop_tau=discopop_tau,
                       f_alpha_divergence_coef=f_alpha_divergence_coef))
 

@@ -26,7 +26,7 @@ __all__ = [
     "lse", "teacher_lse", "lse_at", "teacher_lse_at",
     "softmax", "logsoftmax", "softmax_at", "logsoftmax_at",
     "teacher_prob", "teacher_logprob", "teacher_prob_at", "teacher_logprob_at",
-    "vsum", "topk_sum", "segment_mean", "segment_sum", "segment_count", "token", "param", "LSE",
+    "vsum", "topk_sum", "segment_mean", "segment_sum", "segment_count", "token", "vector", "param", "LSE",
     "stop_gradient", "clamp",
 ]
 
@@ -70,6 +70,22 @@ def token(name: str) -> sp.Symbol:
     if not _NAME.match(name):
         raise ValueError(f"token name {name!r} is not a Python identifier")
     return _real(TOKEN_PREFIX + name)
+
+
+VECTOR_PREFIX = "vec_"
+
+
+def vector(name: str) -> sp.Symbol:
+    """A per-class input: entry ``i`` of a ``[V]`` float tensor passed at call time as keyword
+    ``name=`` (the whole vocabulary, also on a vocab shard). An element symbol: inside ``vsum``."""
+    if not _NAME.match(name):
+        raise ValueError(f"vector name {name!r} is not a Python identifier")
+    return _real(VECTOR_PREFIX + name)
+
+
+def vectors_in(expr: sp.Expr) -> set[sp.Symbol]:
+    """The ``vector(...)`` symbols of ``expr``."""
+    return {s for s in expr.free_symbols if s.name.startswith(VECTOR_PREFIX)}
 
 
 # The per-row token of a term given class weights (``Term(class_weight=...)``): the term's

@@ -232,7 +232,8 @@ def _check_symbols(name: str, formula: sp.Expr) -> None:
     for sym in sorted(formula.free_symbols - known, key=str):
         for prefix, make, taken, where in (
                 (S.TOKEN_PREFIX, S.token, _CALL_NAMES, "an argument or keyword of the head's call"),
-                (S.PARAM_PREFIX, S.param, _FACTORY_KEYWORDS, "a keyword of the term factory")):
+                (S.PARAM_PREFIX, S.param, _FACTORY_KEYWORDS, "a keyword of the term factory"),
+                (S.VECTOR_PREFIX, S.vector, _CALL_NAMES, "an argument or keyword of the head's call")):
             short = sym.name[len(prefix):]
             if sym.name.startswith(prefix) and short.isidentifier() and sym == make(short):
                 if short in taken:
@@ -260,16 +261,20 @@ def _check_levels(name: str, formula: sp.Expr) -> None:
         if isinstance(red, S.vsum) and not inner.has(S.topk_sum, S.segment_mean) and not any(
                 r.args[0].has(*reductions) or r.has(S.row_max) for r in inner.atoms(S.vsum)):
             continue
+        # a segment mean of a row quantity, a vocabulary or top-k sum included (the mean entropy)
+        if isinstance(red, S.segment_mean) and not inner.has(S.segment_mean):
+            continue
         if inner.has(*reductions):
             raise ValueError(f"{name}: nested reductions are not supported beyond a vsum(...) of the first "
                              f"read inside another vsum(...): {red}")
     outside = formula.replace(lambda e: isinstance(e, (S.vsum, S.topk_sum)), lambda e: sp.S.Zero)
-    for sym, where in ((S.ELEMENT_SYMBOLS, "vsum(...)"), (S.TOPK_SYMBOLS, "topk_sum(...)")):
+    vectors = tuple(S.vectors_in(formula))
+    for sym, where in ((S.ELEMENT_SYMBOLS + vectors, "vsum(...)"), (S.TOPK_SYMBOLS, "topk_sum(...)")):
         if outside.has(*sym):
             raise ValueError(f"{name}: element symbols {[str(s) for s in sym]} may only appear "
                              f"inside {where}: {formula}")
     for red, other, where in ((S.vsum, S.TOPK_SYMBOLS, "topk_sum(...)"),
-                              (S.topk_sum, S.ELEMENT_SYMBOLS, "vsum(...)")):
+                              (S.topk_sum, S.ELEMENT_SYMBOLS + vectors, "vsum(...)")):
         for r in formula.atoms(red):
             if r.has(*other):
                 raise ValueError(f"{name}: {[str(s) for s in other]} may only appear inside {where}, "
@@ -278,9 +283,10 @@ def _check_levels(name: str, formula: sp.Expr) -> None:
     if formula.has(*S.SEGMENT_SYMBOLS):
         inside = [r for r in formula.atoms(*reductions) if r.has(*S.SEGMENT_SYMBOLS)]
         if inside or not formula.has(S.segment_mean):
-            raise ValueError(f"{name}: segment_count (a segment's valid rows) belongs to a segment term, "
-                             f"outside its segment_mean(...)/vsum(...): write S.segment_sum(u) for a "
-                             f"sum over the segment's rows{f', not {inside[0]}' if inside else ''}")
+            raise ValueError(f"{name}: segment_count (a segment's valid rows) belongs to a term of "
+                             f"segment_mean(...)/segment_sum(...), outside them and outside vsum(...); for "
+                             f"a row term averaged over its sequence write normalize='sequence'"
+                             f"{f' ({inside[0]})' if inside else ''}")
     for lse in formula.atoms(S.LSE):
         if any(not s.name.startswith(S.PARAM_PREFIX) for s in lse.free_symbols):
             raise ValueError(f"{name}: a log-normaliser's temperature must be a number or a param, "
@@ -383,7 +389,9 @@ class _CrossEntropyFactory(TermFactory):
             raise ValueError(
                 f"{self.name}: class_weight with label_smoothing is not supported: torch's weighted "
                 "smoothing term -sum_i class_weight[i] * log p_i reads the weight of every class, and the "
-                "kernel reads class weights at the label only (docs/decisions.md)")
+                "kernel reads class weights at the label only (docs/decisions.md); declare it with "
+                "S.vector for the smoothing sum and a one-segment normaliser (docs/adding-a-loss.md, "
+                "'A per-class vector')")
         return super().__call__(*positional, weight=weight, normalize=normalize, class_weight=class_weight,
                                 **params)
 

@@ -142,7 +142,9 @@ class Reference:
             ns["z_k"] = z.gather(1, ids)
             ns["l_k"] = inputs["teacher_topk_logprobs"].double().reshape(R, -1)
         for name, value in inputs.items():
-            if isinstance(value, torch.Tensor) and name not in STANDARD_INPUTS:
+            if isinstance(value, torch.Tensor) and name in head.kernel.VECTORS:   # [V], along each row
+                ns[S.VECTOR_PREFIX + name] = value.double().reshape(1, V)
+            elif isinstance(value, torch.Tensor) and name not in STANDARD_INPUTS:
                 ns[S.TOKEN_PREFIX + name] = value.double().reshape(R, 1)
         for name, value in head.scalars.items():     # weights and runtime parameters, as they are now
             ns[name] = torch.tensor(float(value), dtype=torch.float64, device=z.device)
@@ -264,6 +266,8 @@ def random_inputs(head: HeadLoss, rows: int = 24, vocab: int = 500, dtype: torch
             continue
         noise = randn(rows, dtype=torch.float64)
         inputs[name] = (logp + 0.2 * noise if name.endswith("logprobs") else noise).float()
+    for name in k.VECTORS:
+        inputs[name] = torch.rand(vocab, generator=g, device=device) + 0.5
     if k.SEGMENTS:
         n_seg = max(rows // 6, 1)
         inputs["segment_ids"] = torch.sort(torch.randint(0, n_seg, (rows,), generator=g, device=device)).values

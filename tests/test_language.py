@@ -30,6 +30,12 @@ GSPOToken = lcg.declare_term(
     defaults={"eps_low": 3e-4, "eps_high": 4e-4})
 # a per-token term whose direct path reads the mean too: each log-prob's squared distance to its sequence's
 SeqSpread = lcg.declare_term("seq_spread", (_l - S.segment_mean(_l)) ** 2)
+# label smoothing toward a prior over the classes instead of the uniform one (Szegedy et al.,
+# arXiv 1512.00567, sec. 7: u(k) may be any distribution, e.g. the unigram one), a [V] input
+PriorSmoothing = lcg.declare_term(
+    "prior_smoothing",
+    (1 - S.param("eps")) * (S.lse - S.target_logit) + S.param("eps") * S.vsum(S.vector("prior") * (S.lse - S.logit)),
+    defaults={"eps": 0.1})
 # Baichuan 2 (arXiv 2309.10305) max-z loss: 2e-4 * (max_i z_i)^2 per token
 MaxZ = lcg.declare_term("max_z", S.row_max ** 2)
 MaxGap = lcg.declare_term("max_gap", S.row_max - S.target_logit, metric_only=True)
@@ -46,6 +52,7 @@ def _heads():
             "row_reads_segment": lcg.HeadLoss(GSPOToken(), SeqSpread(weight=0.5), lcg.CrossEntropy(weight=0.1)),
             "row_max": lcg.HeadLoss(lcg.CrossEntropy(), MaxZ(weight=2e-4 * 500), metrics=(MaxGap(),)),
             "row_max_softcap": lcg.HeadLoss(MaxZ(), softcap=4.0, logit_scale=0.8),
+            "vector": lcg.HeadLoss(PriorSmoothing(), metrics=(lcg.Entropy(),)),
             "nested_vsum": lcg.HeadLoss(LogitNorm(), metrics=(lcg.Entropy(),)),
             # an inner sum as the row factor of an online outer sum (the mean logit times the sum of z p)
             "nested_row_factor": lcg.HeadLoss(lcg.declare_term(
@@ -94,6 +101,8 @@ def _linear(name):
     if head.terms_reading("segment_ids"):
         inputs = dict(segment_ids=torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 3, 3]), num_segments=4,
                       advantages=torch.randn(R, generator=g))
+    if head.terms_reading("prior"):
+        inputs["prior"] = torch.softmax(torch.randn(V, generator=g), -1)
     if head.terms_reading("old_logprobs"):
         with torch.no_grad():
             lp = torch.log_softmax(hidden @ weight.T, -1).gather(1, labels.clamp_min(0)[:, None])[:, 0]
@@ -101,7 +110,7 @@ def _linear(name):
     return head, hidden, weight, labels, inputs
 
 
-@pytest.mark.parametrize("name", ["segment_sum", "row_reads_segment", "row_max", "nested_vsum"])
+@pytest.mark.parametrize("name", ["segment_sum", "row_reads_segment", "row_max", "nested_vsum", "vector"])
 def test_construct_through_linear_equals_logits(name):
     head, hidden, weight, labels, inputs = _linear(name)
     h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
@@ -118,7 +127,7 @@ def test_construct_through_linear_equals_logits(name):
 def _vp_worker(rank, world, port, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    for name in ("segment_sum", "row_reads_segment", "row_max", "nested_vsum"):
+    for name in ("segment_sum", "row_reads_segment", "row_max", "nested_vsum", "vector"):
         head, hidden, weight, labels, inputs = _linear(name)
         z = (hidden @ weight.T).detach()
         full = z.clone().requires_grad_()
@@ -135,7 +144,7 @@ def _vp_worker(rank, world, port, queue):
 
 
 def test_constructs_vocab_parallel_equal_unsharded():
-    for name, loss, ref, err, scale, values in run_ranks(_vp_worker, 2, 8):
+    for name, loss, ref, err, scale, values in run_ranks(_vp_worker, 2, 10):
         assert abs(loss - ref) <= 1e-5 * max(1.0, abs(ref)), (name, loss, ref)
         assert err <= 1e-5 * scale, (name, err, scale)
         for k, (v, r) in values.items():
@@ -146,6 +155,8 @@ def test_explain_shows_the_segment_count_the_argmax_gradient_and_the_nested_sum(
     text = _heads()["segment_sum"].explain()
     assert "segment term seq_pg" in text and "count" in text
     assert "is_argmax" in _heads()["row_max"].explain()
+    assert "row term of segment statistics (row by row, in the segment kernel) gspo_token" \
+        in _heads()["row_reads_segment"].explain()
     # ||z||^2 in the first read, the softmax of z / (tau*||z||) in the second
     text = _heads()["nested_vsum"].explain()
     assert "sum_i 1 * z**2    [online]" in text and "exact" in text and "2 for the loss" in text
@@ -228,3 +239,58 @@ def test_row_term_of_segment_statistics_refuses_sequence_parallel_and_says_why()
     z, y = torch.randn(4, 10), torch.tensor([1, 2, 3, 4])
     with pytest.raises(ValueError, match="segment_group"):
         head(z, y, segment_ids=torch.tensor([0, 0, 1, 1]), num_segments=2, segment_group=object())
+
+
+@pytest.mark.parametrize("name", ["segment_sum", "row_reads_segment", "row_max", "nested_vsum"])
+def test_no_valid_row_gives_zero_and_a_zero_gradient(name):
+    head, hidden, weight, labels, inputs = _linear(name)
+    x = (hidden @ weight.T).detach().requires_grad_()
+    out = head(x, torch.full_like(labels, -100), **inputs)
+    out.loss.backward()
+    assert out.loss.item() == 0.0 and all(v.item() == 0.0 for v in {**out.terms, **out.metrics}.values())
+    assert torch.equal(x.grad, torch.zeros_like(x))
+
+
+def test_a_batch_statistic_is_a_segment_statistic_of_one_segment():
+    """Each token's cross-entropy weighted by its entropy over the batch's mean entropy (one segment:
+    segment_ids all 0), the gradient through the batch mean included."""
+    H = -S.vsum(S.softmax * S.logsoftmax)
+    head = lcg.HeadLoss(lcg.declare_term("entropy_weighted_ce", (S.lse - S.target_logit) * H / S.segment_mean(H))())
+    lcg.testing.assert_parity(head, rows=16, vocab=40, segment_ids=torch.zeros(16, dtype=torch.long), num_segments=1)
+
+
+def test_class_weight_with_label_smoothing_as_torch_computes_it():
+    """torch's cross_entropy(weight=w, label_smoothing=e), which CrossEntropy refuses: the smoothing
+    sum reads every class's weight (a vector input) and the mean divides by the valid rows' sum of
+    w[y] (a statistic of one segment)."""
+    e, wy = S.param("eps"), S.token("w_y")
+    smoothed = (1 - e) * wy * (S.lse - S.target_logit) + e / S.vocab_size * S.vsum(S.vector("w") * (S.lse - S.logit))
+    head = lcg.HeadLoss(lcg.declare_term("weighted_smoothed_ce", S.segment_sum(smoothed) / S.segment_sum(wy))(eps=0.1))
+    g = torch.Generator().manual_seed(6)
+    R, V = 12, 40
+    z = torch.randn(R, V, generator=g, dtype=torch.float64)
+    y = torch.randint(0, V, (R,), generator=g)
+    y[[3, 7]] = -100
+    w = torch.rand(V, generator=g, dtype=torch.float64) + 0.5
+    x = z.float().requires_grad_()
+    out = head(x, y, w=w.float(), w_y=w[y.clamp_min(0)].float(), segment_ids=torch.zeros(R, dtype=torch.long),
+               num_segments=1)
+    out.loss.backward()
+    ref_x = z.clone().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(ref_x, y, weight=w, label_smoothing=0.1)
+    ref.backward()
+    assert abs(out.loss.item() - ref.item()) <= 1e-5 * abs(ref.item())
+    assert (x.grad.double() - ref_x.grad).abs().max().item() <= 1e-4 * ref_x.grad.abs().max().item()
+
+
+def test_a_vector_input_is_checked_and_stays_inside_vsum():
+    head = _heads()["vector"]
+    z, y = torch.randn(4, 10), torch.tensor([1, 2, 3, 4])
+    with pytest.raises(ValueError, match="prior is required"):
+        head(z, y)
+    with pytest.raises(ValueError, match=r"prior must be a float tensor of shape \(10,\)"):
+        head(z, y, prior=torch.ones(9))
+    with pytest.raises(ValueError, match="may only appear inside"):
+        lcg.declare_term("x", S.vector("prior") * S.lse)
+    with pytest.raises(ValueError, match="clashes"):
+        lcg.declare_term("x", S.vsum(S.vector("labels") * S.logit))

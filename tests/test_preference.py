@@ -55,6 +55,7 @@ class _FusedModel:
         z, y = self.logits[:, :-1], labels[:, 1:]
         p = torch.softmax(z, -1)
         return SimpleNamespace(log_probs=_token_logps(z, y), entropy=-(p * torch.log(p)).sum(-1),
+                               log_sum_sq_probs=torch.log((p ** 2).sum(-1)),
                                mean_logits=z.mean(-1), is_top1=z.argmax(-1) == y.clamp_min(0), aux_loss=None)
 
 
@@ -88,7 +89,8 @@ def _trl_dpo(logits, input_ids, completion_mask, ref_c, ref_r, *, loss_type, bet
         precompute_ref_logps=True, f_divergence_type=options.get("f_divergence_type", "reverse_kl"),
         f_alpha_divergence_coef=options.get("f_alpha_divergence_coef", 1.0), loss_types=[loss_type],
         loss_weights=[1.0], beta=beta, label_smoothing=options.get("label_smoothing", 0.0),
-        args=SimpleNamespace(discopop_tau=options.get("discopop_tau", 0.05)), use_weighting=False,
+        args=SimpleNamespace(discopop_tau=options.get("discopop_tau", 0.05)),
+        use_weighting=options.get("use_weighting", False),
         _metrics=defaultdict(lambda: defaultdict(list)), _total_train_tokens=0, _tp_size=1)
     inputs = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), completion_mask=completion_mask,
                   ref_chosen_logps=ref_c, ref_rejected_logps=ref_r)
@@ -103,6 +105,7 @@ _DPO_CASES = [
     ("apo_down", {}), ("discopop", {}), ("sigmoid_norm", {}), ("sft", {}),
     ("sigmoid", {"f_divergence_type": "forward_kl"}), ("sigmoid", {"f_divergence_type": "js_divergence"}),
     ("hinge", {"f_divergence_type": "alpha_divergence", "f_alpha_divergence_coef": 0.5}),
+    ("sigmoid", {"use_weighting": True}), ("ipo", {"use_weighting": True}),
 ]
 
 
@@ -302,3 +305,13 @@ def test_pair_inputs_checks_its_arguments():
         P.pair_inputs(head, torch.zeros(2, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="chosen and rejected must have the same shape"):
         P.concatenated(torch.zeros(2, 3), torch.zeros(2, 4))
+
+
+def test_no_valid_row_gives_zero_and_a_zero_gradient():
+    logits, input_ids, mask = _batch(seed=10)
+    labels = torch.full_like(_shifted(input_ids, mask), -100)
+    head = lcg.HeadLoss(P.DPO(beta=0.3), P.ORPO(), P.ChosenNLL())
+    x = logits[:, :-1].float().requires_grad_()
+    out = head(x, labels, **P.pair_inputs(head, labels, ref_chosen_logps=torch.zeros(B), ref_rejected_logps=torch.zeros(B)))
+    out.loss.backward()
+    assert out.loss.item() == 0.0 and torch.equal(x.grad, torch.zeros_like(x))

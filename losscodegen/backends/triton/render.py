@@ -307,7 +307,7 @@ def render(plan: Plan, key: str, header: str, codegen: str,
         seg_fns.append(dict(name=seg.name, temps=temps, value=value, slot=lw.outputs.index(seg.name),
                             grads=[(seg_means.index(U.name), g) for U, g in zip(seg.means, grads)],
                             # a row term of segment statistics: its row values, read row by row
-                            rows=[(p.name, row_names.index(r)) for p, r in seg.rows],
+                            rows=[(p.name, row_names.index(p.name)) for p in seg.rows],
                             valid=row_names.index(seg.valid) if seg.valid else None))
     row_segs = [seg.name for seg in lw.segments if seg.rows]
     # the means (and the count) the gradient launch reads per row for their direct path
