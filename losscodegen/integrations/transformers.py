@@ -140,7 +140,8 @@ _IGNORE_INDEX = -100   # ForCausalLMLoss's, and what transformers' collators pad
 class TokenMeans:
     """The head's terms and metrics summed over the forwards since the last ``take()``, and the tokens
     they scored: ``take()`` gives each as a per-token mean over all of them (an accumulated batch, or the
-    evaluation set), not the last micro-batch's. Sums stay on the device until ``take()``."""
+    evaluation set), not the last micro-batch's. Sums stay on the device until ``take()``. (A term with
+    class weights, whose value is a weighted mean, is averaged over its micro-batches by token count.)"""
 
     sums: dict[str, torch.Tensor] = field(default_factory=dict)
     tokens: torch.Tensor | None = None
