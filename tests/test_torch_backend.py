@@ -226,3 +226,15 @@ def test_a_declaration_renaming_an_argument_fails_at_generation(monkeypatch):
     monkeypatch.setattr(emit, "signatures", renamed)
     with pytest.raises(ValueError, match="x_stride"):
         lcg.HeadLoss(lcg.CrossEntropy(), backend="torch").source()
+
+
+def test_its_kernels_trace_whole_under_torch_compile(monkeypatch):
+    """Each function of a torch kernel file is one graph to torch.compile (fullgraph=True: no host
+    read, no data-dependent branch; validate=False, whose check reads the host, is the one break)."""
+    torch_backend = backends.get("torch")
+    kernel = torch_backend.kernel
+    monkeypatch.setattr(torch_backend, "kernel", lambda fn, *args: kernel(
+        torch.compile(fn, fullgraph=True, backend="eager", dynamic=False), *args))
+    head = lcg.HeadLoss(lcg.GSPO(), lcg.JSD(weight=0.3), metrics=(lcg.TokenAccuracy(),), validate=False,
+                        backend="torch")
+    assert_parity(head, rows=10, vocab=150, dtypes=(torch.float32,))
