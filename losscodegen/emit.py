@@ -455,6 +455,78 @@ def signatures(plan: Plan, key: str, reads_scalars: bool, per_sequence: tuple[st
     return out
 
 
+@dataclass(frozen=True)
+class KernelSpec:
+    """What the runtime needs of a head's kernel file, derived from its plan once, here, for every
+    backend: each renderer takes the file's contract from it, and its template writes it as the
+    file's constants (``OUTPUTS``, ``ROW_VALUES``, ``COLUMNS``, ``SCALARS``, ``ARGS``...), which the
+    runtime reads by name. Two backends' files of one head agree on all of it by construction."""
+
+    outputs: tuple[str, ...]          # the terms, then the metrics
+    row_values: tuple[str, ...]       # per-row values: row terms, metrics, segment terms' row quantities
+    columns: tuple[str, ...]          # the first read's packed per-row stats
+    exact: tuple[str, ...]            # the exact read's sums
+    row_loss_terms: tuple[str, ...]   # loss terms reduced over rows (the others are segment terms)
+    segments: tuple[str, ...]         # segment terms
+    segment_means: tuple[str, ...]    # the row values whose per-segment sums they read, in order
+    segment_row_terms: tuple[str, ...]  # the segment terms that are row terms of segment statistics
+    tokens: tuple[str, ...]           # per-row inputs (S.token), each passed as tok_<name>_ptr
+    vectors: tuple[str, ...]          # per-class [V] inputs (S.vector), each passed as vec_<name>_ptr
+    normalize: tuple[tuple[str, str], ...]  # each output's normalisation: tokens, sequence, sum or mean
+    scalars: tuple[str, ...]          # the fp32 runtime scalars: each loss term's weight, then parameters
+    head_scalars: tuple[str, ...]     # those the head's kernel reads
+    segment_scalars: tuple[str, ...]  # those the segment kernel reads
+    signatures: tuple[Signature, ...]  # the head's kernel, then the segment kernel if any
+
+    @property
+    def normalization(self) -> dict[str, str]:
+        return dict(self.normalize)
+
+    @property
+    def sigs(self) -> dict[str, Signature]:
+        """``emit.signatures``' form: by kernel kind (``head_loss``, ``segments``)."""
+        return dict(zip(("head_loss", "segments"), self.signatures))
+
+    @property
+    def slots(self) -> dict[str, int]:
+        """The workspace's fixed slots after each output's value: the loss, the valid-row count, the
+        finished-row count; ``fixed``: where the regions given per call start."""
+        n = len(self.outputs)
+        return dict(loss=n, count=n + 1, done=n + 2, fixed=n + 3)
+
+
+def kernel_spec(plan: Plan, key: str, normalize: dict[str, str] | None = None) -> KernelSpec:
+    """The contract of a plan's kernel file. ``normalize``: each loss term's normalisation ("tokens"
+    where not given; a "sequence" term is a segment term); metrics are means over the valid rows."""
+    lw = plan.lowered
+    segments = tuple(seg.name for seg in lw.segments)
+    loss_terms = [w.name[len("w_"):] for w in lw.weights]
+    row_loss_terms = tuple(n for n in loss_terms if n not in segments)
+    norm = {n: (dict(normalize or {}).get(n, "tokens") if n in loss_terms else "mean") for n in lw.outputs}
+    head_exprs = ([a.body for a in lw.accumulators] + [e for _, e in lw.grad_coefs + lw.row_values]
+                  + [lw.grad_vocab, lw.grad_topk])
+    seg_exprs = [e for seg in lw.segments for e in (seg.formula, *seg.dformula)]
+
+    def names(exprs: list[sp.Expr]) -> set[str]:
+        return {s.name for e in exprs for s in e.free_symbols}
+    scalars = tuple(f"weight_{n}" for n in loss_terms) + tuple(sorted(
+        n for n in names(head_exprs + seg_exprs) if n.startswith(S.RUNTIME_PREFIX)))
+    segment_row_terms = tuple(seg.name for seg in lw.segments if seg.rows)
+    # (a row term of segment statistics has its direct path in the head's gradient, its weight with it)
+    head_scalars = tuple(n for n in scalars if n in names(head_exprs)
+                         | {f"weight_{t}" for t in row_loss_terms + segment_row_terms})
+    sigs = signatures(plan, key, bool(head_scalars), tuple(n for n in segments if norm[n] == "sequence"),
+                      bool(row_loss_terms))
+    return KernelSpec(
+        outputs=tuple(lw.outputs), row_values=tuple(n for n, _ in lw.row_values),
+        columns=tuple(c.name for c in plan.columns), exact=tuple(plan.exact), row_loss_terms=row_loss_terms,
+        segments=segments, segment_means=tuple(U.name for seg in lw.segments for U in seg.means),
+        segment_row_terms=segment_row_terms, tokens=tuple(lw.tokens), vectors=tuple(lw.vectors),
+        normalize=tuple(norm.items()), scalars=scalars, head_scalars=head_scalars,
+        segment_scalars=tuple(n for n in scalars if n in names(seg_exprs) | {f"weight_{t}" for t in segments}),
+        signatures=tuple(sigs.values()))
+
+
 def check_interface(text: str, sigs: dict[str, Signature]) -> None:
     """Refuse a rendered kernel file whose kernels disagree with their declared interface: a kernel
     whose parameters are not the declaration's, or that reads a name it neither takes, assigns, nor

@@ -158,6 +158,7 @@ class HeadLoss(torch.nn.Module):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("backend_name", "auto")    # (a head pickled before the option existed)
         super().__setstate__(state)
         self._kernel, self.layouts, self._scalar_buffers, self._shards = None, {}, {}, {}
         self._attach()

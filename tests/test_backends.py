@@ -13,8 +13,11 @@ from losscodegen.testing import assert_parity
 
 
 @pytest.fixture
-def counting(monkeypatch):
-    """The torch backend, each thing the runtime asks of it counted (and its launches too)."""
+def counting(monkeypatch, tmp_path):
+    """The torch backend, each thing the runtime asks of it counted (and its launches too), with
+    no kernel file of it yet (an empty cache, none loaded in this process)."""
+    monkeypatch.setenv("LOSSCODEGEN_CACHE", str(tmp_path))
+    monkeypatch.setattr(lcg.load, "_modules", {})
     torch_backend = backends.get("torch")
     asked, launched = collections.Counter(), collections.Counter()
 

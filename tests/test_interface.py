@@ -50,7 +50,7 @@ def test_a_declaration_renaming_an_argument_fails_at_generation(monkeypatch):
         sigs["head_loss"] = emit.Signature(s.name, tuple("x_row_stride" if n == "x_stride" else n for n in s.args),
                                            s.fixed, s.constexprs, s.unspecialized)
         return sigs
-    monkeypatch.setattr(render, "signatures", renamed)   # (the renderer's reference to emit.signatures)
+    monkeypatch.setattr(emit, "signatures", renamed)   # (what emit.kernel_spec declares every backend's files with)
     with pytest.raises(ValueError, match="x_stride"):
         _head().source()
 

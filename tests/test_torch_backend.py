@@ -209,3 +209,32 @@ def test_without_triton_every_head_computes_on_the_cpu(tmp_path):
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert f"computed {len(MANIFEST) + 1} heads" in run.stdout
+
+
+def test_a_declaration_renaming_an_argument_fails_at_generation(monkeypatch):
+    """The torch file's functions take emit.signatures' interface (through emit.kernel_spec, as
+    Triton's do): a renamed argument is refused when the file is written."""
+    from losscodegen import emit
+    declared = emit.signatures
+
+    def renamed(*a, **kw):
+        sigs = declared(*a, **kw)
+        s = sigs["head_loss"]
+        sigs["head_loss"] = emit.Signature(s.name, tuple("x_row_stride" if n == "x_stride" else n for n in s.args),
+                                           s.fixed, s.constexprs, s.unspecialized)
+        return sigs
+    monkeypatch.setattr(emit, "signatures", renamed)
+    with pytest.raises(ValueError, match="x_stride"):
+        lcg.HeadLoss(lcg.CrossEntropy(), backend="torch").source()
+
+
+def test_its_kernels_trace_whole_under_torch_compile(monkeypatch):
+    """Each function of a torch kernel file is one graph to torch.compile (fullgraph=True: no host
+    read, no data-dependent branch; validate=False, whose check reads the host, is the one break)."""
+    torch_backend = backends.get("torch")
+    kernel = torch_backend.kernel
+    monkeypatch.setattr(torch_backend, "kernel", lambda fn, *args: kernel(
+        torch.compile(fn, fullgraph=True, backend="eager", dynamic=False), *args))
+    head = lcg.HeadLoss(lcg.GSPO(), lcg.JSD(weight=0.3), metrics=(lcg.TokenAccuracy(),), validate=False,
+                        backend="torch")
+    assert_parity(head, rows=10, vocab=150, dtypes=(torch.float32,))

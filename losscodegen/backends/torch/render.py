@@ -15,8 +15,8 @@ import jinja2
 import sympy as sp
 
 from ... import symbols as S
-from ...emit import (FLAG_SLOTS, M_REF, MT_REF, KernelSource, TorchPrinter, check_interface, neg_inf_handling,
-                     online_exponent, online_groups, printed_bodies, seal, signatures, stats_relative, wrap)
+from ...emit import (FLAG_SLOTS, M_REF, MT_REF, KernelSource, TorchPrinter, check_interface, kernel_spec,
+                     neg_inf_handling, online_exponent, online_groups, printed_bodies, seal, stats_relative, wrap)
 from ...lower import IS_Y, M, MT, TM, ZM, ZYM, base_of, shift
 from ...plan import Plan
 from ...resources import TEMPLATES
@@ -117,30 +117,17 @@ def render(plan: Plan, key: str, header: str, codegen: str,
     coef_temps, coef_exprs = _statements([e for _, e in lw.grad_coefs], "c")
     grad_temps, (grad_expr, topk_grad_expr) = _statements([grad_vocab, grad_topk], "d")
 
-    row_names = [n for n, _ in lw.row_values]
-    seg_names = [seg.name for seg in lw.segments]
-    loss_terms = [w.name[len("w_"):] for w in lw.weights]
-    row_loss_terms = [n for n in loss_terms if n not in seg_names]
-    seg_means = [U.name for seg in lw.segments for U in seg.means]
-    norm = {n: (dict(normalize or {}).get(n, "tokens") if n in loss_terms else "mean") for n in lw.outputs}
+    # the file's contract (emit.kernel_spec): what the runtime reads of it, the same for every backend
+    spec = kernel_spec(plan, key, dict(normalize or {}))
+    row_names, seg_means, norm = list(spec.row_values), list(spec.segment_means), spec.normalization
     segments = []
     for seg in lw.segments:
         temps, (value, *grads) = _statements([seg.formula, *seg.dformula], f"{seg.name}_u")
         segments.append(dict(name=seg.name, temps=temps, value=value, slot=lw.outputs.index(seg.name),
                              per_sequence=norm[seg.name] == "sequence",
                              grads=[(seg_means.index(U.name), g) for U, g in zip(seg.means, grads)]))
-
-    # the runtime scalars: each loss term's weight, then the runtime parameters (as Triton's file
-    # orders them: the head writes the buffer from SCALARS)
     head_exprs = ([a.body for a in lw.accumulators] + [e for _, e in lw.grad_coefs + lw.row_values]
                   + [lw.grad_vocab, lw.grad_topk])
-    seg_exprs = [e for seg in lw.segments for e in (seg.formula, *seg.dformula)]
-    scalars = [f"weight_{n}" for n in loss_terms] + sorted(
-        {s.name for e in head_exprs + seg_exprs for s in e.free_symbols if s.name.startswith(S.RUNTIME_PREFIX)})
-    head_scalars = [n for n in scalars if n in {f"weight_{w}" for w in row_loss_terms}
-                    | {s.name for e in head_exprs for s in e.free_symbols}]
-    sigs = signatures(plan, key, bool(head_scalars),
-                      tuple(seg["name"] for seg in segments if seg["per_sequence"]), bool(row_loss_terms))
 
     neg_inf = dict(stats=neg_inf_handling([body[a.name] for a in lw.accumulators
                                            if a.online and a.domain == "vocab"], _VOCAB),
@@ -148,9 +135,8 @@ def render(plan: Plan, key: str, header: str, codegen: str,
                    grad=neg_inf_handling([grad_vocab], _VOCAB),
                    topk=neg_inf_handling([sp.exp(a.alpha * S.topk_logit) * body[a.name] for a in lw.accumulators
                                           if a.domain == "topk"] + [grad_topk], S.TOPK_SYMBOLS))
-    n_out = len(lw.outputs)
     ctx = dict(
-        header=header, key=key, codegen=codegen, plan=plan, lw=lw, sigs=sigs,
+        header=header, key=key, codegen=codegen, plan=plan, lw=lw, spec=spec, sigs=spec.sigs,
         transform=_PRINT.doprint(transform), dtransform=_PRINT.doprint(transform.diff(X)),
         online=online, topk_online=topk_online,
         stats_relative=[(e.name, _PRINT.doprint(value)) for e, value in stats_relative(stats_exprs)],
@@ -163,22 +149,17 @@ def render(plan: Plan, key: str, header: str, codegen: str,
         coef_temps=coef_temps, coefs=list(zip([s.name for s, _ in lw.grad_coefs], coef_exprs)),
         grad_temps=grad_temps, grad_expr=_per_element(grad_vocab, grad_expr), topk_grad=None if lw.grad_topk == 0 else topk_grad_expr,
         neg_inf=neg_inf, uses_is_y=lw.grad_vocab.has(IS_Y), grad_teacher=lw.grad_uses_teacher,
-        columns=[c.name for c in plan.columns], exact_columns=list(plan.exact), merge=_merge(plan),
-        row_loss_terms=row_loss_terms, scalars=scalars, head_scalars=head_scalars,
-        seg_scalars=[n for n in scalars if n in {f"weight_{s}" for s in seg_names}
-                     | {s.name for e in seg_exprs for s in e.free_symbols}],
-        normalize=norm,
+        merge=_merge(plan),
         grad_weights=[(n, f"weight_{n} * grad_scale" if norm[n] == "tokens" else f"weight_{n}")
-                      for n in row_loss_terms],
-        per_row_loss=" + ".join(f"weight_{n} * v[{row_names.index(n)}]" for n in row_loss_terms) or "0.0",
+                      for n in spec.row_loss_terms],
+        per_row_loss=" + ".join(f"weight_{n} * v[{row_names.index(n)}]" for n in spec.row_loss_terms) or "0.0",
         finish=[(n, row_names.index(n), lw.outputs.index(n),
                  {"tokens": " * value_scale", "mean": " * count_scale", "sum": ""}[norm[n]])
-                for n in lw.outputs if n not in seg_names],
-        finish_loss=" + ".join(f"weight_{n} * value_{n}" for n in row_loss_terms),
-        slots=dict(loss=n_out, count=n_out + 1, done=n_out + 2, fixed=n_out + 3),
+                for n in lw.outputs if n not in spec.segments],
+        finish_loss=" + ".join(f"weight_{n} * value_{n}" for n in spec.row_loss_terms),
         flag_slots={name: i for i, name in enumerate(FLAG_SLOTS)},
         seg_coefs=[c.name for s in lw.segments for c in s.coefs],
-        segments=segments, seg_means=seg_means, seg_mean_rows=[row_names.index(u) for u in seg_means],
+        segments=segments, seg_mean_rows=[row_names.index(u) for u in seg_means],
         uses_label=any(e.has(S.label) for _, e in lw.row_values),
         uses_zym=any(e.has(ZYM) for _, e in lw.row_values + lw.grad_coefs),
         uses_vocab_size=any(e.has(S.vocab_size) for e in head_exprs),
@@ -188,5 +169,5 @@ def render(plan: Plan, key: str, header: str, codegen: str,
     env.filters["tuple_lines"] = lambda names: wrap([f"{n!r}, " for n in names], "    ")
     env.filters["parameters"] = lambda sig: wrap([f"{a}, " for a in sig.names], "    ")
     text = env.get_template(TEMPLATE).render(**ctx)
-    check_interface(text, sigs)
+    check_interface(text, spec.sigs)
     return KernelSource(f"head_loss_{key}", key, seal(text))

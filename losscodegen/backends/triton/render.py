@@ -15,8 +15,8 @@ import jinja2
 import sympy as sp
 
 from ... import symbols as S
-from ...emit import (FLAG_SLOTS, TINY, ArrayPrinter, KernelSource, Signature, check_interface,
-                     neg_inf_handling, seal, signatures, vanishes_at_neg_inf, wrap)
+from ...emit import (FLAG_SLOTS, TINY, ArrayPrinter, KernelSource, Signature, check_interface, kernel_spec,
+                     neg_inf_handling, seal, vanishes_at_neg_inf, wrap)
 from ...emit import M_REF as _M_REF, MT_REF as _MT_REF, online_exponent as _online_exponent, \
     online_groups as _group_online, printed_bodies as _printed, stats_relative as _stats_relative
 from ...lower import IS_ARGMAX, IS_Y, M, MT, TM, ZM, ZYM, base_of, shift
@@ -296,33 +296,29 @@ def render(plan: Plan, key: str, header: str, codegen: str,
     grad_temps, (grad_expr,) = _statements([grad_vocab], "d")
     topk_grad_temps, (topk_grad_expr,) = _statements([grad_topk], "dk")
 
-    row_names = [n for n, _ in lw.row_values]
-    seg_names = [seg.name for seg in lw.segments]
-    loss_terms = [w.name[len("w_"):] for w in lw.weights]
-    row_loss_terms = [n for n in loss_terms if n not in seg_names]
-    seg_means = [U.name for seg in lw.segments for U in seg.means]
+    # the file's contract (emit.kernel_spec): what the runtime reads of it, the same for every backend
+    spec = kernel_spec(plan, key, dict(normalize or {}))
+    row_names, seg_names, seg_means = list(spec.row_values), list(spec.segments), list(spec.segment_means)
+    row_loss_terms, scalars, norm, sigs = list(spec.row_loss_terms), list(spec.scalars), spec.normalization, spec.sigs
     seg_fns = []
     for seg in lw.segments:
         temps, (value, *grads) = _statements([seg.formula, *seg.dformula], f"{seg.name}_u")
         seg_fns.append(dict(name=seg.name, temps=temps, value=value, slot=lw.outputs.index(seg.name),
+                            per_sequence=norm[seg.name] == "sequence",
+                            div="div_rows" if seg.rows else "div_seq" if norm[seg.name] == "sequence" else "div",
                             grads=[(seg_means.index(U.name), g) for U, g in zip(seg.means, grads)],
                             # a row term of segment statistics: its row values, read row by row
                             rows=[(p.name, row_names.index(p.name)) for p in seg.rows],
                             valid=row_names.index(seg.valid) if seg.valid else None))
-    row_segs = [seg.name for seg in lw.segments if seg.rows]
+    row_segs = list(spec.segment_row_terms)
     # the means (and the count) the gradient launch reads per row for their direct path
     grad_means = [(U.name, seg_means.index(U.name)) for seg in lw.segments if seg.rows for U in seg.means]
-    n_out = len(lw.outputs)
 
     # Runtime scalars (each loss term's weight, then the runtime parameters) come from one fp32
     # buffer, each loaded where a block first needs it.
-    norm = {n: (dict(normalize or {}).get(n, "tokens") if n in loss_terms else "mean") for n in lw.outputs}
     reads_exprs = [a.body for a in lw.accumulators]
     grad_exprs = [e for _, e in lw.grad_coefs] + [lw.grad_vocab, lw.grad_topk]
     seg_exprs = [e for seg in lw.segments for e in (seg.formula, *seg.dformula)]
-    scalars = [f"weight_{n}" for n in loss_terms] + sorted(
-        {s.name for e in reads_exprs + grad_exprs + seg_exprs + [e for _, e in lw.row_values]
-         for s in e.free_symbols if s.name.startswith(S.RUNTIME_PREFIX)})
 
     def loads(exprs: list[sp.Expr], weights: list[str] = ()) -> list[str]:
         used = {s.name for e in exprs for s in e.free_symbols} | {f"weight_{w}" for w in weights}
@@ -330,11 +326,6 @@ def render(plan: Plan, key: str, header: str, codegen: str,
     scalar_loads = dict(reads=loads(reads_exprs), rows=loads([e for _, e in lw.row_values], row_loss_terms),
                         grad=loads(grad_exprs, row_loss_terms + row_segs), finish=loads([], row_loss_terms),
                         segments=loads(seg_exprs, seg_names))
-    for seg in seg_fns:
-        seg["per_sequence"] = norm[seg["name"]] == "sequence"
-        seg["div"] = "div_rows" if seg["rows"] else "div_seq" if seg["per_sequence"] else "div"
-    sigs = signatures(plan, key, any(scalar_loads[b] for b in ("reads", "rows", "grad", "finish")),
-                      tuple(seg["name"] for seg in seg_fns if seg["per_sequence"]), bool(row_loss_terms))
 
     # what each read does for -inf input elements (see emit.neg_inf_handling), and whether it takes
     # the columns past the row's end as -inf inputs (``pad``: one select an element for the logits,
@@ -356,7 +347,7 @@ def render(plan: Plan, key: str, header: str, codegen: str,
         for read, exprs in (("stats", stats_sums), ("exact", [body[a.name] for a in exact]))}
 
     ctx = dict(
-        header="\n#   ".join([f"{header}\n#\n# cost:", *describe_costs(plan).splitlines()]), sigs=sigs, key=key, codegen=codegen, plan=plan, lw=lw,
+        header="\n#   ".join([f"{header}\n#\n# cost:", *describe_costs(plan).splitlines()]), spec=spec, sigs=sigs, key=key, codegen=codegen, plan=plan, lw=lw,
         sweeps={w.name: w for w in plan.sweeps},
         transform=_TL.doprint(transform), dtransform=_TL.doprint(transform.diff(X)),
         online=online, topk_online=topk_online,
@@ -387,7 +378,7 @@ def render(plan: Plan, key: str, header: str, codegen: str,
                  {"tokens": " * value_scale", "mean": " * count_scale", "sum": ""}[norm[n]])
                 for n in lw.outputs if n not in seg_names],
         finish_loss=" + ".join(f"weight_{n} * value_{n}" for n in row_loss_terms),
-        slots=dict(loss=n_out, count=n_out + 1, done=n_out + 2, fixed=n_out + 3),
+        slots=spec.slots,
         flag_slots={name: i for i, name in enumerate(FLAG_SLOTS)},
         seg_coefs=[c.name for s in lw.segments for c in s.coefs],
         segments=seg_fns, seg_means=seg_means, seg_mean_rows=[row_names.index(u) for u in seg_means],
