@@ -6,10 +6,10 @@ what the DTensor path adds (its layout checks, ``to_local``/``from_local``, the 
 default call (forward + backward) on vocab-sharded logits, ``Shard(-1)`` DTensor against the local
 tensor with ``process_group=``; the same for ``head.linear`` with a ``Shard(0)`` weight; and rows
 sharded (``Shard(0)``: one all-reduce of the valid-row count and one of the packed values, over a
-one-rank group here), against the plain call without a group (the kernel it runs). Each the median of CUDA-event times over ``ITERS`` calls, in 3 rounds that
-alternate between the paths (after one round not kept), at a large shape (GPU time) and a small one
-(where host time shows). GPU_DT_ROWS / GPU_DT_VOCAB / GPU_DT_HIDDEN set the large shape (default
-8192 x 128256, hidden 4096)."""
+one-rank group here), against the plain call without a group (the kernel it runs). Each the
+median of CUDA-event times over ``ITERS`` calls, in 3 rounds that alternate between the paths
+(after one round not kept), at a large shape (GPU time) and a small one (where host time shows).
+GPU_DT_ROWS / GPU_DT_VOCAB / GPU_DT_HIDDEN set the large shape (default 8192 x 128256, hidden 4096)."""
 import datetime
 import os
 
@@ -72,7 +72,8 @@ def paths(R, V, H):
         "logits, process_group=": step(head, lambda: x.clone().requires_grad_(), y, process_group=group),
         "logits, DTensor Shard(-1)": step(head, lambda: distribute_tensor(x, mesh, [Shard(1)]).requires_grad_(), y),
         "logits, plain (no group)": step(head, lambda: x.clone().requires_grad_(), y),
-        "logits, DTensor Shard(0) (rows)": step(head, lambda: distribute_tensor(x, mesh, [Shard(0)]).requires_grad_(), y),
+        "logits, DTensor Shard(0) (rows)": step(head, lambda: distribute_tensor(x, mesh, [Shard(0)]).requires_grad_(),
+                                                y),
         "linear, process_group=": linear_step(head, hidden.clone().requires_grad_(), weight.clone().requires_grad_(),
                                               y, process_group=group),
         "linear, DTensor weight Shard(0)": linear_step(

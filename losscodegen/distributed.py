@@ -23,12 +23,12 @@ from typing import Any, Callable
 import torch
 
 from . import collectives
+from .inputs import _POLICY_TOKENS
 from .terms import kernel_normalize
 
-# the per-row keyword inputs (shaped like the labels) and those shaped [..., K]; the teacher's logits
-# are shaped like the logits
-_ROW_INPUTS = ("loss_mask", "segment_ids")
-_TOPK_INPUTS = ("teacher_topk_ids", "teacher_topk_logprobs")
+# the keyword inputs laid out as the rows: shaped like the labels, or [..., K] (the teacher's top-k);
+# besides these, the head's own per-row tokens (the teacher's logits are laid out as the logits)
+_ROW_INPUTS = ("loss_mask", "segment_ids", "teacher_topk_ids", "teacher_topk_logprobs", *_POLICY_TOKENS)
 
 
 def is_dtensor(t: Any) -> bool:
@@ -130,14 +130,14 @@ def _normal(placements: tuple, ndim: int) -> tuple:
 
 def _valid_rows(head, labels: torch.Tensor | None, mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     """This rank's number of valid rows (fp32, [1]): the default divisor's count."""
-    if labels is not None and isinstance(labels, torch.Tensor):
+    if labels is not None:
         valid = labels != head.ignore_index
         if mask is not None:
             valid = valid & mask.bool()
     elif mask is not None:
         valid = mask.bool()
     else:
-        return torch.full((1,), float(like.numel() // max(like.shape[-1], 1)), device=like.device)
+        return torch.full((1,), float(like.numel() // like.shape[-1]), device=like.device)
     return valid.sum(dtype=torch.float32).reshape(1)
 
 
@@ -181,17 +181,14 @@ def _refuse_groups(inputs: dict[str, Any]) -> None:
                              "tensors to choose them yourself)")
 
 
-def _local_inputs(head, layout: _Layout, rows_global: tuple[int, ...], rows_local: tuple[int, ...],
-                  labels: Any, inputs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+def _local_inputs(head, layout: _Layout, rows_local: tuple[int, ...], labels: Any,
+                  inputs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """Every input but the logits (and ``teacher_logits``) made local, and the groups the local call
     takes from the mesh."""
     k = head.kernel
     labels = _local("labels", labels, layout, layout.placements, rows_local)
     local = dict(inputs)
-    for name in (*_ROW_INPUTS, *k.TOKENS, "advantages", "old_logprobs", "ref_logprobs"):
-        if local.get(name) is not None:
-            local[name] = _local(name, local[name], layout, layout.placements, rows_local)
-    for name in _TOPK_INPUTS:
+    for name in (*_ROW_INPUTS, *k.TOKENS):
         if local.get(name) is not None:
             local[name] = _local(name, local[name], layout, layout.placements, rows_local)
     if is_dtensor(local.get("divisor")):
@@ -283,7 +280,7 @@ def forward(head, logits: Any, labels: Any, inputs: dict[str, Any]):
         _check_vocab(layout, logits.shape[-1], "logits")
     x = logits.to_local()
     rows_local = tuple(x.shape[:-1])
-    labels, local = _local_inputs(head, layout, tuple(logits.shape[:-1]), rows_local, labels, inputs)
+    labels, local = _local_inputs(head, layout, rows_local, labels, inputs)
     if local.get("teacher_logits") is not None:
         local["teacher_logits"] = _local("teacher_logits", local["teacher_logits"], layout,
                                          layout.logits_placements, tuple(x.shape))
@@ -373,7 +370,7 @@ def linear(head, hidden, weight, labels, bias, teacher_hidden, teacher_weight, t
     tw, tb = local_weight("teacher_weight", teacher_weight), local_weight("teacher_bias", teacher_bias)
     th = _local("teacher_hidden", teacher_hidden, layout, layout.placements, rows_local) \
         if teacher_hidden is not None else None
-    labels, local = _local_inputs(head, layout, rows_global, rows_local, labels, inputs)
+    labels, local = _local_inputs(head, layout, rows_local, labels, inputs)
     _rows_divisor(head, layout, labels, local, h)
     out = head.linear(h, w, labels, bias=b, teacher_hidden=th, teacher_weight=tw, teacher_bias=tb,
                       chunk_rows=chunk_rows, **local)

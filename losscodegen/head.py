@@ -213,7 +213,7 @@ class HeadLoss(torch.nn.Module):
                teacher_weight: torch.Tensor | None = None, teacher_bias: torch.Tensor | None = None,
                chunk_rows: int | None = None, **inputs: Any) -> HeadOutput:
         """The head on ``hidden @ weight.T + bias`` without ever holding those logits whole."""
-        if distributed.is_dtensor(weight) or distributed.is_dtensor(hidden) or distributed.is_dtensor(teacher_weight):
+        if any(distributed.is_dtensor(t) for t in (hidden, weight, teacher_weight)):
             return distributed.linear(self, hidden, weight, labels, bias, teacher_hidden, teacher_weight,
                                       teacher_bias, chunk_rows, inputs)
         from . import linear

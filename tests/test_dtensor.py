@@ -62,7 +62,7 @@ def _err(got, want):
         got = got.full_tensor()
     got, want = got.detach().double(), want.detach().double()
     assert got.shape == want.shape, (got.shape, want.shape)
-    return float((got - want).abs().max()) if got.numel() else 0.0, max(1.0, float(want.abs().max()) if want.numel() else 1.0)
+    return float((got - want).abs().max()), max(1.0, float(want.abs().max()))
 
 
 def _check(case, head, logits, y, x, kw, call):
@@ -127,9 +127,15 @@ def _cases_1d(rank, world):
     rows.append(("loss_parallel/loss", *_err(out.loss, loss.full_tensor())))
     rows.append(("loss_parallel/grad", *_err(ours.grad, theirs.grad.full_tensor())))
 
-    # Partial: the same error on every rank
+    # refused alike on every rank: a Partial placement; with rows sharded and no divisor=, a segment
+    # mean beside a token mean, and class weights
     with pytest.raises(ValueError, match="Partial"):
         ce(DTensor.from_local(x, mesh, [Partial()]), y)
+    x, y, kw = _inputs({"policy", "segments"}, (7,), V, seed=8)
+    with pytest.raises(ValueError, match="divisor="):
+        lcg.HeadLoss(lcg.GSPO(), lcg.CrossEntropy())(dt(x, [Shard(0)]), y, **kw)
+    with pytest.raises(ValueError, match="class_weight|class-weighted"):
+        lcg.HeadLoss(lcg.CrossEntropy(class_weight=torch.rand(V) + 0.5))(dt(x, [Shard(0)]), y)
     rows += _linear_tp(mesh, rank, world)
     return rows
 
@@ -201,8 +207,6 @@ def _cases_2d(rank, world):
     rows = []
     V = 16
     for name, (head, needs) in _heads().items():
-        if name == "gspo":
-            continue
         x, y, kw = _inputs(needs, (5, 3), V, seed=9)
         skw = dict(kw)
         if "teacher_logits" in kw:

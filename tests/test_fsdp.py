@@ -58,7 +58,8 @@ def _linear_cases(rank, world):
             grads_h.append(hd.grad)
             if r == rank:
                 rows += [(f"linear/{reduction}/loss", *_err(out.loss, loss))]
-                rows += [(f"linear/{reduction}/{n}", *_err(v, values[n])) for n, v in {**out.terms, **out.metrics}.items()]
+                rows += [(f"linear/{reduction}/{n}", *_err(v, values[n]))
+                         for n, v in {**out.terms, **out.metrics}.items()]
         rows += [(f"linear/{reduction}/grad_hidden", *_err(h.grad, grads_h[rank])),
                  (f"linear/{reduction}/grad_weight", *_err(_full(lm_head.weight.grad), Wd.grad / world)),
                  (f"linear/{reduction}/grad_bias", *_err(_full(lm_head.bias.grad), bd.grad / world))]
