@@ -93,3 +93,12 @@ def test_a_bf16_gradient_at_the_topk_ids_is_rounded_once(term):
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         rounding = 2 * rounding
     assert ((got_k - want_k).abs() <= rounding * 1.001).all(), ((got_k - want_k).abs() / rounding).max()
+
+
+def test_parity_of_a_formula_whose_token_simplifies_away():
+    """Min(1 + a**2, vsum(softmax)) is 1: the kernel reads no token a (the head accepts none), and
+    the float64 reference, which evaluates the formula as written, still gets values for it."""
+    Flat = lcg.declare_term("flat", S.Min(1 + S.token("a") ** 2, S.vsum(S.softmax)) * S.lse)
+    head = lcg.HeadLoss(lcg.CrossEntropy(), metrics=(Flat(),))
+    assert "a" not in head.kernel.TOKENS
+    check(head, Plan(), rows=4, vocab=40, seed=0)
