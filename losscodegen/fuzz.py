@@ -433,7 +433,7 @@ def _screen(head, logits, labels, kw, up, want, dtype) -> None:
     def jiggle(t):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             return t
-        return t.double() * (1 + 4 * 2.0**-24 * torch.randn(t.shape, generator=g, dtype=torch.float64))
+        return t.detach().double().cpu() * (1 + 4 * 2.0**-24 * torch.randn(t.shape, generator=g, dtype=torch.float64))
     kw2 = {k: (jiggle(v) if k in ("teacher_logits",) or k in head.kernel.TOKENS else v) for k, v in kw.items()}
     other = _reference(head, jiggle(logits), labels, kw2, up)
     rtol, atol, gtol = TOLERANCES[dtype]
@@ -552,21 +552,21 @@ def _check_linear(head, plan: Plan, logits, labels, kw, up, device, seed) -> Non
     the gradients of hidden and weight from its dL/dlogits."""
     g = torch.Generator().manual_seed(seed + 2)
     R, V, H = logits.shape[0], logits.shape[1], 8
-    hidden = torch.randn(R, H, generator=g, dtype=torch.float64).to(device)
-    weight = (torch.randn(V, H, generator=g, dtype=torch.float64) * 0.7).to(device)
+    hidden = torch.randn(R, H, generator=g, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=g, dtype=torch.float64) * 0.7
     lin_kw = dict(kw)
     if "teacher_logits" in kw:
-        th = torch.randn(R, H, generator=g, dtype=torch.float64).to(device)
-        tw = (torch.randn(V, H, generator=g, dtype=torch.float64) * 0.7).to(device)
+        th = torch.randn(R, H, generator=g, dtype=torch.float64)
+        tw = torch.randn(V, H, generator=g, dtype=torch.float64) * 0.7
         kw = {**kw, "teacher_logits": (th @ tw.T).float()}
         lin_kw.pop("teacher_logits")
-        lin_kw.update(teacher_hidden=th.float(), teacher_weight=tw.float())
+        lin_kw.update(teacher_hidden=th.float().to(device), teacher_weight=tw.float().to(device))
     z = (hidden @ weight.T).float()
     want = _reference(head, z, labels, kw, up)
     _screen(head, z, labels, kw, up, want, torch.float32)
     from .backends.triton.tiles import Config
     head.tile_override = Config(*plan.tile) if plan.tile else None
-    h, w = hidden.float().requires_grad_(), weight.float().requires_grad_()
+    h, w = hidden.float().to(device).requires_grad_(), weight.float().to(device).requires_grad_()
     try:
         out = head.linear(h, w, labels, chunk_rows=plan.chunk_rows, **lin_kw)
         _backward(head, plan, h, out.loss, out.rows, up)
@@ -579,7 +579,7 @@ def _check_linear(head, plan: Plan, logits, labels, kw, up, device, seed) -> Non
     if head.loss_terms:
         where = f"({plan.code()})"
         for name, t, ref in (("gradient of hidden", h, G @ weight), ("gradient of weight", w, G.T @ hidden)):
-            grad = t.grad if t.grad is not None else torch.zeros_like(t)
+            grad = (t.grad if t.grad is not None else torch.zeros_like(t)).cpu()
             try:
                 compare("gradient", grad, ref, torch.float32, where=f"{name} {where}")
             except AssertionError as e:
@@ -699,6 +699,8 @@ def _fails(case: Case, device: str, ranks: dict) -> str | None:
         head.kernel
     except (ValueError, TypeError):
         return None
+    except Exception as e:   # the compiler crashed on it
+        return f"{type(e).__name__}: {e}"
     try:
         check(head, case.plan, rows=case.rows, vocab=case.vocab, seed=case.seed, device=device,
               ranks=ranks.get(case.plan.world) if case.plan.kind == "sharded" else None, case=case)
@@ -785,6 +787,13 @@ def regression_test(case: Case, message: str, name: str = "") -> str:
             f"    from losscodegen import symbols as S\n    from losscodegen.fuzz import Plan, check\n{body}\n")
 
 
+def _report(case: Case, message: str, counts: "Counts", device: str, ranks: dict, budget: int, out) -> None:
+    small, found = shrink(case, device=device, ranks=ranks, budget=budget)
+    test = regression_test(small, found if found != "no longer fails" else message)
+    counts.mismatches.append(test)
+    out(f"MISMATCH: {message.splitlines()[0]}\n{test}")
+
+
 # ---- the loop ---------------------------------------------------------------------------------------------
 @dataclass
 class Counts:
@@ -812,6 +821,10 @@ def fuzz(*, seconds: float = 60.0, seed: int = 0, device: str = "cpu", cases: in
 
 def _fuzz(seconds, seed, device, cases, sharded, compile_share, shrink_budget, out) -> Counts:
     nan_workspaces()
+    if device != "cpu" and sharded:
+        # (the ranks are gloo processes on the CPU, each running Triton's interpreter)
+        out("vocab-parallel plans run on the CPU only: left out on this device")
+        sharded = False
     rng = random.Random(seed)
     counts = Counts()
     ranks: dict[int, Ranks] = {}
@@ -826,8 +839,12 @@ def _fuzz(seconds, seed, device, cases, sharded, compile_share, shrink_budget, o
             try:
                 head = build_head(case)
                 head.kernel   # generated now: a refusal at generation counts as one
-            except (ValueError, TypeError) as e:
+            except (ValueError, TypeError):
                 counts.refused += 1
+                continue
+            except Exception as e:   # the compiler crashed on a head it accepted
+                counts.heads += 1
+                _report(case, f"{type(e).__name__}: {e}", counts, device, ranks, shrink_budget, out)
                 continue
             counts.heads += 1
             for plan in plans(rng, case, compile_share=compile_share, sharded=sharded,
@@ -845,12 +862,9 @@ def _fuzz(seconds, seed, device, cases, sharded, compile_share, shrink_budget, o
                 except Exception as e:
                     if plan.kind == "sharded" and isinstance(e, Mismatch) and "a hang" in str(e):
                         ranks.pop(plan.world, None)
-                    if not isinstance(e, Mismatch):
-                        e = Mismatch(f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=-3)}")
-                    small, message = shrink(planned, device=device, ranks=ranks, budget=shrink_budget)
-                    test = regression_test(small, message)
-                    counts.mismatches.append(test)
-                    out(f"MISMATCH: {str(e).splitlines()[0]}\n{test}")
+                    message = str(e) if isinstance(e, Mismatch) else \
+                        f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=-3)}"
+                    _report(planned, message, counts, device, ranks, shrink_budget, out)
                     break
     finally:
         for r in ranks.values():

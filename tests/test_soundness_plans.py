@@ -102,3 +102,9 @@ def test_parity_of_a_formula_whose_token_simplifies_away():
     head = lcg.HeadLoss(lcg.CrossEntropy(), metrics=(Flat(),))
     assert "a" not in head.kernel.TOKENS
     check(head, Plan(), rows=4, vocab=40, seed=0)
+
+
+def test_a_doubly_stopped_gradient_compiles():
+    """stop_gradient(stop_gradient(x)): the value x, no gradient (the inner one reached the printer)."""
+    Stopped = lcg.declare_term("stopped", S.stop_gradient(S.stop_gradient(S.vsum(S.softmax * S.logit))) * S.lse)
+    check(lcg.HeadLoss(Stopped()), Plan(), rows=4, vocab=40, seed=0)
