@@ -581,7 +581,7 @@ def _check_linear(head, plan: Plan, logits, labels, kw, up, device, seed) -> Non
         for name, t, ref in (("gradient of hidden", h, G @ weight), ("gradient of weight", w, G.T @ hidden)):
             grad = (t.grad if t.grad is not None else torch.zeros_like(t)).cpu()
             try:
-                compare("gradient", grad, ref, torch.float32, where=f"{name} {where}")
+                _compare_gradient(grad, ref, want[0], torch.float32, f"{name} {where}")
             except AssertionError as e:
                 raise Mismatch(str(e)) from None
 
