@@ -229,7 +229,8 @@ class TermSpec:
 @dataclass(frozen=True)
 class Plan:
     """How the runtime computes a case. ``kind``: "call" (``head(logits, ...)``), "linear"
-    (``head.linear``, ``chunk_rows``), "sharded" (``world`` gloo ranks holding ``shards`` columns
+    (``head.linear``, ``chunk_rows``; the teacher's hidden and weight too where the head reads a
+    teacher), "sharded" (``world`` gloo ranks holding ``shards`` columns
     each), "compile" (``torch.compile`` of a call). ``tile``: a forced ``(block_v, num_warps, split)``
     (None: the runtime's own choice)."""
 
@@ -241,7 +242,6 @@ class Plan:
     world: int = 1
     shards: tuple[int, ...] = ()
     chunk_rows: int | None = None
-    teacher_linear: bool = False
 
     def code(self) -> str:
         fields_ = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
@@ -357,7 +357,7 @@ def plans(rng: random.Random, case: Case, *, compile_share: float = 0.0, sharded
     out = [Plan(), Plan(reduction="sum", tile=(16, 4, False)), Plan(reduction=none, tile=(16, 4, True)),
            Plan(dtype="bfloat16", tile=(32, 4, True), divisor=5.0),
            Plan(kind="linear", chunk_rows=rng.choice([3, 5]), tile=(16, 4, rng.random() < 0.5),
-                reduction=rng.choice(["mean", none]), teacher_linear=True)]
+                reduction=rng.choice(["mean", none]))]
     if sharded:
         V = case.vocab
         for world in (2, 3):
@@ -748,7 +748,7 @@ def _smaller_cases(case: Case) -> Iterator[Case]:
         yield dataclasses.replace(case, head_options="")
     plan = case.plan
     for simpler in (dict(reduction="mean"), dict(divisor=None), dict(dtype="float32"), dict(tile=None),
-                    dict(chunk_rows=None), dict(teacher_linear=False)):
+                    dict(chunk_rows=None)):
         p = dataclasses.replace(plan, **simpler)
         if p != plan:
             yield dataclasses.replace(case, plan=p)
