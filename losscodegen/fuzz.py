@@ -229,7 +229,8 @@ class TermSpec:
 @dataclass(frozen=True)
 class Plan:
     """How the runtime computes a case. ``kind``: "call" (``head(logits, ...)``), "linear"
-    (``head.linear``, ``chunk_rows``), "sharded" (``world`` gloo ranks holding ``shards`` columns
+    (``head.linear``, ``chunk_rows``; the teacher's hidden and weight too where the head reads a
+    teacher), "sharded" (``world`` gloo ranks holding ``shards`` columns
     each), "compile" (``torch.compile`` of a call). ``tile``: a forced ``(block_v, num_warps, split)``
     (None: the runtime's own choice)."""
 
@@ -241,7 +242,6 @@ class Plan:
     world: int = 1
     shards: tuple[int, ...] = ()
     chunk_rows: int | None = None
-    teacher_linear: bool = False
 
     def code(self) -> str:
         fields_ = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
@@ -319,6 +319,8 @@ def _declared(gen: Generator, i: int, metric: bool) -> TermSpec:
         params.insert(0, f"weight={weight}")
         if r.random() < 0.15:
             params.append("normalize='sum'")
+        elif gen.segments and r.random() < 0.2 and not formula.code().count("segment_mean"):
+            params.append("normalize='sequence'")   # the mean over each segment's rows
     return TermSpec(", ".join(params), name=f"f{i}", formula=formula, metric=metric)
 
 
@@ -345,25 +347,29 @@ def generate_case(rng: random.Random) -> Case:
                 seed=rng.randrange(1000))
 
 
-def plans(rng: random.Random, case: Case, *, compile_share: float = 0.0, sharded: bool = True) -> list[Plan]:
+def plans(rng: random.Random, case: Case, *, compile_share: float = 0.0, sharded: bool = True,
+          segments: bool = False) -> list[Plan]:
     """The plans a case runs under: every reduction, forced tiles (several tiles a row, split
-    launches), bf16, head.linear with chunks (and a teacher), vocab-parallel on 2 and 3 ranks."""
-    out = [Plan(), Plan(reduction="sum", tile=(16, 4, False)), Plan(reduction="none", tile=(16, 4, True)),
+    launches), bf16, head.linear with chunks (and a teacher), vocab-parallel on 2 and 3 ranks.
+    (``segments``: the head has segment terms, which have no per-row values: no reduction="none",
+    refused at the call as the contract says.)"""
+    none = "sum" if segments else "none"
+    out = [Plan(), Plan(reduction="sum", tile=(16, 4, False)), Plan(reduction=none, tile=(16, 4, True)),
            Plan(dtype="bfloat16", tile=(32, 4, True), divisor=5.0),
            Plan(kind="linear", chunk_rows=rng.choice([3, 5]), tile=(16, 4, rng.random() < 0.5),
-                reduction=rng.choice(["mean", "none"]), teacher_linear=True)]
+                reduction=rng.choice(["mean", none]))]
     if sharded:
         V = case.vocab
         for world in (2, 3):
             if V % world == 0:
                 out.append(Plan(kind="sharded", world=world, shards=(V // world,) * world,
-                                reduction=rng.choice(["mean", "sum", "none"])))
+                                reduction=rng.choice(["mean", "sum", none])))
             elif "uneven_shards" not in KNOWN_BUGS:
                 base = V // world
                 out.append(Plan(kind="sharded", world=world,
                                 shards=tuple(base + (r < V - base * world) for r in range(world))))
     if rng.random() < compile_share:
-        out.append(Plan(kind="compile", reduction=rng.choice(["mean", "none"])))
+        out.append(Plan(kind="compile", reduction=rng.choice(["mean", none])))
     return out
 
 
@@ -427,7 +433,7 @@ def _screen(head, logits, labels, kw, up, want, dtype) -> None:
     def jiggle(t):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             return t
-        return t.double() * (1 + 4 * 2.0**-24 * torch.randn(t.shape, generator=g, dtype=torch.float64))
+        return t.detach().double().cpu() * (1 + 4 * 2.0**-24 * torch.randn(t.shape, generator=g, dtype=torch.float64))
     kw2 = {k: (jiggle(v) if k in ("teacher_logits",) or k in head.kernel.TOKENS else v) for k, v in kw.items()}
     other = _reference(head, jiggle(logits), labels, kw2, up)
     rtol, atol, gtol = TOLERANCES[dtype]
@@ -546,21 +552,21 @@ def _check_linear(head, plan: Plan, logits, labels, kw, up, device, seed) -> Non
     the gradients of hidden and weight from its dL/dlogits."""
     g = torch.Generator().manual_seed(seed + 2)
     R, V, H = logits.shape[0], logits.shape[1], 8
-    hidden = torch.randn(R, H, generator=g, dtype=torch.float64).to(device)
-    weight = (torch.randn(V, H, generator=g, dtype=torch.float64) * 0.7).to(device)
+    hidden = torch.randn(R, H, generator=g, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=g, dtype=torch.float64) * 0.7
     lin_kw = dict(kw)
     if "teacher_logits" in kw:
-        th = torch.randn(R, H, generator=g, dtype=torch.float64).to(device)
-        tw = (torch.randn(V, H, generator=g, dtype=torch.float64) * 0.7).to(device)
+        th = torch.randn(R, H, generator=g, dtype=torch.float64)
+        tw = torch.randn(V, H, generator=g, dtype=torch.float64) * 0.7
         kw = {**kw, "teacher_logits": (th @ tw.T).float()}
         lin_kw.pop("teacher_logits")
-        lin_kw.update(teacher_hidden=th.float(), teacher_weight=tw.float())
+        lin_kw.update(teacher_hidden=th.float().to(device), teacher_weight=tw.float().to(device))
     z = (hidden @ weight.T).float()
     want = _reference(head, z, labels, kw, up)
     _screen(head, z, labels, kw, up, want, torch.float32)
     from .backends.triton.tiles import Config
     head.tile_override = Config(*plan.tile) if plan.tile else None
-    h, w = hidden.float().requires_grad_(), weight.float().requires_grad_()
+    h, w = hidden.float().to(device).requires_grad_(), weight.float().to(device).requires_grad_()
     try:
         out = head.linear(h, w, labels, chunk_rows=plan.chunk_rows, **lin_kw)
         _backward(head, plan, h, out.loss, out.rows, up)
@@ -573,9 +579,9 @@ def _check_linear(head, plan: Plan, logits, labels, kw, up, device, seed) -> Non
     if head.loss_terms:
         where = f"({plan.code()})"
         for name, t, ref in (("gradient of hidden", h, G @ weight), ("gradient of weight", w, G.T @ hidden)):
-            grad = t.grad if t.grad is not None else torch.zeros_like(t)
+            grad = (t.grad if t.grad is not None else torch.zeros_like(t)).cpu()
             try:
-                compare("gradient", grad, ref, torch.float32, where=f"{name} {where}")
+                _compare_gradient(grad, ref, want[0], torch.float32, f"{name} {where}")
             except AssertionError as e:
                 raise Mismatch(str(e)) from None
 
@@ -686,20 +692,30 @@ def _rank_main(rank: int, world: int, port: int, jobs, results) -> None:
 
 # ---- shrinking and printing ---------------------------------------------------------------------------
 def _fails(case: Case, device: str, ranks: dict) -> str | None:
-    """The mismatch's message if ``case`` still fails (a mismatch, or an error other than a refusal)."""
+    """The mismatch's message if ``case`` still fails (a mismatch, or an error other than a refusal
+    at declaration or construction: a shrink step that left the language)."""
     try:
         head = build_head(case)
+        head.kernel
+    except (ValueError, TypeError):
+        return None
+    except Exception as e:   # the compiler crashed on it
+        return f"{type(e).__name__}: {e}"
+    try:
         check(head, case.plan, rows=case.rows, vocab=case.vocab, seed=case.seed, device=device,
               ranks=ranks.get(case.plan.world) if case.plan.kind == "sharded" else None, case=case)
     except Mismatch as e:
         return str(e)
     except Skip:
         return None
-    except (ValueError, TypeError):
-        return None   # refused at declaration or construction: a shrink step that left the language
     except Exception as e:
         return f"{type(e).__name__}: {e}"
     return None
+
+
+def _kind(message: str) -> str:
+    """What failed (``gradient``, ``loss``, ``ValueError:``, ...): a shrink step keeps the failure's kind."""
+    return message.split(" ", 1)[0]
 
 
 def _smaller_formulas(node: Node) -> Iterator[Node]:
@@ -732,7 +748,7 @@ def _smaller_cases(case: Case) -> Iterator[Case]:
         yield dataclasses.replace(case, head_options="")
     plan = case.plan
     for simpler in (dict(reduction="mean"), dict(divisor=None), dict(dtype="float32"), dict(tile=None),
-                    dict(chunk_rows=None), dict(teacher_linear=False)):
+                    dict(chunk_rows=None)):
         p = dataclasses.replace(plan, **simpler)
         if p != plan:
             yield dataclasses.replace(case, plan=p)
@@ -754,7 +770,7 @@ def shrink(case: Case, *, device: str = "cpu", ranks: dict | None = None, budget
         for smaller in _smaller_cases(case):
             tries += 1
             found = _fails(smaller, device, ranks)
-            if found is not None:
+            if found is not None and _kind(found) == _kind(message):
                 case, message, improved = smaller, found, True
                 break
             if tries >= budget:
@@ -769,6 +785,13 @@ def regression_test(case: Case, message: str, name: str = "") -> str:
     comment = "\n".join("    # " + line for line in message.splitlines()[:3])
     return (f"def test_{name}():\n{comment}\n    import torch\n    import losscodegen as lcg\n"
             f"    from losscodegen import symbols as S\n    from losscodegen.fuzz import Plan, check\n{body}\n")
+
+
+def _report(case: Case, message: str, counts: "Counts", device: str, ranks: dict, budget: int, out) -> None:
+    small, found = shrink(case, device=device, ranks=ranks, budget=budget)
+    test = regression_test(small, found if found != "no longer fails" else message)
+    counts.mismatches.append(test)
+    out(f"MISMATCH: {message.splitlines()[0]}\n{test}")
 
 
 # ---- the loop ---------------------------------------------------------------------------------------------
@@ -798,6 +821,10 @@ def fuzz(*, seconds: float = 60.0, seed: int = 0, device: str = "cpu", cases: in
 
 def _fuzz(seconds, seed, device, cases, sharded, compile_share, shrink_budget, out) -> Counts:
     nan_workspaces()
+    if device != "cpu" and sharded:
+        # (the ranks are gloo processes on the CPU, each running Triton's interpreter)
+        out("vocab-parallel plans run on the CPU only: left out on this device")
+        sharded = False
     rng = random.Random(seed)
     counts = Counts()
     ranks: dict[int, Ranks] = {}
@@ -812,11 +839,16 @@ def _fuzz(seconds, seed, device, cases, sharded, compile_share, shrink_budget, o
             try:
                 head = build_head(case)
                 head.kernel   # generated now: a refusal at generation counts as one
-            except (ValueError, TypeError) as e:
+            except (ValueError, TypeError):
                 counts.refused += 1
                 continue
+            except Exception as e:   # the compiler crashed on a head it accepted
+                counts.heads += 1
+                _report(case, f"{type(e).__name__}: {e}", counts, device, ranks, shrink_budget, out)
+                continue
             counts.heads += 1
-            for plan in plans(rng, case, compile_share=compile_share, sharded=sharded):
+            for plan in plans(rng, case, compile_share=compile_share, sharded=sharded,
+                              segments=bool(head.kernel.SEGMENTS)):
                 if plan.kind == "sharded" and plan.world not in ranks:
                     ranks[plan.world] = Ranks(plan.world)
                 planned = dataclasses.replace(case, plan=plan)
@@ -830,12 +862,9 @@ def _fuzz(seconds, seed, device, cases, sharded, compile_share, shrink_budget, o
                 except Exception as e:
                     if plan.kind == "sharded" and isinstance(e, Mismatch) and "a hang" in str(e):
                         ranks.pop(plan.world, None)
-                    if not isinstance(e, Mismatch):
-                        e = Mismatch(f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=-3)}")
-                    small, message = shrink(planned, device=device, ranks=ranks, budget=shrink_budget)
-                    test = regression_test(small, message)
-                    counts.mismatches.append(test)
-                    out(f"MISMATCH: {str(e).splitlines()[0]}\n{test}")
+                    message = str(e) if isinstance(e, Mismatch) else \
+                        f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=-3)}"
+                    _report(planned, message, counts, device, ranks, shrink_budget, out)
                     break
     finally:
         for r in ranks.values():

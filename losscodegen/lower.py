@@ -427,8 +427,11 @@ def derive(expr: sp.Expr, x: sp.Symbol) -> sp.Expr:
 
 
 def _value(expr: sp.Expr) -> sp.Expr:
-    """The value of an expression, once its gradient is derived: ``stop_gradient(x)`` is ``x``."""
-    return expr.replace(S.stop_gradient, lambda x: x)
+    """The value of an expression, once its gradient is derived: ``stop_gradient(x)`` is ``x``
+    (at every depth: one ``replace`` leaves the inner of two nested ones)."""
+    while expr.has(S.stop_gradient):
+        expr = expr.replace(S.stop_gradient, lambda x: x)
+    return expr
 
 
 def _combine(accs: list[Accumulator], fixed: set[str], exprs: list[sp.Expr]):

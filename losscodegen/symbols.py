@@ -170,7 +170,7 @@ class stop_gradient(sp.Function):
 
     @classmethod
     def eval(cls, x):
-        if isinstance(x, sp.Number):  # a constant has no gradient to stop
+        if isinstance(x, (sp.Number, stop_gradient)):  # a constant has no gradient to stop, nor one stopped
             return x
 
     def fdiff(self, argindex=1):

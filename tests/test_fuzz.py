@@ -5,7 +5,6 @@ import random
 
 import sympy as sp
 
-import losscodegen as lcg
 from losscodegen import fuzz
 from losscodegen import symbols as S
 

@@ -3,13 +3,16 @@ the runtime may choose (split launches, small tiles, vocab-parallel ranks), and 
 Triton's compiler would refuse is refused when it is generated, not only on a GPU. Each test here
 is a bug the differential fuzzer (losscodegen/fuzz.py) found."""
 import ast
+import os
 
 import pytest
+import torch
 
 import losscodegen as lcg
 from losscodegen import emit
 from losscodegen import symbols as S
 from losscodegen.fuzz import Plan, check
+from losscodegen.testing import random_inputs, reference
 
 # token-level unlikelihood: a top-k sum that needs the final lse, and no exact read of the vocabulary
 Unlikelihood = lcg.declare_term("unlikelihood", -S.topk_sum(S.log(1 - S.exp(S.topk_logit - S.lse))))
@@ -78,10 +81,6 @@ def test_a_bf16_gradient_at_the_topk_ids_is_rounded_once(term):
     bf16 once: within one rounding of the float64 gradient (half an ulp; a whole one in Triton's
     interpreter, whose fp32 -> bf16 conversion truncates). The dense part was rounded to bf16, read
     back, added to and rounded again: 64 half-ulps off where the two parts nearly cancel."""
-    import os
-
-    import torch
-    from losscodegen.testing import random_inputs, reference
     head = lcg.HeadLoss(term(), lcg.CrossEntropy())
     logits, labels, kw = random_inputs(head, rows=16, vocab=64, dtype=torch.bfloat16, seed=4)
     x = logits.clone().requires_grad_()
@@ -93,3 +92,18 @@ def test_a_bf16_gradient_at_the_topk_ids_is_rounded_once(term):
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         rounding = 2 * rounding
     assert ((got_k - want_k).abs() <= rounding * 1.001).all(), ((got_k - want_k).abs() / rounding).max()
+
+
+def test_parity_of_a_formula_whose_token_simplifies_away():
+    """Min(1 + a**2, vsum(softmax)) is 1: the kernel reads no token a (the head accepts none), and
+    the float64 reference, which evaluates the formula as written, still gets values for it."""
+    Flat = lcg.declare_term("flat", S.Min(1 + S.token("a") ** 2, S.vsum(S.softmax)) * S.lse)
+    head = lcg.HeadLoss(lcg.CrossEntropy(), metrics=(Flat(),))
+    assert "a" not in head.kernel.TOKENS
+    check(head, Plan(), rows=4, vocab=40, seed=0)
+
+
+def test_a_doubly_stopped_gradient_compiles():
+    """stop_gradient(stop_gradient(x)): the value x, no gradient (the inner one reached the printer)."""
+    Stopped = lcg.declare_term("stopped", S.stop_gradient(S.stop_gradient(S.vsum(S.softmax * S.logit))) * S.lse)
+    check(lcg.HeadLoss(Stopped()), Plan(), rows=4, vocab=40, seed=0)
