@@ -38,6 +38,13 @@ def _kernel_of(head_id: str) -> ModuleType:
     return _load.load(head.key, lambda: head.source().text, head.backend)
 
 
+@torch.compiler.assume_constant_result
+def _shard_columns_of(head_id: str, group: str, width: int, device: str) -> tuple[int, int]:
+    # torch.compile runs this once while tracing and keeps the result as a constant: the widths'
+    # exchange (a collective that waits for its result) is nothing Dynamo should trace.
+    return autograd.head_of(head_id)._kept_shard_columns(collectives.resolve(group), width, torch.device(device))
+
+
 @dataclass
 class HeadOutput:
     """``loss``: fp32 scalar (per-row with ``reduction="none"``), differentiable. ``terms`` and
@@ -286,6 +293,13 @@ class HeadLoss(torch.nn.Module):
         vocabulary's size), from every rank's shard width (any widths: 61 columns as 31 + 30). The
         widths are exchanged at the head's first call with this width, then kept: every rank of the
         group makes that first call together, as it makes every call of the head."""
+        if group is None:
+            return 0, width
+        if torch.compiler.is_compiling():
+            return _shard_columns_of(self.head_id, collectives.group_name(group), width, str(device))
+        return self._kept_shard_columns(group, width, device)
+
+    def _kept_shard_columns(self, group: Any, width: int, device: torch.device) -> tuple[int, int]:
         key = (group, width, device)
         columns = self._shards.get(key)
         if columns is None:
