@@ -20,8 +20,6 @@ def shard_columns(group: Any, width: int, device: torch.device) -> tuple[int, in
     """(this rank's first vocabulary column, the whole vocabulary's size) from every rank's
     ``width``: shards of any width, in rank order. One all-gather of one int a rank, which waits for
     it: the head calls it once per width (``HeadLoss.shard_columns``), every rank at the same call."""
-    if group is None:
-        return 0, width
     import torch.distributed as dist
     world, rank = group_info(group)
     widths = torch.empty(world, dtype=torch.int64, device=device)

@@ -30,6 +30,15 @@ def _real(name: str, x: Any) -> float:
     return float(x)
 
 
+def _constant_under_compile(fn: Any) -> Any:
+    """``torch.compiler.assume_constant_result(fn)`` without importing Dynamo (2-3 s) with the
+    package: the decorator sets this mark and nothing else (tests/test_imports.py checks that
+    against torch's)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_constant_under_compile
 def _kernel_of(head_id: str) -> ModuleType:
     # torch.compile runs this once while tracing and keeps the module as a constant: finding or
     # generating a kernel (files, sympy) is nothing Dynamo should trace.
@@ -37,9 +46,11 @@ def _kernel_of(head_id: str) -> ModuleType:
     return _load.load(head.key, lambda: head.source().text, head.backend)
 
 
-# torch.compiler.assume_constant_result(_kernel_of) without importing Dynamo (2-3 s) with the package:
-# the decorator sets this mark and nothing else (tests/test_imports.py checks that against torch's).
-_kernel_of._dynamo_marked_constant = True  # type: ignore[attr-defined]
+@_constant_under_compile
+def _shard_columns_of(head_id: str, group: str, width: int, device: str) -> tuple[int, int]:
+    # torch.compile runs this once while tracing and keeps the result as a constant: the widths'
+    # exchange (a collective that waits for its result) is nothing Dynamo should trace.
+    return autograd.head_of(head_id)._kept_shard_columns(collectives.resolve(group), width, torch.device(device))
 
 
 @dataclass
@@ -306,6 +317,13 @@ class HeadLoss(torch.nn.Module):
         vocabulary's size), from every rank's shard width (any widths: 61 columns as 31 + 30). The
         widths are exchanged at the head's first call with this width, then kept: every rank of the
         group makes that first call together, as it makes every call of the head."""
+        if group is None:
+            return 0, width
+        if torch.compiler.is_compiling():
+            return _shard_columns_of(self.head_id, collectives.group_name(group), width, str(device))
+        return self._kept_shard_columns(group, width, device)
+
+    def _kept_shard_columns(self, group: Any, width: int, device: torch.device) -> tuple[int, int]:
         key = (group, width, device)
         columns = self._shards.get(key)
         if columns is None:

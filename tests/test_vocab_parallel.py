@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import losscodegen as lcg
 from helpers import run_ranks, topk_inputs
@@ -199,10 +200,24 @@ def _uneven_worker(rank, world, port, queue):
     out.loss.backward()
     h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
     loss, _, _ = head_reference([spec(t, head) for t in head.loss_terms], [], h64 @ w64.T, y)  # (and backward)
-    queue.put(("linear", rank, {"loss": abs(float(out.loss) - float(loss)) / max(1.0, abs(float(loss))),
-                                "hidden": float((h.grad.double() - h64.grad).abs().max() / h64.grad.abs().max()),
-                                "weight": float((w.grad.double() - w64.grad[cols]).abs().max()
-                                                / w64.grad.abs().max())}))
+    errors = {"loss": abs(float(out.loss) - float(loss)) / max(1.0, abs(float(loss))),
+              "hidden": float((h.grad.double() - h64.grad).abs().max() / h64.grad.abs().max()),
+              "weight": float((w.grad.double() - w64.grad[cols]).abs().max() / w64.grad.abs().max())}
+    # torch.compile, class weights (one per class of the whole vocabulary): the widths' exchange
+    # runs once while tracing
+    x = torch.randn(R, V, generator=g)
+    class_weight = torch.rand(V, generator=g) + 0.5
+    head = lcg.HeadLoss(lcg.CrossEntropy(class_weight=class_weight))
+    step = torch.compile(lambda s: head(s, y, process_group=dist.group.WORLD).loss, fullgraph=True,
+                         backend="aot_eager")
+    shard = x[:, cols].clone().requires_grad_()
+    step(shard).backward()
+    x64 = x.double().requires_grad_()
+    ref = F.cross_entropy(x64, y, weight=class_weight.double())
+    ref.backward()
+    errors["compiled"] = abs(float(step(x[:, cols])) - float(ref)) / max(1.0, abs(float(ref)))
+    errors["compiled grad"] = float((shard.grad.double() - x64.grad[:, cols]).abs().max() / x64.grad.abs().max())
+    queue.put(("linear, compiled", rank, errors))
     dist.destroy_process_group()
 
 
