@@ -16,6 +16,7 @@ Nothing here is imported by ``import losscodegen``: ``is_dtensor`` looks for DTe
 ``torch.distributed.tensor`` is loaded already (no DTensor can exist otherwise)."""
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -57,6 +58,8 @@ class _Layout:
         return [self.mesh.get_group(d) for d in self.rows]
 
 
+# (both kept per mesh and layout: a training run brings the same few at every step)
+@functools.lru_cache(maxsize=64)
 def _layout(mesh: Any, placements: tuple, ndim: int, what: str, *, vocab_dim: int) -> _Layout:
     """The layout of a tensor whose dim ``vocab_dim`` (of ``ndim``) is the vocabulary: every mesh
     dimension must be Replicate or a plain Shard; at most one shards the vocabulary."""
@@ -85,6 +88,7 @@ def _mesh_name(mesh: Any, i: int) -> str:
     return f" ({names[i]!r})" if names else ""
 
 
+@functools.lru_cache(maxsize=64)
 def _check_vocab(layout: _Layout, V: int, what: str) -> None:
     """The vocab-parallel path's shards are equal and in rank order: rank r of the mesh dimension's
     group holds columns [r*V/n, (r+1)*V/n). Decided from the global shape and the whole mesh, which
@@ -206,14 +210,15 @@ def _rows_divisor(head, layout: _Layout, labels: Any, local: dict[str, Any], lik
     """Rows sharded, a mean without ``divisor=``: the global number of valid rows, as the divisor of
     the local call (one all-reduce of one number per row dimension)."""
     reduction = local.get("reduction", "mean")
-    if not layout.rows or reduction != "mean" or local.get("divisor") is not None:
+    if not layout.rows or reduction == "sum" or local.get("divisor") is not None:
         return
-    weighted = [t.name for t in head.loss_terms if t.class_weight is not None and kernel_normalize(t) == "sum"
-                and t.normalize == "tokens"]
-    if weighted:
+    weighted = [t.name for t in head.loss_terms if t.class_weight is not None and t.normalize == "tokens"]
+    if weighted:    # (reduction="none" too: their out.terms value is that mean)
         raise ValueError(f"losscodegen: class-weighted terms {weighted} with rows sharded over the mesh: their "
                          "mean divides by the global sum of class weights, which the head does not gather; pass "
                          "divisor= (that sum) or reduction='sum'")
+    if reduction == "none":
+        return      # (no divisor in the rows; token terms' values are combined as means)
     tokens = [t.name for t in head.loss_terms if kernel_normalize(t) == "tokens"]
     segments = [n for n in tokens if n in head.kernel.SEGMENTS]
     if len(segments) == len(tokens):

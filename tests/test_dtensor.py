@@ -188,6 +188,15 @@ def _linear_tp(mesh, rank, world):
     rows += [("linear_tp/grad_hidden", *_err(h.grad, ref[0])), ("linear_tp/grad_weight", *_err(w.grad, ref[1]))]
     assert w.grad.placements == w.placements
     rows += [(f"linear_tp/{n}", *_err(v, ref_values[n])) for n, v in {**out.terms, **out.metrics}.items()]
+    # sequence parallel: hidden states sharded by rows over the vocabulary's own group are gathered
+    # (as ColwiseParallel gathers its input) and their gradient comes back with their placement
+    hs = distribute_tensor(hidden.clone(), mesh, [Shard(0)]).requires_grad_()
+    w = distribute_tensor(W.clone(), mesh, [Shard(0)]).requires_grad_()
+    out = head.linear(hs, w, y)
+    out.loss.backward()
+    assert hs.grad.placements == hs.placements
+    rows += [("linear_sp/loss", *_err(out.loss, ref_loss)), ("linear_sp/grad_hidden", *_err(hs.grad, ref[0])),
+             ("linear_sp/grad_weight", *_err(w.grad, ref[1]))]
     return rows
 
 
