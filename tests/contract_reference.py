@@ -14,7 +14,8 @@ def rows_in(R=16, V=64, *, seed=0, scale=2.0, ignored=(1, 6), dtype=torch.float3
     x = (torch.randn(R, V, generator=g) * scale).to(dtype)
     y = torch.randint(0, V, (R,), generator=g)
     for i in ignored:
-        y[i] = IGNORE
+        if i < R:
+            y[i] = IGNORE
     t = (torch.randn(R, V, generator=g) * scale).to(dtype)
     return x, y, t
 
