@@ -1,0 +1,252 @@
+"""CONTRACT.md "Distributed engines" and "Vocab-parallel", checked as a user would on gloo CPU ranks
+(one spawn per world size, every case inside it): DTensor logits Shard(-1) / Shard(0) / Replicate,
+a 2-D mesh, Partial refused naming it, head.linear with a Shard(0) DTensor weight, and process_group
+vocab shards of unequal widths. Values against float64 torch formulas written from the contract
+(tests/contract_reference.py), gradients by torch.autograd."""
+import os
+import socket
+import tempfile
+import traceback
+
+import pytest
+import torch
+
+import contract_reference as R
+
+FP32 = 5e-5
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(worker, world):
+    """Run ``worker(rank, world)`` on ``world`` gloo ranks; returns each rank's list of
+    (case, error message or None)."""
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_main, args=(worker, r, world, port, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = {}
+    for _ in range(world):
+        rank, res = q.get(timeout=600)
+        results[rank] = res
+    for p in procs:
+        p.join(60)
+    return [results[r] for r in range(world)]
+
+
+def _main(worker, rank, world, port, q):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("LOSSCODEGEN_CACHE", tempfile.mkdtemp(prefix="lcg-contract-"))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch.distributed as dist
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        q.put((rank, worker(rank, world)))
+    except BaseException:
+        q.put((rank, [("worker", traceback.format_exc())]))
+    finally:
+        dist.destroy_process_group()
+
+
+def _case(results, name, fn):
+    try:
+        fn()
+        results.append((name, None))
+    except BaseException as e:   # noqa: BLE001 (every case reported, none stops the others)
+        results.append((name, f"{type(e).__name__}: {e}"[:600]))
+
+
+def _global(R_=13, V=42, seed=0):
+    x, y, t = R.rows_in(R_, V, seed=seed, ignored=(1, 6, 12))
+    return x, y, t
+
+
+def _ce_kl_head():
+    import losscodegen as lcg
+    return lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(weight=0.1), lcg.ForwardKL(weight=0.5, temperature=2.0),
+                        metrics=(lcg.Entropy(), lcg.TokenAccuracy()))
+
+
+def _ce_kl_reference(x, y, t):
+    v = R.valid_rows(y)
+
+    def loss(z):
+        return (R.mean_over(R.ce_rows(z, y), v) + 0.1 * R.mean_over(R.z_loss_rows(z), v)
+                + 0.5 * R.mean_over(R.forward_kl_rows(z, t, 2.0), v))
+    x64 = x.double().requires_grad_(True)
+    want = loss(x64)
+    want.backward()
+    terms = {"cross_entropy": R.mean_over(R.ce_rows(x.double(), y), v),
+             "z_loss": R.mean_over(R.z_loss_rows(x.double()), v),
+             "forward_kl": R.mean_over(R.forward_kl_rows(x.double(), t, 2.0), v),
+             "entropy": R.mean_over(R.entropy_rows(x.double()), v),
+             "token_accuracy": R.mean_over(R.accuracy_rows(x.double(), y), v)}
+    return want, terms, x64.grad
+
+
+def _full(t):
+    from torch.distributed.tensor import DTensor
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _dtensor_case(mesh, x_pl, y_pl, t_pl, x, y, t):
+    from torch.distributed.tensor import distribute_tensor
+    head = _ce_kl_head()
+    xd = distribute_tensor(x, mesh, x_pl).detach().requires_grad_(True)
+    yd = distribute_tensor(y, mesh, y_pl)
+    td = distribute_tensor(t, mesh, t_pl)
+    out = head(xd, yd, teacher_logits=td)
+    out.loss.backward()
+    want, terms, grad = _ce_kl_reference(x, y, t)
+    R.close(_full(out.loss), want, FP32, "loss")
+    for k, w in terms.items():
+        R.close(_full({**out.terms, **out.metrics}[k]), w, FP32, k)
+    assert tuple(xd.grad.placements) == tuple(xd.placements), (xd.grad.placements, xd.placements)
+    R.close(xd.grad.full_tensor(), grad, FP32, "grad")
+
+
+def _world2(rank, world):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+    import losscodegen as lcg
+    mesh = init_device_mesh("cpu", (world,))
+    x, y, t = _global()
+    res = []
+    _case(res, "dtensor Shard(-1)", lambda: _dtensor_case(mesh, [Shard(1)], [Replicate()], [Shard(1)], x, y, t))
+    _case(res, "dtensor Shard(-1) local teacher and labels", lambda: _local_inputs_case(mesh, x, y, t))
+    _case(res, "dtensor Shard(0) uneven rows", lambda: _dtensor_case(mesh, [Shard(0)], [Shard(0)], [Shard(0)], x, y, t))
+    _case(res, "dtensor Replicate", lambda: _dtensor_case(mesh, [Replicate()], [Replicate()], [Replicate()], x, y, t))
+
+    def partial():
+        xd = DTensor.from_local(x / world, mesh, [Partial()])
+        try:
+            lcg.HeadLoss(lcg.CrossEntropy())(xd, distribute_tensor(y, mesh, [Replicate()]))
+        except (ValueError, TypeError, NotImplementedError) as e:
+            assert "Partial" in str(e), str(e)
+            return
+        raise AssertionError("Partial logits were accepted")
+    _case(res, "dtensor Partial refused naming it", partial)
+
+    def linear_tp():
+        gen = torch.Generator().manual_seed(3)
+        h, w = torch.randn(9, 8, generator=gen), torch.randn(42, 8, generator=gen) * 0.5
+        yy = torch.randint(0, 42, (9,), generator=gen)
+        yy[4] = R.IGNORE
+        wd = distribute_tensor(w, mesh, [Shard(0)]).detach().requires_grad_(True)
+        hh = h.clone().requires_grad_(True)
+        head = lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(weight=0.1))
+        out = head.linear(hh, wd, yy, chunk_rows=4)
+        out.loss.backward()
+        v = R.valid_rows(yy)
+        h64, w64 = h.double().requires_grad_(True), w.double().requires_grad_(True)
+        z = h64 @ w64.T
+        want = R.mean_over(R.ce_rows(z, yy) + 0.1 * R.z_loss_rows(z), v)
+        want.backward()
+        R.close(_full(out.loss), want, FP32, "loss")
+        R.close(hh.grad, h64.grad, 1e-4, "hidden grad (complete on every rank)")
+        R.close(_full(wd.grad), w64.grad, 1e-4, "weight grad")
+    _case(res, "head.linear Shard(0) weight", linear_tp)
+
+    def uneven_process_group(widths):
+        lo = sum(widths[:rank])
+        V = sum(widths)
+        xx, yy, tt = _global(V=V, seed=4)
+        xs = xx[:, lo:lo + widths[rank]].clone().requires_grad_(True)
+        out = _ce_kl_head()(xs, yy, teacher_logits=tt[:, lo:lo + widths[rank]].clone(), process_group=dist.group.WORLD)
+        out.loss.backward()
+        want, terms, grad = _ce_kl_reference(xx, yy, tt)
+        R.close(out.loss, want, FP32, "loss")
+        for k, w in terms.items():
+            R.close({**out.terms, **out.metrics}[k], w, FP32, k)
+        R.close(xs.grad, grad[:, lo:lo + widths[rank]], FP32, "shard grad")
+    _case(res, "process_group equal widths", lambda: uneven_process_group([21, 21]))
+    _case(res, "process_group unequal widths", lambda: uneven_process_group([30, 11]))
+
+    def linear_process_group():
+        widths = [25, 16]
+        lo = sum(widths[:rank])
+        gen = torch.Generator().manual_seed(5)
+        h, w, b = torch.randn(9, 8, generator=gen), torch.randn(41, 8, generator=gen) * 0.5, torch.randn(41, generator=gen) * 0.1
+        yy = torch.randint(0, 41, (9,), generator=gen)
+        yy[2] = R.IGNORE
+        hh = h.clone().requires_grad_(True)
+        ws = w[lo:lo + widths[rank]].clone().requires_grad_(True)
+        bs = b[lo:lo + widths[rank]].clone().requires_grad_(True)
+        head = lcg.HeadLoss(lcg.CrossEntropy())
+        out = head.linear(hh, ws, yy, bias=bs, chunk_rows=4, process_group=dist.group.WORLD)
+        out.loss.backward()
+        v = R.valid_rows(yy)
+        h64, w64, b64 = (a.double().requires_grad_(True) for a in (h, w, b))
+        want = R.mean_over(R.ce_rows(h64 @ w64.T + b64, yy), v)
+        want.backward()
+        R.close(out.loss, want, FP32, "loss")
+        R.close(hh.grad, h64.grad, 1e-4, "hidden grad")
+        R.close(ws.grad, w64.grad[lo:lo + widths[rank]], 1e-4, "weight shard grad")
+        R.close(bs.grad, b64.grad[lo:lo + widths[rank]], 1e-4, "bias shard grad")
+    _case(res, "head.linear process_group unequal widths", linear_process_group)
+    return res
+
+
+def _local_inputs_case(mesh, x, y, t):
+    """Shard(-1) logits with labels and teacher logits given as local tensors (the teacher as this
+    rank's columns, like the logits)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    head = _ce_kl_head()
+    xd = distribute_tensor(x, mesh, [Shard(1)]).detach().requires_grad_(True)
+    td = distribute_tensor(t, mesh, [Shard(1)])
+    out = head(xd, y, teacher_logits=td)
+    out.loss.backward()
+    want, _, grad = _ce_kl_reference(x, y, t)
+    R.close(_full(out.loss), want, FP32, "loss")
+    R.close(xd.grad.full_tensor(), grad, FP32, "grad")
+
+
+def _world4(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    x, y, t = _global(R_=10, V=40, seed=6)
+    res = []
+    _case(res, "2-D mesh rows x vocab", lambda: _dtensor_case(mesh, [Shard(0), Shard(1)], [Shard(0), Replicate()],
+                                                             [Shard(0), Shard(1)], x, y, t))
+    return res
+
+
+def _check(results):
+    bad = {}
+    for rank, res in enumerate(results):
+        for name, err in res:
+            if err is not None:
+                bad.setdefault(name, []).append(f"rank {rank}: {err}")
+    return bad
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return _spawn(_world2, 2)
+
+
+CASES_2 = ["dtensor Shard(-1)", "dtensor Shard(-1) local teacher and labels", "dtensor Shard(0) uneven rows",
+           "dtensor Replicate", "dtensor Partial refused naming it", "head.linear Shard(0) weight",
+           "process_group equal widths", "process_group unequal widths", "head.linear process_group unequal widths"]
+
+
+@pytest.mark.parametrize("case", CASES_2)
+def test_on_two_gloo_ranks(world2, case):
+    names = {n for res in world2 for n, _ in res}
+    assert case in names, world2
+    bad = _check(world2).get(case)
+    assert not bad, "\n".join(bad)
+
+
+def test_two_dimensional_mesh_on_four_gloo_ranks():
+    bad = _check(_spawn(_world4, 4))
+    assert not bad, bad
