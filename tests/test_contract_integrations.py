@@ -264,3 +264,30 @@ def test_generalized_jsd_loss_equals_trls_own():
         want = GKDTrainer.generalized_jsd_loss(z.double(), t.double(), labels, beta=beta, temperature=0.8)
         got = generalized_jsd_loss(z, t, labels, beta=beta, temperature=0.8)
         R.close(got, want, FP32, f"beta={beta}")
+
+
+@pytest.mark.parametrize("model_type,over", [
+    ("mixtral", {"output_router_logits": True, "router_aux_loss_coef": 0.3, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    ("qwen3_moe", {"output_router_logits": True, "router_aux_loss_coef": 0.3, "num_experts": 4, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 16, "decoder_sparse_step": 1}),
+    ("granite", {"logits_scaling": 4.0}),
+    ("cohere", {"logit_scale": 0.5}),
+    ("gemma", {"tie_word_embeddings": False}),
+])
+def test_patched_model_loss_equals_the_unpatched_models_own(model_type, over):
+    """The model's own (transformers) training loss, router loss included, against the patched one."""
+    import copy
+    from losscodegen.integrations.transformers import apply_losscodegen
+    model, _ = _tiny(model_type, **over)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4)
+    ids, labels = _batch()
+    # float64 where transformers allows it (its grouped expert matmul takes fp32 at most)
+    ref = copy.deepcopy(model) if "output_router_logits" in over else copy.deepcopy(model).double()
+    want = ref(input_ids=ids, labels=labels).loss
+    want.backward()
+    apply_losscodegen(model)
+    out = model(input_ids=ids, labels=labels)
+    out.loss.backward()
+    R.close(out.loss, want, 1e-4, f"{model_type} loss")
+    R.close(model.lm_head.weight.grad, ref.lm_head.weight.grad, 1e-4, f"{model_type} lm_head grad")
