@@ -480,3 +480,100 @@ def test_linear_head_bf16_with_reduction_none_and_loss_mask():
     R.close(out.loss, want, 1e-3, "rows")
     R.close(hh.grad, h64.grad, 2e-2, "hidden grad")
     R.close(ww.grad, w64.grad, 2e-2, "weight grad")
+
+
+def test_torch_compile_does_not_recompile_per_call_and_reads_tensor_weights():
+    import torch._dynamo
+    w = torch.tensor(0.1)
+    head = lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(weight=w), metrics=(lcg.Entropy(),))
+
+    def step(z, labels):
+        out = head(z, labels, reduction="none")
+        return out.loss.sum(), out.rows["z_loss"], out.metrics["entropy"]
+    f = torch.compile(step, fullgraph=True, backend="eager")
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for i, c in enumerate((0.1, 0.7, 2.0)):
+            w.fill_(c)
+            x, y, _ = R.rows_in(8, 32, seed=30 + i)
+            xx = x.clone().requires_grad_(True)
+            total, zrows, ent = f(xx, y)
+            total.backward()
+            v = R.valid_rows(y)
+            zero = torch.zeros((), dtype=torch.float64)
+
+            def ref(z):
+                return torch.where(v, R.ce_rows(z, y) + c * R.z_loss_rows(z), zero).sum()
+            R.close(total, ref(x.double()), FP32, f"call {i} loss")
+            R.close(zrows, torch.where(v, R.z_loss_rows(x.double()), zero), FP32, f"call {i} rows")
+            R.close(xx.grad, _grad(ref, x), FP32, f"call {i} grad")
+
+
+def test_tensor_divisor_and_validate_false():
+    x, y, _ = R.rows_in(10, 40, seed=31)
+    v = R.valid_rows(y)
+    for head in (lcg.HeadLoss(lcg.CrossEntropy()), lcg.HeadLoss(lcg.CrossEntropy(), validate=False)):
+        for d in (torch.tensor(23), torch.tensor(23.0)):
+            xx = x.clone().requires_grad_(True)
+            out = head(xx, y, divisor=d)
+            out.loss.backward()
+            ref = lambda z: torch.where(v, R.ce_rows(z, y), torch.zeros((), dtype=torch.float64)).sum() / 23  # noqa: E731
+            R.close(out.loss, ref(x.double()), FP32, f"divisor {d!r}")
+            R.close(xx.grad, _grad(ref, x), FP32, f"grad divisor {d!r}")
+
+
+def test_zero_valid_rows_everywhere():
+    gen = torch.Generator().manual_seed(32)
+    h, w = torch.randn(6, 8, generator=gen), torch.randn(30, 8, generator=gen)
+    y = torch.full((6,), R.IGNORE)
+    head = lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(weight=0.1), metrics=(lcg.Entropy(),))
+    hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    out = head.linear(hh, ww, y, chunk_rows=4)
+    out.loss.backward()
+    assert float(out.loss) == 0 and all(float(v) == 0 for v in [*out.terms.values(), *out.metrics.values()])
+    assert not hh.grad.any() and not ww.grad.any()
+    # GSPO with every row ignored: no non-empty segment
+    x = torch.randn(6, 30, generator=gen, requires_grad=True)
+    out = lcg.HeadLoss(lcg.GSPO())(x, y, advantages=torch.ones(6), old_logprobs=torch.zeros(6),
+                                   segment_ids=torch.tensor([0, 0, 1, 1, 2, 2]))
+    out.loss.backward()
+    assert float(out.loss) == 0 and not torch.isnan(x.grad).any() and not x.grad.any()
+    # reduction none and loss_mask all false
+    x2 = torch.randn(6, 30, generator=gen, requires_grad=True)
+    out = head(x2, torch.zeros(6, dtype=torch.long), loss_mask=torch.zeros(6, dtype=torch.bool), reduction="none")
+    out.loss.sum().backward()
+    assert not out.loss.any() and not x2.grad.any() and float(out.metrics["entropy"]) == 0
+
+
+def test_fp16_logits_and_bf16_inplace_backward():
+    x, y, t = R.rows_in(10, 48, seed=33)
+    v = R.valid_rows(y)
+
+    def ref(z):
+        return R.mean_over(R.ce_rows(z, y), v) + 0.5 * R.mean_over(R.forward_kl_rows(z, t), v)
+    for dtype, inplace in ((torch.float16, False), (torch.bfloat16, True)):
+        xl = x.to(dtype)
+        base = xl.clone().requires_grad_(True)
+        logits = base * 1
+        out = lcg.HeadLoss(lcg.CrossEntropy(), lcg.ForwardKL(weight=0.5), inplace_backward=inplace)(logits, y, teacher_logits=t)
+        out.loss.backward()
+        R.close(out.loss, ref(xl.double()), 1e-4, f"{dtype} loss")
+        want = _grad(ref, xl)
+        R.close(base.grad, want, 2e-3, f"{dtype} grad")
+
+
+def test_missing_labels_for_a_label_term_names_labels():
+    x, _, _ = R.rows_in(4, 20)
+    with pytest.raises((ValueError, TypeError), match="labels"):
+        lcg.HeadLoss(lcg.CrossEntropy())(x, None)
+
+
+def test_head_copy_with_tensor_weight_after_calls():
+    w = torch.tensor(0.3)
+    head = lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(weight=w))
+    x, y, _ = R.rows_in(8, 30, seed=34)
+    head(x, y)
+    v = R.valid_rows(y)
+    want = R.mean_over(R.ce_rows(x.double(), y) + 0.3 * R.z_loss_rows(x.double()), v)
+    for c in (copy.deepcopy(head), pickle.loads(pickle.dumps(head))):
+        R.close(c(x, y).loss, want, FP32, "copy with a tensor weight")
