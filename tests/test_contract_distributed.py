@@ -327,3 +327,50 @@ def test_bad_label_under_process_group_is_the_same_error_on_every_rank():
 def test_empty_vocab_shard_gives_the_value_or_one_error_on_every_rank():
     bad = _check(_spawn(_empty_case, 2, timeout=60))
     assert not bad, bad
+
+
+def _fsdp_linear(rank, world):
+    """Data parallel: each rank its own hidden states and labels; ``fully_shard(lm_head)`` holds the
+    weight as Shard(0) over the ranks. head.linear(hidden, lm_head.weight, ...) gives each rank its own
+    data's loss, and the weight's gradient FSDP's: the ranks' gradients averaged, sharded."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    import losscodegen as lcg
+    res = []
+
+    def case():
+        mesh = init_device_mesh("cpu", (world,))
+        gen = torch.Generator().manual_seed(11)
+        w = torch.randn(40, 8, generator=gen) * 0.5
+        hs = [torch.randn(7, 8, generator=gen) for _ in range(world)]
+        ys = [torch.randint(0, 40, (7,), generator=gen) for _ in range(world)]
+        ys[0][2] = R.IGNORE
+        lm_head = torch.nn.Linear(8, 40, bias=False)
+        with torch.no_grad():
+            lm_head.weight.copy_(w)
+        fully_shard(lm_head, mesh=mesh)
+        hh = hs[rank].clone().requires_grad_(True)
+        out = lcg.HeadLoss(lcg.CrossEntropy()).linear(hh, lm_head.weight, ys[rank], chunk_rows=3)
+        out.loss.backward()
+        w64 = w.double().requires_grad_(True)
+        losses = []
+        for r in range(world):
+            v = R.valid_rows(ys[r])
+            losses.append(R.mean_over(R.ce_rows(hs[r].double() @ w64.T, ys[r]), v))
+        (sum(losses) / world).backward()     # FSDP's default: the mean of the ranks' gradients
+        h64 = hs[rank].double().requires_grad_(True)
+        R.mean_over(R.ce_rows(h64 @ w.double().T, ys[rank]), R.valid_rows(ys[rank])).backward()
+        R.close(_full(out.loss) if not hasattr(out.loss, "placements") else out.loss.to_local(), losses[rank], FP32,
+                "this rank's loss")
+        R.close(hh.grad, h64.grad, 1e-4, "hidden grad (this rank's data)")
+        g = lm_head.weight.grad
+        R.close(g.full_tensor() if hasattr(g, "full_tensor") else g, w64.grad, 1e-4, "weight grad as FSDP's")
+        dist.barrier()
+    _case(res, "fsdp2 lm_head", case)
+    return res
+
+
+def test_linear_head_with_an_fsdp2_sharded_weight_on_data_parallel_ranks():
+    bad = _check(_spawn(_fsdp_linear, 2, timeout=300))
+    assert not bad, bad
