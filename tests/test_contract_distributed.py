@@ -374,3 +374,78 @@ def _fsdp_linear(rank, world):
 def test_linear_head_with_an_fsdp2_sharded_weight_on_data_parallel_ranks():
     bad = _check(_spawn(_fsdp_linear, 2, timeout=300))
     assert not bad, bad
+
+
+def _dtensor_more(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    import losscodegen as lcg
+    mesh = init_device_mesh("cpu", (world,))
+    res = []
+    x, y, t = _global(R_=13, V=40, seed=12)
+    zero = torch.zeros((), dtype=torch.float64)
+
+    def rows_case(pl):
+        xd = distribute_tensor(x, mesh, [pl]).detach().requires_grad_(True)
+        yd = distribute_tensor(y, mesh, [Shard(0) if pl == Shard(0) else Replicate()])
+        out = lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(weight=0.1))(xd, yd, reduction="none")
+        up = torch.linspace(-1, 1, 13)
+        v = R.valid_rows(y)
+
+        def ref(z):
+            return torch.where(v, R.ce_rows(z, y) + 0.1 * R.z_loss_rows(z), zero)
+        R.close(_full(out.loss), ref(x.double()), FP32, "rows")
+        updt = distribute_tensor(up, mesh, list(out.loss.placements)) if hasattr(out.loss, "placements") else up
+        (out.loss * updt).sum().backward()
+        x64 = x.double().requires_grad_(True)
+        (ref(x64) * up.double()).sum().backward()
+        R.close(xd.grad.full_tensor(), x64.grad, FP32, "grad")
+    _case(res, "reduction none Shard(0)", lambda: rows_case(Shard(0)))
+    _case(res, "reduction none Shard(-1)", lambda: rows_case(Shard(1)))
+
+    def gspo_rows_sharded():
+        gen = torch.Generator().manual_seed(13)
+        l = torch.log_softmax(x, -1).gather(1, y.clamp_min(0)[:, None])[:, 0]
+        old = l + 0.01 * torch.randn(13, generator=gen)
+        adv = torch.randn(13, generator=gen)
+        seg = torch.tensor([0, 0, 0, 5, 5, 5, 5, 5, 9, 9, 9, 9, 9])      # segments cross the row shards (7 | 6)
+        d = lambda a: distribute_tensor(a, mesh, [Shard(0)])  # noqa: E731
+        xd = d(x).detach().requires_grad_(True)
+        out = lcg.HeadLoss(lcg.GSPO(), metrics=(lcg.LogProb(),))(xd, d(y), advantages=d(adv), old_logprobs=d(old),
+                                                                segment_ids=d(seg))
+        out.loss.backward()
+        v = R.valid_rows(y)
+        x64 = x.double().requires_grad_(True)
+        want = R.gspo_total(x64, y, adv, old, seg, v)
+        want.backward()
+        R.close(_full(out.loss), want, FP32, "gspo loss")
+        R.close(_full(out.metrics["logprob"]), R.mean_over(R.logprob_rows(x.double(), y), v), FP32, "logprob")
+        R.close(xd.grad.full_tensor(), x64.grad, FP32, "gspo grad")
+    _case(res, "GSPO segments across Shard(0) rows", gspo_rows_sharded)
+
+    def divisor_sharded():
+        xd = distribute_tensor(x, mesh, [Shard(0)]).detach().requires_grad_(True)
+        out = lcg.HeadLoss(lcg.CrossEntropy())(xd, distribute_tensor(y, mesh, [Shard(0)]), divisor=31)
+        out.loss.backward()
+        v = R.valid_rows(y)
+        ref = lambda z: torch.where(v, R.ce_rows(z, y), zero).sum() / 31  # noqa: E731
+        R.close(_full(out.loss), ref(x.double()), FP32, "divisor loss")
+        x64 = x.double().requires_grad_(True)
+        ref(x64).backward()
+        R.close(xd.grad.full_tensor(), x64.grad, FP32, "divisor grad")
+    _case(res, "divisor Shard(0)", divisor_sharded)
+    return res
+
+
+@pytest.fixture(scope="module")
+def more2():
+    return _spawn(_dtensor_more, 2)
+
+
+@pytest.mark.parametrize("case", ["reduction none Shard(0)", "reduction none Shard(-1)", "GSPO segments across Shard(0) rows",
+                                  "divisor Shard(0)"])
+def test_dtensor_reductions_segments_and_divisor(more2, case):
+    names = {n for res in more2 for n, _ in res}
+    assert case in names, more2
+    bad = _check(more2).get(case)
+    assert not bad, "\n".join(bad)
