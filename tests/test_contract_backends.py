@@ -326,3 +326,38 @@ def test_linear_head_matches_logits_head_with_any_chunk(backend):
         R.close(out.loss, want, FP32, f"loss chunk={chunk}")
         for got, ref, n in ((hh.grad, hd.grad, "hidden"), (ww.grad, wd.grad, "weight"), (bb.grad, bd.grad, "bias")):
             R.close(got, ref, 1e-4, f"{n} grad chunk={chunk}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_clip_fraction_without_grpo_uses_0_2_and_tensor_eps_is_read_each_call(backend):
+    x, y, _ = R.rows_in(16, 30, seed=19)
+    gen = torch.Generator().manual_seed(19)
+    l = torch.log_softmax(x, -1).gather(1, y.clamp_min(0)[:, None])[:, 0]
+    old = l + 0.3 * torch.randn(16, generator=gen)
+    adv = torch.randn(16, generator=gen)
+    v = R.valid_rows(y)
+    r = torch.exp(R.logprob_rows(x.double(), y) - old.double())
+    out = lcg.HeadLoss(lcg.LogProb(), metrics=(lcg.ClipFraction(),), backend=backend)(x, y, old_logprobs=old)
+    R.close(out.metrics["clip_fraction"], R.mean_over(((r < 0.8) | (r > 1.2)).double(), v), 1e-6, "clip_fraction eps 0.2")
+    eps_high = torch.tensor(0.1)
+    head = lcg.HeadLoss(lcg.GRPO(eps_high=eps_high), metrics=(lcg.ClipFraction(),), backend=backend)
+    for e in (0.1, 0.5):
+        eps_high.fill_(e)
+        xx = x.clone().requires_grad_(True)
+        out = head(xx, y, advantages=adv, old_logprobs=old, ref_logprobs=l)
+        out.loss.backward()
+        ref = lambda z: R.mean_over(R.grpo_rows(z, y, adv, old, l, 0.2, e), v)  # noqa: E731
+        R.close(out.loss, ref(x.double()), FP32, f"grpo eps_high={e}")
+        R.close(xx.grad, _grad(ref, x), FP32, f"grpo grad eps_high={e}")
+        R.close(out.metrics["clip_fraction"], R.mean_over(((r < 0.8) | (r > 1 + e)).double(), v), 1e-6, f"clip_fraction {e}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+def test_jsd_at_beta_limits_is_zero(backend, beta):
+    x, y, t = R.rows_in(8, 30, seed=20)
+    xx = x.clone().requires_grad_(True)
+    out = lcg.HeadLoss(lcg.JSD(beta=beta), backend=backend)(xx, y, teacher_logits=t)
+    out.loss.backward()
+    R.close(out.loss, R.mean_over(R.jsd_rows(x.double(), t, beta), R.valid_rows(y)), FP32, "jsd")
+    assert not torch.isnan(xx.grad).any() and xx.grad.abs().max() < 1e-6
