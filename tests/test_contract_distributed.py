@@ -449,3 +449,74 @@ def test_dtensor_reductions_segments_and_divisor(more2, case):
     assert case in names, more2
     bad = _check(more2).get(case)
     assert not bad, "\n".join(bad)
+
+
+def _pg_policy(rank, world):
+    import torch.distributed as dist
+    import losscodegen as lcg
+    res = []
+    widths = [27, 13]
+    lo, V = sum(widths[:rank]), sum(widths)
+    x, y, t = _global(R_=12, V=V, seed=21)
+    gen = torch.Generator().manual_seed(21)
+    ids = torch.stack([torch.randperm(V, generator=gen)[:4] for _ in range(12)])
+    lps = torch.log_softmax(t, -1).gather(1, ids)
+    l = torch.log_softmax(x, -1).gather(1, y.clamp_min(0)[:, None])[:, 0]
+    old, adv = l + 0.3 * torch.randn(12, generator=gen), torch.randn(12, generator=gen)
+    v = R.valid_rows(y)
+    zero = torch.zeros((), dtype=torch.float64)
+
+    def policy_topk_none():
+        head = lcg.HeadLoss(lcg.GRPO(kl_beta=0.1), lcg.TopKForwardKL(weight=0.4, temperature=1.5),
+                            metrics=(lcg.ClipFraction(), lcg.Entropy()))
+        xs = x[:, lo:lo + widths[rank]].clone().requires_grad_(True)
+        out = head(xs, y, teacher_topk_ids=ids, teacher_topk_logprobs=lps, advantages=adv, old_logprobs=old,
+                   ref_logprobs=l, reduction="none", process_group=dist.group.WORLD)
+        up = torch.linspace(-1, 1, 12)
+        (out.loss * up).sum().backward()
+
+        def rows(z):
+            return torch.where(v, R.grpo_rows(z, y, adv, old, l, kl_beta=0.1)
+                               + 0.4 * R.topk_forward_kl_rows(z, ids, lps, 1.5), zero)
+        x64 = x.double().requires_grad_(True)
+        (rows(x64) * up.double()).sum().backward()
+        R.close(out.loss, rows(x.double()), FP32, "rows")
+        R.close(xs.grad, x64.grad[:, lo:lo + widths[rank]], FP32, "shard grad")
+        r = torch.exp(R.logprob_rows(x.double(), y) - old.double())
+        R.close(out.metrics["clip_fraction"], R.mean_over(((r < 0.8) | (r > 1.2)).double(), v), 1e-6, "clip_fraction")
+        R.close(out.metrics["entropy"], R.mean_over(R.entropy_rows(x.double()), v), FP32, "entropy")
+    _case(res, "process_group GRPO + top-k, reduction none, unequal widths", policy_topk_none)
+
+    def linear_teacher_sum():
+        gen2 = torch.Generator().manual_seed(22)
+        h, w = torch.randn(12, 8, generator=gen2), torch.randn(V, 8, generator=gen2) * 0.5
+        th, tw = torch.randn(12, 6, generator=gen2), torch.randn(V, 6, generator=gen2)
+        hh = h.clone().requires_grad_(True)
+        ws = w[lo:lo + widths[rank]].clone().requires_grad_(True)
+        head = lcg.HeadLoss(lcg.CrossEntropy(), lcg.JSD(beta=0.3, weight=0.5, temperature=2.0))
+        out = head.linear(hh, ws, y, teacher_hidden=th, teacher_weight=tw[lo:lo + widths[rank]].clone(),
+                          reduction="sum", chunk_rows=5, process_group=dist.group.WORLD)
+        out.loss.backward()
+        h64, w64 = h.double().requires_grad_(True), w.double().requires_grad_(True)
+        z, tt = h64 @ w64.T, th.double() @ tw.double().T
+        want = torch.where(v, R.ce_rows(z, y) + 0.5 * R.jsd_rows(z, tt, 0.3, 2.0), zero).sum()
+        want.backward()
+        R.close(out.loss, want, FP32, "loss")
+        R.close(hh.grad, h64.grad, 1e-4, "hidden grad")
+        R.close(ws.grad, w64.grad[lo:lo + widths[rank]], 1e-4, "weight shard grad")
+    _case(res, "head.linear process_group teacher JSD, reduction sum", linear_teacher_sum)
+    return res
+
+
+@pytest.fixture(scope="module")
+def pg2():
+    return _spawn(_pg_policy, 2)
+
+
+@pytest.mark.parametrize("case", ["process_group GRPO + top-k, reduction none, unequal widths",
+                                  "head.linear process_group teacher JSD, reduction sum"])
+def test_process_group_policy_topk_and_teacher_linear(pg2, case):
+    names = {n for res in pg2 for n, _ in res}
+    assert case in names, pg2
+    bad = _check(pg2).get(case)
+    assert not bad, "\n".join(bad)
