@@ -227,16 +227,8 @@ _JSD_REDUCTIONS = ("batchmean", "sum", "mean")
 
 @functools.lru_cache(maxsize=64)
 def jsd_head(beta: float, temperature: float) -> lcg.HeadLoss:
-    """The head of TRL's ``generalized_jsd_loss(..., beta, temperature)``. TRL's beta weighs the teacher in
-    the mixture (its 0 and 1 are the KLs themselves, not the limits of the formula, which vanish);
-    losscodegen's JSD weighs the student: beta = 1 - TRL's."""
-    if beta == 0:
-        term = lcg.ForwardKL(temperature=temperature)
-    elif beta == 1:
-        term = lcg.ReverseKL(temperature=temperature)
-    else:
-        term = lcg.JSD(beta=1.0 - beta, temperature=temperature)
-    return lcg.HeadLoss(term)
+    """The head of TRL's ``generalized_jsd_loss(..., beta, temperature)``: ``JSD.trl``."""
+    return lcg.HeadLoss(lcg.JSD.trl(beta=beta, temperature=temperature))
 
 
 def generalized_jsd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
