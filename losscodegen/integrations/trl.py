@@ -36,7 +36,7 @@ try:
 except ImportError as e:  # pragma: no cover - the message is the point
     raise ImportError('losscodegen.integrations.trl needs trl>=1.16: pip install "losscodegen[hf]"') from e
 
-__all__ = ["GRPOTrainer", "SFTTrainer", "DPOTrainer", "FUSED_LOSS_TYPES", "unfused_dpo_options", "FUSED_IMPORTANCE_SAMPLING_LEVELS", "unfused_options",
+__all__ = ["GRPOTrainer", "SFTTrainer", "DPOTrainer", "KTOTrainer", "FUSED_LOSS_TYPES", "unfused_dpo_options", "FUSED_IMPORTANCE_SAMPLING_LEVELS", "unfused_options",
            "generalized_jsd_loss"]
 
 FUSED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
@@ -509,6 +509,18 @@ _DPO_TOKEN_METRICS = (
 )
 
 
+def _global_mean(gather: Any, total: torch.Tensor, count: torch.Tensor) -> float | None:
+    """``total / count`` summed over the processes (``gather``: the accelerator's), None where the count is 0."""
+    totals = gather(torch.stack([total, count]).float()[None]).reshape(-1, 2).sum(0)
+    return (totals[0] / totals[1]).item() if totals[1] > 0 else None
+
+
+def _empty_sequences(trainer: str, what: str) -> ValueError:
+    return ValueError(f"losscodegen's {trainer}: {what} has no completion token (truncated by max_length?): TRL "
+                      "counts it as a constant in its mean, the fused segment terms cannot; raise max_length or drop "
+                      "such examples")
+
+
 def unfused_dpo_options(args: Any, model: Any = None) -> list[str]:
     """The options of a ``DPOConfig`` (and model) that ``DPOTrainer`` cannot fuse, each with why."""
     loss_types = [args.loss_type] if isinstance(args.loss_type, str) else list(args.loss_type)
@@ -559,9 +571,7 @@ class DPOTrainer(trl.DPOTrainer):
         # TRL averages over every pair, one whose responses have no completion token too (a constant of
         # the loss); the head's pair terms average over the pairs with a token: refused rather than off
         if bool(((tokens[:B] + tokens[B:]) == 0).any()):
-            raise ValueError("losscodegen's DPOTrainer: a pair whose chosen and rejected responses both have no "
-                             "completion token (truncated by max_length?): TRL counts it as a constant in its mean, "
-                             "the fused pair terms cannot; raise max_length or drop such pairs")
+            raise _empty_sequences("DPOTrainer", "a pair (both its responses)")
         if self.precompute_ref_logps:
             ref_chosen, ref_rejected = inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
         else:   # TRL's reference forward (its fused head, no gradient; a PEFT model without its adapter)
@@ -577,8 +587,8 @@ class DPOTrainer(trl.DPOTrainer):
         metrics, acc = self._metrics[mode], self.accelerator
 
         def ratio(gather, total, count):
-            totals = gather(torch.stack([total, count]).float()[None]).reshape(-1, 2).sum(0)
-            return (totals[0] / totals[1]).item() if totals[1] > 0 else 0.0
+            mean = _global_mean(gather, total, count)
+            return 0.0 if mean is None else mean
 
         n, n_chosen, n_rejected = valid.sum(), valid[:B].sum(), valid[B:].sum()
         metrics["entropy"].append(ratio(acc.gather_for_metrics, out.metrics["entropy"] * n, n))
@@ -600,4 +610,89 @@ class DPOTrainer(trl.DPOTrainer):
                             ("logps/chosen", out.terms["logps_chosen"]),
                             ("logps/rejected", out.terms["logps_rejected"])):
             metrics[name].append(ratio(acc.gather, value * pairs, pairs))
+        return out.loss
+
+
+# TRL's KTOTrainer batch keys that are not the model's
+_KTO_NOT_MODEL_KEYS = ("completion_mask", "KL_input_ids", "KL_attention_mask", "KL_completion_mask", "KL_token_type_ids",
+                       "KL_mm_token_type_ids", "label", "ref_logps", "ref_KL_logps")
+
+
+class KTOTrainer(trl.KTOTrainer):
+    """``trl.KTOTrainer`` with the same constructor; the loss is one ``head.linear`` call on the policy's
+    hidden states and output layer, ``preference.KTO`` (each sequence a segment) with TRL's batch KL estimate
+    as its ``kl`` (a 0-dim tensor filled at each call), and ``sequence_statistics`` and token metrics for what
+    TRL logs. The KL estimate's forwards (the mismatched completions, without a gradient) and the reference
+    log-probs are TRL's own. Refused at construction: a mixture-of-experts load-balancing loss, a vision
+    dataset."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        refused = _router_loss(self.args, self.model)
+        if self._is_vision_dataset:
+            refused.append("a vision dataset (the images' inputs are not checked through the fused forward)")
+        _refuse(refused, "KTOTrainer")
+        target = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        softcap, scale = final_logit_transform(target)
+        self._lcg_kl = torch.zeros((), device=self.accelerator.device)
+        loss = P.KTO(loss_type=self.loss_type, beta=self.beta, kl=self._lcg_kl, desirable_weight=self.desirable_weight,
+                     undesirable_weight=self.undesirable_weight)
+        self._lcg_head = lcg.HeadLoss(loss, *P.sequence_statistics(),
+                                      metrics=(lcg.Entropy(), *(m() for m in _DPO_TOKEN_METRICS[:2])),
+                                      softcap=softcap, logit_scale=scale)
+        add_fused_objective(target, cast_lm_head_to_fp32=False)
+
+    def _compute_loss(self, model, inputs, return_outputs):
+        if return_outputs:   # (the caller wants logits: TRL's own, which recomputes them)
+            return super()._compute_loss(model, inputs, return_outputs)
+        mode = "train" if self.model.training else "eval"
+        acc = self.accelerator
+        batch = {k: (v.to(acc.device) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+        labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)[:, 1:]
+        valid = labels != -100
+        if bool((valid.sum(1) == 0).any()):
+            raise _empty_sequences("KTOTrainer", "a completion")
+        desirable = torch.as_tensor(batch["label"], dtype=torch.bool, device=labels.device)
+        KL_logps = self._compute_kl_logps(model, batch)
+        if self.precompute_ref_logps:
+            ref_logps, ref_KL_logps = batch["ref_logps"], batch.get("ref_KL_logps")
+        else:   # TRL's reference forwards (its fused head, no gradient; a PEFT model without its adapter)
+            ref_logps, ref_KL_logps = self.compute_ref_log_probs(
+                self.ref_model if self.ref_model is not None else self.model, batch)
+        if self.calculate_KL:   # TRL's estimate: the batch mean over the processes, detached, at least 0
+            kl = acc.gather_for_metrics((KL_logps - ref_KL_logps).mean().detach()).mean().clamp(min=0)
+        else:
+            kl = torch.zeros((), device=labels.device)
+        self._lcg_kl.copy_(kl.reshape(()))
+        head = self._lcg_head
+        call = P.sequence_inputs(head, labels, desirable=desirable, ref_logps=ref_logps.float())
+        model_kwargs = {k: v for k, v in batch.items() if k not in _KTO_NOT_MODEL_KEYS}
+        out = model(**model_kwargs, losscodegen=(head, labels, call, labels.shape[1]))
+
+        # the metrics TRL logs, in its order
+        metrics = self._metrics[mode]
+        metrics["kl"].append(kl.item())
+        n = valid.sum()
+        entropy = _global_mean(acc.gather_for_metrics, out.metrics["entropy"] * n, n)
+        metrics["entropy"].append(0.0 if entropy is None else entropy)
+        if mode == "train":
+            num_tokens_in_batch = acc.gather_for_metrics(batch["attention_mask"].sum()).sum().item()
+            self._total_train_tokens += num_tokens_in_batch // self._tp_size
+        metrics["num_tokens"] = [self._total_train_tokens]
+        for side, rows in (("chosen", desirable), ("rejected", ~desirable)):
+            mean = _global_mean(acc.gather_for_metrics, out.metrics[f"mean_logits_{side}"] * n, valid[rows].sum())
+            if mean is not None:
+                metrics[f"logits/{side}"].append(mean)
+        sequences = torch.tensor(float(labels.shape[0]), device=n.device)   # (the terms are means over them)
+        rewards = {}
+        for side, name, rows in (("chosen", "desirable", desirable), ("rejected", "undesirable", ~desirable)):
+            count = rows.sum()
+            mean = _global_mean(acc.gather_for_metrics, self.beta * out.terms[f"logratio_{name}"] * sequences, count)
+            if mean is not None:   # (some process has such sequences)
+                rewards[side] = mean
+                metrics[f"rewards/{side}"].append(mean)
+                metrics[f"logps/{side}"].append(
+                    _global_mean(acc.gather_for_metrics, out.terms[f"logps_{name}"] * sequences, count))
+        if len(rewards) == 2:
+            metrics["rewards/margins"].append(rewards["chosen"] - rewards["rejected"])
         return out.loss

@@ -1,8 +1,10 @@
-"""losscodegen.integrations.trl.DPOTrainer against trl.DPOTrainer on a tiny causal LM (CPU): the same
-constructor, and TRL's own _compute_loss on its fused LM head against ours, one head.linear call: the
-loss, every trainable parameter's gradient and every metric TRL logs, for TRL's loss types, several
-with loss_weights, the f-divergences, WPO's weighting, a reference model or precomputed reference
-log-probs, and a softcapped model; the options that cannot be fused refused at construction."""
+"""losscodegen.integrations.trl.DPOTrainer and KTOTrainer against trl.DPOTrainer and trl.KTOTrainer on a
+tiny causal LM (CPU): the same constructor, and TRL's own _compute_loss on its fused LM head against
+ours, one head.linear call: the loss, every trainable parameter's gradient and every metric TRL logs.
+DPO: TRL's loss types, several with loss_weights, the f-divergences, WPO's weighting, a reference model
+or precomputed reference log-probs, a softcapped model. KTO: both loss types (with TRL's KL estimate),
+the desirable/undesirable weights, a batch of one kind. The options that cannot be fused are refused
+at construction."""
 import copy
 
 import pytest
@@ -35,6 +37,10 @@ def _trainer(cls, policy, ref, **options):
                          per_device_train_batch_size=B, **options)
     data = datasets.Dataset.from_dict({"prompt": ["t5 t6 t7"] * B, "chosen": [" t8 t9"] * B,
                                        "rejected": [" t10"] * B})
+    return _built(cls, policy, ref, args, data)
+
+
+def _built(cls, policy, ref, args, data):
     trainer = cls(model=copy.deepcopy(policy), ref_model=None if ref is None else copy.deepcopy(ref), args=args,
                   processing_class=tiny_tokenizer(V), train_dataset=data)
     trainer.model.train()
@@ -73,7 +79,10 @@ def _assert_same(policy, ref, precompute=False, **options):
                       **options)
     ours = _trainer(lcg_trl.DPOTrainer, policy, None if precompute else ref, precompute_ref_log_probs=precompute,
                     **options)
-    inputs = _batch(ref=ref if precompute else None)
+    return _assert_same_step(theirs, ours, _batch(ref=ref if precompute else None))
+
+
+def _assert_same_step(theirs, ours, inputs):
     want, want_grads, want_metrics = _run(theirs, inputs)
     got, grads, metrics = _run(ours, inputs)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-6)
@@ -126,5 +135,52 @@ def test_a_pair_without_completion_tokens_is_refused():
     trainer = _trainer(lcg_trl.DPOTrainer, *_models())
     inputs = _batch()
     inputs["completion_mask"][[0, B]] = 0
-    with pytest.raises(ValueError, match="both have no completion token"):
+    with pytest.raises(ValueError, match="has no completion token"):
         trainer._compute_loss(trainer.model, inputs, return_outputs=False)
+
+
+# ----- KTO ----------------------------------------------------------------------------------------
+def _kto_trainer(cls, policy, ref, labels=(True, False, True, False), **options):
+    args = trl.KTOConfig(output_dir="/tmp/lcg-trl-kto-test", use_cpu=True, report_to=[], bf16=False,
+                         per_device_train_batch_size=len(labels), **options)
+    data = datasets.Dataset.from_dict({
+        "prompt": ["t5 t6 t7", "t8 t9", "t10 t11 t12 t13", "t14"][:len(labels)],
+        "completion": [" t20 t21", " t22", " t23 t24 t25", " t26 t27"][:len(labels)], "label": list(labels)})
+    return _built(cls, policy, ref, args, data)
+
+
+KTO_CASES = {
+    "kto (TRL's default, with its KL estimate), a reference model": dict(),
+    "kto, weights, precomputed reference log-probs": dict(desirable_weight=1.3, undesirable_weight=0.6,
+                                                          precompute_ref_log_probs=True),
+    "apo_zero_unpaired": dict(loss_type="apo_zero_unpaired", beta=0.5),
+    "desirable completions only": dict(labels=(True, True, True)),
+}
+
+
+@pytest.mark.parametrize("case", list(KTO_CASES))
+def test_kto_trainer_equals_trls(case):
+    policy, ref = _models()
+    theirs = _kto_trainer(trl.KTOTrainer, policy, ref, **KTO_CASES[case])
+    ours = _kto_trainer(lcg_trl.KTOTrainer, policy, ref, **KTO_CASES[case])
+    n = len(theirs.train_dataset)
+    inputs = theirs.data_collator([theirs.train_dataset[i] for i in range(n)])
+    metrics = _assert_same_step(theirs, ours, inputs)
+    assert metrics["rewards/chosen"] != 0.0 and {"kl", "logps/chosen", "logits/chosen", "entropy"} <= metrics.keys()
+
+
+def test_kto_trainer_refuses_a_completion_without_tokens():
+    trainer = _kto_trainer(lcg_trl.KTOTrainer, *_models())
+    inputs = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    inputs["completion_mask"][1] = 0
+    with pytest.raises(ValueError, match="a completion has no completion token"):
+        trainer._compute_loss(trainer.model, inputs, return_outputs=False)
+
+
+@pytest.mark.parametrize("build", [_trainer, _kto_trainer], ids=["dpo", "kto"])
+def test_a_mixture_of_experts_load_balancing_loss_is_refused(build):
+    cls = lcg_trl.DPOTrainer if build is _trainer else lcg_trl.KTOTrainer
+    moe = _models("mixtral", num_local_experts=2, num_experts_per_tok=1, output_router_logits=True,
+                  router_aux_loss_coef=0.02)
+    with pytest.raises(ValueError, match="cannot fuse router_aux_loss_coef=0.02"):
+        build(cls, *moe)
