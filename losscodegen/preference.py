@@ -23,7 +23,7 @@ import torch
 from . import symbols as S
 from .terms import Term, declare_term
 
-__all__ = ["DPO", "CPO", "SimPO", "ORPO", "KTO", "ChosenNLL", "DPO_LOSS_TYPES", "pair_inputs",
+__all__ = ["DPO", "CPO", "SimPO", "ORPO", "KTO", "ChosenNLL", "pair_statistics", "sequence_statistics", "DPO_LOSS_TYPES", "pair_inputs",
            "sequence_inputs", "concatenated", "logsigmoid", "sigmoid"]
 
 # the per-row tokens the terms read, filled by pair_inputs / sequence_inputs
@@ -161,6 +161,17 @@ def DPO(*, loss_type: str = "sigmoid", beta: Any = 0.1, label_smoothing: Any = 0
                       f_alpha_divergence_coef=f_alpha_divergence_coef))
 
 
+def pair_statistics() -> tuple[Term, ...]:
+    """What TRL's DPOTrainer logs of each pair, as segment terms of weight 0 (values, no gradient), each
+    averaged over the pairs like the pair losses: ``logps_chosen`` / ``logps_rejected`` (a response's
+    log-probability), ``logratio_chosen`` / ``logratio_rejected`` (against the reference: the rewards
+    divided by beta) and ``reward_accuracy`` (1 where the chosen log-ratio is above the rejected one)."""
+    values = dict(logps_chosen=_chosen_logps, logps_rejected=_rejected_logps, logratio_chosen=_chosen_lr,
+                  logratio_rejected=_rejected_lr,
+                  reward_accuracy=S.Piecewise((1, _chosen_lr > _rejected_lr), (0, True)))
+    return tuple(declare_term(name, formula)(weight=0.0) for name, formula in values.items())
+
+
 _CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
 
 
@@ -229,6 +240,18 @@ def KTO(*, loss_type: str = "kto", beta: Any = 0.1, kl: Any = 0.0, desirable_wei
     name = "kto" if loss_type == "kto" else f"kto_{loss_type}"
     return _term(name, formula, weight, dict(beta=beta, kl=kl, desirable_weight=desirable_weight,
                                              undesirable_weight=undesirable_weight))
+
+
+def sequence_statistics() -> tuple[Term, ...]:
+    """What TRL's KTOTrainer logs of each sequence, as segment terms of weight 0 averaged over the
+    sequences like ``KTO``: ``logps_desirable`` / ``logps_undesirable`` (a sequence's log-probability
+    where it is desirable / undesirable, else 0) and ``logratio_desirable`` / ``logratio_undesirable``
+    (against the reference: the rewards divided by beta)."""
+    desirable = S.segment_mean(CHOSEN)
+    logps, logratio = S.segment_sum(_l), S.segment_sum(_l - REF)
+    values = dict(logps_desirable=desirable * logps, logps_undesirable=(1 - desirable) * logps,
+                  logratio_desirable=desirable * logratio, logratio_undesirable=(1 - desirable) * logratio)
+    return tuple(declare_term(name, formula)(weight=0.0) for name, formula in values.items())
 
 
 # ----- inputs -------------------------------------------------------------------------------------

@@ -414,9 +414,33 @@ ForwardKL = declare_term("forward_kl", S.vsum(_q * (_logq - _logp)), defaults={"
 ReverseKL = declare_term("reverse_kl", S.vsum(_p * (_logp - _logq)), defaults={"temperature": 1.0})
 _beta = S.param("beta")
 _logm = S.log(_beta * _p + (1 - _beta) * _q)
-JSD = declare_term(
+
+
+@dataclass(frozen=True)
+class _JSDFactory(TermFactory):
+    """``JSD``: ``beta`` weighs the student ``p`` in the mixture ``m = beta p + (1 - beta) q``;
+    ``JSD.trl(...)`` takes TRL's (and Liger's) convention by name."""
+
+    def trl(self, *, beta: float = 0.5, temperature: Any = 1.0, weight: Any = 1.0, normalize: str = "tokens") -> Term:
+        """TRL's generalized JSD (``GKDTrainer.generalized_jsd_loss``, Liger's ``LigerJSD``): ``beta``
+        weighs the *teacher* in the mixture ``m = (1 - beta) p + beta q``, the loss is
+        ``beta KL(q || m) + (1 - beta) KL(p || m)``, both logits divided by ``temperature``; TRL's
+        ``beta=0`` is the forward KL ``KL(q || p)`` and ``beta=1`` the reverse KL ``KL(p || q)`` (not the
+        formula's limits, which vanish): those two are ``ForwardKL`` / ``ReverseKL``, named so. Otherwise
+        ``JSD(beta=1 - beta)``. ``beta`` is a number (its endpoints choose the term)."""
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta <= 1:
+            raise ValueError(f"JSD.trl: beta must be a number in [0, 1], got {beta!r}")
+        options = dict(temperature=temperature, weight=weight, normalize=normalize)
+        if beta == 0:
+            return ForwardKL(**options)
+        if beta == 1:
+            return ReverseKL(**options)
+        return self(beta=1.0 - beta, **options)
+
+
+JSD = _JSDFactory(**vars(declare_term(
     "jsd", _beta * S.vsum(_p * (_logp - _logm)) + (1 - _beta) * S.vsum(_q * (_logq - _logm)),
-    defaults={"beta": 0.5, "temperature": 1.0})
+    defaults={"beta": 0.5, "temperature": 1.0})))
 TopKForwardKL = declare_term(
     "topk_forward_kl",
     S.topk_sum(S.exp(S.topk_logprob) * (S.topk_logprob - (S.topk_logit / _T - S.lse_at(_T)))),

@@ -111,3 +111,28 @@ def test_generalized_jsd_loss_refuses_what_one_pass_cannot_give():
         lcg_trl.generalized_jsd_loss(x, x, beta=1.5)
     with pytest.raises(ValueError, match="one shape"):
         lcg_trl.generalized_jsd_loss(x, x[:, :8])
+
+
+@pytest.mark.parametrize("beta,temperature", [(0.0, 1.0), (0.3, 0.7), (1.0, 2.0)])
+def test_jsd_trl_takes_trls_beta(beta, temperature):
+    """``lcg.JSD.trl(beta=b)`` through head.linear is TRL's generalized_jsd_loss at beta=b (b weighs the
+    teacher; 0 and 1 the KLs), against TRL's function on the float64 logits."""
+    from trl.experimental.gkd import GKDTrainer
+    g = torch.Generator().manual_seed(2)
+    hidden, weight = torch.randn(10, 24, generator=g), torch.randn(80, 24, generator=g) / 2
+    t_hidden, t_weight = torch.randn(10, 16, generator=g), torch.randn(80, 16, generator=g) / 2
+    labels = torch.randint(0, 80, (10,), generator=g)
+    labels[[2, 7]] = -100
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    want = GKDTrainer.generalized_jsd_loss(h64 @ w64.T, (t_hidden @ t_weight.T).double(), labels=labels,
+                                           beta=beta, temperature=temperature)
+    want.backward()
+    h, w = hidden.requires_grad_(), weight.requires_grad_()
+    got = lcg.HeadLoss(lcg.JSD.trl(beta=beta, temperature=temperature)).linear(
+        h, w, labels, teacher_hidden=t_hidden, teacher_weight=t_weight).loss
+    got.backward()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(h.grad.double(), h64.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="JSD.trl: beta must be a number in"):
+        lcg.JSD.trl(beta=1.5)

@@ -23,6 +23,7 @@ import sympy as sp
 import torch
 
 import losscodegen as lcg
+from losscodegen import preference as P
 from losscodegen import symbols as S
 from losscodegen.integrations.trl_lm_head import (add_fused_lm_head, computes_trls_fused_loss,  # noqa: F401
                                                   final_logit_transform, fusing_objective, replace_fused_lm_heads,
@@ -35,7 +36,7 @@ try:
 except ImportError as e:  # pragma: no cover - the message is the point
     raise ImportError('losscodegen.integrations.trl needs trl>=1.16: pip install "losscodegen[hf]"') from e
 
-__all__ = ["GRPOTrainer", "SFTTrainer", "FUSED_LOSS_TYPES", "FUSED_IMPORTANCE_SAMPLING_LEVELS", "unfused_options",
+__all__ = ["GRPOTrainer", "SFTTrainer", "DPOTrainer", "KTOTrainer", "FUSED_LOSS_TYPES", "unfused_dpo_options", "FUSED_IMPORTANCE_SAMPLING_LEVELS", "unfused_options",
            "generalized_jsd_loss"]
 
 FUSED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
@@ -44,10 +45,20 @@ FUSED_IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 _CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
 
-def _refuse(options: list[str]) -> None:
+def _refuse(options: list[str], trainer: str = "GRPOTrainer") -> None:
     if options:
-        raise ValueError("losscodegen's GRPOTrainer cannot fuse " + "; ".join(options)
-                         + ": use trl.GRPOTrainer for these")
+        raise ValueError(f"losscodegen's {trainer} cannot fuse " + "; ".join(options)
+                         + f": use trl.{trainer} for these")
+
+
+def _router_loss(args: Any, model: Any) -> list[str]:
+    """A mixture-of-experts model's load-balancing loss, which TRL adds to the head's (refused)."""
+    text_config = model.config.get_text_config()
+    coef = args.router_aux_loss_coef
+    coef = getattr(text_config, "router_aux_loss_coef", 0.0) if coef is None else coef
+    if hasattr(text_config, "output_router_logits") and coef != 0.0:
+        return [f"router_aux_loss_coef={coef} (a mixture-of-experts load-balancing loss)"]
+    return []
 
 
 def unfused_options(args: Any, model: Any = None) -> list[str]:
@@ -67,13 +78,7 @@ def unfused_options(args: Any, model: Any = None) -> list[str]:
                    "importance_sampling_level='token' (the mask is a segment term, and TRL's per-sequence "
                    "clip_ratio/low_min and high_max need every token's row, which a head with segment terms does "
                    "not give; fused with importance_sampling_level='sequence' and with cispo, sapo and vespo)")
-    if model is not None:
-        text_config = model.config.get_text_config()
-        coef = args.router_aux_loss_coef
-        coef = getattr(text_config, "router_aux_loss_coef", 0.0) if coef is None else coef
-        if hasattr(text_config, "output_router_logits") and coef != 0.0:
-            out.append(f"router_aux_loss_coef={coef} (a mixture-of-experts load-balancing loss)")
-    return out
+    return out + (_router_loss(args, model) if model is not None else [])
 
 
 _SEQ = S.segment_mean
@@ -222,16 +227,8 @@ _JSD_REDUCTIONS = ("batchmean", "sum", "mean")
 
 @functools.lru_cache(maxsize=64)
 def jsd_head(beta: float, temperature: float) -> lcg.HeadLoss:
-    """The head of TRL's ``generalized_jsd_loss(..., beta, temperature)``. TRL's beta weighs the teacher in
-    the mixture (its 0 and 1 are the KLs themselves, not the limits of the formula, which vanish);
-    losscodegen's JSD weighs the student: beta = 1 - TRL's."""
-    if beta == 0:
-        term = lcg.ForwardKL(temperature=temperature)
-    elif beta == 1:
-        term = lcg.ReverseKL(temperature=temperature)
-    else:
-        term = lcg.JSD(beta=1.0 - beta, temperature=temperature)
-    return lcg.HeadLoss(term)
+    """The head of TRL's ``generalized_jsd_loss(..., beta, temperature)``: ``JSD.trl``."""
+    return lcg.HeadLoss(lcg.JSD.trl(beta=beta, temperature=temperature))
 
 
 def generalized_jsd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
@@ -498,3 +495,204 @@ class SFTTrainer(trl.SFTTrainer):
                              "this TRL is not one losscodegen was checked against")
         target.forward = found.pop("original_forward")     # TRL's patch undone, then ours
         add_fused_lm_head(target, **found, objective=objective)
+
+
+# TRL's DPO metrics of the responses' tokens: each response's mean logit over the vocabulary, and the
+# chosen responses' top-1 accuracy (means over the valid rows, times their number: sums)
+_CHOSEN = S.token("chosen")
+_MEAN_LOGIT = S.vsum(S.logit) / S.vocab_size
+_DPO_TOKEN_METRICS = (
+    lcg.declare_term("mean_logits_chosen", _CHOSEN * _MEAN_LOGIT, metric_only=True),
+    lcg.declare_term("mean_logits_rejected", (1 - _CHOSEN) * _MEAN_LOGIT, metric_only=True),
+    lcg.declare_term("token_accuracy_chosen", _CHOSEN * S.Piecewise((1, sp.Eq(S.argmax, S.label)), (0, True)),
+                     metric_only=True),
+)
+
+
+def _global_mean(gather: Any, total: torch.Tensor, count: torch.Tensor) -> float | None:
+    """``total / count`` summed over the processes (``gather``: the accelerator's), None where the count is 0."""
+    totals = gather(torch.stack([total, count]).float()[None]).reshape(-1, 2).sum(0)
+    return (totals[0] / totals[1]).item() if totals[1] > 0 else None
+
+
+def _empty_sequences(trainer: str, what: str) -> ValueError:
+    return ValueError(f"losscodegen's {trainer}: {what} has no completion token (truncated by max_length?): TRL "
+                      "counts it as a constant in its mean, the fused segment terms cannot; raise max_length or drop "
+                      "such examples")
+
+
+def unfused_dpo_options(args: Any, model: Any = None) -> list[str]:
+    """The options of a ``DPOConfig`` (and model) that ``DPOTrainer`` cannot fuse, each with why."""
+    loss_types = [args.loss_type] if isinstance(args.loss_type, str) else list(args.loss_type)
+    out = [f"loss_type={t!r} (fused: {', '.join(P.DPO_LOSS_TYPES)}; 'aot' and 'aot_unpaired' sort the batch)"
+           for t in loss_types if t not in P.DPO_LOSS_TYPES]
+    if args.ld_alpha is not None:
+        out.append(f"ld_alpha={args.ld_alpha} (LD-DPO weighs the tokens past the shorter response's length)")
+    return out + (_router_loss(args, model) if model is not None else [])
+
+
+class DPOTrainer(trl.DPOTrainer):
+    """``trl.DPOTrainer`` with the same constructor; the loss is one ``head.linear`` call on the policy's
+    hidden states and output layer (no ``[2B, T, V]`` logits), whose terms are ``preference.DPO`` of each
+    of TRL's ``loss_type`` (its ``loss_weights`` their weights) and whose segment terms of weight 0 and
+    metrics are what TRL logs. The reference log-probs are TRL's (precomputed, or its reference model's
+    or the PEFT model's without its adapter through TRL's fused head, without a gradient). Options it
+    cannot fuse (``unfused_dpo_options``, a vision dataset) raise ``ValueError`` here, naming them."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        config = kwargs.get("args", args[2] if len(args) > 2 else None)
+        if config is not None:     # (refused before the model and datasets are built)
+            _refuse(unfused_dpo_options(config), "DPOTrainer")
+        super().__init__(*args, **kwargs)
+        refused = unfused_dpo_options(self.args, self.model)
+        if self._is_vision_dataset:
+            refused.append("a vision dataset (the images' inputs are not checked through the fused forward)")
+        _refuse(refused, "DPOTrainer")
+        target = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        softcap, scale = final_logit_transform(target)
+        losses = [P.DPO(loss_type=t, beta=self.beta, label_smoothing=self.label_smoothing,
+                        f_divergence_type=self.f_divergence_type, f_alpha_divergence_coef=self.f_alpha_divergence_coef,
+                        discopop_tau=self.args.discopop_tau, use_weighting=self.use_weighting, weight=float(w))
+                  for t, w in zip(self.loss_types, self.loss_weights, strict=True)]
+        self._lcg_head = lcg.HeadLoss(*losses, *P.pair_statistics(),
+                                      metrics=(lcg.Entropy(), *(m() for m in _DPO_TOKEN_METRICS)),
+                                      softcap=softcap, logit_scale=scale)
+        add_fused_objective(target, cast_lm_head_to_fp32=False)
+
+    def _compute_loss(self, model, inputs, return_outputs):
+        if return_outputs:   # (the caller wants logits: TRL's own, which recomputes them)
+            return super()._compute_loss(model, inputs, return_outputs)
+        mode = "train" if self.model.training else "eval"
+        completion_mask = inputs["completion_mask"]
+        labels = inputs["input_ids"].masked_fill(completion_mask == 0, -100)[:, 1:]
+        valid = labels != -100
+        B = labels.shape[0] // 2
+        tokens = valid.sum(1)
+        # TRL averages over every pair, one whose responses have no completion token too (a constant of
+        # the loss); the head's pair terms average over the pairs with a token: refused rather than off
+        if bool(((tokens[:B] + tokens[B:]) == 0).any()):
+            raise _empty_sequences("DPOTrainer", "a pair (both its responses)")
+        if self.precompute_ref_logps:
+            ref_chosen, ref_rejected = inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
+        else:   # TRL's reference forward (its fused head, no gradient; a PEFT model without its adapter)
+            ref_chosen, ref_rejected = self.compute_ref_log_probs(
+                self.ref_model if self.ref_model is not None else self.model, inputs)
+        head = self._lcg_head
+        call = P.pair_inputs(head, labels, ref_chosen_logps=ref_chosen.float(), ref_rejected_logps=ref_rejected.float())
+        model_kwargs = {k: v for k, v in inputs.items()
+                        if k not in ("completion_mask", "ref_chosen_logps", "ref_rejected_logps")}
+        out = model(**model_kwargs, losscodegen=(head, labels, call, labels.shape[1]))
+
+        # the metrics TRL logs, in its order: token means over every process's tokens, pair means over its pairs
+        metrics, acc = self._metrics[mode], self.accelerator
+
+        def ratio(gather, total, count):
+            mean = _global_mean(gather, total, count)
+            return 0.0 if mean is None else mean
+
+        n, n_chosen, n_rejected = valid.sum(), valid[:B].sum(), valid[B:].sum()
+        metrics["entropy"].append(ratio(acc.gather_for_metrics, out.metrics["entropy"] * n, n))
+        if mode == "train":
+            num_tokens_in_batch = acc.gather_for_metrics(inputs["attention_mask"].sum()).sum().item()
+            self._total_train_tokens += num_tokens_in_batch // self._tp_size
+        metrics["num_tokens"] = [self._total_train_tokens]
+        metrics["logits/chosen"].append(ratio(acc.gather_for_metrics, out.metrics["mean_logits_chosen"] * n, n_chosen))
+        metrics["logits/rejected"].append(
+            ratio(acc.gather_for_metrics, out.metrics["mean_logits_rejected"] * n, n_rejected))
+        metrics["mean_token_accuracy"].append(
+            ratio(acc.gather_for_metrics, out.metrics["token_accuracy_chosen"] * n, n_chosen))
+        pairs = torch.tensor(float(B), device=n.device)   # (the pair terms are means over the B pairs)
+        beta = self.beta
+        for name, value in (("rewards/chosen", beta * out.terms["logratio_chosen"]),
+                            ("rewards/rejected", beta * out.terms["logratio_rejected"]),
+                            ("rewards/accuracies", out.terms["reward_accuracy"]),
+                            ("rewards/margins", beta * (out.terms["logratio_chosen"] - out.terms["logratio_rejected"])),
+                            ("logps/chosen", out.terms["logps_chosen"]),
+                            ("logps/rejected", out.terms["logps_rejected"])):
+            metrics[name].append(ratio(acc.gather, value * pairs, pairs))
+        return out.loss
+
+
+# TRL's KTOTrainer batch keys that are not the model's
+_KTO_NOT_MODEL_KEYS = ("completion_mask", "KL_input_ids", "KL_attention_mask", "KL_completion_mask", "KL_token_type_ids",
+                       "KL_mm_token_type_ids", "label", "ref_logps", "ref_KL_logps")
+
+
+class KTOTrainer(trl.KTOTrainer):
+    """``trl.KTOTrainer`` with the same constructor; the loss is one ``head.linear`` call on the policy's
+    hidden states and output layer, ``preference.KTO`` (each sequence a segment) with TRL's batch KL estimate
+    as its ``kl`` (a 0-dim tensor filled at each call), and ``sequence_statistics`` and token metrics for what
+    TRL logs. The KL estimate's forwards (the mismatched completions, without a gradient) and the reference
+    log-probs are TRL's own. Refused at construction: a mixture-of-experts load-balancing loss, a vision
+    dataset."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        refused = _router_loss(self.args, self.model)
+        if self._is_vision_dataset:
+            refused.append("a vision dataset (the images' inputs are not checked through the fused forward)")
+        _refuse(refused, "KTOTrainer")
+        target = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        softcap, scale = final_logit_transform(target)
+        self._lcg_kl = torch.zeros((), device=self.accelerator.device)
+        loss = P.KTO(loss_type=self.loss_type, beta=self.beta, kl=self._lcg_kl, desirable_weight=self.desirable_weight,
+                     undesirable_weight=self.undesirable_weight)
+        self._lcg_head = lcg.HeadLoss(loss, *P.sequence_statistics(),
+                                      metrics=(lcg.Entropy(), *(m() for m in _DPO_TOKEN_METRICS[:2])),
+                                      softcap=softcap, logit_scale=scale)
+        add_fused_objective(target, cast_lm_head_to_fp32=False)
+
+    def _compute_loss(self, model, inputs, return_outputs):
+        if return_outputs:   # (the caller wants logits: TRL's own, which recomputes them)
+            return super()._compute_loss(model, inputs, return_outputs)
+        mode = "train" if self.model.training else "eval"
+        acc = self.accelerator
+        batch = {k: (v.to(acc.device) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+        labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)[:, 1:]
+        valid = labels != -100
+        if bool((valid.sum(1) == 0).any()):
+            raise _empty_sequences("KTOTrainer", "a completion")
+        desirable = torch.as_tensor(batch["label"], dtype=torch.bool, device=labels.device)
+        KL_logps = self._compute_kl_logps(model, batch)
+        if self.precompute_ref_logps:
+            ref_logps, ref_KL_logps = batch["ref_logps"], batch.get("ref_KL_logps")
+        else:   # TRL's reference forwards (its fused head, no gradient; a PEFT model without its adapter)
+            ref_logps, ref_KL_logps = self.compute_ref_log_probs(
+                self.ref_model if self.ref_model is not None else self.model, batch)
+        if self.calculate_KL:   # TRL's estimate: the batch mean over the processes, detached, at least 0
+            kl = acc.gather_for_metrics((KL_logps - ref_KL_logps).mean().detach()).mean().clamp(min=0)
+        else:
+            kl = torch.zeros((), device=labels.device)
+        self._lcg_kl.copy_(kl.reshape(()))
+        head = self._lcg_head
+        call = P.sequence_inputs(head, labels, desirable=desirable, ref_logps=ref_logps.float())
+        model_kwargs = {k: v for k, v in batch.items() if k not in _KTO_NOT_MODEL_KEYS}
+        out = model(**model_kwargs, losscodegen=(head, labels, call, labels.shape[1]))
+
+        # the metrics TRL logs, in its order
+        metrics = self._metrics[mode]
+        metrics["kl"].append(kl.item())
+        n = valid.sum()
+        entropy = _global_mean(acc.gather_for_metrics, out.metrics["entropy"] * n, n)
+        metrics["entropy"].append(0.0 if entropy is None else entropy)
+        if mode == "train":
+            num_tokens_in_batch = acc.gather_for_metrics(batch["attention_mask"].sum()).sum().item()
+            self._total_train_tokens += num_tokens_in_batch // self._tp_size
+        metrics["num_tokens"] = [self._total_train_tokens]
+        for side, rows in (("chosen", desirable), ("rejected", ~desirable)):
+            mean = _global_mean(acc.gather_for_metrics, out.metrics[f"mean_logits_{side}"] * n, valid[rows].sum())
+            if mean is not None:
+                metrics[f"logits/{side}"].append(mean)
+        sequences = torch.tensor(float(labels.shape[0]), device=n.device)   # (the terms are means over them)
+        rewards = {}
+        for side, name, rows in (("chosen", "desirable", desirable), ("rejected", "undesirable", ~desirable)):
+            count = rows.sum()
+            mean = _global_mean(acc.gather_for_metrics, self.beta * out.terms[f"logratio_{name}"] * sequences, count)
+            if mean is not None:   # (some process has such sequences)
+                rewards[side] = mean
+                metrics[f"rewards/{side}"].append(mean)
+                metrics[f"logps/{side}"].append(
+                    _global_mean(acc.gather_for_metrics, out.terms[f"logps_{name}"] * sequences, count))
+        if len(rewards) == 2:
+            metrics["rewards/margins"].append(rewards["chosen"] - rewards["rejected"])
+        return out.loss
