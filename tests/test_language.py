@@ -13,6 +13,10 @@ import losscodegen as lcg
 from losscodegen import symbols as S
 from helpers import run_ranks
 
+# every test here runs on both backends (conftest's ``backend``: the heads built with backend="auto";
+# spawned ranks take the parent's)
+pytestmark = pytest.mark.usefixtures("backend")
+
 _l = S.target_logit - S.lse
 # Dr. GRPO-style sequence loss (arXiv 2503.20783): each sequence's summed -A*log p, over a constant
 # length budget instead of its own length; here divided by sqrt(length) to read segment_count too
