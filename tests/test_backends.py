@@ -9,6 +9,7 @@ import torch
 
 import losscodegen as lcg
 from losscodegen import backends
+from losscodegen import symbols as S
 from losscodegen.testing import assert_parity
 
 
@@ -89,6 +90,30 @@ def test_each_backend_writes_its_own_file():
     assert torch_head.kernel.CODEGEN == lcg.load.codegen_version(torch_head.backend) \
         != lcg.load.codegen_version(triton_head.backend)
     # the runtime's contract, written by both templates from the same plan
-    for name in ("OUTPUTS", "ROW_VALUES", "COLUMNS", "EXACT", "SCALARS", "ARGS", "FIXED", "CONSTEXPRS",
-                 "LOSS", "COUNT", "DONE", "FIXED_SLOTS", "NORMALIZE", "STATE"):
-        assert getattr(torch_head.kernel, name) == getattr(triton_head.kernel, name), name
+    _same_contract(triton_head.kernel, torch_head.kernel)
+
+
+def _same_contract(triton_kernel, torch_kernel) -> None:
+    for name in ("OUTPUTS", "ROW_VALUES", "COLUMNS", "EXACT", "TOKENS", "VECTORS", "ROW_LOSS_TERMS", "SCALARS",
+                 "SEGMENTS", "SEGMENT_MEANS", "SEGMENT_ROW_TERMS", "ARGS", "FIXED", "CONSTEXPRS", "LOSS", "COUNT",
+                 "DONE", "FIXED_SLOTS", "NORMALIZE", "STATE"):
+        assert getattr(torch_kernel, name) == getattr(triton_kernel, name), name
+    for name in ("SEGMENT_ARGS", "SEGMENT_FIXED", "SEGMENT_CONSTEXPRS"):
+        assert getattr(torch_kernel, name, None) == getattr(triton_kernel, name, None), name
+
+
+_l = S.target_logit - S.lse
+
+
+@pytest.mark.parametrize("formula", [
+    (_l - S.segment_mean(_l)) ** 2 * S.token("advantages"),                  # a row term of segment statistics
+    -S.segment_sum(_l) / S.segment_count,                                     # a segment term
+    S.row_max ** 2,                                                           # the row max (argmax gradient)
+    S.vsum(S.vector("prior") * (S.lse - S.logit)),                            # a per-class vector
+], ids=["row_segment", "segment_sum", "row_max", "vector"])
+def test_both_backends_write_one_contract_for_each_construct(formula):
+    """emit.KernelSpec is the file's contract for both backends: every constant the runtime reads
+    (segment row terms, vectors and the segment kernel's interface included) is the same."""
+    term = lcg.declare_term("t", formula)
+    _same_contract(lcg.HeadLoss(term(), lcg.CrossEntropy(), backend="triton").kernel,
+                   lcg.HeadLoss(term(), lcg.CrossEntropy(), backend="torch").kernel)

@@ -13,6 +13,10 @@ import losscodegen as lcg
 from losscodegen import symbols as S
 from helpers import run_ranks
 
+# every test here runs on both backends (conftest's ``backend``: the heads built with backend="auto";
+# spawned ranks take the parent's)
+pytestmark = pytest.mark.usefixtures("backend")
+
 _l = S.target_logit - S.lse
 # Dr. GRPO-style sequence loss (arXiv 2503.20783): each sequence's summed -A*log p, over a constant
 # length budget instead of its own length; here divided by sqrt(length) to read segment_count too
@@ -239,6 +243,30 @@ def test_row_term_of_segment_statistics_refuses_sequence_parallel_and_says_why()
     z, y = torch.randn(4, 10), torch.tensor([1, 2, 3, 4])
     with pytest.raises(ValueError, match="segment_group"):
         head(z, y, segment_ids=torch.tensor([0, 0, 1, 1]), num_segments=2, segment_group=object())
+
+
+def test_no_segments_with_a_valid_row_is_refused_and_writes_only_the_segment_region(monkeypatch):
+    """num_segments=0 with a valid row (validate=True): the row's id is flagged, and its clamped slot
+    is the segment region's one slot, not the fixed slots before it (the valid-row count) nor, in
+    the segment kernel's rows, the regions before the coefficients."""
+    from losscodegen import segments
+    head = lcg.HeadLoss(SeqSpread(), lcg.CrossEntropy())
+    seen = []
+
+    def run(call, ws, n_seg, kernel, args, _run=segments.run):
+        before = ws.t.clone()
+        _run(call, ws, n_seg, kernel, args)
+        seen.append((ws, before, ws.t.clone()))
+    monkeypatch.setattr(segments, "run", run)
+    z, y = torch.randn(4, 10), torch.tensor([1, -100, 3, 4])
+    with pytest.raises(ValueError, match="segment_ids"):
+        head(z, y, segment_ids=torch.tensor([0, 0, 1, 1]), num_segments=0)
+    (ws, before, after), = seen
+    k = head.kernel
+    assert before[k.COUNT].item() == 3 and before[k.DONE].item() == 4
+    # the segment kernel writes the outputs, the loss and the coefficients only
+    torch.testing.assert_close(after[k.LOSS + 1:ws.off_seg_coefs], before[k.LOSS + 1:ws.off_seg_coefs],
+                               rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("name", ["segment_sum", "row_reads_segment", "row_max", "nested_vsum"])

@@ -17,6 +17,9 @@ from losscodegen import preference as P
 from helpers import run_ranks
 
 trl = pytest.importorskip("trl")
+# every test here runs on both backends (conftest's ``backend``: the heads built with backend="auto";
+# spawned ranks take the parent's)
+pytestmark = pytest.mark.usefixtures("backend")
 
 B, T, V = 3, 7, 48
 

@@ -228,13 +228,22 @@ def test_a_declaration_renaming_an_argument_fails_at_generation(monkeypatch):
         lcg.HeadLoss(lcg.CrossEntropy(), backend="torch").source()
 
 
-def test_its_kernels_trace_whole_under_torch_compile(monkeypatch):
+_l = S.target_logit - S.lse
+
+
+@pytest.mark.parametrize("terms", [
+    lambda: (lcg.GSPO(), lcg.JSD(weight=0.3)),
+    # the language's constructs: a row term of segment statistics, the row max, a per-class vector
+    lambda: (lcg.declare_term("spread", (_l - S.segment_mean(_l)) ** 2 * S.token("advantages") / S.segment_count)(),
+             lcg.declare_term("max_z", S.row_max ** 2)(weight=0.1),
+             lcg.declare_term("prior", S.vsum(S.vector("prior") * (S.lse - S.logit)))(weight=0.5)),
+], ids=["gspo_jsd", "constructs"])
+def test_its_kernels_trace_whole_under_torch_compile(monkeypatch, terms):
     """Each function of a torch kernel file is one graph to torch.compile (fullgraph=True: no host
     read, no data-dependent branch; validate=False, whose check reads the host, is the one break)."""
     torch_backend = backends.get("torch")
     kernel = torch_backend.kernel
     monkeypatch.setattr(torch_backend, "kernel", lambda fn, *args: kernel(
         torch.compile(fn, fullgraph=True, backend="eager", dynamic=False), *args))
-    head = lcg.HeadLoss(lcg.GSPO(), lcg.JSD(weight=0.3), metrics=(lcg.TokenAccuracy(),), validate=False,
-                        backend="torch")
+    head = lcg.HeadLoss(*terms(), metrics=(lcg.TokenAccuracy(),), validate=False, backend="torch")
     assert_parity(head, rows=10, vocab=150, dtypes=(torch.float32,))

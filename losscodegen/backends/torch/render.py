@@ -17,7 +17,7 @@ import sympy as sp
 from ... import symbols as S
 from ...emit import (FLAG_SLOTS, M_REF, MT_REF, KernelSource, TorchPrinter, check_interface, kernel_spec,
                      neg_inf_handling, online_exponent, online_groups, printed_bodies, seal, stats_relative, wrap)
-from ...lower import IS_Y, M, MT, TM, ZM, ZYM, base_of, shift
+from ...lower import IS_ARGMAX, IS_Y, M, MT, TM, ZM, ZYM, base_of, shift
 from ...plan import Plan
 from ...resources import TEMPLATES
 
@@ -41,7 +41,7 @@ _VOCAB = (*S.ELEMENT_SYMBOLS, ZM, TM)
 def _per_element(expr: sp.Expr, printed: str) -> str:
     """``printed`` (of ``expr``) as a [rows, block] tensor: a summand free of the elements (a row
     value, a number) is broadcast to the block, whose sum it is then summed over."""
-    return printed if expr.has(*_VOCAB, IS_Y) else f"({printed}) * torch.ones_like(z)"
+    return printed if expr.has(*_VOCAB, IS_Y, IS_ARGMAX, *S.vectors_in(expr)) else f"({printed}) * torch.ones_like(z)"
 
 
 def _merge(plan: Plan) -> list[str]:
@@ -125,7 +125,12 @@ def render(plan: Plan, key: str, header: str, codegen: str,
         temps, (value, *grads) = _statements([seg.formula, *seg.dformula], f"{seg.name}_u")
         segments.append(dict(name=seg.name, temps=temps, value=value, slot=lw.outputs.index(seg.name),
                              per_sequence=norm[seg.name] == "sequence",
-                             grads=[(seg_means.index(U.name), g) for U, g in zip(seg.means, grads)]))
+                             # its divisor: a row term of segment statistics is divided as a row term is
+                             div="div_rows" if seg.rows else "div_seq" if norm[seg.name] == "sequence" else "div",
+                             grads=[(seg_means.index(U.name), g) for U, g in zip(seg.means, grads)],
+                             # a row term of segment statistics: its row values, read row by row
+                             rows=[(p.name, row_names.index(p.name)) for p in seg.rows],
+                             valid=row_names.index(seg.valid) if seg.valid else None))
     head_exprs = ([a.body for a in lw.accumulators] + [e for _, e in lw.grad_coefs + lw.row_values]
                   + [lw.grad_vocab, lw.grad_topk])
 
@@ -148,7 +153,11 @@ def render(plan: Plan, key: str, header: str, codegen: str,
         row_temps=row_temps, rows=list(zip(row_names, row_exprs)),
         coef_temps=coef_temps, coefs=list(zip([s.name for s, _ in lw.grad_coefs], coef_exprs)),
         grad_temps=grad_temps, grad_expr=_per_element(grad_vocab, grad_expr), topk_grad=None if lw.grad_topk == 0 else topk_grad_expr,
-        neg_inf=neg_inf, uses_is_y=lw.grad_vocab.has(IS_Y), grad_teacher=lw.grad_uses_teacher,
+        neg_inf=neg_inf, uses_is_y=lw.grad_vocab.has(IS_Y), uses_is_argmax=lw.grad_vocab.has(IS_ARGMAX),
+        grad_teacher=lw.grad_uses_teacher,
+        # the means (and the count) the gradient launch reads per row for a row term of segment
+        # statistics' direct path
+        grad_means=[(U.name, seg_means.index(U.name)) for seg in lw.segments if seg.rows for U in seg.means],
         merge=_merge(plan),
         grad_weights=[(n, f"weight_{n} * grad_scale" if norm[n] == "tokens" else f"weight_{n}")
                       for n in spec.row_loss_terms],
