@@ -479,10 +479,21 @@ def check(head: lcg.HeadLoss, plan: Plan, *, rows: int = 12, vocab: int = 64, se
     _compare(head, plan, got, want, dtype)
 
 
+def _forced(head, plan: Plan, logits: torch.Tensor) -> Any:
+    """The head's backend configuration for this call with the plan's tile and split forced (a
+    dataclass: each field the backend's configuration has of ``block_v``, ``num_warps``, ``split``),
+    or None: the runtime's own choice."""
+    if plan.tile is None:
+        return None
+    config = head.backend.config(head, head.kernel, logits.shape[-1], logits.dtype, logits.device)
+    forced = dict(zip(("block_v", "num_warps", "split"), plan.tile))
+    names = {f.name for f in dataclasses.fields(config)}
+    return dataclasses.replace(config, **{k: v for k, v in forced.items() if k in names})
+
+
 def _run_here(head, plan: Plan, logits, labels, kw, up):
     """(loss, values, rows, dL/dlogits) of one call in this process."""
-    from .backends.triton.tiles import Config
-    head.tile_override = Config(*plan.tile) if plan.tile else None
+    head.tile_override = _forced(head, plan, logits)
     x = logits.clone().requires_grad_()
     try:
         if plan.kind == "compile":
@@ -564,8 +575,7 @@ def _check_linear(head, plan: Plan, logits, labels, kw, up, device, seed) -> Non
     z = (hidden @ weight.T).float()
     want = _reference(head, z, labels, kw, up)
     _screen(head, z, labels, kw, up, want, torch.float32)
-    from .backends.triton.tiles import Config
-    head.tile_override = Config(*plan.tile) if plan.tile else None
+    head.tile_override = _forced(head, plan, z)
     h, w = hidden.float().to(device).requires_grad_(), weight.float().to(device).requires_grad_()
     try:
         out = head.linear(h, w, labels, chunk_rows=plan.chunk_rows, **lin_kw)

@@ -170,8 +170,8 @@ class stop_gradient(sp.Function):
 
     @classmethod
     def eval(cls, x):
-        if isinstance(x, (sp.Number, stop_gradient)):  # a constant has no gradient to stop, nor one stopped
-            return x
+        if x.is_number or isinstance(x, stop_gradient):  # a constant (log(2) too) has no gradient
+            return x                                     # to stop, nor one stopped already
 
     def fdiff(self, argindex=1):
         return sp.S.Zero

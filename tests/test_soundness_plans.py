@@ -6,6 +6,7 @@ import ast
 import os
 
 import pytest
+import sympy as sp
 import torch
 
 import losscodegen as lcg
@@ -107,3 +108,11 @@ def test_a_doubly_stopped_gradient_compiles():
     """stop_gradient(stop_gradient(x)): the value x, no gradient (the inner one reached the printer)."""
     Stopped = lcg.declare_term("stopped", S.stop_gradient(S.stop_gradient(S.vsum(S.softmax * S.logit))) * S.lse)
     check(lcg.HeadLoss(Stopped()), Plan(), rows=4, vocab=40, seed=0)
+
+
+def test_a_constant_term_and_a_stopped_constant_metric():
+    """Formulas with no row quantity at all: 0.5 summed over rows, and stop_gradient(log(2)) (the
+    reference printed (0.693...).detach(), on a float)."""
+    Half = lcg.declare_term("half", sp.Rational(1, 2))
+    Log2 = lcg.declare_term("log2", S.stop_gradient(S.log(2)))
+    check(lcg.HeadLoss(Half(weight=0.3, normalize="sum"), metrics=(Log2(),)), Plan(), rows=3, vocab=40, seed=0)
