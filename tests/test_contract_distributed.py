@@ -520,3 +520,55 @@ def test_process_group_policy_topk_and_teacher_linear(pg2, case):
     assert case in names, pg2
     bad = _check(pg2).get(case)
     assert not bad, "\n".join(bad)
+
+
+def _dtensor_refusals(rank, world):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+    import losscodegen as lcg
+    mesh = init_device_mesh("cpu", (world,))
+    x, y, t = _global(R_=10, V=40, seed=30)
+    res = []
+
+    def partial_teacher():
+        xd = distribute_tensor(x, mesh, [Shard(1)])
+        td = DTensor.from_local(t / world, mesh, [Partial()])
+        try:
+            out = lcg.HeadLoss(lcg.ForwardKL())(xd, y, teacher_logits=td)
+        except (ValueError, TypeError, NotImplementedError) as e:
+            assert "Partial" in str(e) and "teacher_logits" in str(e), str(e)
+            return
+        # accepted: then honoured (the teacher is the sum of the partial values)
+        R.close(_full(out.loss), R.mean_over(R.forward_kl_rows(x.double(), t), R.valid_rows(y)), FP32,
+                "Partial teacher_logits accepted: the loss of the summed teacher")
+    _case(res, "Partial teacher_logits refused naming it or honoured", partial_teacher)
+
+    def bad_label_same_everywhere():
+        yy = y.clone()
+        yy[4] = 40
+        xd = distribute_tensor(x, mesh, [Shard(1)])
+        try:
+            float(_full(lcg.HeadLoss(lcg.CrossEntropy())(xd, yy).loss))
+            msg = "no error"
+        except (ValueError, TypeError) as e:
+            msg = f"{type(e).__name__}: {e}"
+        gathered = [None] * world
+        dist.all_gather_object(gathered, msg)
+        assert "labels" in msg and len(set(gathered)) == 1, gathered
+    _case(res, "DTensor bad label: one error on every rank", bad_label_same_everywhere)
+    return res
+
+
+@pytest.fixture(scope="module")
+def refusals2():
+    return _spawn(_dtensor_refusals, 2, timeout=300)
+
+
+@pytest.mark.parametrize("case", ["Partial teacher_logits refused naming it or honoured",
+                                  "DTensor bad label: one error on every rank"])
+def test_dtensor_refusals(refusals2, case):
+    names = {n for res in refusals2 for n, _ in res}
+    assert case in names, refusals2
+    bad = _check(refusals2).get(case)
+    assert not bad, "\n".join(bad)

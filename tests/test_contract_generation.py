@@ -66,3 +66,53 @@ def test_fuzz_command_line_exists():
     assert out.returncode == 0, out.stderr
     for opt in ("--minutes", "--seed", "--device"):
         assert opt in out.stdout, out.stdout
+
+
+HEAD_SCRIPT = """
+import torch, losscodegen as lcg
+x = torch.linspace(-3, 3, 6 * 19).reshape(6, 19)
+y = torch.arange(6)
+out = lcg.HeadLoss(lcg.CrossEntropy(label_smoothing=0.1), lcg.JSD(beta=0.25, temperature=3.0))(x, y, teacher_logits=x.flip(0))
+print("LOSS", float(out.loss))
+"""
+
+
+def test_downstream_kernels_folder_generate_check_and_read_only_mismatch(tmp_path):
+    manifest = tmp_path / "manifest"
+    manifest.write_text("HeadLoss(CrossEntropy(label_smoothing=0.1), JSD(beta=0.25, temperature=3.0))\n")
+    out_dir = tmp_path / "kernels"
+    env = {**os.environ, "PYTHONPATH": ROOT, "TRITON_INTERPRET": "1", "LOSSCODEGEN_CACHE": str(tmp_path / "cache")}
+    gen = subprocess.run([sys.executable, "-m", "losscodegen", "generate", "--manifest", str(manifest), "--out", str(out_dir)],
+                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert gen.returncode == 0, gen.stderr
+    check = subprocess.run([sys.executable, "-m", "losscodegen", "generate", "--manifest", str(manifest), "--out", str(out_dir),
+                            "--check"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert check.returncode == 0, check.stderr
+    files = _kernel_files(str(out_dir))
+    assert files
+    first = _run({"LOSSCODEGEN_KERNELS": str(out_dir), "LOSSCODEGEN_CACHE": str(tmp_path / "cache")}, HEAD_SCRIPT)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert not _kernel_files(str(tmp_path / "cache")), "the head came from LOSSCODEGEN_KERNELS, not generated again"
+    for f in files:
+        with open(f, "a") as fh:
+            fh.write("\n# edited\n")
+    stale = subprocess.run([sys.executable, "-m", "losscodegen", "generate", "--manifest", str(manifest), "--out", str(out_dir),
+                            "--check"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert stale.returncode != 0, "--check exits non-zero when DIR is out of date"
+    bad = _run({"LOSSCODEGEN_KERNELS": str(out_dir), "LOSSCODEGEN_CACHE": str(tmp_path / "cache")}, HEAD_SCRIPT)
+    assert bad.returncode != 0, bad.stdout
+    assert any(os.path.basename(f) in bad.stderr for f in files), bad.stderr[-2000:]
+
+
+def test_processes_generating_the_same_new_kernel_at_once_leave_one_valid_file(tmp_path):
+    cache = str(tmp_path / "cache")
+    env = {**os.environ, "PYTHONPATH": ROOT, "TRITON_INTERPRET": "1", "LOSSCODEGEN_CACHE": cache}
+    procs = [subprocess.Popen([sys.executable, "-c", SCRIPT], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=ROOT, env=env) for _ in range(3)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (o, e) in zip(procs, outs):
+        assert p.returncode == 0 and "VALUE_OK" in o, o + e[-2000:]
+    files = _kernel_files(cache)
+    assert len(files) == 1, files
+    again = _run({"LOSSCODEGEN_CACHE": cache})
+    assert "VALUE_OK" in again.stdout and "WARNINGS []" in again.stdout, again.stdout + again.stderr[-1000:]

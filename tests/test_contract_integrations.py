@@ -291,3 +291,33 @@ def test_patched_model_loss_equals_the_unpatched_models_own(model_type, over):
     out.loss.backward()
     R.close(out.loss, want, 1e-4, f"{model_type} loss")
     R.close(model.lm_head.weight.grad, ref.lm_head.weight.grad, 1e-4, f"{model_type} lm_head grad")
+
+
+def test_callback_evaluation_logs_per_token_means_over_the_eval_set(tmp_path):
+    import transformers
+    import losscodegen as lcg
+    from losscodegen.integrations.transformers import LosscodegenCallback
+    model, _ = _tiny()
+    rows = []
+    for s in range(3):
+        ids, labels = _batch(B=1, T=6 + 2 * s, seed=10 + s)
+        rows.append({"input_ids": ids[0], "labels": labels[0]})
+    head = lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(weight=1e-3))
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=1, report_to=[], use_cpu=True,
+                                          disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=args, eval_dataset=rows, callbacks=[LosscodegenCallback(head)])
+    metrics = trainer.evaluate()
+    ce = zl = 0.0
+    n = 0
+    for r in rows:
+        with torch.no_grad():
+            h = model.model(input_ids=r["input_ids"][None]).last_hidden_state.double()
+        z = (h @ model.lm_head.weight.double().T)[0, :-1]
+        y = r["labels"][1:]
+        v = R.valid_rows(y)
+        zero = torch.zeros((), dtype=torch.float64)
+        ce += float(torch.where(v, R.ce_rows(z, y), zero).sum())
+        zl += float(torch.where(v, R.z_loss_rows(z), zero).sum())
+        n += int(v.sum())
+    assert abs(metrics["eval_cross_entropy"] - ce / n) <= 1e-4 * max(1, ce / n), (metrics, ce / n)
+    assert abs(metrics["eval_z_loss"] - zl / n) <= 1e-4 * max(1, zl / n), (metrics, zl / n)
