@@ -16,9 +16,9 @@ pytest.importorskip("tokenizers")
 datasets = pytest.importorskip("datasets")
 
 from losscodegen.integrations import trl as lcg_trl  # noqa: E402
-from helpers import tiny_causal_lm, tiny_tokenizer  # noqa: E402
+from helpers import TorchOps, tiny_causal_lm, tiny_tokenizer  # noqa: E402
 
-V, B, T = 64, 3, 9
+V, B, T = 80, 3, 9  # (V: no width of the model's own tensors)
 
 
 def _models(model_type="llama", **overrides):
@@ -121,6 +121,22 @@ def test_dpo_trainer_with_precomputed_reference_logprobs():
 
 def test_dpo_trainer_on_a_softcapped_model():
     _assert_same(*_models("gemma2", final_logit_softcapping=3.0), loss_type=["discopop"])
+
+
+def test_dpo_trainer_builds_no_logits():
+    """The output layer is never called as a module, and no tensor as wide as the vocabulary is the
+    model's [2B, T, V] logits: only head.linear's 2-D chunks of rows (forward and backward; the
+    reference log-probs precomputed)."""
+    policy, ref = _models()
+    ours = _trainer(lcg_trl.DPOTrainer, policy, ref, precompute_ref_log_probs=True)
+    calls = []
+    ours.model.lm_head.register_forward_hook(lambda *_: calls.append(1))
+    inputs = _batch(ref=ref)
+    with TorchOps() as seen:
+        ours._compute_loss(ours.model, inputs, return_outputs=False).backward()
+    assert not calls
+    wide = [s for _, shapes in seen.ops for s in shapes if s and s[-1] == V and s[0] != V]
+    assert wide and all(len(s) == 2 for s in wide), {s for s in wide if len(s) != 2}
 
 
 @pytest.mark.parametrize("options,named", [(dict(loss_type=["aot"]), "loss_type='aot'"),
