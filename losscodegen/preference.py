@@ -23,8 +23,8 @@ import torch
 from . import symbols as S
 from .terms import Term, declare_term
 
-__all__ = ["DPO", "CPO", "SimPO", "ORPO", "KTO", "ChosenNLL", "pair_statistics", "sequence_statistics", "DPO_LOSS_TYPES", "pair_inputs",
-           "sequence_inputs", "concatenated", "logsigmoid", "sigmoid"]
+__all__ = ["DPO", "CPO", "SimPO", "ORPO", "KTO", "ChosenNLL", "pair_statistics", "sequence_statistics",
+           "DPO_LOSS_TYPES", "pair_inputs", "sequence_inputs", "concatenated", "logsigmoid", "sigmoid"]
 
 # the per-row tokens the terms read, filled by pair_inputs / sequence_inputs
 CHOSEN = S.token("chosen")              # 1.0 on a chosen (KTO: desirable) response's rows, else 0.0
