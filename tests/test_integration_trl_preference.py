@@ -225,3 +225,52 @@ def test_training_steps_log_what_trls_trainer_logs(kind):
     for w, g in zip(want, got):
         for name, value in w.items():
             assert g[name] == pytest.approx(value, rel=1e-4, abs=1e-6), name
+
+
+# ----- CPO (trl.experimental) -----------------------------------------------------------------------
+def _cpo_trainer(cls, policy, **options):
+    from trl.experimental.cpo import CPOConfig
+    args = CPOConfig(output_dir="/tmp/lcg-trl-cpo-test", use_cpu=True, report_to=[], bf16=False,
+                     per_device_train_batch_size=B, **options)
+    data = datasets.Dataset.from_dict({"prompt": ["t5 t6 t7", "t8", "t9 t10"],
+                                       "chosen": [" t11 t12", " t13", " t14 t15 t16"],
+                                       "rejected": [" t17", " t18 t19 t20", " t21 t22"]})
+    trainer = cls(model=copy.deepcopy(policy), args=args, processing_class=tiny_tokenizer(V), train_dataset=data)
+    trainer.model.train()
+    return trainer
+
+
+CPO_CASES = {
+    "sigmoid (TRL's default), cpo_alpha": dict(cpo_alpha=0.5, label_smoothing=0.1),
+    "simpo (SimPO: cpo_alpha=0)": dict(loss_type="simpo", cpo_alpha=0.0, simpo_gamma=0.7, beta=2.0),
+    "ipo": dict(loss_type="ipo"),
+    "hinge, AlphaPO": dict(loss_type="hinge", alpha=0.3),
+}
+
+
+@pytest.mark.parametrize("case", list(CPO_CASES))
+def test_cpo_trainer_equals_trls(case):
+    from trl.experimental.cpo import CPOTrainer
+    from losscodegen.integrations.trl_cpo import CPOTrainer as Ours
+    policy, _ = _models()
+    runs = []
+    for cls in (CPOTrainer, Ours):
+        trainer = _cpo_trainer(cls, policy, **CPO_CASES[case])
+        batch = trainer.data_collator([trainer.train_dataset[i] for i in range(B)])
+        loss, metrics = trainer.get_batch_loss_metrics(trainer.model, batch)
+        loss.backward()
+        runs.append((loss.detach(), {n: p.grad for n, p in trainer.model.named_parameters()}, metrics))
+    (want, want_grads, want_metrics), (got, grads, metrics) = runs
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-6)
+    for name, g in want_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=2e-5 * g.abs().max().item(), msg=name)
+    assert list(metrics) == list(want_metrics)
+    for name, value in want_metrics.items():
+        assert metrics[name] == pytest.approx(value, rel=2e-5, abs=2e-6), name
+    assert want_metrics["rewards/margins"] != 0.0
+
+
+def test_cpo_trainer_refuses_a_softcapped_model():
+    from losscodegen.integrations.trl_cpo import CPOTrainer
+    with pytest.raises(ValueError, match="cannot fuse a final-logit softcap"):
+        _cpo_trainer(CPOTrainer, _models("gemma2", final_logit_softcapping=3.0)[0])
