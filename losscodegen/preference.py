@@ -23,8 +23,8 @@ import torch
 from . import symbols as S
 from .terms import Term, declare_term
 
-__all__ = ["DPO", "CPO", "SimPO", "ORPO", "KTO", "ChosenNLL", "pair_statistics", "sequence_statistics", "DPO_LOSS_TYPES", "pair_inputs",
-           "sequence_inputs", "concatenated", "logsigmoid", "sigmoid"]
+__all__ = ["DPO", "CPO", "SimPO", "ORPO", "KTO", "ChosenNLL", "pair_statistics", "sequence_statistics", "cpo_statistics",
+           "DPO_LOSS_TYPES", "pair_inputs", "sequence_inputs", "concatenated", "logsigmoid", "sigmoid"]
 
 # the per-row tokens the terms read, filled by pair_inputs / sequence_inputs
 CHOSEN = S.token("chosen")              # 1.0 on a chosen (KTO: desirable) response's rows, else 0.0
@@ -175,6 +175,18 @@ def pair_statistics() -> tuple[Term, ...]:
 _CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
 
 
+def _cpo_rewards(loss_type: str, alpha: float) -> tuple[sp.Expr, sp.Expr, sp.Expr, sp.Expr]:
+    """TRL's CPO per pair: (chosen, rejected) log-probabilities (averages for ``ipo`` and ``simpo``, else
+    sums), and the rewards over beta they give (AlphaPO's ``(1 - p^-alpha)/alpha`` where alpha != 0)."""
+    chosen, rejected = _chosen_logps, _rejected_logps
+    if loss_type in ("ipo", "simpo"):   # TRL: average_log_prob (sum / count, no clamp)
+        chosen, rejected = chosen / _n_chosen, rejected / _n_rejected
+    if alpha == 0:
+        return chosen, rejected, chosen, rejected
+    a = S.param("alpha")
+    return chosen, rejected, (1 - S.exp(-a * chosen)) / a, (1 - S.exp(-a * rejected)) / a
+
+
 def CPO(*, loss_type: str = "sigmoid", beta: Any = 0.1, label_smoothing: Any = 0.0,
         simpo_gamma: Any = 0.5, alpha: float = 0.0, weight: Any = 1.0) -> Term:
     """TRL's ``CPOTrainer.cpo_loss`` (reference-free) of ``loss_type``, named ``cpo_<loss_type>``
@@ -183,12 +195,7 @@ def CPO(*, loss_type: str = "sigmoid", beta: Any = 0.1, label_smoothing: Any = 0
     ``(1 - p^-alpha)/alpha``. Add ``ChosenNLL(weight=cpo_alpha)`` for TRL's NLL term."""
     if loss_type not in _CPO_LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {_CPO_LOSS_TYPES}, got {loss_type!r}")
-    chosen, rejected = _chosen_logps, _rejected_logps
-    if loss_type in ("ipo", "simpo"):   # TRL: average_log_prob (sum / count, no clamp)
-        chosen, rejected = chosen / _n_chosen, rejected / _n_rejected
-    if alpha != 0:
-        a = S.param("alpha")
-        chosen, rejected = (1 - S.exp(-a * chosen)) / a, (1 - S.exp(-a * rejected)) / a
+    _, _, chosen, rejected = _cpo_rewards(loss_type, alpha)
     x = chosen - rejected
     if loss_type == "simpo":
         x = x - S.param("simpo_gamma") / _beta
@@ -201,6 +208,17 @@ def CPO(*, loss_type: str = "sigmoid", beta: Any = 0.1, label_smoothing: Any = 0
     name = "simpo" if loss_type == "simpo" else f"cpo_{loss_type}"
     return _term(name, formula, weight, dict(beta=beta, label_smoothing=label_smoothing,
                                              simpo_gamma=simpo_gamma, alpha=alpha))
+
+
+def cpo_statistics(*, loss_type: str = "sigmoid", alpha: float = 0.0) -> tuple[Term, ...]:
+    """What TRL's CPOTrainer logs of each pair, as segment terms of weight 0 averaged over the pairs:
+    ``logps_chosen`` / ``logps_rejected`` (the log-probabilities ``CPO(loss_type=...)`` reads: averages
+    for ipo and simpo), ``reward_chosen`` / ``reward_rejected`` (the rewards over beta) and
+    ``reward_accuracy`` (1 where the chosen reward is above the rejected one)."""
+    chosen, rejected, reward_c, reward_r = _cpo_rewards(loss_type, alpha)
+    values = dict(logps_chosen=chosen, logps_rejected=rejected, reward_chosen=reward_c, reward_rejected=reward_r,
+                  reward_accuracy=S.Piecewise((1, reward_c > reward_r), (0, True)))
+    return tuple(_term(name, formula, 0.0, dict(alpha=alpha)) for name, formula in values.items())
 
 
 def SimPO(*, beta: Any = 2.0, gamma: Any = 0.5, label_smoothing: Any = 0.0, weight: Any = 1.0) -> Term:

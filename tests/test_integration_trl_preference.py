@@ -16,9 +16,9 @@ pytest.importorskip("tokenizers")
 datasets = pytest.importorskip("datasets")
 
 from losscodegen.integrations import trl as lcg_trl  # noqa: E402
-from helpers import tiny_causal_lm, tiny_tokenizer  # noqa: E402
+from helpers import TorchOps, tiny_causal_lm, tiny_tokenizer  # noqa: E402
 
-V, B, T = 64, 3, 9
+V, B, T = 80, 3, 9  # (V: no width of the model's own tensors)
 
 
 def _models(model_type="llama", **overrides):
@@ -34,7 +34,7 @@ def _models(model_type="llama", **overrides):
 
 def _trainer(cls, policy, ref, **options):
     args = trl.DPOConfig(output_dir="/tmp/lcg-trl-dpo-test", use_cpu=True, report_to=[], bf16=False,
-                         per_device_train_batch_size=B, **options)
+                         **{"per_device_train_batch_size": B, **options})
     data = datasets.Dataset.from_dict({"prompt": ["t5 t6 t7"] * B, "chosen": [" t8 t9"] * B,
                                        "rejected": [" t10"] * B})
     return _built(cls, policy, ref, args, data)
@@ -123,6 +123,22 @@ def test_dpo_trainer_on_a_softcapped_model():
     _assert_same(*_models("gemma2", final_logit_softcapping=3.0), loss_type=["discopop"])
 
 
+def test_dpo_trainer_builds_no_logits():
+    """The output layer is never called as a module, and no tensor as wide as the vocabulary is the
+    model's [2B, T, V] logits: only head.linear's 2-D chunks of rows (forward and backward; the
+    reference log-probs precomputed)."""
+    policy, ref = _models()
+    ours = _trainer(lcg_trl.DPOTrainer, policy, ref, precompute_ref_log_probs=True)
+    calls = []
+    ours.model.lm_head.register_forward_hook(lambda *_: calls.append(1))
+    inputs = _batch(ref=ref)
+    with TorchOps() as seen:
+        ours._compute_loss(ours.model, inputs, return_outputs=False).backward()
+    assert not calls
+    wide = [s for _, shapes in seen.ops for s in shapes if s and s[-1] == V and s[0] != V]
+    assert wide and all(len(s) == 2 for s in wide), {s for s in wide if len(s) != 2}
+
+
 @pytest.mark.parametrize("options,named", [(dict(loss_type=["aot"]), "loss_type='aot'"),
                                            (dict(ld_alpha=0.5), "ld_alpha=0.5")])
 def test_options_it_cannot_fuse_are_refused_naming_them(options, named):
@@ -142,10 +158,11 @@ def test_a_pair_without_completion_tokens_is_refused():
 # ----- KTO ----------------------------------------------------------------------------------------
 def _kto_trainer(cls, policy, ref, labels=(True, False, True, False), **options):
     args = trl.KTOConfig(output_dir="/tmp/lcg-trl-kto-test", use_cpu=True, report_to=[], bf16=False,
-                         per_device_train_batch_size=len(labels), **options)
-    data = datasets.Dataset.from_dict({
-        "prompt": ["t5 t6 t7", "t8 t9", "t10 t11 t12 t13", "t14"][:len(labels)],
-        "completion": [" t20 t21", " t22", " t23 t24 t25", " t26 t27"][:len(labels)], "label": list(labels)})
+                         **{"per_device_train_batch_size": len(labels), **options})
+    prompts, completions = ["t5 t6 t7", "t8 t9", "t10 t11 t12 t13", "t14"], [" t20 t21", " t22", " t23 t24 t25", " t26 t27"]
+    data = datasets.Dataset.from_dict({"prompt": [prompts[i % 4] for i in range(len(labels))],
+                                       "completion": [completions[i % 4] for i in range(len(labels))],
+                                       "label": list(labels)})
     return _built(cls, policy, ref, args, data)
 
 
@@ -184,3 +201,76 @@ def test_a_mixture_of_experts_load_balancing_loss_is_refused(build):
                   router_aux_loss_coef=0.02)
     with pytest.raises(ValueError, match="cannot fuse router_aux_loss_coef=0.02"):
         build(cls, *moe)
+
+
+@pytest.mark.parametrize("kind", ["dpo", "kto"])
+def test_training_steps_log_what_trls_trainer_logs(kind):
+    """trainer.train(): two optimizer steps (two micro-batches each) from the same seed, our trainer's
+    log_history equal to TRL's (the loss, the learning rate, every metric): the fused loss drives the
+    Trainer's loop as TRL's does."""
+    policy, ref = _models()
+    options = dict(max_steps=2, logging_steps=1, gradient_accumulation_steps=2, learning_rate=1e-2, seed=3)
+    histories = []
+    for cls in ((trl.DPOTrainer, lcg_trl.DPOTrainer) if kind == "dpo" else (trl.KTOTrainer, lcg_trl.KTOTrainer)):
+        if kind == "dpo":
+            trainer = _trainer(cls, policy, ref, per_device_train_batch_size=1, **options)
+        else:
+            trainer = _kto_trainer(cls, policy, ref, labels=(True, False) * 4, per_device_train_batch_size=2,
+                                   **options)
+        trainer.train()
+        histories.append([{k: v for k, v in h.items() if "runtime" not in k and "per_second" not in k}
+                          for h in trainer.state.log_history])
+    want, got = histories
+    assert len(want) == len(got) == 3 and want[0].keys() == got[0].keys() and "rewards/chosen" in got[0]
+    for w, g in zip(want, got):
+        for name, value in w.items():
+            assert g[name] == pytest.approx(value, rel=1e-4, abs=1e-6), name
+
+
+# ----- CPO (trl.experimental) -----------------------------------------------------------------------
+def _cpo_trainer(cls, policy, **options):
+    from trl.experimental.cpo import CPOConfig
+    args = CPOConfig(output_dir="/tmp/lcg-trl-cpo-test", use_cpu=True, report_to=[], bf16=False,
+                     per_device_train_batch_size=B, **options)
+    data = datasets.Dataset.from_dict({"prompt": ["t5 t6 t7", "t8", "t9 t10"],
+                                       "chosen": [" t11 t12", " t13", " t14 t15 t16"],
+                                       "rejected": [" t17", " t18 t19 t20", " t21 t22"]})
+    trainer = cls(model=copy.deepcopy(policy), args=args, processing_class=tiny_tokenizer(V), train_dataset=data)
+    trainer.model.train()
+    return trainer
+
+
+CPO_CASES = {
+    "sigmoid (TRL's default), cpo_alpha": dict(cpo_alpha=0.5, label_smoothing=0.1),
+    "simpo (SimPO: cpo_alpha=0)": dict(loss_type="simpo", cpo_alpha=0.0, simpo_gamma=0.7, beta=2.0),
+    "ipo": dict(loss_type="ipo"),
+    "hinge, AlphaPO": dict(loss_type="hinge", alpha=0.3),
+}
+
+
+@pytest.mark.parametrize("case", list(CPO_CASES))
+def test_cpo_trainer_equals_trls(case):
+    from trl.experimental.cpo import CPOTrainer
+    from losscodegen.integrations.trl_cpo import CPOTrainer as Ours
+    policy, _ = _models()
+    runs = []
+    for cls in (CPOTrainer, Ours):
+        trainer = _cpo_trainer(cls, policy, **CPO_CASES[case])
+        batch = trainer.data_collator([trainer.train_dataset[i] for i in range(B)])
+        loss, metrics = trainer.get_batch_loss_metrics(trainer.model, batch)
+        loss.backward()
+        runs.append((loss.detach(), {n: p.grad for n, p in trainer.model.named_parameters()}, metrics))
+    (want, want_grads, want_metrics), (got, grads, metrics) = runs
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-6)
+    for name, g in want_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=2e-5 * g.abs().max().item(), msg=name)
+    assert list(metrics) == list(want_metrics)
+    for name, value in want_metrics.items():
+        assert metrics[name] == pytest.approx(value, rel=2e-5, abs=2e-6), name
+    assert want_metrics["rewards/margins"] != 0.0
+
+
+def test_cpo_trainer_refuses_a_softcapped_model():
+    from losscodegen.integrations.trl_cpo import CPOTrainer
+    with pytest.raises(ValueError, match="cannot fuse a final-logit softcap"):
+        _cpo_trainer(CPOTrainer, _models("gemma2", final_logit_softcapping=3.0)[0])

@@ -1,6 +1,8 @@
 """TRL: ``GRPOTrainer``, a subclass of ``trl.GRPOTrainer`` (same constructor) whose ``_compute_loss``
 computes TRL's whole objective (policy term, KL penalty, entropy bonus) in one ``head.linear`` call per
-micro-batch, and logs TRL's metric names (docs/integrations-trl.md).
+micro-batch, and logs TRL's metric names (docs/integrations-trl.md). ``DPOTrainer`` and ``KTOTrainer``
+do the same for TRL's preference trainers with the terms of ``losscodegen.preference``; ``SFTTrainer``
+trains on a patched model's head.
 
 TRL 1.16's ``_compute_loss`` gets per-token log-probs and entropies from its chunked fused LM head,
 then builds each ``loss_type`` in torch. Here every part of that is a formula declared from TRL's
@@ -36,8 +38,8 @@ try:
 except ImportError as e:  # pragma: no cover - the message is the point
     raise ImportError('losscodegen.integrations.trl needs trl>=1.16: pip install "losscodegen[hf]"') from e
 
-__all__ = ["GRPOTrainer", "SFTTrainer", "DPOTrainer", "KTOTrainer", "FUSED_LOSS_TYPES", "unfused_dpo_options", "FUSED_IMPORTANCE_SAMPLING_LEVELS", "unfused_options",
-           "generalized_jsd_loss"]
+__all__ = ["GRPOTrainer", "SFTTrainer", "DPOTrainer", "KTOTrainer", "FUSED_LOSS_TYPES", "unfused_dpo_options",
+           "FUSED_IMPORTANCE_SAMPLING_LEVELS", "unfused_options", "generalized_jsd_loss"]
 
 FUSED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
 FUSED_IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
@@ -497,11 +499,11 @@ class SFTTrainer(trl.SFTTrainer):
         add_fused_lm_head(target, **found, objective=objective)
 
 
-# TRL's DPO metrics of the responses' tokens: each response's mean logit over the vocabulary, and the
-# chosen responses' top-1 accuracy (means over the valid rows, times their number: sums)
+# What TRL's DPO and KTO trainers log of the responses' tokens: each response's mean logit over the
+# vocabulary, and the chosen responses' top-1 accuracy (means over the valid rows, times their number: sums)
 _CHOSEN = S.token("chosen")
 _MEAN_LOGIT = S.vsum(S.logit) / S.vocab_size
-_DPO_TOKEN_METRICS = (
+_RESPONSE_TOKEN_METRICS = (
     lcg.declare_term("mean_logits_chosen", _CHOSEN * _MEAN_LOGIT, metric_only=True),
     lcg.declare_term("mean_logits_rejected", (1 - _CHOSEN) * _MEAN_LOGIT, metric_only=True),
     lcg.declare_term("token_accuracy_chosen", _CHOSEN * S.Piecewise((1, sp.Eq(S.argmax, S.label)), (0, True)),
@@ -555,7 +557,7 @@ class DPOTrainer(trl.DPOTrainer):
                         discopop_tau=self.args.discopop_tau, use_weighting=self.use_weighting, weight=float(w))
                   for t, w in zip(self.loss_types, self.loss_weights, strict=True)]
         self._lcg_head = lcg.HeadLoss(*losses, *P.pair_statistics(),
-                                      metrics=(lcg.Entropy(), *(m() for m in _DPO_TOKEN_METRICS)),
+                                      metrics=(lcg.Entropy(), *(m() for m in _RESPONSE_TOKEN_METRICS)),
                                       softcap=softcap, logit_scale=scale)
         add_fused_objective(target, cast_lm_head_to_fp32=False)
 
@@ -602,11 +604,10 @@ class DPOTrainer(trl.DPOTrainer):
         metrics["mean_token_accuracy"].append(
             ratio(acc.gather_for_metrics, out.metrics["token_accuracy_chosen"] * n, n_chosen))
         pairs = torch.tensor(float(B), device=n.device)   # (the pair terms are means over the B pairs)
-        beta = self.beta
-        for name, value in (("rewards/chosen", beta * out.terms["logratio_chosen"]),
-                            ("rewards/rejected", beta * out.terms["logratio_rejected"]),
+        chosen, rejected = self.beta * out.terms["logratio_chosen"], self.beta * out.terms["logratio_rejected"]
+        for name, value in (("rewards/chosen", chosen), ("rewards/rejected", rejected),
                             ("rewards/accuracies", out.terms["reward_accuracy"]),
-                            ("rewards/margins", beta * (out.terms["logratio_chosen"] - out.terms["logratio_rejected"])),
+                            ("rewards/margins", chosen - rejected),
                             ("logps/chosen", out.terms["logps_chosen"]),
                             ("logps/rejected", out.terms["logps_rejected"])):
             metrics[name].append(ratio(acc.gather, value * pairs, pairs))
@@ -614,8 +615,8 @@ class DPOTrainer(trl.DPOTrainer):
 
 
 # TRL's KTOTrainer batch keys that are not the model's
-_KTO_NOT_MODEL_KEYS = ("completion_mask", "KL_input_ids", "KL_attention_mask", "KL_completion_mask", "KL_token_type_ids",
-                       "KL_mm_token_type_ids", "label", "ref_logps", "ref_KL_logps")
+_KTO_NOT_MODEL_KEYS = ("completion_mask", "KL_input_ids", "KL_attention_mask", "KL_completion_mask",
+                       "KL_token_type_ids", "KL_mm_token_type_ids", "label", "ref_logps", "ref_KL_logps")
 
 
 class KTOTrainer(trl.KTOTrainer):
@@ -638,7 +639,7 @@ class KTOTrainer(trl.KTOTrainer):
         loss = P.KTO(loss_type=self.loss_type, beta=self.beta, kl=self._lcg_kl, desirable_weight=self.desirable_weight,
                      undesirable_weight=self.undesirable_weight)
         self._lcg_head = lcg.HeadLoss(loss, *P.sequence_statistics(),
-                                      metrics=(lcg.Entropy(), *(m() for m in _DPO_TOKEN_METRICS[:2])),
+                                      metrics=(lcg.Entropy(), *(m() for m in _RESPONSE_TOKEN_METRICS[:2])),
                                       softcap=softcap, logit_scale=scale)
         add_fused_objective(target, cast_lm_head_to_fp32=False)
 
