@@ -572,3 +572,43 @@ def test_dtensor_refusals(refusals2, case):
     assert case in names, refusals2
     bad = _check(refusals2).get(case)
     assert not bad, "\n".join(bad)
+
+
+def _fsdp_model(rank, world):
+    """apply_losscodegen on a tiny llama wrapped by FSDP2 (lm_head its own unit, then not; tied, then
+    not): each rank's loss is its own batch's shifted cross-entropy."""
+    import copy
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from losscodegen.integrations.transformers import apply_losscodegen
+    mesh = init_device_mesh("cpu", (world,))
+    res = []
+    for tied in (False, True):
+        for own_unit in (True, False):
+            def case(tied=tied, own_unit=own_unit):
+                config = transformers.AutoConfig.for_model(
+                    "llama", vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=8, pad_token_id=0, eos_token_id=2, bos_token_id=3, tie_word_embeddings=tied)
+                torch.manual_seed(0)
+                model = transformers.AutoModelForCausalLM.from_config(config).float()
+                ref = copy.deepcopy(model).double()
+                g = torch.Generator().manual_seed(100 + rank)
+                ids = torch.randint(4, 48, (2, 7), generator=g)
+                labels = ids.clone()
+                labels[0, :2] = R.IGNORE
+                apply_losscodegen(model)
+                if own_unit:     # (FSDP2 puts a tied weight's two modules in one unit)
+                    fully_shard([model.model.embed_tokens, model.lm_head] if tied else model.lm_head, mesh=mesh)
+                fully_shard(model, mesh=mesh)
+                out = model(input_ids=ids, labels=labels)
+                out.loss.backward()
+                want = ref(input_ids=ids, labels=labels).loss
+                R.close(out.loss, want, 1e-4, "this rank's loss")
+            _case(res, f"fsdp2 model tied={tied} lm_head_unit={own_unit}", case)
+    return res
+
+
+def test_apply_losscodegen_under_fsdp2():
+    bad = _check(_spawn(_fsdp_model, 2, timeout=300))
+    assert not bad, bad
