@@ -32,17 +32,17 @@ def _models(model_type="llama", **overrides):
     return policy, ref
 
 
-def _trainer(cls, policy, ref, **options):
+def _trainer(cls, policy, ref, evaluate=False, **options):
     args = trl.DPOConfig(output_dir="/tmp/lcg-trl-dpo-test", use_cpu=True, report_to=[], bf16=False,
                          **{"per_device_train_batch_size": B, **options})
     data = datasets.Dataset.from_dict({"prompt": ["t5 t6 t7"] * B, "chosen": [" t8 t9"] * B,
                                        "rejected": [" t10"] * B})
-    return _built(cls, policy, ref, args, data)
+    return _built(cls, policy, ref, args, data, evaluate)
 
 
-def _built(cls, policy, ref, args, data):
+def _built(cls, policy, ref, args, data, evaluate=False):
     trainer = cls(model=copy.deepcopy(policy), ref_model=None if ref is None else copy.deepcopy(ref), args=args,
-                  processing_class=tiny_tokenizer(V), train_dataset=data)
+                  processing_class=tiny_tokenizer(V), train_dataset=data, eval_dataset=data if evaluate else None)
     trainer.model.train()
     return trainer
 
@@ -156,14 +156,14 @@ def test_a_pair_without_completion_tokens_is_refused():
 
 
 # ----- KTO ----------------------------------------------------------------------------------------
-def _kto_trainer(cls, policy, ref, labels=(True, False, True, False), **options):
+def _kto_trainer(cls, policy, ref, labels=(True, False, True, False), evaluate=False, **options):
     args = trl.KTOConfig(output_dir="/tmp/lcg-trl-kto-test", use_cpu=True, report_to=[], bf16=False,
                          **{"per_device_train_batch_size": len(labels), **options})
     prompts, completions = ["t5 t6 t7", "t8 t9", "t10 t11 t12 t13", "t14"], [" t20 t21", " t22", " t23 t24 t25", " t26 t27"]
     data = datasets.Dataset.from_dict({"prompt": [prompts[i % 4] for i in range(len(labels))],
                                        "completion": [completions[i % 4] for i in range(len(labels))],
                                        "label": list(labels)})
-    return _built(cls, policy, ref, args, data)
+    return _built(cls, policy, ref, args, data, evaluate)
 
 
 KTO_CASES = {
@@ -205,11 +205,12 @@ def test_a_mixture_of_experts_load_balancing_loss_is_refused(build):
 
 @pytest.mark.parametrize("kind", ["dpo", "kto"])
 def test_training_steps_log_what_trls_trainer_logs(kind):
-    """trainer.train(): two optimizer steps (two micro-batches each) from the same seed, our trainer's
-    log_history equal to TRL's (the loss, the learning rate, every metric): the fused loss drives the
-    Trainer's loop as TRL's does."""
+    """trainer.train(): two optimizer steps (two micro-batches each) from the same seed, then evaluate():
+    our trainer's log_history equal to TRL's (the loss, the learning rate, every metric, the eval_ ones):
+    the fused loss drives the Trainer's loops as TRL's does."""
     policy, ref = _models()
-    options = dict(max_steps=2, logging_steps=1, gradient_accumulation_steps=2, learning_rate=1e-2, seed=3)
+    options = dict(max_steps=2, logging_steps=1, gradient_accumulation_steps=2, learning_rate=1e-2, seed=3,
+                   evaluate=True)
     histories = []
     for cls in ((trl.DPOTrainer, lcg_trl.DPOTrainer) if kind == "dpo" else (trl.KTOTrainer, lcg_trl.KTOTrainer)):
         if kind == "dpo":
@@ -218,10 +219,12 @@ def test_training_steps_log_what_trls_trainer_logs(kind):
             trainer = _kto_trainer(cls, policy, ref, labels=(True, False) * 4, per_device_train_batch_size=2,
                                    **options)
         trainer.train()
+        trainer.evaluate()
         histories.append([{k: v for k, v in h.items() if "runtime" not in k and "per_second" not in k}
                           for h in trainer.state.log_history])
     want, got = histories
-    assert len(want) == len(got) == 3 and want[0].keys() == got[0].keys() and "rewards/chosen" in got[0]
+    assert len(want) == len(got) == 4 and want[0].keys() == got[0].keys() and "rewards/chosen" in got[0]
+    assert want[-1].keys() == got[-1].keys() and "eval_rewards/chosen" in got[-1]
     for w, g in zip(want, got):
         for name, value in w.items():
             assert g[name] == pytest.approx(value, rel=1e-4, abs=1e-6), name
