@@ -232,7 +232,8 @@ def _check_symbols(name: str, formula: sp.Expr) -> None:
     for sym in sorted(formula.free_symbols - known, key=str):
         for prefix, make, taken, where in (
                 (S.TOKEN_PREFIX, S.token, _CALL_NAMES, "an argument or keyword of the head's call"),
-                (S.PARAM_PREFIX, S.param, _FACTORY_KEYWORDS, "a keyword of the term factory"),
+                (S.PARAM_PREFIX, S.param, tuple(dict.fromkeys(_FACTORY_KEYWORDS + _CALL_NAMES)),
+                 "a keyword of the term factory or an argument or keyword of the head's call"),
                 (S.VECTOR_PREFIX, S.vector, _CALL_NAMES, "an argument or keyword of the head's call")):
             short = sym.name[len(prefix):]
             if sym.name.startswith(prefix) and short.isidentifier() and sym == make(short):

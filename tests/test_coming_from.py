@@ -271,6 +271,8 @@ def test_the_docs_pass_term_options_by_keyword():
     positional = []
     for path in sorted((root / "docs").glob("*.md")) + [root / "README.md"]:
         for number, line in enumerate(path.read_text().splitlines(), 1):
+            if "TypeError" in line:   # (a line showing the refusal itself)
+                continue
             for m in call.finditer(line):
                 first = m.group(2).split(",")[0].strip()
                 if first and "=" not in first and not first.startswith("*") and first != "...":

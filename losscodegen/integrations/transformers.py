@@ -107,7 +107,8 @@ _MODEL_TYPES: dict[str, ModelType] = {
     "cohere": ModelType(logit_scale="logit_scale"), "cohere2": ModelType(logit_scale="logit_scale"),
     "granite": ModelType(logit_divisor="logits_scaling"),
 }
-# the types checked against transformers' forwards (register_model_type adds others)
+# the types apply_losscodegen patches: those checked against transformers' forwards, and those
+# register_model_type adds (it rebinds this tuple: read it as a module attribute)
 SUPPORTED_MODEL_TYPES = tuple(sorted(_MODEL_TYPES))
 
 
@@ -124,11 +125,13 @@ def register_model_type(model_type: str, *, softcap: str | None = None, logit_sc
     attention_mask)`` (the function of the model's own module) when ``output_router_logits``. A forward
     that does anything else would train on a different objective: check it against the unpatched model
     (loss and gradients) before relying on it."""
+    global SUPPORTED_MODEL_TYPES
     if not isinstance(model_type, str) or not model_type:
         raise TypeError(f"model_type must be a non-empty str (a config's model_type), got {model_type!r}")
     _MODEL_TYPES[model_type] = ModelType(softcap=softcap, logit_scale=logit_scale, logit_divisor=logit_divisor,
                                          router_aux_loss=bool(router_aux_loss),
                                          base_takes_labels=bool(base_takes_labels))
+    SUPPORTED_MODEL_TYPES = tuple(sorted(_MODEL_TYPES))
 
 
 # the outputs' key-value cache field: "cache" since transformers 5.24 ("past_key_values" before)
