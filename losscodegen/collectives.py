@@ -25,6 +25,9 @@ def shard_columns(group: Any, width: int, device: torch.device) -> tuple[int, in
     widths = torch.empty(world, dtype=torch.int64, device=device)
     dist.all_gather_into_tensor(widths, torch.tensor([width], dtype=torch.int64, device=device), group=group)
     widths = widths.tolist()
+    if 0 in widths:   # (every rank raises here alike: none is left waiting in a later collective)
+        raise ValueError(f"logits: vocab-parallel shards need at least one column each, but rank "
+                         f"{widths.index(0)}'s has none (the shards' widths: {widths})")
     return sum(widths[:rank]), sum(widths)
 
 

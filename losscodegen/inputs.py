@@ -68,6 +68,11 @@ class Call:
 
 def check_call(head, kernel: ModuleType, logits: Any, labels: Any, inputs: dict[str, Any]) -> Call:
     """Check ``head(logits, labels, **inputs)`` against what the head's kernel reads."""
+    group = inputs.get("process_group")
+    if group is not None and isinstance(logits, torch.Tensor) and logits.dim() >= 1 and logits.shape[-1] == 0:
+        # a rank with an empty vocab shard still takes part in the shards' width exchange, which
+        # then refuses the call on every rank (raising here alone would leave the others waiting)
+        head.shard_columns(group, 0, logits.device)
     x, shape = check_logits(logits)
     if head.inplace_backward and not torch.compiler.is_compiling():
         if x.untyped_storage().data_ptr() != logits.untyped_storage().data_ptr():
