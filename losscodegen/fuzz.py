@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import pickle
 import queue as queue_mod
 import random
 import socket
@@ -448,14 +449,12 @@ def _screen(head, logits, labels, kw, up, want, dtype) -> None:
 
 
 def check(head: lcg.HeadLoss, plan: Plan, *, rows: int = 12, vocab: int = 64, seed: int = 0,
-          device: str = "cpu", ranks: "Ranks | None" = None, case: Case | None = None) -> None:
+          device: str = "cpu", ranks: "Ranks | None" = None) -> None:
     """Run ``head`` under ``plan`` on random inputs and compare loss, terms, metrics, rows and the
     gradient with the float64 reference. Raises ``Mismatch`` naming what differs, ``Skip`` for a
     case that is no fair test. ``ranks``: a running pool of gloo ranks for a sharded plan (one is
-    started for the call otherwise); ``case``: the case being checked, for the pool to rebuild the
-    head from."""
-    case = case or Case((), plan, rows=rows, vocab=vocab, seed=seed)
-    case = dataclasses.replace(case, plan=plan, rows=rows, vocab=vocab, seed=seed)
+    started for the call otherwise)."""
+    case = Case((), plan, rows=rows, vocab=vocab, seed=seed)
     dtype = _dtype(plan.dtype)
     logits, labels, kw = _inputs(head, case, device)
     shape = labels.shape if labels is not None else logits.shape[:-1]
@@ -468,7 +467,7 @@ def check(head: lcg.HeadLoss, plan: Plan, *, rows: int = 12, vocab: int = 64, se
         own = ranks is None
         ranks = ranks or Ranks(plan.world)
         try:
-            got = ranks.run(case, head, logits, labels, kw, up)
+            got = ranks.run(plan, head, logits, labels, kw, up)
         finally:
             if own:
                 ranks.close()
@@ -598,9 +597,9 @@ def _check_linear(head, plan: Plan, logits, labels, kw, up, device, seed) -> Non
 
 # ---- vocab-parallel ranks -------------------------------------------------------------------------------
 class Ranks:
-    """``world`` gloo ranks in spawned processes, kept between cases: each builds the case's head
-    from its code, runs its columns of the logits, and returns (loss, values, rows, its gradient
-    shard), or the error it raised."""
+    """``world`` gloo ranks in spawned processes, kept between cases: each gets the head (pickled),
+    runs its columns of the logits, and returns (loss, values, rows, its gradient shard), or the
+    error it raised."""
 
     def __init__(self, world: int, timeout: float = 300.0) -> None:
         import torch.multiprocessing as mp
@@ -616,8 +615,7 @@ class Ranks:
         for p in self.procs:
             p.start()
 
-    def run(self, case: Case, head, logits, labels, kw, up):
-        plan = case.plan
+    def run(self, plan: Plan, head, logits, labels, kw, up):
         bounds = [0]
         for w in plan.shards:
             bounds.append(bounds[-1] + w)
@@ -626,7 +624,7 @@ class Ranks:
             skw = dict(kw)
             if "teacher_logits" in kw:
                 skw["teacher_logits"] = kw["teacher_logits"][:, cols].contiguous()
-            self.jobs[r].put(("\n".join(case.head_code()), logits[:, cols].contiguous(), labels, skw, up))
+            self.jobs[r].put((pickle.dumps(head), logits[:, cols].contiguous(), labels, skw, up))
         results = {}
         deadline = time.monotonic() + self.timeout
         while len(results) < self.world:
@@ -676,18 +674,13 @@ def _rank_main(rank: int, world: int, port: int, jobs, results) -> None:
     warnings.simplefilter("ignore")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    heads: dict[str, Any] = {}
     while True:
         job = jobs.get()
         if job is None:
             break
-        code, logits, labels, kw, up = job
+        head, logits, labels, kw, up = job
         try:
-            if code not in heads:
-                ns: dict[str, Any] = {"lcg": lcg, "S": S, "torch": torch, "math": math}
-                exec(code, ns)
-                heads[code] = ns["head"]
-            head = heads[code]
+            head = pickle.loads(head)
             x = logits.clone().requires_grad_()
             out = head(x, labels, process_group=dist.group.WORLD, **kw)
             plan = Plan(reduction=kw.get("reduction", "mean"))
@@ -713,7 +706,7 @@ def _fails(case: Case, device: str, ranks: dict) -> str | None:
         return f"{type(e).__name__}: {e}"
     try:
         check(head, case.plan, rows=case.rows, vocab=case.vocab, seed=case.seed, device=device,
-              ranks=ranks.get(case.plan.world) if case.plan.kind == "sharded" else None, case=case)
+              ranks=ranks.get(case.plan.world) if case.plan.kind == "sharded" else None)
     except Mismatch as e:
         return str(e)
     except Skip:
@@ -865,7 +858,7 @@ def _fuzz(seconds, seed, device, cases, sharded, compile_share, shrink_budget, o
                 counts.plans += 1
                 try:
                     check(head, plan, rows=case.rows, vocab=case.vocab, seed=case.seed, device=device,
-                          ranks=ranks.get(plan.world), case=planned)
+                          ranks=ranks.get(plan.world))
                 except Skip:
                     counts.skipped += 1
                     break      # the same inputs under every plan: no plan of this head is a fair test
