@@ -171,9 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     tun.add_argument("--rows", type=int, default=8192, help="rows of logits per measured call (default: %(default)s)")
     tun.add_argument("--out", type=Path, default=None, help="write this table instead of the user's")
     fz = sub.add_parser("fuzz", help="random formulas, heads and plans against the float64 reference")
-    fz.add_argument("--minutes", type=float, default=1.0)
-    fz.add_argument("--seed", type=int, default=0)
-    fz.add_argument("--device", choices=("cpu", "cuda"), default=None)
+    fz.add_argument("--minutes", type=float, default=1.0, help="how long to run (default: %(default)s)")
+    fz.add_argument("--seed", type=int, default=0,
+                    help="the first case's seed; the same seed tries the same cases (default: %(default)s)")
+    fz.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                    help="where the heads run (default: cuda if available; cpu runs Triton's interpreter, "
+                         "the torch backend and vocab-parallel plans on gloo ranks)")
     sub.add_parser("demo", help="run a real head on random logits and print what it computes")
     args = parser.parse_args(argv)
     if args.command == "demo":

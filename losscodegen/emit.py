@@ -483,6 +483,12 @@ class KernelSpec:
         return dict(self.normalize)
 
     @property
+    def has_exact(self) -> bool:
+        """Whether a launch after the first read's merge computes sums (the exact read's, or top-k
+        sums of the final normalisers): plan.launch_sequence's ``has_exact``."""
+        return bool(self.exact)
+
+    @property
     def sigs(self) -> dict[str, Signature]:
         """``emit.signatures``' form: by kernel kind (``head_loss``, ``segments``)."""
         return dict(zip(("head_loss", "segments"), self.signatures))

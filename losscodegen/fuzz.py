@@ -233,7 +233,7 @@ class Plan:
     (``head.linear``, ``chunk_rows``; the teacher's hidden and weight too where the head reads a
     teacher), "sharded" (``world`` gloo ranks holding ``shards`` columns
     each), "compile" (``torch.compile`` of a call). ``tile``: a forced ``(block_v, num_warps, split)``
-    (None: the runtime's own choice)."""
+    (None: the runtime's own choice). ``backend``: the head built on that backend ("": the head's own)."""
 
     kind: str = "call"
     dtype: str = "float32"
@@ -243,6 +243,7 @@ class Plan:
     world: int = 1
     shards: tuple[int, ...] = ()
     chunk_rows: int | None = None
+    backend: str = ""
 
     def code(self) -> str:
         fields_ = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
@@ -358,7 +359,11 @@ def plans(rng: random.Random, case: Case, *, compile_share: float = 0.0, sharded
     out = [Plan(), Plan(reduction="sum", tile=(16, 4, False)), Plan(reduction=none, tile=(16, 4, True)),
            Plan(dtype="bfloat16", tile=(32, 4, True), divisor=5.0),
            Plan(kind="linear", chunk_rows=rng.choice([3, 5]), tile=(16, 4, rng.random() < 0.5),
-                reduction=rng.choice(["mean", none]))]
+                reduction=rng.choice(["mean", none])),
+           # the torch backend: one launch, split reads in blocks that do not divide the vocabulary
+           Plan(backend="torch", reduction=rng.choice(["mean", none])),
+           Plan(backend="torch", dtype="bfloat16", tile=(24, 4, True), reduction=rng.choice(["sum", none])),
+           Plan(kind="linear", backend="torch", chunk_rows=rng.choice([3, 5]), reduction=rng.choice(["mean", none]))]
     if sharded:
         V = case.vocab
         for world in (2, 3):
@@ -455,6 +460,9 @@ def check(head: lcg.HeadLoss, plan: Plan, *, rows: int = 12, vocab: int = 64, se
     case that is no fair test. ``ranks``: a running pool of gloo ranks for a sharded plan (one is
     started for the call otherwise)."""
     case = Case((), plan, rows=rows, vocab=vocab, seed=seed)
+    if plan.backend:
+        head = lcg.HeadLoss(*head.loss_terms, metrics=head.metric_terms, ignore_index=head.ignore_index,
+                            logit_scale=head.logit_scale, softcap=head.softcap, backend=plan.backend)
     dtype = _dtype(plan.dtype)
     logits, labels, kw = _inputs(head, case, device)
     shape = labels.shape if labels is not None else logits.shape[:-1]
@@ -484,7 +492,8 @@ def _forced(head, plan: Plan, logits: torch.Tensor) -> Any:
     or None: the runtime's own choice."""
     if plan.tile is None:
         return None
-    config = head.backend.config(head, head.kernel, logits.shape[-1], logits.dtype, logits.device)
+    config = head.backend.config(head, head.kernel, logits.shape[-1], logits.dtype, logits.device,
+                                 sharded=plan.kind == "sharded")
     forced = dict(zip(("block_v", "num_warps", "split"), plan.tile))
     names = {f.name for f in dataclasses.fields(config)}
     return dataclasses.replace(config, **{k: v for k, v in forced.items() if k in names})

@@ -247,3 +247,13 @@ def test_its_kernels_trace_whole_under_torch_compile(monkeypatch, terms):
         torch.compile(fn, fullgraph=True, backend="eager", dynamic=False), *args))
     head = lcg.HeadLoss(*terms(), metrics=(lcg.TokenAccuracy(),), validate=False, backend="torch")
     assert_parity(head, rows=10, vocab=150, dtypes=(torch.float32,))
+
+
+def test_a_topk_sum_of_the_final_lse_is_right_when_the_reads_are_split():
+    # (found by the fuzzer: the torch file's HAS_EXACT counted the vocabulary's exact sums only, so
+    # split reads never ran the launch that sums the top-k entries against the final lse)
+    from losscodegen.fuzz import Plan, check
+    from losscodegen import symbols as S
+    unlikely = lcg.declare_term("unlikely", S.topk_sum(S.log(1 - S.exp(S.topk_logit - S.lse))))
+    head = lcg.HeadLoss(lcg.CrossEntropy(), metrics=(unlikely(),), backend="torch")
+    check(head, Plan(tile=(24, 4, True)), rows=3, vocab=61, seed=611)
