@@ -38,14 +38,6 @@ from .testing import TOLERANCES, compare, random_inputs, reference
 
 __all__ = ["Case", "Plan", "Mismatch", "check", "generate_case", "shrink", "regression_test", "fuzz"]
 
-# Generator regions that compute wrong today, each off until its bug is fixed (named here so that the
-# long mode can switch one on to reproduce it).
-KNOWN_BUGS: dict[str, str] = {
-    # uneven vocab shards: the shard width is taken as V // world on every rank (issue 30, the args
-    # helper's part: shards of any width, or one clear error on every rank)
-    "uneven_shards": "a wrong value on one rank and an error on another",
-}
-
 
 # ---- formulas -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -370,7 +362,7 @@ def plans(rng: random.Random, case: Case, *, compile_share: float = 0.0, sharded
             if V % world == 0:
                 out.append(Plan(kind="sharded", world=world, shards=(V // world,) * world,
                                 reduction=rng.choice(["mean", "sum", none])))
-            elif "uneven_shards" not in KNOWN_BUGS:
+            else:
                 base = V // world
                 out.append(Plan(kind="sharded", world=world,
                                 shards=tuple(base + (r < V - base * world) for r in range(world))))
