@@ -51,7 +51,7 @@ from triton.language.extra import libdevice
 
 KEY = "203180df93923b8c"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "681e3452c380"
+CODEGEN = "f29dda0bea71"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss', 'forward_kl', 'entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -61,9 +61,13 @@ COLUMNS = ['m', 'm_t', 'z_y', 'acc0', 'acc1', 'acc2', 'acc3']
 # sums of the exact read (summed across vocab shards)
 EXACT = []
 TOKENS = []
+# per-class [V] inputs (S.vector), the whole vocabulary's: entry vocab_start + column
+VECTORS = []
 USES_LABELS = True
 USES_TEACHER = True
 USES_TOPK = False
+# whether the head has exact sums (of the vocabulary or of the top-k entries): a launch computes them
+# once the stats are final (merged across vocab shards), and they are all-reduced across shards
 HAS_EXACT = False
 # the loss terms whose weights the row kernel takes (the others are segment terms)
 ROW_LOSS_TERMS = ['cross_entropy', 'z_loss', 'forward_kl']
@@ -77,6 +81,9 @@ SCALARS = ['weight_cross_entropy', 'weight_z_loss', 'weight_forward_kl']
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = []
 SEGMENT_MEANS = []
+# the row terms among them that read segment statistics (GSPO-token): evaluated row by row by the
+# segment kernel once the means are known
+SEGMENT_ROW_TERMS = []
 # what decides the tile (the runtime's choice, losscodegen/backends/triton/tiles.py): the streams
 # the first read loads, its running sums, the exact read's sums
 STATE = ('xt', 4, 0)
@@ -160,6 +167,36 @@ def _handshake(peers_ptr, world, rank, at, stride, epoch):
         seen = tl.atomic_add(own + r * stride + at, 0, sem="acquire", scope="sys")
         while seen != epoch:
             seen = tl.atomic_add(own + r * stride + at, 0, sem="acquire", scope="sys")
+
+
+@triton.jit
+def _expm1(x):
+    # exp(x) - 1 within a few ulp of the value: its Taylor series to x**11 where |x| < 0.5 (where
+    # the subtraction would cancel; the last term left out is < 1e-9 of the value), the subtraction beyond
+    p = 1.0 + x * (1.0 / 2 + x * (1.0 / 6 + x * (1.0 / 24 + x * (1.0 / 120 + x * (1.0 / 720 + x * (
+        1.0 / 5040 + x * (1.0 / 40320 + x * (1.0 / 362880 + x * (1.0 / 3628800 + x / 39916800)))))))))
+    return tl.where(tl.abs(x) < 0.5, x * p, tl.exp(x) - 1.0)
+
+
+@triton.jit
+def _expm1mx(x):
+    # exp(x) - 1 - x within a few ulp of the value (~x**2/2): its Taylor series to x**13 where
+    # |x| < 1 (the last term left out is < 1e-9 of the value), the subtraction beyond
+    p = 1.0 / 2 + x * (1.0 / 6 + x * (1.0 / 24 + x * (1.0 / 120 + x * (1.0 / 720 + x * (1.0 / 5040 + x * (
+        1.0 / 40320 + x * (1.0 / 362880 + x * (1.0 / 3628800 + x * (1.0 / 39916800 + x * (
+            1.0 / 479001600 + x / 6227020800))))))))))
+    return tl.where(tl.abs(x) < 1.0, x * x * p, tl.exp(x) - 1.0 - x)
+
+
+@triton.jit
+def _log1p(x):
+    # log(1 + x) within a few ulp of the value: 2 atanh(s), s = x / (2 + x), by its odd series to
+    # s**15 where |x| < 0.25 (|s| < 1/7; the term left out is < 1e-13 of the value), the log beyond
+    s = x / (2.0 + x)
+    u = s * s
+    p = 1.0 + u * (1.0 / 3 + u * (1.0 / 5 + u * (1.0 / 7 + u * (1.0 / 9 + u * (1.0 / 11 + u * (
+        1.0 / 13 + u / 15))))))
+    return tl.where(tl.abs(x) < 0.25, 2.0 * s * p, _log(1.0 + x))
 
 
 @triton.jit
@@ -487,4 +524,4 @@ def head_loss_203180df93923b8c(
             tl.store(ws_ptr + 3, value_entropy)
             tl.store(ws_ptr + 4, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss + weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "8b7b1c04075291b73f9cf45d7df560dc565d5165990c19239ca5414b02bc8d6d"
+TEXT_HASH = "62051087c2fcb7cf7106ba54059cdad7a3b85336a64e2b89d8d8c1f798cd222d"

@@ -42,7 +42,7 @@ from triton.language.extra import libdevice
 
 KEY = "2e7b8aa488a0d8ec"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "681e3452c380"
+CODEGEN = "f29dda0bea71"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -52,9 +52,13 @@ COLUMNS = ['m', 'z_y', 'acc0']
 # sums of the exact read (summed across vocab shards)
 EXACT = []
 TOKENS = []
+# per-class [V] inputs (S.vector), the whole vocabulary's: entry vocab_start + column
+VECTORS = []
 USES_LABELS = True
 USES_TEACHER = False
 USES_TOPK = False
+# whether the head has exact sums (of the vocabulary or of the top-k entries): a launch computes them
+# once the stats are final (merged across vocab shards), and they are all-reduced across shards
 HAS_EXACT = False
 # the loss terms whose weights the row kernel takes (the others are segment terms)
 ROW_LOSS_TERMS = ['cross_entropy', 'z_loss']
@@ -68,6 +72,9 @@ SCALARS = ['weight_cross_entropy', 'weight_z_loss']
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = []
 SEGMENT_MEANS = []
+# the row terms among them that read segment statistics (GSPO-token): evaluated row by row by the
+# segment kernel once the means are known
+SEGMENT_ROW_TERMS = []
 # what decides the tile (the runtime's choice, losscodegen/backends/triton/tiles.py): the streams
 # the first read loads, its running sums, the exact read's sums
 STATE = ('x', 1, 0)
@@ -151,6 +158,36 @@ def _handshake(peers_ptr, world, rank, at, stride, epoch):
         seen = tl.atomic_add(own + r * stride + at, 0, sem="acquire", scope="sys")
         while seen != epoch:
             seen = tl.atomic_add(own + r * stride + at, 0, sem="acquire", scope="sys")
+
+
+@triton.jit
+def _expm1(x):
+    # exp(x) - 1 within a few ulp of the value: its Taylor series to x**11 where |x| < 0.5 (where
+    # the subtraction would cancel; the last term left out is < 1e-9 of the value), the subtraction beyond
+    p = 1.0 + x * (1.0 / 2 + x * (1.0 / 6 + x * (1.0 / 24 + x * (1.0 / 120 + x * (1.0 / 720 + x * (
+        1.0 / 5040 + x * (1.0 / 40320 + x * (1.0 / 362880 + x * (1.0 / 3628800 + x / 39916800)))))))))
+    return tl.where(tl.abs(x) < 0.5, x * p, tl.exp(x) - 1.0)
+
+
+@triton.jit
+def _expm1mx(x):
+    # exp(x) - 1 - x within a few ulp of the value (~x**2/2): its Taylor series to x**13 where
+    # |x| < 1 (the last term left out is < 1e-9 of the value), the subtraction beyond
+    p = 1.0 / 2 + x * (1.0 / 6 + x * (1.0 / 24 + x * (1.0 / 120 + x * (1.0 / 720 + x * (1.0 / 5040 + x * (
+        1.0 / 40320 + x * (1.0 / 362880 + x * (1.0 / 3628800 + x * (1.0 / 39916800 + x * (
+            1.0 / 479001600 + x / 6227020800))))))))))
+    return tl.where(tl.abs(x) < 1.0, x * x * p, tl.exp(x) - 1.0 - x)
+
+
+@triton.jit
+def _log1p(x):
+    # log(1 + x) within a few ulp of the value: 2 atanh(s), s = x / (2 + x), by its odd series to
+    # s**15 where |x| < 0.25 (|s| < 1/7; the term left out is < 1e-13 of the value), the log beyond
+    s = x / (2.0 + x)
+    u = s * s
+    p = 1.0 + u * (1.0 / 3 + u * (1.0 / 5 + u * (1.0 / 7 + u * (1.0 / 9 + u * (1.0 / 11 + u * (
+        1.0 / 13 + u / 15))))))
+    return tl.where(tl.abs(x) < 0.25, 2.0 * s * p, _log(1.0 + x))
 
 
 @triton.jit
@@ -400,4 +437,4 @@ def head_loss_2e7b8aa488a0d8ec(
             tl.store(ws_ptr + 1, value_z_loss)
             tl.store(ws_ptr + 2, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "60b974a6a1c91beb38f8ca984994479fe8b2a2d6b8c81c6529c1d45a2d9ca292"
+TEXT_HASH = "0219bc1e2fa5f8fe7d04103efad137b377a26a40f9b3ea4fed5b642c718b464a"

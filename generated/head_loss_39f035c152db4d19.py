@@ -8,17 +8,17 @@
 #
 # lowered:
 #   row values:
-#     grpo = p_grpo__kl_beta*(acc0*exp(m + tok_ref_logprobs - z_y) - m - tok_ref_logprobs + z_y - log(acc0) - 1) - Min(tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0)
+#     grpo = p_grpo__kl_beta*expm1mx(m + tok_ref_logprobs - z_y + log(acc0)) - Min(tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0)
 #     entropy = log(acc0) - acc1/acc0
-#     clip_fraction = Piecewise((1, (p_grpo__eps_high < -1 + exp(-m - tok_old_logprobs + z_y)/acc0) | (p_grpo__eps_low < 1 - exp(-m - tok_old_logprobs + z_y)/acc0)), (0, True))
+#     clip_fraction = Piecewise((1, (p_grpo__eps_high < expm1(-m - tok_old_logprobs + z_y - log(acc0))) | (p_grpo__eps_low < -expm1(-m - tok_old_logprobs + z_y - log(acc0)))), (0, True))
 #   normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima):
 #     N0 = m + log(acc0)
 #   accumulators (2):
 #     acc0 = sum_i exp(1*(z - m)) * 1    [online]
 #     acc1 = sum_i exp(1*(z - m)) * zm    [online]
 #   gradient (derived by sympy):
-#     g0 = w_grpo*(p_grpo__kl_beta*(acc0*exp(m + tok_ref_logprobs - z_y) - 1) + tok_advantages*Piecewise((1, (p_grpo__eps_high >= -1 + exp(-m - tok_old_logprobs + z_y)/acc0) & (p_grpo__eps_low >= 1 - exp(-m - tok_old_logprobs + z_y)/acc0)), (0, True))*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0, tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0 >= tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-m - tok_old_logprobs + z_y)/acc0 + tok_advantages*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0, tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0 <= tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-m - tok_old_logprobs + z_y)/acc0)
-#     g1 = w_grpo*(p_grpo__kl_beta*(-acc0*exp(m + tok_ref_logprobs - z_y) + 1) - tok_advantages*Piecewise((1, (p_grpo__eps_high >= -1 + exp(-m - tok_old_logprobs + z_y)/acc0) & (p_grpo__eps_low >= 1 - exp(-m - tok_old_logprobs + z_y)/acc0)), (0, True))*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0, tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0 >= tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-m - tok_old_logprobs + z_y)/acc0 - tok_advantages*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0, tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0 <= tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-m - tok_old_logprobs + z_y)/acc0)
+#     g0 = w_grpo*(p_grpo__kl_beta*expm1(m + tok_ref_logprobs - z_y + log(acc0)) + tok_advantages*Piecewise((1, (p_grpo__eps_high >= -1 + exp(-m - tok_old_logprobs + z_y)/acc0) & (p_grpo__eps_low >= 1 - exp(-m - tok_old_logprobs + z_y)/acc0)), (0, True))*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0, tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0 >= tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-m - tok_old_logprobs + z_y)/acc0 + tok_advantages*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0, tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0 <= tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-m - tok_old_logprobs + z_y)/acc0)
+#     g1 = w_grpo*(-p_grpo__kl_beta*expm1(m + tok_ref_logprobs - z_y + log(acc0)) - tok_advantages*Piecewise((1, (p_grpo__eps_high >= -1 + exp(-m - tok_old_logprobs + z_y)/acc0) & (p_grpo__eps_low >= 1 - exp(-m - tok_old_logprobs + z_y)/acc0)), (0, True))*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0, tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0 >= tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-m - tok_old_logprobs + z_y)/acc0 - tok_advantages*Piecewise((1/(Piecewise((1, Eq(tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0, tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1))), (0, True)) + 1), tok_advantages*exp(-m - tok_old_logprobs + z_y)/acc0 <= tok_advantages*clamp(exp(-m - tok_old_logprobs + z_y)/acc0, 1 - p_grpo__eps_low, p_grpo__eps_high + 1)), (0, True))*exp(-m - tok_old_logprobs + z_y)/acc0)
 #     dL/dz_i = g0*exp(-L_N0 + zm) + g1*is_y
 #
 # plan:
@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "39f035c152db4d19"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "681e3452c380"
+CODEGEN = "f29dda0bea71"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_fraction']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -55,9 +55,13 @@ COLUMNS = ['m', 'z_y', 'acc0', 'acc1']
 # sums of the exact read (summed across vocab shards)
 EXACT = []
 TOKENS = ['advantages', 'old_logprobs', 'ref_logprobs']
+# per-class [V] inputs (S.vector), the whole vocabulary's: entry vocab_start + column
+VECTORS = []
 USES_LABELS = True
 USES_TEACHER = False
 USES_TOPK = False
+# whether the head has exact sums (of the vocabulary or of the top-k entries): a launch computes them
+# once the stats are final (merged across vocab shards), and they are all-reduced across shards
 HAS_EXACT = False
 # the loss terms whose weights the row kernel takes (the others are segment terms)
 ROW_LOSS_TERMS = ['grpo']
@@ -71,6 +75,9 @@ SCALARS = ['weight_grpo', 'p_grpo__eps_high', 'p_grpo__eps_low', 'p_grpo__kl_bet
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = []
 SEGMENT_MEANS = []
+# the row terms among them that read segment statistics (GSPO-token): evaluated row by row by the
+# segment kernel once the means are known
+SEGMENT_ROW_TERMS = []
 # what decides the tile (the runtime's choice, losscodegen/backends/triton/tiles.py): the streams
 # the first read loads, its running sums, the exact read's sums
 STATE = ('x', 2, 0)
@@ -155,6 +162,36 @@ def _handshake(peers_ptr, world, rank, at, stride, epoch):
         seen = tl.atomic_add(own + r * stride + at, 0, sem="acquire", scope="sys")
         while seen != epoch:
             seen = tl.atomic_add(own + r * stride + at, 0, sem="acquire", scope="sys")
+
+
+@triton.jit
+def _expm1(x):
+    # exp(x) - 1 within a few ulp of the value: its Taylor series to x**11 where |x| < 0.5 (where
+    # the subtraction would cancel; the last term left out is < 1e-9 of the value), the subtraction beyond
+    p = 1.0 + x * (1.0 / 2 + x * (1.0 / 6 + x * (1.0 / 24 + x * (1.0 / 120 + x * (1.0 / 720 + x * (
+        1.0 / 5040 + x * (1.0 / 40320 + x * (1.0 / 362880 + x * (1.0 / 3628800 + x / 39916800)))))))))
+    return tl.where(tl.abs(x) < 0.5, x * p, tl.exp(x) - 1.0)
+
+
+@triton.jit
+def _expm1mx(x):
+    # exp(x) - 1 - x within a few ulp of the value (~x**2/2): its Taylor series to x**13 where
+    # |x| < 1 (the last term left out is < 1e-9 of the value), the subtraction beyond
+    p = 1.0 / 2 + x * (1.0 / 6 + x * (1.0 / 24 + x * (1.0 / 120 + x * (1.0 / 720 + x * (1.0 / 5040 + x * (
+        1.0 / 40320 + x * (1.0 / 362880 + x * (1.0 / 3628800 + x * (1.0 / 39916800 + x * (
+            1.0 / 479001600 + x / 6227020800))))))))))
+    return tl.where(tl.abs(x) < 1.0, x * x * p, tl.exp(x) - 1.0 - x)
+
+
+@triton.jit
+def _log1p(x):
+    # log(1 + x) within a few ulp of the value: 2 atanh(s), s = x / (2 + x), by its odd series to
+    # s**15 where |x| < 0.25 (|s| < 1/7; the term left out is < 1e-13 of the value), the log beyond
+    s = x / (2.0 + x)
+    u = s * s
+    p = 1.0 + u * (1.0 / 3 + u * (1.0 / 5 + u * (1.0 / 7 + u * (1.0 / 9 + u * (1.0 / 11 + u * (
+        1.0 / 13 + u / 15))))))
+    return tl.where(tl.abs(x) < 0.25, 2.0 * s * p, _log(1.0 + x))
 
 
 @triton.jit
@@ -313,16 +350,15 @@ def head_loss_39f035c152db4d19(
             p_grpo__kl_beta = tl.load(scalars_ptr + 3)
             r0 = _log(acc0)
             r1 = m - z_y
-            r2 = r1 + tok_ref_logprobs
-            r3 = _rcp(acc0)
-            r4 = tl.exp2(1.4426950408889634 * (-(r1 + tok_old_logprobs)))
-            r5 = r3*r4
-            r6 = -r3*r4 + 1.0
-            v0 = tl.where(finite_row, p_grpo__kl_beta*(acc0*tl.exp2(1.4426950408889634 * r2) - r0 - r2 - 1.0) - tl.where(r5*tok_advantages < tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(r5 > 1.0 - p_grpo__eps_low, r5, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(r5 > 1.0 - p_grpo__eps_low, r5, 1.0 - p_grpo__eps_low)), r5*tok_advantages, tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(r5 > 1.0 - p_grpo__eps_low, r5, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(r5 > 1.0 - p_grpo__eps_low, r5, 1.0 - p_grpo__eps_low))), float("nan"))  # grpo
+            r2 = _rcp(acc0)
+            r3 = r1 + tok_old_logprobs
+            r4 = r2*tl.exp2(1.4426950408889634 * (-r3))
+            r5 = _expm1(-r0 - r3)
+            v0 = tl.where(finite_row, p_grpo__kl_beta*_expm1mx(r0 + r1 + tok_ref_logprobs) - tl.where(r4*tok_advantages < tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(r4 > 1.0 - p_grpo__eps_low, r4, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(r4 > 1.0 - p_grpo__eps_low, r4, 1.0 - p_grpo__eps_low)), r4*tok_advantages, tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(r4 > 1.0 - p_grpo__eps_low, r4, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(r4 > 1.0 - p_grpo__eps_low, r4, 1.0 - p_grpo__eps_low))), float("nan"))  # grpo
             tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
-            v1 = tl.where(finite_row, -acc1*r3 + r0, float("nan"))  # entropy
+            v1 = tl.where(finite_row, -acc1*r2 + r0, float("nan"))  # entropy
             tl.store(ws_ptr + off_rows + 1 * n_rows + grow, v1)
-            v2 = tl.where(finite_row, tl.where(((p_grpo__eps_low < r6) | (p_grpo__eps_high < -r6)), 1.0, 0.0), float("nan"))  # clip_fraction
+            v2 = tl.where(finite_row, tl.where(((p_grpo__eps_high < r5) | (p_grpo__eps_low < -r5)), 1.0, 0.0), float("nan"))  # clip_fraction
             tl.store(ws_ptr + off_rows + 2 * n_rows + grow, v2)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, weight_grpo * v0)
@@ -350,17 +386,16 @@ def head_loss_39f035c152db4d19(
             else:
                 w_grpo = weight_grpo * grad_scale
             c0 = m - z_y
-            c1 = acc0*tl.exp2(1.4426950408889634 * (c0 + tok_ref_logprobs)) - 1.0
-            c2 = _rcp(acc0)
-            c3 = tl.exp2(1.4426950408889634 * (-(c0 + tok_old_logprobs)))
-            c4 = c2*c3
-            c5 = c4*tok_advantages
-            c6 = tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(c4 > 1.0 - p_grpo__eps_low, c4, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(c4 > 1.0 - p_grpo__eps_low, c4, 1.0 - p_grpo__eps_low))
-            c7 = _rcp(tl.where((c5 == c6), 1.0, 0.0) + 1.0)
-            c8 = -c2*c3 + 1.0
-            c9 = c5*tl.where(((c8 <= p_grpo__eps_low) & (c8 >= -p_grpo__eps_high)), 1.0, 0.0)*tl.where((c5 >= c6), c7, 0.0) + c5*tl.where((c5 <= c6), c7, 0.0)
-            g0 = tl.where(finite_row, w_grpo*(c1*p_grpo__kl_beta + c9), float("nan"))
-            g1 = tl.where(finite_row, w_grpo*(-c1*p_grpo__kl_beta - c9), float("nan"))
+            c1 = _rcp(acc0)
+            c2 = tl.exp2(1.4426950408889634 * (-(c0 + tok_old_logprobs)))
+            c3 = c1*c2
+            c4 = c3*tok_advantages
+            c5 = tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(c3 > 1.0 - p_grpo__eps_low, c3, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(c3 > 1.0 - p_grpo__eps_low, c3, 1.0 - p_grpo__eps_low))
+            c6 = _rcp(tl.where((c4 == c5), 1.0, 0.0) + 1.0)
+            c7 = -c1*c2 + 1.0
+            c8 = c4*tl.where(((c7 <= p_grpo__eps_low) & (c7 >= -p_grpo__eps_high)), 1.0, 0.0)*tl.where((c4 >= c5), c6, 0.0) + c4*tl.where((c4 <= c5), c6, 0.0) + p_grpo__kl_beta*_expm1(c0 + tok_ref_logprobs + _log(acc0))
+            g0 = tl.where(finite_row, c8*w_grpo, float("nan"))
+            g1 = tl.where(finite_row, -c8*w_grpo, float("nan"))
             # (a row of -inf read as FLOOR would look uniform: its gradient is NaN, as its values are)
             # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
             # Tiles last to first, each loaded one iteration ahead (its loads overlap the math).
@@ -444,4 +479,4 @@ def head_loss_39f035c152db4d19(
             tl.store(ws_ptr + 2, value_clip_fraction)
             tl.store(ws_ptr + 3, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "154e43ad333f66c2e20ed8ba8d1c4b647c5843efd7e245d53103c3c66cf7c485"
+TEXT_HASH = "f80af2c910c3cd6af07f052aeaaac94f119afa9fd7e01d52863c8d029c91b398"

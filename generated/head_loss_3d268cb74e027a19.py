@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "3d268cb74e027a19"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "681e3452c380"
+CODEGEN = "f29dda0bea71"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['gspo', 'entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -55,9 +55,13 @@ COLUMNS = ['m', 'z_y', 'acc0', 'acc1']
 # sums of the exact read (summed across vocab shards)
 EXACT = []
 TOKENS = ['advantages', 'old_logprobs']
+# per-class [V] inputs (S.vector), the whole vocabulary's: entry vocab_start + column
+VECTORS = []
 USES_LABELS = True
 USES_TEACHER = False
 USES_TOPK = False
+# whether the head has exact sums (of the vocabulary or of the top-k entries): a launch computes them
+# once the stats are final (merged across vocab shards), and they are all-reduced across shards
 HAS_EXACT = False
 # the loss terms whose weights the row kernel takes (the others are segment terms)
 ROW_LOSS_TERMS = []
@@ -71,6 +75,9 @@ SCALARS = ['weight_gspo', 'p_gspo__eps_high', 'p_gspo__eps_low']
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = ['gspo']
 SEGMENT_MEANS = ['U0_gspo', 'U1_gspo']
+# the row terms among them that read segment statistics (GSPO-token): evaluated row by row by the
+# segment kernel once the means are known
+SEGMENT_ROW_TERMS = []
 # what decides the tile (the runtime's choice, losscodegen/backends/triton/tiles.py): the streams
 # the first read loads, its running sums, the exact read's sums
 STATE = ('x', 2, 0)
@@ -163,6 +170,36 @@ def _handshake(peers_ptr, world, rank, at, stride, epoch):
         seen = tl.atomic_add(own + r * stride + at, 0, sem="acquire", scope="sys")
         while seen != epoch:
             seen = tl.atomic_add(own + r * stride + at, 0, sem="acquire", scope="sys")
+
+
+@triton.jit
+def _expm1(x):
+    # exp(x) - 1 within a few ulp of the value: its Taylor series to x**11 where |x| < 0.5 (where
+    # the subtraction would cancel; the last term left out is < 1e-9 of the value), the subtraction beyond
+    p = 1.0 + x * (1.0 / 2 + x * (1.0 / 6 + x * (1.0 / 24 + x * (1.0 / 120 + x * (1.0 / 720 + x * (
+        1.0 / 5040 + x * (1.0 / 40320 + x * (1.0 / 362880 + x * (1.0 / 3628800 + x / 39916800)))))))))
+    return tl.where(tl.abs(x) < 0.5, x * p, tl.exp(x) - 1.0)
+
+
+@triton.jit
+def _expm1mx(x):
+    # exp(x) - 1 - x within a few ulp of the value (~x**2/2): its Taylor series to x**13 where
+    # |x| < 1 (the last term left out is < 1e-9 of the value), the subtraction beyond
+    p = 1.0 / 2 + x * (1.0 / 6 + x * (1.0 / 24 + x * (1.0 / 120 + x * (1.0 / 720 + x * (1.0 / 5040 + x * (
+        1.0 / 40320 + x * (1.0 / 362880 + x * (1.0 / 3628800 + x * (1.0 / 39916800 + x * (
+            1.0 / 479001600 + x / 6227020800))))))))))
+    return tl.where(tl.abs(x) < 1.0, x * x * p, tl.exp(x) - 1.0 - x)
+
+
+@triton.jit
+def _log1p(x):
+    # log(1 + x) within a few ulp of the value: 2 atanh(s), s = x / (2 + x), by its odd series to
+    # s**15 where |x| < 0.25 (|s| < 1/7; the term left out is < 1e-13 of the value), the log beyond
+    s = x / (2.0 + x)
+    u = s * s
+    p = 1.0 + u * (1.0 / 3 + u * (1.0 / 5 + u * (1.0 / 7 + u * (1.0 / 9 + u * (1.0 / 11 + u * (
+        1.0 / 13 + u / 15))))))
+    return tl.where(tl.abs(x) < 0.25, 2.0 * s * p, _log(1.0 + x))
 
 
 @triton.jit
@@ -338,7 +375,7 @@ def head_loss_3d268cb74e027a19(
             if flag_ptr is not None:
                 add = True  # an out-of-range id goes to a clamped slot, as NaN
             if add:
-                slot = ws_ptr + off_seg_sums + tl.minimum(tl.maximum(seg, 0), n_seg - 1) * 3
+                slot = ws_ptr + off_seg_sums + tl.minimum(tl.maximum(seg, 0), tl.maximum(n_seg, 1) - 1) * 3
                 tl.atomic_add(slot, 1.0 + seg_fill)
                 tl.atomic_add(slot + 1, v0 + seg_fill)
                 tl.atomic_add(slot + 2, v1 + seg_fill)
@@ -354,7 +391,7 @@ def head_loss_3d268cb74e027a19(
                 grad_scale = 1.0 / tl.maximum(tl.load(ws_ptr + 3), 1.0)  # the valid rows (COUNT)
             # dL/du for this row's segment, from the segment kernel
             seg = tl.load(seg_ptr + grow)
-            seg_at = ws_ptr + off_seg_coefs + tl.minimum(tl.maximum(seg, 0), n_seg - 1) * 2
+            seg_at = ws_ptr + off_seg_coefs + tl.minimum(tl.maximum(seg, 0), tl.maximum(n_seg, 1) - 1) * 2
             seg_known = (seg >= 0) & (seg < n_seg)
             if flag_ptr is not None:
                 seg_known = True  # an out-of-range id was clamped, and its segment made NaN
@@ -406,7 +443,7 @@ def head_loss_3d268cb74e027a19(
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, fill)
             if fill != 0.0:  # NaN: the bad row's segment becomes NaN too
-                slot = ws_ptr + off_seg_sums + tl.minimum(tl.maximum(seg, 0), n_seg - 1) * 3
+                slot = ws_ptr + off_seg_sums + tl.minimum(tl.maximum(seg, 0), tl.maximum(n_seg, 1) - 1) * 3
                 tl.atomic_add(slot + 0, fill)
                 tl.atomic_add(slot + 1, fill)
                 tl.atomic_add(slot + 2, fill)
@@ -507,4 +544,4 @@ def segments_3d268cb74e027a19(
     loss += weight_gspo * (gspo / div)
     tl.store(ws_ptr + 2, loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "b0ea84d9dbfe7b17bfef5e218da12cf379464df6687f7ce507951fc0ec1e9b4d"
+TEXT_HASH = "6ead4ff8d6262a1952b2abee7e5663d685373cdb761e591c08e22a3d7d7f1f5c"

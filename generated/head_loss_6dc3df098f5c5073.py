@@ -10,7 +10,7 @@
 #   row values:
 #     cispo = -tok_advantages*(-m + z_y - log(acc0))*Min(exp(-m - tok_old_logprobs + z_y)/acc0, p_cispo__eps_high + 1)
 #     entropy = log(acc0) - acc1/acc0
-#     cispo_clip_ratio = Piecewise((1, (tok_advantages > 0) & (p_cispo__eps_high < -1 + exp(-m - tok_old_logprobs + z_y)/acc0)), (0, True))
+#     cispo_clip_ratio = Piecewise((1, (tok_advantages > 0) & (p_cispo__eps_high < expm1(-m - tok_old_logprobs + z_y - log(acc0)))), (0, True))
 #   normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima):
 #     N0 = m + log(acc0)
 #   accumulators (2):
@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "6dc3df098f5c5073"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "681e3452c380"
+CODEGEN = "f29dda0bea71"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cispo', 'entropy', 'cispo_clip_ratio']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -55,9 +55,13 @@ COLUMNS = ['m', 'z_y', 'acc0', 'acc1']
 # sums of the exact read (summed across vocab shards)
 EXACT = []
 TOKENS = ['advantages', 'old_logprobs']
+# per-class [V] inputs (S.vector), the whole vocabulary's: entry vocab_start + column
+VECTORS = []
 USES_LABELS = True
 USES_TEACHER = False
 USES_TOPK = False
+# whether the head has exact sums (of the vocabulary or of the top-k entries): a launch computes them
+# once the stats are final (merged across vocab shards), and they are all-reduced across shards
 HAS_EXACT = False
 # the loss terms whose weights the row kernel takes (the others are segment terms)
 ROW_LOSS_TERMS = ['cispo']
@@ -71,6 +75,9 @@ SCALARS = ['weight_cispo', 'p_cispo__eps_high']
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = []
 SEGMENT_MEANS = []
+# the row terms among them that read segment statistics (GSPO-token): evaluated row by row by the
+# segment kernel once the means are known
+SEGMENT_ROW_TERMS = []
 # what decides the tile (the runtime's choice, losscodegen/backends/triton/tiles.py): the streams
 # the first read loads, its running sums, the exact read's sums
 STATE = ('x', 2, 0)
@@ -155,6 +162,36 @@ def _handshake(peers_ptr, world, rank, at, stride, epoch):
         seen = tl.atomic_add(own + r * stride + at, 0, sem="acquire", scope="sys")
         while seen != epoch:
             seen = tl.atomic_add(own + r * stride + at, 0, sem="acquire", scope="sys")
+
+
+@triton.jit
+def _expm1(x):
+    # exp(x) - 1 within a few ulp of the value: its Taylor series to x**11 where |x| < 0.5 (where
+    # the subtraction would cancel; the last term left out is < 1e-9 of the value), the subtraction beyond
+    p = 1.0 + x * (1.0 / 2 + x * (1.0 / 6 + x * (1.0 / 24 + x * (1.0 / 120 + x * (1.0 / 720 + x * (
+        1.0 / 5040 + x * (1.0 / 40320 + x * (1.0 / 362880 + x * (1.0 / 3628800 + x / 39916800)))))))))
+    return tl.where(tl.abs(x) < 0.5, x * p, tl.exp(x) - 1.0)
+
+
+@triton.jit
+def _expm1mx(x):
+    # exp(x) - 1 - x within a few ulp of the value (~x**2/2): its Taylor series to x**13 where
+    # |x| < 1 (the last term left out is < 1e-9 of the value), the subtraction beyond
+    p = 1.0 / 2 + x * (1.0 / 6 + x * (1.0 / 24 + x * (1.0 / 120 + x * (1.0 / 720 + x * (1.0 / 5040 + x * (
+        1.0 / 40320 + x * (1.0 / 362880 + x * (1.0 / 3628800 + x * (1.0 / 39916800 + x * (
+            1.0 / 479001600 + x / 6227020800))))))))))
+    return tl.where(tl.abs(x) < 1.0, x * x * p, tl.exp(x) - 1.0 - x)
+
+
+@triton.jit
+def _log1p(x):
+    # log(1 + x) within a few ulp of the value: 2 atanh(s), s = x / (2 + x), by its odd series to
+    # s**15 where |x| < 0.25 (|s| < 1/7; the term left out is < 1e-13 of the value), the log beyond
+    s = x / (2.0 + x)
+    u = s * s
+    p = 1.0 + u * (1.0 / 3 + u * (1.0 / 5 + u * (1.0 / 7 + u * (1.0 / 9 + u * (1.0 / 11 + u * (
+        1.0 / 13 + u / 15))))))
+    return tl.where(tl.abs(x) < 0.25, 2.0 * s * p, _log(1.0 + x))
 
 
 @triton.jit
@@ -309,13 +346,13 @@ def head_loss_6dc3df098f5c5073(
             p_cispo__eps_high = tl.load(scalars_ptr + 1)
             r0 = _log(acc0)
             r1 = m - z_y
-            r2 = _rcp(acc0)
-            r3 = tl.exp2(1.4426950408889634 * (-(r1 + tok_old_logprobs)))
-            v0 = tl.where(finite_row, -tok_advantages*(-r0 - r1)*tl.where(r2*r3 < p_cispo__eps_high + 1.0, r2*r3, p_cispo__eps_high + 1.0), float("nan"))  # cispo
+            r2 = r0 + r1
+            r3 = _rcp(acc0)
+            v0 = tl.where(finite_row, r2*tok_advantages*tl.where(p_cispo__eps_high + 1.0 < r3*tl.exp2(1.4426950408889634 * (-(r1 + tok_old_logprobs))), p_cispo__eps_high + 1.0, r3*tl.exp2(1.4426950408889634 * (-(r1 + tok_old_logprobs)))), float("nan"))  # cispo
             tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
-            v1 = tl.where(finite_row, -acc1*r2 + r0, float("nan"))  # entropy
+            v1 = tl.where(finite_row, -acc1*r3 + r0, float("nan"))  # entropy
             tl.store(ws_ptr + off_rows + 1 * n_rows + grow, v1)
-            v2 = tl.where(finite_row, tl.where(((tok_advantages > 0.0) & (p_cispo__eps_high < r2*r3 - 1.0)), 1.0, 0.0), float("nan"))  # cispo_clip_ratio
+            v2 = tl.where(finite_row, tl.where(((tok_advantages > 0.0) & (p_cispo__eps_high < _expm1(-r2 - tok_old_logprobs))), 1.0, 0.0), float("nan"))  # cispo_clip_ratio
             tl.store(ws_ptr + off_rows + 2 * n_rows + grow, v2)
             if PER_ROW:
                 tl.store(ws_ptr + off_loss_rows + grow, weight_cispo * v0)
@@ -426,4 +463,4 @@ def head_loss_6dc3df098f5c5073(
             tl.store(ws_ptr + 2, value_cispo_clip_ratio)
             tl.store(ws_ptr + 3, weight_cispo * value_cispo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "298f10053e28974d23c8dbf852d2565e1530892560181634a57c233162fe9557"
+TEXT_HASH = "b99386d4eff065527b4ebe9920b50964691fe4947f2ce3d4c29ec4d9777401d8"

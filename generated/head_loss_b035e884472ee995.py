@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "b035e884472ee995"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "681e3452c380"
+CODEGEN = "f29dda0bea71"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['jsd']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -55,9 +55,13 @@ COLUMNS = ['m', 'm_t', 'acc0', 'acc2']
 # sums of the exact read (summed across vocab shards)
 EXACT = ['acc1', 'acc3']
 TOKENS = []
+# per-class [V] inputs (S.vector), the whole vocabulary's: entry vocab_start + column
+VECTORS = []
 USES_LABELS = False
 USES_TEACHER = True
 USES_TOPK = False
+# whether the head has exact sums (of the vocabulary or of the top-k entries): a launch computes them
+# once the stats are final (merged across vocab shards), and they are all-reduced across shards
 HAS_EXACT = True
 # the loss terms whose weights the row kernel takes (the others are segment terms)
 ROW_LOSS_TERMS = ['jsd']
@@ -71,6 +75,9 @@ SCALARS = ['weight_jsd', 'p_jsd__beta']
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = []
 SEGMENT_MEANS = []
+# the row terms among them that read segment statistics (GSPO-token): evaluated row by row by the
+# segment kernel once the means are known
+SEGMENT_ROW_TERMS = []
 # what decides the tile (the runtime's choice, losscodegen/backends/triton/tiles.py): the streams
 # the first read loads, its running sums, the exact read's sums
 STATE = ('xt', 2, 2)
@@ -154,6 +161,36 @@ def _handshake(peers_ptr, world, rank, at, stride, epoch):
         seen = tl.atomic_add(own + r * stride + at, 0, sem="acquire", scope="sys")
         while seen != epoch:
             seen = tl.atomic_add(own + r * stride + at, 0, sem="acquire", scope="sys")
+
+
+@triton.jit
+def _expm1(x):
+    # exp(x) - 1 within a few ulp of the value: its Taylor series to x**11 where |x| < 0.5 (where
+    # the subtraction would cancel; the last term left out is < 1e-9 of the value), the subtraction beyond
+    p = 1.0 + x * (1.0 / 2 + x * (1.0 / 6 + x * (1.0 / 24 + x * (1.0 / 120 + x * (1.0 / 720 + x * (
+        1.0 / 5040 + x * (1.0 / 40320 + x * (1.0 / 362880 + x * (1.0 / 3628800 + x / 39916800)))))))))
+    return tl.where(tl.abs(x) < 0.5, x * p, tl.exp(x) - 1.0)
+
+
+@triton.jit
+def _expm1mx(x):
+    # exp(x) - 1 - x within a few ulp of the value (~x**2/2): its Taylor series to x**13 where
+    # |x| < 1 (the last term left out is < 1e-9 of the value), the subtraction beyond
+    p = 1.0 / 2 + x * (1.0 / 6 + x * (1.0 / 24 + x * (1.0 / 120 + x * (1.0 / 720 + x * (1.0 / 5040 + x * (
+        1.0 / 40320 + x * (1.0 / 362880 + x * (1.0 / 3628800 + x * (1.0 / 39916800 + x * (
+            1.0 / 479001600 + x / 6227020800))))))))))
+    return tl.where(tl.abs(x) < 1.0, x * x * p, tl.exp(x) - 1.0 - x)
+
+
+@triton.jit
+def _log1p(x):
+    # log(1 + x) within a few ulp of the value: 2 atanh(s), s = x / (2 + x), by its odd series to
+    # s**15 where |x| < 0.25 (|s| < 1/7; the term left out is < 1e-13 of the value), the log beyond
+    s = x / (2.0 + x)
+    u = s * s
+    p = 1.0 + u * (1.0 / 3 + u * (1.0 / 5 + u * (1.0 / 7 + u * (1.0 / 9 + u * (1.0 / 11 + u * (
+        1.0 / 13 + u / 15))))))
+    return tl.where(tl.abs(x) < 0.25, 2.0 * s * p, _log(1.0 + x))
 
 
 @triton.jit
@@ -474,4 +511,4 @@ def head_loss_b035e884472ee995(
             tl.store(ws_ptr + 0, value_jsd)
             tl.store(ws_ptr + 1, weight_jsd * value_jsd)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "710f5e00e2bdc3a60eb2718c8e4cca1617b61b77ee179c3b70e6adf002c5db85"
+TEXT_HASH = "24b77a78fd81d4d73172cd8527bdc3e09396d7d167e4ff4f38839b3795039065"

@@ -43,7 +43,7 @@ from triton.language.extra import libdevice
 
 KEY = "d4ac32833fba1c40"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "681e3452c380"
+CODEGEN = "f29dda0bea71"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['topk_forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -53,9 +53,13 @@ COLUMNS = ['m', 'acc0', 'acc1', 'acc2']
 # sums of the exact read (summed across vocab shards)
 EXACT = []
 TOKENS = []
+# per-class [V] inputs (S.vector), the whole vocabulary's: entry vocab_start + column
+VECTORS = []
 USES_LABELS = False
 USES_TEACHER = False
 USES_TOPK = True
+# whether the head has exact sums (of the vocabulary or of the top-k entries): a launch computes them
+# once the stats are final (merged across vocab shards), and they are all-reduced across shards
 HAS_EXACT = False
 # the loss terms whose weights the row kernel takes (the others are segment terms)
 ROW_LOSS_TERMS = ['topk_forward_kl']
@@ -69,6 +73,9 @@ SCALARS = ['weight_topk_forward_kl']
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = []
 SEGMENT_MEANS = []
+# the row terms among them that read segment statistics (GSPO-token): evaluated row by row by the
+# segment kernel once the means are known
+SEGMENT_ROW_TERMS = []
 # what decides the tile (the runtime's choice, losscodegen/backends/triton/tiles.py): the streams
 # the first read loads, its running sums, the exact read's sums
 STATE = ('x', 1, 0)
@@ -153,6 +160,36 @@ def _handshake(peers_ptr, world, rank, at, stride, epoch):
         seen = tl.atomic_add(own + r * stride + at, 0, sem="acquire", scope="sys")
         while seen != epoch:
             seen = tl.atomic_add(own + r * stride + at, 0, sem="acquire", scope="sys")
+
+
+@triton.jit
+def _expm1(x):
+    # exp(x) - 1 within a few ulp of the value: its Taylor series to x**11 where |x| < 0.5 (where
+    # the subtraction would cancel; the last term left out is < 1e-9 of the value), the subtraction beyond
+    p = 1.0 + x * (1.0 / 2 + x * (1.0 / 6 + x * (1.0 / 24 + x * (1.0 / 120 + x * (1.0 / 720 + x * (
+        1.0 / 5040 + x * (1.0 / 40320 + x * (1.0 / 362880 + x * (1.0 / 3628800 + x / 39916800)))))))))
+    return tl.where(tl.abs(x) < 0.5, x * p, tl.exp(x) - 1.0)
+
+
+@triton.jit
+def _expm1mx(x):
+    # exp(x) - 1 - x within a few ulp of the value (~x**2/2): its Taylor series to x**13 where
+    # |x| < 1 (the last term left out is < 1e-9 of the value), the subtraction beyond
+    p = 1.0 / 2 + x * (1.0 / 6 + x * (1.0 / 24 + x * (1.0 / 120 + x * (1.0 / 720 + x * (1.0 / 5040 + x * (
+        1.0 / 40320 + x * (1.0 / 362880 + x * (1.0 / 3628800 + x * (1.0 / 39916800 + x * (
+            1.0 / 479001600 + x / 6227020800))))))))))
+    return tl.where(tl.abs(x) < 1.0, x * x * p, tl.exp(x) - 1.0 - x)
+
+
+@triton.jit
+def _log1p(x):
+    # log(1 + x) within a few ulp of the value: 2 atanh(s), s = x / (2 + x), by its odd series to
+    # s**15 where |x| < 0.25 (|s| < 1/7; the term left out is < 1e-13 of the value), the log beyond
+    s = x / (2.0 + x)
+    u = s * s
+    p = 1.0 + u * (1.0 / 3 + u * (1.0 / 5 + u * (1.0 / 7 + u * (1.0 / 9 + u * (1.0 / 11 + u * (
+        1.0 / 13 + u / 15))))))
+    return tl.where(tl.abs(x) < 0.25, 2.0 * s * p, _log(1.0 + x))
 
 
 @triton.jit
@@ -361,11 +398,17 @@ def head_loss_d4ac32833fba1c40(
                 dz = g1*tl.exp2(1.4426950408889634 * zm + 1.4426950408889634 * (-L_N0))
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
-            # Sparse part at the top-k ids, added after every thread's dense stores are visible.
+            # The top-k ids, after every thread's dense stores are done: the dense gradient there again,
+            # in fp32, plus the sparse part, rounded to the gradient's dtype once (adding the sparse part
+            # to the stored dense value rounded a bf16 gradient twice)
             tl.debug_barrier()
-            dz_k = (-g0*tl.exp2(1.4426950408889634 * l_k)) * _dlogits(x_k, logit_scale, softcap)
-            g_k = tl.load(grad_row + topk_ids, mask=in_k, other=0.0).to(tl.float32)
-            tl.store(grad_row + topk_ids, (g_k + dz_k).to(grad_ptr.dtype.element_ty), mask=in_k)
+            x = x_k
+            z = _logits(x, logit_scale, softcap)
+
+            zm = z - m
+            dz = g1*tl.exp2(1.4426950408889634 * zm + 1.4426950408889634 * (-L_N0))
+            dz_k = (dz + (-g0*tl.exp2(1.4426950408889634 * l_k))) * _dlogits(x, logit_scale, softcap)
+            tl.store(grad_row + topk_ids, dz_k.to(grad_ptr.dtype.element_ty), mask=in_k)
     else:
         # An ignored row adds nothing (zero gradient, zero values); a valid row is here for a bad
         # value (label, top-k id) and adds NaN. (Worked out here, not kept from above: a value alive
@@ -420,4 +463,4 @@ def head_loss_d4ac32833fba1c40(
             tl.store(ws_ptr + 0, value_topk_forward_kl)
             tl.store(ws_ptr + 1, weight_topk_forward_kl * value_topk_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "bedaad56cce7f96a93bc460a27901d4548476b1d87b27df99ef68bfd772c2803"
+TEXT_HASH = "f2fca76d57902a1a3bfd7fae754f75775df92b86584fb0e74003a85ce3622c95"
