@@ -45,7 +45,10 @@ class _FakeExchange:
 
 def main(manifest: Path) -> None:
     JITFunction.run = _compile_instead
+    from losscodegen import backends
     from losscodegen.backends.triton import dispatch, helpers
+    # the Triton backend, which "auto" picks only where it can run (here it compiles, never runs)
+    backends.resolve = lambda name: "triton" if name == "auto" else name
     # every launch through the JIT (its direct path needs a compiled kernel and a GPU)
     dispatch.Kernel.__call__ = dispatch.Kernel.jit
     helpers.INTERPRETED = True   # (CPU tensors without the interpreter: compiled, never run)
