@@ -257,3 +257,12 @@ def test_a_topk_sum_of_the_final_lse_is_right_when_the_reads_are_split():
     unlikely = lcg.declare_term("unlikely", S.topk_sum(S.log(1 - S.exp(S.topk_logit - S.lse))))
     head = lcg.HeadLoss(lcg.CrossEntropy(), metrics=(unlikely(),), backend="torch")
     check(head, Plan(tile=(24, 4, True)), rows=3, vocab=61, seed=611)
+
+
+def test_a_topk_gradient_with_shared_temporaries_is_generated_where_it_is_used():
+    # (found by the fuzzer: the top-k gradient's temporaries were printed with the vocabulary's,
+    # inside its loop, and read after it; the scope check refused the file)
+    from losscodegen.fuzz import Plan, check
+    from losscodegen import symbols as S
+    t = lcg.declare_term("topk_ent", S.topk_sum(S.exp(S.topk_logit - S.lse) * (S.topk_logit - S.lse)))
+    check(lcg.HeadLoss(t(), backend="torch"), Plan(), rows=3, vocab=61, seed=530)

@@ -115,7 +115,9 @@ def render(plan: Plan, key: str, header: str, codegen: str,
     tk_temps, tk_bodies = _statements([body[a.name] for a in topk_exact], "k")
     row_temps, row_exprs = _statements([e for _, e in lw.row_values], "r")
     coef_temps, coef_exprs = _statements([e for _, e in lw.grad_coefs], "c")
-    grad_temps, (grad_expr, topk_grad_expr) = _statements([grad_vocab, grad_topk], "d")
+    # (apart: the vocabulary's temporaries live in its loop, the top-k entries' before it)
+    grad_temps, (grad_expr,) = _statements([grad_vocab], "d")
+    topk_grad_temps, (topk_grad_expr,) = _statements([grad_topk], "dk")
 
     # the file's contract (emit.kernel_spec): what the runtime reads of it, the same for every backend
     spec = kernel_spec(plan, key, dict(normalize or {}))
@@ -152,7 +154,7 @@ def render(plan: Plan, key: str, header: str, codegen: str,
                                          (n.symbol.name, n.alpha * M + n.beta * MT + n.log_acc))],
         row_temps=row_temps, rows=list(zip(row_names, row_exprs)),
         coef_temps=coef_temps, coefs=list(zip([s.name for s, _ in lw.grad_coefs], coef_exprs)),
-        grad_temps=grad_temps, grad_expr=_per_element(grad_vocab, grad_expr), topk_grad=None if lw.grad_topk == 0 else topk_grad_expr,
+        grad_temps=grad_temps, grad_expr=_per_element(grad_vocab, grad_expr), topk_grad=None if lw.grad_topk == 0 else topk_grad_expr, topk_grad_temps=topk_grad_temps,
         neg_inf=neg_inf, uses_is_y=lw.grad_vocab.has(IS_Y), uses_is_argmax=lw.grad_vocab.has(IS_ARGMAX),
         grad_teacher=lw.grad_uses_teacher,
         # the means (and the count) the gradient launch reads per row for a row term of segment
