@@ -400,8 +400,7 @@ def _fsdp_owner(param: Any) -> tuple[torch.nn.Module, Callable[[Any], Any]] | No
         raise RuntimeError("losscodegen: a DTensor weight, and FSDP's record of its parameters "
                            "(torch.distributed._composable_state) is not where this torch keeps it") from e
     for module, state_ref in list(_module_state_mapping.items()):
-        state = state_ref()
-        held = {id(p.sharded_param): p._module_info for group in getattr(state, "_fsdp_param_groups", None) or ()
+        held = {id(p.sharded_param): p._module_info for group in _fsdp_param_groups(module, state_ref())
                 for p in group.fsdp_params}
         if id(param) in held:
             def live(t: Any) -> Any:
@@ -409,6 +408,25 @@ def _fsdp_owner(param: Any) -> tuple[torch.nn.Module, Callable[[Any], Any]] | No
                 return t if info is None else getattr(info.module, info.param_name)
             return module, live
     return None
+
+
+def _fsdp_param_groups(module: torch.nn.Module, state: Any) -> list[Any]:
+    """The parameter groups of one composable state (``fully_shard``'s, or another API's: none).
+    Torch 2.13 keeps a list (``_fsdp_param_groups``), earlier ones a single group or None
+    (``_fsdp_param_group``). Not finding an FSDP state's groups must not pass for "no FSDP": the
+    weight would be taken for a tensor-parallel shard, each rank's batch mixed with the others'."""
+    from torch.distributed.fsdp import FSDPModule   # (loaded: the caller saw torch.distributed.fsdp)
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    if state is None:        # (a module collected since: its weights are no longer in use)
+        return []
+    group = vars(state).get("_fsdp_param_group")
+    if group is not None or "_fsdp_param_group" in vars(state):
+        return [] if group is None else [group]
+    if isinstance(module, FSDPModule) or type(state).__name__ == "FSDPState":
+        raise RuntimeError("losscodegen: an FSDP2 state without parameter groups where this torch keeps them "
+                           "(_fsdp_param_groups / _fsdp_param_group): which weights FSDP shards cannot be told")
+    return []
 
 
 def through_module(module: torch.nn.Module, fn: Callable[[torch.Tensor], Any], hidden: torch.Tensor):

@@ -203,3 +203,24 @@ def test_apply_losscodegen_under_transformers_tp_plan_equals_the_unsharded_model
         assert rows
         for what, err, scale in rows:
             assert err <= TOL * scale, (rank, what, err, scale)
+
+
+def test_fsdp2_weights_are_told_apart_from_tensor_parallel_shards_on_every_torch_layout():
+    """FSDP2's state keeps its parameter groups as a list in torch 2.13 (``_fsdp_param_groups``) and as
+    one group or None in earlier releases (``_fsdp_param_group``, torch 2.11 on the H100 image). Missing
+    the older layout made an FSDP-sharded lm_head pass for a tensor-parallel ``Shard(0)`` weight: each
+    rank's batch scored against the other ranks' (found on 2 H100s, bench/multi_gpu.py's FSDP part).
+    An FSDP module whose state has neither is an error, never "not FSDP"."""
+    from types import SimpleNamespace
+
+    from losscodegen.distributed import _fsdp_param_groups
+    group = SimpleNamespace(fsdp_params=[])
+    module = torch.nn.Linear(2, 2)
+    FSDPState = type("FSDPState", (SimpleNamespace,), {})    # (named as fully_shard's state class)
+    assert _fsdp_param_groups(module, SimpleNamespace(_fsdp_param_groups=[group, group])) == [group, group]
+    assert _fsdp_param_groups(module, SimpleNamespace(_fsdp_param_group=group)) == [group]
+    assert _fsdp_param_groups(module, SimpleNamespace(_fsdp_param_group=None)) == []
+    assert _fsdp_param_groups(module, SimpleNamespace()) == []          # another composable API's state
+    assert _fsdp_param_groups(module, None) == []                        # (its state collected)
+    with pytest.raises(RuntimeError, match="_fsdp_param_groups"):
+        _fsdp_param_groups(module, FSDPState())
