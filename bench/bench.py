@@ -124,11 +124,22 @@ LOGIT_WORKLOADS = {
 LOGIT_SHAPES = [(4096, 32000), (8192, 128256), (4096, 262144)]
 
 
+# Which rows are ignored (label -100): every 7th (this benchmark's records), or a random 5% (how an outside
+# benchmark draws them); --ignored picks, and each record says which.
+IGNORED = {"every7": lambda y, g: y.__setitem__(slice(None, None, 7), -100),
+           "random5": lambda y, g: y.masked_fill_(torch.rand(y.shape, device=y.device, generator=g) < 0.05, -100)}
+ignored = "every7"
+
+
+def ignore_rows(y, g):
+    IGNORED[ignored](y, g)
+
+
 def logit_inputs(R, V, needs, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = (torch.randn(R, V, device="cuda", generator=g) * 2).bfloat16()
     y = torch.randint(0, V, (R,), device="cuda", generator=g)
-    y[::7] = -100
+    ignore_rows(y, g)
     kw = {}
     if "teacher" in needs:
         kw["teacher_logits"] = (torch.randn(R, V, device="cuda", generator=g) * 2).bfloat16()
@@ -250,7 +261,7 @@ def linear_inputs(N, H, V, teacher: bool, seed=0):
     hidden = (torch.randn(N, H, device="cuda", generator=g) * 0.5).bfloat16().requires_grad_()
     weight = (torch.randn(V, H, device="cuda", generator=g) * H ** -0.5).bfloat16().requires_grad_()
     y = torch.randint(0, V, (N,), device="cuda", generator=g)
-    y[::7] = -100
+    ignore_rows(y, g)
     kw = {}
     if teacher:
         kw = dict(teacher_hidden=(torch.randn(N, H, device="cuda", generator=g) * 0.5).bfloat16(),
@@ -443,11 +454,14 @@ def main():
     ap.add_argument("--host", action="store_true")
     ap.add_argument("--quick", action="store_true", help="one shape per workload")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "perf"))
+    ap.add_argument("--ignored", choices=sorted(IGNORED), default="every7", help="which rows have label -100")
     args = ap.parse_args()
+    global ignored
+    ignored = args.ignored
     device = torch.cuda.get_device_name()
     print(device, "torch", torch.__version__, "triton", triton.__version__, flush=True)
     liger, cce = optional("liger_kernel"), optional("cut_cross_entropy")
-    result = dict(device=device, torch=torch.__version__, triton=triton.__version__)
+    result = dict(device=device, torch=torch.__version__, triton=triton.__version__, ignored=ignored)
     if args.host:
         result["host"] = host_work(liger)
     if args.logits:
@@ -457,6 +471,8 @@ def main():
     result["records"] = records
     name = "-".join(device.split())
     os.makedirs(args.out, exist_ok=True)
+    if ignored != "every7":
+        name += f"-{ignored}"
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=1)
     plot(os.path.join(args.out, f"{name}.png"), device)
