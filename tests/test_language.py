@@ -49,6 +49,17 @@ _k = 1 / (S.param("tau") * (S.sqrt(S.vsum(S.logit ** 2)) + 1e-7))
 LogitNorm = lcg.declare_term(
     "logit_norm", _k * (S.row_max - S.target_logit) + S.log(S.vsum(S.exp(_k * (S.logit - S.row_max)))),
     defaults={"tau": 0.04})
+# A temperature known only at run time, inside the exponents (read relative to the row maxima in a
+# read after the stats): cross-entropy at a per-row temperature tau (a token, e.g. one per sequence),
+# with the entropy of softmax(z / tau) from exp(z / tau) written inside vsum
+_tau = S.token("tau")
+RowTemperatureCE = lcg.declare_term("row_temperature_ce", S.lse_at(_tau) - S.target_logit / _tau)
+RowTemperatureEntropy = lcg.declare_term(
+    "row_temperature_entropy",
+    S.log(S.vsum(S.exp(S.logit / _tau))) - S.vsum(S.logit / _tau * S.exp(S.logit / _tau)) / S.vsum(S.exp(S.logit / _tau)),
+    metric_only=True)
+# a 0-dim tensor temperature (a schedule: one kernel for every value), as TAID's or a KD schedule's
+TensorTemperatureCE = lcg.declare_term("tensor_temperature_ce", S.lse_at(S.param("T")) - S.target_logit / S.param("T"))
 
 
 def _heads():
@@ -62,12 +73,22 @@ def _heads():
             "nested_row_factor": lcg.HeadLoss(lcg.declare_term(
                 "centred", S.vsum(S.softmax * S.logit * S.vsum(S.logit) / S.vocab_size))()),
             # lse - max: row_max as the factor of an online sum
-            "row_max_in_vsum": lcg.HeadLoss(lcg.declare_term("log_mass", S.log(S.vsum(S.exp(S.logit - S.row_max))))())}
+            "row_max_in_vsum": lcg.HeadLoss(lcg.declare_term("log_mass", S.log(S.vsum(S.exp(S.logit - S.row_max))))()),
+            "run_time_temperature": lcg.HeadLoss(RowTemperatureCE(), TensorTemperatureCE(T=torch.tensor(1.7), weight=0.5),
+                                                 metrics=(RowTemperatureEntropy(),)),
+            # Hinton's KD with the temperature a tensor: student and teacher normalisers both at run time
+            "tensor_temperature_kd": lcg.HeadLoss(lcg.ForwardKL(temperature=torch.tensor(2.5)), lcg.CrossEntropy())}
+
+
+def _inputs(head, rows, g):
+    """The per-row temperatures a head reads: positive, some below 1 (sharper than the logits)."""
+    return {"tau": torch.rand(rows, generator=g, dtype=torch.float64) * 1.5 + 0.3} if head.terms_reading("tau") else {}
 
 
 @pytest.mark.parametrize("name", list(_heads()))
 def test_construct_matches_float64_reference(name):
-    lcg.testing.assert_parity(_heads()[name], rows=18, vocab=70)
+    head = _heads()[name]
+    lcg.testing.assert_parity(head, rows=18, vocab=70, **_inputs(head, 18, torch.Generator().manual_seed(0)))
 
 
 def test_segment_sum_is_the_segments_total():
@@ -105,6 +126,7 @@ def _linear(name):
     if head.terms_reading("segment_ids"):
         inputs = dict(segment_ids=torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 3, 3]), num_segments=4,
                       advantages=torch.randn(R, generator=g))
+    inputs.update(_inputs(head, R, g))
     if head.terms_reading("prior"):
         inputs["prior"] = torch.softmax(torch.randn(V, generator=g), -1)
     if head.terms_reading("old_logprobs"):
@@ -114,7 +136,8 @@ def _linear(name):
     return head, hidden, weight, labels, inputs
 
 
-@pytest.mark.parametrize("name", ["segment_sum", "row_reads_segment", "row_max", "nested_vsum", "vector"])
+@pytest.mark.parametrize("name", ["segment_sum", "row_reads_segment", "row_max", "nested_vsum", "vector",
+                                  "run_time_temperature"])
 def test_construct_through_linear_equals_logits(name):
     head, hidden, weight, labels, inputs = _linear(name)
     h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
@@ -131,7 +154,7 @@ def test_construct_through_linear_equals_logits(name):
 def _vp_worker(rank, world, port, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    for name in ("segment_sum", "row_reads_segment", "row_max", "nested_vsum", "vector"):
+    for name in ("segment_sum", "row_reads_segment", "row_max", "nested_vsum", "vector", "run_time_temperature"):
         head, hidden, weight, labels, inputs = _linear(name)
         z = (hidden @ weight.T).detach()
         full = z.clone().requires_grad_()
@@ -164,6 +187,56 @@ def test_explain_shows_the_segment_count_the_argmax_gradient_and_the_nested_sum(
     # ||z||^2 in the first read, the softmax of z / (tau*||z||) in the second
     text = _heads()["nested_vsum"].explain()
     assert "sum_i 1 * z**2    [online]" in text and "exact" in text and "2 for the loss" in text
+
+
+def test_a_tensor_temperature_follows_its_value_without_a_new_kernel():
+    """A schedule writes the temperature in place: the next call reads it, and equals a head built
+    with that number (the number's online path against the tensor's exact read)."""
+    T = torch.tensor(2.0)
+    head = lcg.HeadLoss(lcg.ForwardKL(temperature=T), lcg.ReverseKL(temperature=T, weight=0.5))
+    g = torch.Generator().manual_seed(3)
+    z, t = torch.randn(10, 50, generator=g) * 4, torch.randn(10, 50, generator=g) * 4
+    y = torch.randint(0, 50, (10,), generator=g)
+    y[3] = -100
+    first, kernel = head(z, y, teacher_logits=t).loss, head.kernel
+    for value in (0.5, 3.0):
+        T.fill_(value)
+        x1, x2 = z.clone().requires_grad_(), z.clone().requires_grad_()
+        out = head(x1, y, teacher_logits=t)
+        out.loss.backward()
+        fixed = lcg.HeadLoss(lcg.ForwardKL(temperature=value), lcg.ReverseKL(temperature=value, weight=0.5))
+        want = fixed(x2, y, teacher_logits=t)
+        want.loss.backward()
+        assert not torch.allclose(out.loss, first)
+        assert torch.allclose(out.loss, want.loss, rtol=1e-5, atol=1e-6), (value, out.loss, want.loss)
+        assert torch.allclose(x1.grad, x2.grad, rtol=1e-4, atol=1e-7)
+    assert head.kernel is kernel
+    assert "exact" in head.explain() and "p_forward_kl__temperature" in head.explain()
+
+
+def test_a_run_time_temperature_on_split_launches_and_large_logits():
+    """Logits near 100 at a temperature of 0.3 (exp(z / tau) past 88 without the row max), one
+    launch per read."""
+    from losscodegen.backends.triton import tiles
+    head = _heads()["run_time_temperature"]
+    head.tile_override = tiles.Config(4096, 8, split=True)
+    g = torch.Generator().manual_seed(5)
+    z = torch.randn(14, 300, generator=g, dtype=torch.float64) * 3 + 100
+    y = torch.randint(0, 300, (14,), generator=g)
+    y[2] = -100
+    tau = torch.rand(14, generator=g, dtype=torch.float64) * 0.5 + 0.25
+    want_loss, want, want_grad = lcg.testing.reference(head)(z, y, tau=tau)
+    x = z.float().requires_grad_()
+    out = head(x, y, tau=tau.float())
+    out.loss.backward()
+    for name, got, expected in [("loss", out.loss, want_loss), ("gradient", x.grad, want_grad)] + [
+            (n, v, want[n]) for n, v in {**out.terms, **out.metrics}.items()]:
+        lcg.testing.compare(name, got, expected, torch.float32)
+
+
+def test_an_exponent_not_linear_in_the_element_with_a_row_coefficient_is_refused_saying_what_to_write():
+    with pytest.raises(ValueError, match="write the exponent linear in the element"):
+        lcg.declare_term("x", S.log(S.vsum(S.exp(S.logit ** 2 / S.token("tau")))))
 
 
 def test_a_nested_sum_that_needs_a_second_read_itself_is_refused():
