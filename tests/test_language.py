@@ -58,7 +58,10 @@ RowTemperatureEntropy = lcg.declare_term(
     "row_temperature_entropy",
     S.log(S.vsum(S.exp(S.logit / _tau))) - S.vsum(S.logit / _tau * S.exp(S.logit / _tau)) / S.vsum(S.exp(S.logit / _tau)),
     metric_only=True)
-# a 0-dim tensor temperature (a schedule: one kernel for every value), as TAID's or a KD schedule's
+# CTKD's instance-wise temperature (Li et al., arXiv 2211.16231), given per row (detached): KD at tau
+InstanceKD = lcg.declare_term(
+    "instance_kd", S.vsum(S.teacher_prob_at(_tau) * (S.teacher_logprob_at(_tau) - S.logsoftmax_at(_tau))))
+# a 0-dim tensor temperature (a schedule: one kernel for every value), as Annealing-KD's
 TensorTemperatureCE = lcg.declare_term("tensor_temperature_ce", S.lse_at(S.param("T")) - S.target_logit / S.param("T"))
 
 
@@ -77,7 +80,8 @@ def _heads():
             "run_time_temperature": lcg.HeadLoss(RowTemperatureCE(), TensorTemperatureCE(T=torch.tensor(1.7), weight=0.5),
                                                  metrics=(RowTemperatureEntropy(),)),
             # Hinton's KD with the temperature a tensor: student and teacher normalisers both at run time
-            "tensor_temperature_kd": lcg.HeadLoss(lcg.ForwardKL(temperature=torch.tensor(2.5)), lcg.CrossEntropy())}
+            "tensor_temperature_kd": lcg.HeadLoss(lcg.ForwardKL(temperature=torch.tensor(2.5)), lcg.CrossEntropy()),
+            "row_temperature_kd": lcg.HeadLoss(InstanceKD(), lcg.CrossEntropy(weight=0.2))}
 
 
 def _inputs(head, rows, g):
@@ -395,3 +399,43 @@ def test_a_vector_input_is_checked_and_stays_inside_vsum():
         lcg.declare_term("x", S.vector("prior") * S.lse)
     with pytest.raises(ValueError, match="clashes"):
         lcg.declare_term("x", S.vsum(S.vector("labels") * S.logit))
+
+
+def test_a_quantile_over_rows_written_as_two_calls_matches_trls_top_entropy_quantile():
+    """TRL's GRPO top_entropy_quantile (a quantile of the batch's entropies masks the policy loss) is
+    an order statistic over rows, no formula: docs/adding-a-loss.md's two calls (the entropies without
+    gradient, the quantile in torch, the loss with loss_mask= and divisor=) against TRL's own
+    get_high_entropy_mask on float64 entropies and TRL's bnpo loss in float64."""
+    trl = pytest.importorskip("trl")
+    from types import SimpleNamespace
+    g = torch.Generator().manual_seed(6)
+    z = torch.randn(3, 8, 40, generator=g, dtype=torch.float64) * 2
+    y = torch.randint(0, 40, (3, 8), generator=g)
+    mask = torch.ones(3, 8, dtype=torch.bool)
+    mask[0, 6:], mask[2, 5:] = False, False
+    A = torch.randn(3, 1, generator=g, dtype=torch.float64).expand(3, 8).contiguous()
+    old = torch.log_softmax(z, -1).gather(-1, y[..., None])[..., 0] + 0.3 * torch.randn(3, 8, generator=g, dtype=torch.float64)
+    q = 0.4                                                      # TRL's top_entropy_quantile
+    labels = y.masked_fill(~mask, -100)
+
+    x = z.float().requires_grad_()
+    with torch.no_grad():
+        entropy = lcg.HeadLoss(lcg.Entropy())(x, labels, reduction="none").loss
+    valid = labels != -100
+    high = (entropy >= torch.quantile(entropy[valid], 1 - q)) & valid
+    out = lcg.HeadLoss(lcg.GRPO())(x, labels, loss_mask=high, divisor=valid.sum(), advantages=A.float(),
+                                   old_logprobs=old.float())
+    out.loss.backward()
+
+    z64 = z.clone().requires_grad_()
+    logp = torch.log_softmax(z64, -1)
+    fake = SimpleNamespace(accelerator=SimpleNamespace(pad_across_processes=lambda t, dim, pad_index: t,
+                                                       gather=lambda t: t))
+    trl_mask = trl.GRPOTrainer.get_high_entropy_mask(fake, -(logp.exp() * logp).sum(-1).detach(), mask.long(), 1 - q)
+    assert torch.equal(high, trl_mask) and 0 < trl_mask.sum() < mask.sum()
+    r = torch.exp(logp.gather(-1, y[..., None])[..., 0] - old)
+    per_token = -torch.min(r * A, torch.clamp(r, 0.8, 1.2) * A) * trl_mask
+    ref = (per_token * mask).sum() / mask.sum().clamp(min=1.0)   # TRL's loss_type="bnpo"
+    ref.backward()
+    lcg.testing.compare("loss", out.loss, ref.detach(), torch.float32)
+    lcg.testing.compare("gradient", x.grad, z64.grad, torch.float32)

@@ -374,12 +374,48 @@ def test_every_trl_loss_type_vocab_parallel_matches_trl():
 def test_dpo_refuses_batch_sorted_loss_types_saying_what_to_write():
     for loss_type in ("aot", "aot_unpaired"):
         with pytest.raises(ValueError, match=f"loss_type='{loss_type}' sorts the log-ratios over the batch.*"
-                                             "lcg.LogProb.*loss_type='sigmoid'"):
+                                             "lcg.LogProb.*reduction='none'.*sorted log-ratios.*loss_type='sigmoid'"):
             P.DPO(loss_type=loss_type)
     with pytest.raises(ValueError, match="label_smoothing must be in"):
         P.DPO(loss_type="exo_pair")
     with pytest.raises(ValueError, match="loss_type must be one of"):
         P.DPO(loss_type="nope")
+
+
+@pytest.mark.parametrize("loss_type", ["aot", "aot_unpaired"])
+def test_batch_sorted_loss_types_written_as_docs_say_match_trl(loss_type):
+    """aot sorts the batch's log-ratios (no per-pair formula): docs/adding-a-loss.md's recipe, each
+    token's log-probability from LogProb under reduction="none", given to TRL's own _compute_loss in
+    place of its fused head's, against TRL on the float64 logits (value and gradient)."""
+    logits, input_ids, mask = _batch(seed=13)
+    labels = _shifted(input_ids, mask)
+    g = torch.Generator().manual_seed(14)
+    with torch.no_grad():
+        ref = _token_logps(logits[:, :-1], labels).sum(-1) + torch.randn(2 * B, generator=g, dtype=torch.float64)
+    options = dict(loss_type=loss_type, beta=0.5, label_smoothing=0.1)
+    ref_loss, ref_grad = _trl_dpo(logits, input_ids, mask, ref[:B], ref[B:], **options)
+
+    x = logits[:, :-1].detach().float().requires_grad_()
+    logps = lcg.HeadLoss(lcg.LogProb())(x, labels, reduction="none").loss
+
+    class _Ours(_FusedModel):
+        def __call__(self, *, labels, **_):
+            out = super().__call__(labels=labels)
+            out.log_probs = logps.double()
+            return out
+    fake_logits = torch.cat([x.detach().double(), logits[:, -1:]], 1)
+    fake = SimpleNamespace(
+        model=SimpleNamespace(training=True), accelerator=_accelerator(), aux_loss_enabled=False, ld_alpha=None,
+        precompute_ref_logps=True, f_divergence_type="reverse_kl", f_alpha_divergence_coef=1.0, loss_types=[loss_type],
+        loss_weights=[1.0], beta=0.5, label_smoothing=0.1, args=SimpleNamespace(discopop_tau=0.05), use_weighting=False,
+        _metrics=defaultdict(lambda: defaultdict(list)), _total_train_tokens=0, _tp_size=1)
+    inputs = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), completion_mask=mask,
+                  ref_chosen_logps=ref[:B], ref_rejected_logps=ref[B:])
+    loss = trl.DPOTrainer._compute_loss(fake, _Ours(fake_logits), inputs, return_outputs=False)
+    loss.backward()
+    grad = torch.zeros_like(logits)
+    grad[:, :-1] = x.grad.double()
+    _compare(SimpleNamespace(loss=loss.detach()), grad, ref_loss, ref_grad)
 
 
 def test_pair_inputs_checks_its_arguments():
