@@ -439,3 +439,11 @@ def test_a_quantile_over_rows_written_as_two_calls_matches_trls_top_entropy_quan
     ref.backward()
     lcg.testing.compare("loss", out.loss, ref.detach(), torch.float32)
     lcg.testing.compare("gradient", x.grad, z64.grad, torch.float32)
+
+
+def test_the_trl_trainer_refuses_top_entropy_quantile_saying_what_to_write(tmp_path):
+    trl = pytest.importorskip("trl")
+    from losscodegen.integrations import trl as lcg_trl
+    refused = lcg_trl.unfused_options(trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[],
+                                                         top_entropy_quantile=0.2))
+    assert any("top_entropy_quantile=0.2" in r and "'Order statistics over rows'" in r for r in refused), refused

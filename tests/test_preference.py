@@ -418,6 +418,14 @@ def test_batch_sorted_loss_types_written_as_docs_say_match_trl(loss_type):
     _compare(SimpleNamespace(loss=loss.detach()), grad, ref_loss, ref_grad)
 
 
+def test_the_trl_trainer_refuses_aot_saying_what_to_write(tmp_path):
+    from losscodegen.integrations import trl as lcg_trl
+    refused = lcg_trl.unfused_dpo_options(trl.DPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[],
+                                                         loss_type=["sigmoid", "aot_unpaired"]))
+    assert len(refused) == 1 and "loss_type='aot_unpaired'" in refused[0] \
+        and "'Order statistics over rows'" in refused[0], refused
+
+
 def test_pair_inputs_checks_its_arguments():
     head = lcg.HeadLoss(P.DPO())
     labels = torch.zeros(3, 4, dtype=torch.long)
