@@ -740,8 +740,14 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
     lowered_red = {r: lw.lower_reduction(domain, _value(body)) for (domain, body), r in lw.reductions.items()}
     for r in nested:
         if any(not a.online for a in lw.accs.values() if sp.Symbol(a.name, real=True) in lowered_red[r].free_symbols):
+            body = lw.red_of[r][1]
+            run_time = body.has(*_MAXIMA.values())
             raise ValueError(f"a sum read inside another sum must be one of the first read (a sum of "
-                             f"exp(a*z) times z, t or inputs), not {lw.red_of[r][1]}")
+                             f"exp(a*z) times z, t or inputs), not {body}" + (
+                                 ": a sum at a temperature known only at run time (a tensor parameter or a "
+                                 "token) is read after the stats; where another sum reads it other than as "
+                                 "a row factor (inside a log: JSD's log(beta*p + (1-beta)*q)), give the "
+                                 "temperature as a number" if run_time else ""))
     # a nested sum inside a summand (or a row factor of one: vsum(z * vsum(z))), and the gradient's
     # summands, read as the first read's sums
     lowered_red = {r: v.xreplace(lowered_red) for r, v in lowered_red.items()}

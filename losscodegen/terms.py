@@ -437,6 +437,15 @@ class _JSDFactory(TermFactory):
             return ReverseKL(**options)
         return self(beta=1.0 - beta, **options)
 
+    def __call__(self, *positional: Any, **params: Any) -> Term:
+        if is_tensor(params.get("temperature")):
+            # (lower.py would refuse it at the head's first use; here it names the parameter)
+            raise ValueError(f"{self.name}: temperature as a tensor is not supported: log(beta*p + (1-beta)*q) "
+                             "reads both normalisers inside its sum, and at a run-time temperature they are "
+                             "sums of the read after the stats; give the temperature as a number (one kernel "
+                             "per value), or use ForwardKL / ReverseKL, which take a tensor")
+        return super().__call__(*positional, **params)
+
 
 JSD = _JSDFactory(**vars(declare_term(
     "jsd", _beta * S.vsum(_p * (_logp - _logm)) + (1 - _beta) * S.vsum(_q * (_logq - _logm)),

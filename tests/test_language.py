@@ -131,6 +131,8 @@ def _linear(name):
         inputs = dict(segment_ids=torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 3, 3]), num_segments=4,
                       advantages=torch.randn(R, generator=g))
     inputs.update(_inputs(head, R, g))
+    if head.terms_reading("teacher_logits"):
+        inputs["teacher_logits"] = torch.randn(R, V, generator=g) * 2
     if head.terms_reading("prior"):
         inputs["prior"] = torch.softmax(torch.randn(V, generator=g), -1)
     if head.terms_reading("old_logprobs"):
@@ -141,11 +143,14 @@ def _linear(name):
 
 
 @pytest.mark.parametrize("name", ["segment_sum", "row_reads_segment", "row_max", "nested_vsum", "vector",
-                                  "run_time_temperature"])
+                                  "run_time_temperature", "tensor_temperature_kd"])
 def test_construct_through_linear_equals_logits(name):
     head, hidden, weight, labels, inputs = _linear(name)
     h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    fused = head.linear(h1, w1, labels, chunk_rows=5, **inputs)
+    teacher = {} if "teacher_logits" not in inputs else dict(   # (the teacher's hidden states: its logits)
+        teacher_hidden=inputs["teacher_logits"], teacher_weight=torch.eye(inputs["teacher_logits"].shape[-1]))
+    fused = head.linear(h1, w1, labels, chunk_rows=5, **teacher,
+                        **{k: v for k, v in inputs.items() if k != "teacher_logits"})
     fused.loss.backward()
     h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     plain = head(h2 @ w2.T, labels, **inputs)
@@ -158,7 +163,8 @@ def test_construct_through_linear_equals_logits(name):
 def _vp_worker(rank, world, port, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    for name in ("segment_sum", "row_reads_segment", "row_max", "nested_vsum", "vector", "run_time_temperature"):
+    for name in ("segment_sum", "row_reads_segment", "row_max", "nested_vsum", "vector", "run_time_temperature",
+                 "tensor_temperature_kd"):
         head, hidden, weight, labels, inputs = _linear(name)
         z = (hidden @ weight.T).detach()
         full = z.clone().requires_grad_()
@@ -166,6 +172,8 @@ def _vp_worker(rank, world, port, queue):
         ref.loss.backward()
         Vl = z.shape[-1] // world
         shard = z[:, rank * Vl:(rank + 1) * Vl].clone().requires_grad_()
+        if "teacher_logits" in inputs:
+            inputs["teacher_logits"] = inputs["teacher_logits"][:, rank * Vl:(rank + 1) * Vl]
         out = head(shard, labels, process_group=dist.group.WORLD, **inputs)
         out.loss.backward()
         err = (shard.grad - full.grad[:, rank * Vl:(rank + 1) * Vl]).abs().max().item()
@@ -175,7 +183,7 @@ def _vp_worker(rank, world, port, queue):
 
 
 def test_constructs_vocab_parallel_equal_unsharded():
-    for name, loss, ref, err, scale, values in run_ranks(_vp_worker, 2, 10):
+    for name, loss, ref, err, scale, values in run_ranks(_vp_worker, 2, 14):
         assert abs(loss - ref) <= 1e-5 * max(1.0, abs(ref)), (name, loss, ref)
         assert err <= 1e-5 * scale, (name, err, scale)
         for k, (v, r) in values.items():
@@ -236,6 +244,39 @@ def test_a_run_time_temperature_on_split_launches_and_large_logits():
     for name, got, expected in [("loss", out.loss, want_loss), ("gradient", x.grad, want_grad)] + [
             (n, v, want[n]) for n, v in {**out.terms, **out.metrics}.items()]:
         lcg.testing.compare(name, got, expected, torch.float32)
+
+
+def test_a_run_time_temperature_per_row_under_reduction_none_matches_the_reference():
+    head = _heads()["run_time_temperature"]
+    g = torch.Generator().manual_seed(8)
+    z = torch.randn(9, 30, generator=g, dtype=torch.float64) * 3
+    y = torch.randint(0, 30, (9,), generator=g)
+    y[1] = -100
+    tau = torch.rand(9, generator=g, dtype=torch.float64) + 0.2
+    upstream = torch.randn(9, generator=g, dtype=torch.float64)
+    x = z.float().requires_grad_()
+    out = head(x, y, tau=tau.float(), reduction="none")
+    (out.loss * upstream.float()).sum().backward()
+    ref = z.clone().requires_grad_()
+
+    def nll(scaled):
+        return -torch.log_softmax(scaled, -1).gather(1, y.clamp_min(0)[:, None])[:, 0]
+    # row_temperature_ce + 0.5 * tensor_temperature_ce (T = 1.7) per row, 0 where ignored
+    want = torch.where(y == -100, 0.0, nll(ref / tau[:, None]) + 0.5 * nll(ref / 1.7))
+    (want * upstream).sum().backward()
+    lcg.testing.compare("loss", out.loss, want.detach(), torch.float32)
+    lcg.testing.compare("gradient", x.grad, ref.grad, torch.float32)
+
+
+def test_a_tensor_temperature_where_a_sum_reads_its_normalisers_inside_a_log_is_refused_saying_what_to_write():
+    with pytest.raises(ValueError, match="jsd: temperature as a tensor.*give the temperature as a number"):
+        lcg.JSD(beta=0.3, temperature=torch.tensor(2.0))
+    T = S.param("T")
+    m = S.log(S.softmax_at(T) / 2 + S.teacher_prob_at(T) / 2)
+    head = lcg.HeadLoss(lcg.declare_term("js", S.vsum(S.softmax_at(T) * (S.logsoftmax_at(T) - m)))(T=torch.tensor(2.0)))
+    with pytest.raises(ValueError, match="known only at run time.*give the temperature as a number"):
+        head.explain()
+    lcg.testing.assert_parity(lcg.HeadLoss(lcg.TopKForwardKL(temperature=torch.tensor(2.0))), rows=10, vocab=40)
 
 
 def test_an_exponent_not_linear_in_the_element_with_a_row_coefficient_is_refused_saying_what_to_write():
@@ -346,7 +387,8 @@ def test_no_segments_with_a_valid_row_is_refused_and_writes_only_the_segment_reg
                                rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("name", ["segment_sum", "row_reads_segment", "row_max", "nested_vsum"])
+@pytest.mark.parametrize("name", ["segment_sum", "row_reads_segment", "row_max", "nested_vsum", "run_time_temperature",
+                                  "tensor_temperature_kd"])
 def test_no_valid_row_gives_zero_and_a_zero_gradient(name):
     head, hidden, weight, labels, inputs = _linear(name)
     x = (hidden @ weight.T).detach().requires_grad_()
