@@ -128,8 +128,10 @@ class TermFactory:
                 raise ValueError(f"{self.name}: parameter {k} is a tensor that requires grad, but a parameter "
                                  "inside a formula gets no gradient (only a term's weight does): pass it "
                                  ".detach(), or make the learnable factor a term's weight")
+        # (a tensor temperature's value as the term is built, read once as its sign is: a schedule keeps it > 0)
+        temperatures = {s for lse in self.formula.atoms(S.LSE) for s in lse.free_symbols}
         numbers = {S.param(k): _number(v) for k, v in values.items()
-                   if not isinstance(v, FromTerm) and not is_tensor(v)}
+                   if not isinstance(v, FromTerm) and (not is_tensor(v) or S.param(k) in temperatures)}
         for lse in self.formula.xreplace(numbers).atoms(S.LSE):
             if any(a.is_number and not (a.is_finite and a.is_extended_real and a >= 0) for a in lse.args) \
                     or all(a == 0 for a in lse.args):

@@ -268,6 +268,12 @@ def test_a_run_time_temperature_per_row_under_reduction_none_matches_the_referen
     lcg.testing.compare("gradient", x.grad, ref.grad, torch.float32)
 
 
+def test_a_tensor_temperature_not_positive_when_the_term_is_built_is_refused():
+    for value in (0.0, -1.0):
+        with pytest.raises(ValueError, match="forward_kl: a temperature must be > 0"):
+            lcg.ForwardKL(temperature=torch.tensor(value))
+
+
 def test_a_tensor_temperature_where_a_sum_reads_its_normalisers_inside_a_log_is_refused_saying_what_to_write():
     with pytest.raises(ValueError, match="jsd: temperature as a tensor.*give the temperature as a number"):
         lcg.JSD(beta=0.3, temperature=torch.tensor(2.0))
