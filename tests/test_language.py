@@ -81,7 +81,13 @@ def _heads():
                                                  metrics=(RowTemperatureEntropy(),)),
             # Hinton's KD with the temperature a tensor: student and teacher normalisers both at run time
             "tensor_temperature_kd": lcg.HeadLoss(lcg.ForwardKL(temperature=torch.tensor(2.5)), lcg.CrossEntropy()),
-            "row_temperature_kd": lcg.HeadLoss(InstanceKD(), lcg.CrossEntropy(weight=0.2))}
+            "row_temperature_kd": lcg.HeadLoss(InstanceKD(), lcg.CrossEntropy(weight=0.2)),
+            # run-time temperatures inside segment statistics: a sequence's tempered NLL, and a row term
+            # reading a segment mean of the tempered mean logit
+            "run_time_temperature_segments": lcg.HeadLoss(
+                lcg.declare_term("seq_nll_T", S.segment_sum(TensorTemperatureCE.formula) ** 2 / 100)(T=torch.tensor(1.5)),
+                lcg.declare_term("ce_tau_by_mean", RowTemperatureCE.formula * S.segment_mean(
+                    S.vsum(S.softmax_at(S.param("T")) * S.logit)) ** 2)(T=torch.tensor(0.7)))}
 
 
 def _inputs(head, rows, g):
