@@ -262,32 +262,6 @@ def test_preference_terms_pass_the_float64_parity_check():
                               **{k: (v.reshape(-1) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()})
 
 
-def _vp_worker(rank, world, port, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    logits, input_ids, mask = _batch(seed=9)
-    labels = _shifted(input_ids, mask)
-    z = logits[:, :-1].float()
-    head = lcg.HeadLoss(P.DPO(loss_type="sigmoid", beta=0.3), P.ORPO(beta=0.2), P.ChosenNLL())
-    inputs = P.pair_inputs(head, labels, ref_chosen_logps=torch.full((B,), -9.0), ref_rejected_logps=torch.full((B,), -10.0))
-    full = z.clone().requires_grad_()
-    ref = head(full, labels, **inputs)
-    ref.loss.backward()
-    Vl = V // world
-    shard = z[..., rank * Vl:(rank + 1) * Vl].clone().requires_grad_()
-    out = head(shard, labels, process_group=dist.group.WORLD, **inputs)
-    out.loss.backward()
-    err = (shard.grad - full.grad[..., rank * Vl:(rank + 1) * Vl]).abs().max().item()
-    queue.put((out.loss.item(), ref.loss.item(), err, full.grad.abs().max().item()))
-    dist.destroy_process_group()
-
-
-def test_preference_losses_vocab_parallel_equal_unsharded():
-    for loss, ref, err, scale in run_ranks(_vp_worker, 2, 2):
-        assert abs(loss - ref) <= 1e-5 * max(1.0, abs(ref)), (loss, ref)
-        assert err <= 1e-5 * scale, (err, scale)
-
-
 # TRL 1.16's per-pair loss types in one list (TRL's loss_type=[...] with loss_weights), one option set
 _ALL = [t for t in P.DPO_LOSS_TYPES]
 _ALL_WEIGHTS = [1.0 / (k + 1) for k in range(len(_ALL))]
@@ -344,6 +318,24 @@ def test_every_trl_loss_type_through_linear_matches_trl():
     assert h64.grad[:, -1].abs().max() == 0   # (the last position predicts nothing)
 
 
+def _vp_others(rank, world, queue):
+    """ORPO and ChosenNLL beside DPO: the sharded head against the unsharded one."""
+    logits, input_ids, mask = _batch(seed=9)
+    labels = _shifted(input_ids, mask)
+    z = logits[:, :-1].float()
+    head = lcg.HeadLoss(P.DPO(loss_type="sigmoid", beta=0.3), P.ORPO(beta=0.2), P.ChosenNLL())
+    inputs = P.pair_inputs(head, labels, ref_chosen_logps=torch.full((B,), -9.0), ref_rejected_logps=torch.full((B,), -10.0))
+    full = z.clone().requires_grad_()
+    ref = head(full, labels, **inputs)
+    ref.loss.backward()
+    Vl = V // world
+    shard = z[..., rank * Vl:(rank + 1) * Vl].clone().requires_grad_()
+    out = head(shard, labels, process_group=dist.group.WORLD, **inputs)
+    out.loss.backward()
+    err = (shard.grad - full.grad[..., rank * Vl:(rank + 1) * Vl]).abs().max().item()
+    queue.put(("others", out.loss.item(), ref.loss.item(), err, full.grad.abs().max().item()))
+
+
 def _vp_all_worker(rank, world, port, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -359,16 +351,18 @@ def _vp_all_worker(rank, world, port, queue):
     out = head(shard, labels, process_group=dist.group.WORLD, **inputs)
     out.loss.backward()
     want = logits.grad[:, :-1, rank * Vl:(rank + 1) * Vl]
-    queue.put((out.loss.item(), ref_loss.item(), (shard.grad.double() - want).abs().max().item(),
+    queue.put(("trl", out.loss.item(), ref_loss.item(), (shard.grad.double() - want).abs().max().item(),
                logits.grad.abs().max().item()))
+    _vp_others(rank, world, queue)
     dist.destroy_process_group()
 
 
 def test_every_trl_loss_type_vocab_parallel_matches_trl():
-    """The same head on two gloo ranks, each with half of the vocabulary: TRL's loss and gradient."""
-    for loss, ref, err, scale in run_ranks(_vp_all_worker, 2, 2):
-        assert abs(loss - ref) <= 2e-5 * max(1.0, abs(ref)), (loss, ref)
-        assert err <= 1e-4 * scale, (err, scale)
+    """The same head on two gloo ranks, each with half of the vocabulary: TRL's loss and gradient;
+    and DPO with ORPO and ChosenNLL sharded against unsharded."""
+    for name, loss, ref, err, scale in run_ranks(_vp_all_worker, 2, 4):
+        assert abs(loss - ref) <= 2e-5 * max(1.0, abs(ref)), (name, loss, ref)
+        assert err <= (1e-4 if name == "trl" else 1e-5) * scale, (name, err, scale)
 
 
 def test_dpo_refuses_batch_sorted_loss_types_saying_what_to_write():
