@@ -573,10 +573,6 @@ _MAXIMA = {S.logit: S.stop_gradient(S.row_max), S.teacher_logit: S.stop_gradient
            S.topk_logit: S.stop_gradient(S.row_max)}
 
 
-def _is_run_time(coefficient: sp.Expr) -> bool:
-    return not coefficient.is_number
-
-
 def _run_time_temperatures(formula: sp.Expr) -> sp.Expr:
     """A formula whose exponents of the elements have coefficients known only at run time (a tensor
     temperature, a per-row token ``exp(z / tau)``, ``lse_at(token)``) rewritten relative to the row
@@ -590,13 +586,14 @@ def _run_time_temperatures(formula: sp.Expr) -> sp.Expr:
     the gradient is the formula's own. Other formulas are returned as they are (their lowering, and
     so their kernels, unchanged)."""
     def run_time_lse(e: sp.Expr) -> bool:
-        return isinstance(e, S.LSE) and any(_is_run_time(a) for a in e.args)
+        return isinstance(e, S.LSE) and any(not a.is_number for a in e.args)
 
     def run_time_exp(e: sp.Expr) -> bool:
         if not isinstance(e, sp.exp):
             return False
+        # (a coefficient that reads an element itself is no temperature: exp(z**2) stays as written)
         arg = e.args[0]
-        return any(arg.has(x) and _is_run_time(arg.diff(x)) and not arg.diff(x).has(*_MAXIMA) for x in _MAXIMA)
+        return any(not arg.diff(x).is_number and not arg.diff(x).has(*_MAXIMA) for x in _MAXIMA)
 
     if not any(run_time_lse(e) for e in formula.atoms(S.LSE)) and not any(
             run_time_exp(e) for red in formula.atoms(S.vsum, S.topk_sum) for e in red.atoms(sp.exp)):
