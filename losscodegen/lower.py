@@ -51,7 +51,10 @@ class Accumulator:
     def __str__(self) -> str:
         where = "sum_i" if self.domain == "vocab" else "sum_k"
         if not self.online:
-            return f"{self.name} = {where} {self.body}    [exact: needs the final normalisers]"
+            why = "needs the final normalisers"
+            if any(not e.args[0].diff(x).is_number for e in self.body.atoms(sp.exp) for x in (ZM, TM)):
+                why = "an exponent's coefficient known at run time, relative to the final maxima"
+            return f"{self.name} = {where} {self.body}    [exact: {why}]"
         var = ("z", "t") if self.domain == "vocab" else ("z_k", "t")
         scale = " + ".join(f"{c}*({v} - {mx})" for c, v, mx in
                            ((self.alpha, var[0], "m"), (self.beta, var[1], "m_t")) if c != 0)
