@@ -51,7 +51,10 @@ class Accumulator:
     def __str__(self) -> str:
         where = "sum_i" if self.domain == "vocab" else "sum_k"
         if not self.online:
-            return f"{self.name} = {where} {self.body}    [exact: needs the final normalisers]"
+            why = "needs the final normalisers"
+            if any(not e.args[0].diff(x).is_number for e in self.body.atoms(sp.exp) for x in (ZM, TM)):
+                why = "an exponent's coefficient known at run time, relative to the final maxima"
+            return f"{self.name} = {where} {self.body}    [exact: {why}]"
         var = ("z", "t") if self.domain == "vocab" else ("z_k", "t")
         scale = " + ".join(f"{c}*({v} - {mx})" for c, v, mx in
                            ((self.alpha, var[0], "m"), (self.beta, var[1], "m_t")) if c != 0)
@@ -567,6 +570,79 @@ def _piecewise(expr: sp.Expr) -> sp.Expr:
                         lambda e: e.rewrite(sp.Piecewise))
 
 
+# the row maximum of the teacher logits (the first read's m_t), which a shifted exponent of t reads
+_TEACHER_MAX = sp.Symbol("t_max", real=True)
+_MAXIMA = {S.logit: S.stop_gradient(S.row_max), S.teacher_logit: S.stop_gradient(_TEACHER_MAX),
+           S.topk_logit: S.stop_gradient(S.row_max)}
+
+
+def _run_time_temperatures(formula: sp.Expr) -> sp.Expr:
+    """A formula whose exponents of the elements have coefficients known only at run time (a tensor
+    temperature, a per-row token ``exp(z / tau)``, ``lse_at(token)``) rewritten relative to the row
+    maxima, the same function: ``LSE(a, b)`` as ``a*m + b*m_t + log sum_i exp(a*(z_i - m) + b*(t_i - m_t))``,
+    and in every sum each ``exp(a*z + b*t + r)`` as ``exp(a*m + b*m_t + r) * exp(a*(z - m) + b*(t - m_t))``
+    with the first factor taken out of the sum (with every other row factor of its summand, so that a
+    sum read inside another becomes the other's row factor). Such a sum is an exact one (its exponent
+    is not known when the kernel is built): a read after the stats, where ``z - m <= 0``, so that no
+    exponential overflows for ``a, b >= 0`` (a temperature > 0; a negative one is exact until its
+    exponent passes 88, then inf). The maxima are stopped: the formula does not depend on them, so
+    the gradient is the formula's own. Other formulas are returned as they are (their lowering, and
+    so their kernels, unchanged)."""
+    def run_time_lse(e: sp.Expr) -> bool:
+        return isinstance(e, S.LSE) and any(not a.is_number for a in e.args)
+
+    def run_time_exp(e: sp.Expr) -> bool:
+        if not isinstance(e, sp.exp):
+            return False
+        # (a coefficient that reads an element itself is no temperature: exp(z**2) stays as written)
+        arg = e.args[0]
+        return any(not arg.diff(x).is_number and not arg.diff(x).has(*_MAXIMA) for x in _MAXIMA)
+
+    if not any(run_time_lse(e) for e in formula.atoms(S.LSE)) and not any(
+            run_time_exp(e) for red in formula.atoms(S.vsum, S.topk_sum) for e in red.atoms(sp.exp)):
+        return formula
+    m, m_t = _MAXIMA[S.logit], _MAXIMA[S.teacher_logit]
+    formula = formula.replace(run_time_lse, lambda e: e.args[0] * m + e.args[1] * m_t + sp.log(S.vsum(
+        sp.exp(e.args[0] * (S.logit - m) + e.args[1] * (S.teacher_logit - m_t)))))
+
+    def shifted(red: sp.Expr) -> sp.Expr:
+        # each element relative to its row maximum, x = d + max (d = x - max <= 0): a linear exponent
+        # splits into exp(a*d) and a row factor, and a linear factor's max part is a row factor too
+        # (it cancels the normaliser's a*m in the row math, where fp32 would round both)
+        at = {x: sp.Dummy(f"d{x}", real=True) for x in ((S.logit, S.teacher_logit) if isinstance(red, S.vsum)
+                                                         else (S.topk_logit,))}
+        elements = (*at.values(), *S.vectors_in(red), S.topk_logprob)
+        # the sums read inside it (row values here, though they hold the element symbols)
+        inner = {r: sp.Dummy(real=True) for r in red.args[0].atoms(S.vsum, S.topk_sum)}
+        body = red.args[0].xreplace(inner)
+        linear = {e: e.args[0] for e in body.atoms(sp.exp)
+                  if all(not e.args[0].diff(x).has(*at) for x in at)}
+        body = body.xreplace({e: sp.exp(sp.expand(a.xreplace({x: d + _MAXIMA[x] for x, d in at.items()})))
+                              for e, a in linear.items()})
+        body = body.xreplace({x: d + _MAXIMA[x] for x, d in at.items()})
+        out = []
+        for addend in sp.Add.make_args(sp.expand(body, power_exp=False, log=False)):
+            factors = []
+            for f in sp.Mul.make_args(addend):
+                if isinstance(f, sp.exp) and all(not f.args[0].diff(d).has(*at.values()) for d in at.values()):
+                    parts = sp.Add.make_args(f.args[0])
+                    factors += [sp.exp(sp.Add(*[p for p in parts if p.has(*elements)])),
+                                sp.exp(sp.Add(*[p for p in parts if not p.has(*elements)]))]
+                else:
+                    factors.append(f)
+            row, element = sp.Mul(*factors).as_independent(*elements, as_Add=False)
+            out.append(row * type(red)(element.xreplace({d: x - _MAXIMA[x] for x, d in at.items()})))
+        # the maxima's exponential shared by every part, outside their sum: a ratio of two sums of one
+        # temperature cancels it (exp(m / tau) overflows)
+        shared = [{f for f in sp.Mul.make_args(o) if isinstance(f, sp.exp)} for o in out]
+        common = sp.Mul(*set.intersection(*shared)) if shared else sp.S.One
+        return (common * sp.Add(*[o / common for o in out])).xreplace({d: r for r, d in inner.items()})
+    formula = formula.replace(lambda e: isinstance(e, (S.vsum, S.topk_sum)), shifted)
+    # and the maxima's own parts as addends of the row math, where they cancel: (m*R + S)/R is m + S/R
+    sums = {r: sp.Dummy(real=True) for r in formula.atoms(S.vsum, S.topk_sum)}
+    return sp.expand(formula.xreplace(sums), power_exp=False, log=False).xreplace({d: r for r, d in sums.items()})
+
+
 def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
     """``terms``: (name, bound formula, is_metric) for each term of the head, in output order."""
     lw = _Lowering()
@@ -575,6 +651,7 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
     weights: list[sp.Symbol] = []
     loss = sp.S.Zero
     for name, formula, is_metric in terms:
+        formula = _run_time_temperatures(formula)
         if formula.has(S.segment_mean):
             if is_metric:
                 raise ValueError(f"{name}: a segment term cannot be a metric")
@@ -663,8 +740,14 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
     lowered_red = {r: lw.lower_reduction(domain, _value(body)) for (domain, body), r in lw.reductions.items()}
     for r in nested:
         if any(not a.online for a in lw.accs.values() if sp.Symbol(a.name, real=True) in lowered_red[r].free_symbols):
+            body = lw.red_of[r][1]
+            run_time = body.has(*_MAXIMA.values())
             raise ValueError(f"a sum read inside another sum must be one of the first read (a sum of "
-                             f"exp(a*z) times z, t or inputs), not {lw.red_of[r][1]}")
+                             f"exp(a*z) times z, t or inputs), not {body}" + (
+                                 ": a sum at a temperature known only at run time (a tensor parameter or a "
+                                 "token) is read after the stats; where another sum reads it other than as "
+                                 "a row factor (inside a log: JSD's log(beta*p + (1-beta)*q)), give the "
+                                 "temperature as a number" if run_time else ""))
     # a nested sum inside a summand (or a row factor of one: vsum(z * vsum(z))), and the gradient's
     # summands, read as the first read's sums
     lowered_red = {r: v.xreplace(lowered_red) for r, v in lowered_red.items()}
@@ -685,7 +768,7 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
     parts = {n.symbol: n.value for n in normalizers}
 
     def finish(expr: sp.Expr) -> sp.Expr:
-        expr = _value(expr).xreplace(lowered_red).xreplace(parts).xreplace({S.row_max: M})
+        expr = _value(expr).xreplace(lowered_red).xreplace(parts).xreplace({S.row_max: M, _TEACHER_MAX: MT})
         if _only_smooth(expr, S.target_logit):
             expr = expr.xreplace({S.target_logit: ZYM + M})
         return _log_of_exp(sp.powsimp(expr, deep=True, combine="exp"))
@@ -708,7 +791,7 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
     # is exact up to an ulp of itself, where z - N would carry the rounding of |N| (the gradient
     # of a row with logits near 100 off by 5e-6 relative, 30x torch's).
     relative = {n.symbol: n.alpha * M + n.beta * MT + n.log_acc for n in normalizers}
-    relative.update({S.logit: ZM + M, S.teacher_logit: TM + MT, S.row_max: M})
+    relative.update({S.logit: ZM + M, S.teacher_logit: TM + MT, S.row_max: M, _TEACHER_MAX: MT})
 
     def per_element(expr: sp.Expr) -> sp.Expr:
         return sp.powsimp(expr.xreplace(relative), deep=True, combine="exp")

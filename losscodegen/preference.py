@@ -141,8 +141,10 @@ def DPO(*, loss_type: str = "sigmoid", beta: Any = 0.1, label_smoothing: Any = 0
     ``use_weighting``: WPO's detached pair weight (``_wpo_weight``)."""
     if loss_type in _BATCH_SORTED:
         raise ValueError(f"loss_type={loss_type!r} sorts the log-ratios over the batch, which is no "
-                         "per-pair formula: compute the sums with lcg.LogProb (reduction='none') and "
-                         "sort them in torch, or use loss_type='sigmoid'")
+                         "per-pair formula: take each token's log-probability from "
+                         "lcg.HeadLoss(lcg.LogProb())(logits, labels, reduction='none'), sum each sequence "
+                         "and apply TRL's formula to the sorted log-ratios in torch (docs/adding-a-loss.md, "
+                         "'Order statistics over rows'), or use loss_type='sigmoid'")
     if loss_type not in DPO_LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
     if loss_type == "sft":

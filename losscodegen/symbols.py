@@ -202,14 +202,10 @@ class clamp(sp.Function):
 
 def check_exponentials(name: str, formula: sp.Expr) -> None:
     """Refuse an exponential inside ``vsum`` whose coefficient of the element (``d arg / d z_i``,
-    ``d arg / d t_i``) reads a row value (a token, the label, a log-normaliser, an inner sum, ...): a
-    sum of ``exp(alpha*z_i)`` is kept relative to the row's maximum ``exp(alpha*m)`` only for an
-    ``alpha`` known when the kernel is built, and without it overflows fp32 once ``alpha*z_i > 88``
-    (``exp(z / token)``: a per-row temperature). Numbers and params (a param there is planned: the
-    kernel keeps it as a number) are coefficients it can shift by. An exponent written relative to
-    the row's maximum, ``c * (z - row_max) + r`` with ``r`` reading neither, is taken as the user's
-    own shift (LogitNorm's ``exp((z - max z) / (tau * ||z||))``): it is at most ``exp(r)`` for a
-    coefficient ``c >= 0``, which is the formula's to ensure."""
+    ``d arg / d t_i``) reads a row value (a token, the label, a log-normaliser, an inner sum, ...)
+    and the element itself: ``exp(z**2 / token)`` has no maximum the kernel knows. An exponent linear
+    in the element, ``a*z + b*t + r`` with ``a, b`` row values (``exp(z / token("tau"))``, a per-row
+    temperature), is read relative to the row maxima (lower._run_time_temperatures)."""
     for red in formula.atoms(vsum):
         for e in red.args[0].atoms(sp.exp):
             # inner reductions and normalisers are row values here, not functions of the element
@@ -220,18 +216,14 @@ def check_exponentials(name: str, formula: sp.Expr) -> None:
                 rows = sorted(f"token({s.name[len(TOKEN_PREFIX):]!r})" if s.name.startswith(TOKEN_PREFIX)
                               else str(s) for s in coefficient.free_symbols
                               if s not in ELEMENT_SYMBOLS and not s.name.startswith(PARAM_PREFIX))
-                if not rows:
-                    continue
-                at_max = arg.subs(elem, row_max)
-                if elem == logit and not coefficient.has(elem) and not at_max.has(row_max, *ELEMENT_SYMBOLS):
-                    continue
-                raise ValueError(
-                    f"{name}: {e} inside vsum(...): the coefficient of {elem} in an exponential, "
-                    f"{coefficient.xreplace({d: r for r, d in rows_of.items()})}, reads a row value "
-                    f"({', '.join(rows)}), so the sum has no maximum to subtract and overflows float32 "
-                    "(exp(z / token) past z / token = 88); the coefficient must be a number or a param "
-                    "(S.param('temperature'), a number when the term is built), or the exponent "
-                    "relative to the row's maximum (c * (S.logit - S.row_max), c >= 0)")
+                if rows and coefficient.has(*ELEMENT_SYMBOLS):
+                    raise ValueError(
+                        f"{name}: {e} inside vsum(...): the coefficient of {elem} in an exponential, "
+                        f"{coefficient.xreplace({d: r for r, d in rows_of.items()})}, reads a row value "
+                        f"({', '.join(rows)}) and the element, so the sum has no maximum to subtract and "
+                        "overflows float32; write the exponent linear in the element (a * S.logit + r, "
+                        "a >= 0 a row value: exp(S.logit / S.token('tau')) is read relative to the row's "
+                        "maximum)")
 
 
 def _inv(temperature) -> sp.Expr:

@@ -119,7 +119,7 @@ class TermFactory:
         missing = self._param_names() - set(values)
         if missing:
             raise TypeError(f"{self.name}: missing parameter(s) {sorted(missing)}")
-        planned, bounds = planned_params(self.formula), _bounds(self.formula)
+        bounds = _bounds(self.formula)
         for k, v in values.items():
             if isinstance(v, FromTerm):
                 continue
@@ -128,11 +128,10 @@ class TermFactory:
                 raise ValueError(f"{self.name}: parameter {k} is a tensor that requires grad, but a parameter "
                                  "inside a formula gets no gradient (only a term's weight does): pass it "
                                  ".detach(), or make the learnable factor a term's weight")
-            if k in planned and is_tensor(v):
-                raise TypeError(f"{self.name}: parameter {k} decides the kernel's reads (a temperature): "
-                                "it must be a number, not a tensor")
+        # (a tensor temperature's value as the term is built, read once as its sign is: a schedule keeps it > 0)
+        temperatures = {s for lse in self.formula.atoms(S.LSE) for s in lse.free_symbols}
         numbers = {S.param(k): _number(v) for k, v in values.items()
-                   if not isinstance(v, FromTerm) and not is_tensor(v)}
+                   if not isinstance(v, FromTerm) and (not is_tensor(v) or S.param(k) in temperatures)}
         for lse in self.formula.xreplace(numbers).atoms(S.LSE):
             if any(a.is_number and not (a.is_finite and a.is_extended_real and a >= 0) for a in lse.args) \
                     or all(a == 0 for a in lse.args):
@@ -289,15 +288,17 @@ def _check_levels(name: str, formula: sp.Expr) -> None:
                              f"a row term averaged over its sequence write normalize='sequence'"
                              f"{f' ({inside[0]})' if inside else ''}")
     for lse in formula.atoms(S.LSE):
-        if any(not s.name.startswith(S.PARAM_PREFIX) for s in lse.free_symbols):
-            raise ValueError(f"{name}: a log-normaliser's temperature must be a number or a param, "
-                             f"got {lse}")
+        if any(not s.name.startswith((S.PARAM_PREFIX, S.TOKEN_PREFIX)) for s in lse.free_symbols):
+            raise ValueError(f"{name}: a log-normaliser's temperature must be a number, a param or a "
+                             f"token, got {lse}")
 
 
 def planned_params(formula: sp.Expr) -> set[str]:
-    """The parameters that decide the plan, which the kernel keeps as numbers: those inside a
-    log-normaliser (a temperature: ``lse_at(T)`` is read as its own sum) or in the exponent of an
-    element-level ``exp`` (which decides whether a sum is kept online)."""
+    """The parameters that decide the plan, which the kernel keeps as numbers when given one: those
+    inside a log-normaliser (a temperature: ``lse_at(T)`` is read as its own sum) or in the exponent
+    of an element-level ``exp`` (which decides whether a sum is kept online). Given a tensor, such a
+    parameter is a kernel argument like any other, and its sums are read relative to the row maxima
+    in a read after the stats (lower._run_time_temperatures)."""
     found: set[sp.Symbol] = set()
     for lse in formula.atoms(S.LSE):
         found |= lse.free_symbols
@@ -320,12 +321,12 @@ def _owner(term: Term, key: str, head_terms: tuple[Term, ...]) -> tuple[Term, An
 
 
 def _runtime(term: Term, key: str, value: Any) -> bool:
-    """Whether a parameter is a kernel argument: not one that decides the plan, and not the number 0
-    or an infinite one, which are folded (0 often removes a term and what it reads: GRPO's kl_beta=0
+    """Whether a parameter is a kernel argument: a tensor, or a number that does not decide the plan
+    and is not 0 or infinite, which are folded (0 often removes a term and what it reads: GRPO's kl_beta=0
     reads no ref_logprobs, CrossEntropy's label_smoothing=0 no sum of the logits; an infinite bound
     is dropped: GRPO's delta=inf)."""
-    return key not in planned_params(term.formula) and (is_tensor(value) or math.isfinite(float(value))
-                                                         and float(value) != 0)
+    return is_tensor(value) or (key not in planned_params(term.formula) and math.isfinite(float(value))
+                                and float(value) != 0)
 
 
 def _sign(value: Any) -> int:
@@ -437,6 +438,15 @@ class _JSDFactory(TermFactory):
         if beta == 1:
             return ReverseKL(**options)
         return self(beta=1.0 - beta, **options)
+
+    def __call__(self, *positional: Any, **params: Any) -> Term:
+        if is_tensor(params.get("temperature")):
+            # (lower.py would refuse it at the head's first use; here it names the parameter)
+            raise ValueError(f"{self.name}: temperature as a tensor is not supported: log(beta*p + (1-beta)*q) "
+                             "reads both normalisers inside its sum, and at a run-time temperature they are "
+                             "sums of the read after the stats; give the temperature as a number (one kernel "
+                             "per value), or use ForwardKL / ReverseKL, which take a tensor")
+        return super().__call__(*positional, **params)
 
 
 JSD = _JSDFactory(**vars(declare_term(

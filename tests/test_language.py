@@ -49,6 +49,20 @@ _k = 1 / (S.param("tau") * (S.sqrt(S.vsum(S.logit ** 2)) + 1e-7))
 LogitNorm = lcg.declare_term(
     "logit_norm", _k * (S.row_max - S.target_logit) + S.log(S.vsum(S.exp(_k * (S.logit - S.row_max)))),
     defaults={"tau": 0.04})
+# A temperature known only at run time, inside the exponents (read relative to the row maxima in a
+# read after the stats): cross-entropy at a per-row temperature tau (a token, e.g. one per sequence),
+# with the entropy of softmax(z / tau) from exp(z / tau) written inside vsum
+_tau = S.token("tau")
+RowTemperatureCE = lcg.declare_term("row_temperature_ce", S.lse_at(_tau) - S.target_logit / _tau)
+RowTemperatureEntropy = lcg.declare_term(
+    "row_temperature_entropy",
+    S.log(S.vsum(S.exp(S.logit / _tau))) - S.vsum(S.logit / _tau * S.exp(S.logit / _tau)) / S.vsum(S.exp(S.logit / _tau)),
+    metric_only=True)
+# CTKD's instance-wise temperature (Li et al., arXiv 2211.16231), given per row (detached): KD at tau
+InstanceKD = lcg.declare_term(
+    "instance_kd", S.vsum(S.teacher_prob_at(_tau) * (S.teacher_logprob_at(_tau) - S.logsoftmax_at(_tau))))
+# a 0-dim tensor temperature (a schedule: one kernel for every value), as Annealing-KD's
+TensorTemperatureCE = lcg.declare_term("tensor_temperature_ce", S.lse_at(S.param("T")) - S.target_logit / S.param("T"))
 
 
 def _heads():
@@ -62,12 +76,29 @@ def _heads():
             "nested_row_factor": lcg.HeadLoss(lcg.declare_term(
                 "centred", S.vsum(S.softmax * S.logit * S.vsum(S.logit) / S.vocab_size))()),
             # lse - max: row_max as the factor of an online sum
-            "row_max_in_vsum": lcg.HeadLoss(lcg.declare_term("log_mass", S.log(S.vsum(S.exp(S.logit - S.row_max))))())}
+            "row_max_in_vsum": lcg.HeadLoss(lcg.declare_term("log_mass", S.log(S.vsum(S.exp(S.logit - S.row_max))))()),
+            "run_time_temperature": lcg.HeadLoss(RowTemperatureCE(), TensorTemperatureCE(T=torch.tensor(1.7), weight=0.5),
+                                                 metrics=(RowTemperatureEntropy(),)),
+            # Hinton's KD with the temperature a tensor: student and teacher normalisers both at run time
+            "tensor_temperature_kd": lcg.HeadLoss(lcg.ForwardKL(temperature=torch.tensor(2.5)), lcg.CrossEntropy()),
+            "row_temperature_kd": lcg.HeadLoss(InstanceKD(), lcg.CrossEntropy(weight=0.2)),
+            # run-time temperatures inside segment statistics: a sequence's tempered NLL, and a row term
+            # reading a segment mean of the tempered mean logit
+            "run_time_temperature_segments": lcg.HeadLoss(
+                lcg.declare_term("seq_nll_T", S.segment_sum(TensorTemperatureCE.formula) ** 2 / 100)(T=torch.tensor(1.5)),
+                lcg.declare_term("ce_tau_by_mean", RowTemperatureCE.formula * S.segment_mean(
+                    S.vsum(S.softmax_at(S.param("T")) * S.logit)) ** 2)(T=torch.tensor(0.7)))}
+
+
+def _inputs(head, rows, g):
+    """The per-row temperatures a head reads: positive, some below 1 (sharper than the logits)."""
+    return {"tau": torch.rand(rows, generator=g, dtype=torch.float64) * 1.5 + 0.3} if head.terms_reading("tau") else {}
 
 
 @pytest.mark.parametrize("name", list(_heads()))
 def test_construct_matches_float64_reference(name):
-    lcg.testing.assert_parity(_heads()[name], rows=18, vocab=70)
+    head = _heads()[name]
+    lcg.testing.assert_parity(head, rows=18, vocab=70, **_inputs(head, 18, torch.Generator().manual_seed(0)))
 
 
 def test_segment_sum_is_the_segments_total():
@@ -105,6 +136,9 @@ def _linear(name):
     if head.terms_reading("segment_ids"):
         inputs = dict(segment_ids=torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 3, 3]), num_segments=4,
                       advantages=torch.randn(R, generator=g))
+    inputs.update(_inputs(head, R, g))
+    if head.terms_reading("teacher_logits"):
+        inputs["teacher_logits"] = torch.randn(R, V, generator=g) * 2
     if head.terms_reading("prior"):
         inputs["prior"] = torch.softmax(torch.randn(V, generator=g), -1)
     if head.terms_reading("old_logprobs"):
@@ -114,11 +148,15 @@ def _linear(name):
     return head, hidden, weight, labels, inputs
 
 
-@pytest.mark.parametrize("name", ["segment_sum", "row_reads_segment", "row_max", "nested_vsum", "vector"])
+@pytest.mark.parametrize("name", ["segment_sum", "row_reads_segment", "row_max", "nested_vsum", "vector",
+                                  "run_time_temperature", "tensor_temperature_kd"])
 def test_construct_through_linear_equals_logits(name):
     head, hidden, weight, labels, inputs = _linear(name)
     h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    fused = head.linear(h1, w1, labels, chunk_rows=5, **inputs)
+    teacher = {} if "teacher_logits" not in inputs else dict(   # (the teacher's hidden states: its logits)
+        teacher_hidden=inputs["teacher_logits"], teacher_weight=torch.eye(inputs["teacher_logits"].shape[-1]))
+    fused = head.linear(h1, w1, labels, chunk_rows=5, **teacher,
+                        **{k: v for k, v in inputs.items() if k != "teacher_logits"})
     fused.loss.backward()
     h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     plain = head(h2 @ w2.T, labels, **inputs)
@@ -131,7 +169,8 @@ def test_construct_through_linear_equals_logits(name):
 def _vp_worker(rank, world, port, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    for name in ("segment_sum", "row_reads_segment", "row_max", "nested_vsum", "vector"):
+    for name in ("segment_sum", "row_reads_segment", "row_max", "nested_vsum", "vector", "run_time_temperature",
+                 "tensor_temperature_kd"):
         head, hidden, weight, labels, inputs = _linear(name)
         z = (hidden @ weight.T).detach()
         full = z.clone().requires_grad_()
@@ -139,6 +178,8 @@ def _vp_worker(rank, world, port, queue):
         ref.loss.backward()
         Vl = z.shape[-1] // world
         shard = z[:, rank * Vl:(rank + 1) * Vl].clone().requires_grad_()
+        if "teacher_logits" in inputs:
+            inputs["teacher_logits"] = inputs["teacher_logits"][:, rank * Vl:(rank + 1) * Vl]
         out = head(shard, labels, process_group=dist.group.WORLD, **inputs)
         out.loss.backward()
         err = (shard.grad - full.grad[:, rank * Vl:(rank + 1) * Vl]).abs().max().item()
@@ -148,7 +189,7 @@ def _vp_worker(rank, world, port, queue):
 
 
 def test_constructs_vocab_parallel_equal_unsharded():
-    for name, loss, ref, err, scale, values in run_ranks(_vp_worker, 2, 10):
+    for name, loss, ref, err, scale, values in run_ranks(_vp_worker, 2, 14):
         assert abs(loss - ref) <= 1e-5 * max(1.0, abs(ref)), (name, loss, ref)
         assert err <= 1e-5 * scale, (name, err, scale)
         for k, (v, r) in values.items():
@@ -164,6 +205,95 @@ def test_explain_shows_the_segment_count_the_argmax_gradient_and_the_nested_sum(
     # ||z||^2 in the first read, the softmax of z / (tau*||z||) in the second
     text = _heads()["nested_vsum"].explain()
     assert "sum_i 1 * z**2    [online]" in text and "exact" in text and "2 for the loss" in text
+
+
+def test_a_tensor_temperature_follows_its_value_without_a_new_kernel():
+    """A schedule writes the temperature in place: the next call reads it, and equals a head built
+    with that number (the number's online path against the tensor's exact read)."""
+    T = torch.tensor(2.0)
+    head = lcg.HeadLoss(lcg.ForwardKL(temperature=T), lcg.ReverseKL(temperature=T, weight=0.5))
+    g = torch.Generator().manual_seed(3)
+    z, t = torch.randn(10, 50, generator=g) * 4, torch.randn(10, 50, generator=g) * 4
+    y = torch.randint(0, 50, (10,), generator=g)
+    y[3] = -100
+    first, kernel = head(z, y, teacher_logits=t).loss, head.kernel
+    for value in (0.5, 3.0):
+        T.fill_(value)
+        x1, x2 = z.clone().requires_grad_(), z.clone().requires_grad_()
+        out = head(x1, y, teacher_logits=t)
+        out.loss.backward()
+        fixed = lcg.HeadLoss(lcg.ForwardKL(temperature=value), lcg.ReverseKL(temperature=value, weight=0.5))
+        want = fixed(x2, y, teacher_logits=t)
+        want.loss.backward()
+        assert not torch.allclose(out.loss, first)
+        assert torch.allclose(out.loss, want.loss, rtol=1e-5, atol=1e-6), (value, out.loss, want.loss)
+        assert torch.allclose(x1.grad, x2.grad, rtol=1e-4, atol=1e-7)
+    assert head.kernel is kernel
+    assert "exp(tm/p_forward_kl__temperature)    [exact: an exponent's coefficient known at run time" in head.explain()
+
+
+def test_a_run_time_temperature_on_split_launches_and_large_logits():
+    """Logits near 100 at a temperature of 0.3 (exp(z / tau) past 88 without the row max), one
+    launch per read."""
+    from losscodegen.backends.triton import tiles
+    head = _heads()["run_time_temperature"]
+    head.tile_override = tiles.Config(4096, 8, split=True)
+    g = torch.Generator().manual_seed(5)
+    z = torch.randn(14, 300, generator=g, dtype=torch.float64) * 3 + 100
+    y = torch.randint(0, 300, (14,), generator=g)
+    y[2] = -100
+    tau = torch.rand(14, generator=g, dtype=torch.float64) * 0.5 + 0.25
+    want_loss, want, want_grad = lcg.testing.reference(head)(z, y, tau=tau)
+    x = z.float().requires_grad_()
+    out = head(x, y, tau=tau.float())
+    out.loss.backward()
+    for name, got, expected in [("loss", out.loss, want_loss), ("gradient", x.grad, want_grad)] + [
+            (n, v, want[n]) for n, v in {**out.terms, **out.metrics}.items()]:
+        lcg.testing.compare(name, got, expected, torch.float32)
+
+
+def test_a_run_time_temperature_per_row_under_reduction_none_matches_the_reference():
+    head = _heads()["run_time_temperature"]
+    g = torch.Generator().manual_seed(8)
+    z = torch.randn(9, 30, generator=g, dtype=torch.float64) * 3
+    y = torch.randint(0, 30, (9,), generator=g)
+    y[1] = -100
+    tau = torch.rand(9, generator=g, dtype=torch.float64) + 0.2
+    upstream = torch.randn(9, generator=g, dtype=torch.float64)
+    x = z.float().requires_grad_()
+    out = head(x, y, tau=tau.float(), reduction="none")
+    (out.loss * upstream.float()).sum().backward()
+    ref = z.clone().requires_grad_()
+
+    def nll(scaled):
+        return -torch.log_softmax(scaled, -1).gather(1, y.clamp_min(0)[:, None])[:, 0]
+    # row_temperature_ce + 0.5 * tensor_temperature_ce (T = 1.7) per row, 0 where ignored
+    want = torch.where(y == -100, 0.0, nll(ref / tau[:, None]) + 0.5 * nll(ref / 1.7))
+    (want * upstream).sum().backward()
+    lcg.testing.compare("loss", out.loss, want.detach(), torch.float32)
+    lcg.testing.compare("gradient", x.grad, ref.grad, torch.float32)
+
+
+def test_a_tensor_temperature_not_positive_when_the_term_is_built_is_refused():
+    for value in (0.0, -1.0):
+        with pytest.raises(ValueError, match="forward_kl: a temperature must be > 0"):
+            lcg.ForwardKL(temperature=torch.tensor(value))
+
+
+def test_a_tensor_temperature_where_a_sum_reads_its_normalisers_inside_a_log_is_refused_saying_what_to_write():
+    with pytest.raises(ValueError, match="jsd: temperature as a tensor.*give the temperature as a number"):
+        lcg.JSD(beta=0.3, temperature=torch.tensor(2.0))
+    T = S.param("T")
+    m = S.log(S.softmax_at(T) / 2 + S.teacher_prob_at(T) / 2)
+    head = lcg.HeadLoss(lcg.declare_term("js", S.vsum(S.softmax_at(T) * (S.logsoftmax_at(T) - m)))(T=torch.tensor(2.0)))
+    with pytest.raises(ValueError, match="known only at run time.*give the temperature as a number"):
+        head.explain()
+    lcg.testing.assert_parity(lcg.HeadLoss(lcg.TopKForwardKL(temperature=torch.tensor(2.0))), rows=10, vocab=40)
+
+
+def test_an_exponent_not_linear_in_the_element_with_a_row_coefficient_is_refused_saying_what_to_write():
+    with pytest.raises(ValueError, match="write the exponent linear in the element"):
+        lcg.declare_term("x", S.log(S.vsum(S.exp(S.logit ** 2 / S.token("tau")))))
 
 
 def test_a_nested_sum_that_needs_a_second_read_itself_is_refused():
@@ -269,7 +399,8 @@ def test_no_segments_with_a_valid_row_is_refused_and_writes_only_the_segment_reg
                                rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("name", ["segment_sum", "row_reads_segment", "row_max", "nested_vsum"])
+@pytest.mark.parametrize("name", ["segment_sum", "row_reads_segment", "row_max", "nested_vsum", "run_time_temperature",
+                                  "tensor_temperature_kd"])
 def test_no_valid_row_gives_zero_and_a_zero_gradient(name):
     head, hidden, weight, labels, inputs = _linear(name)
     x = (hidden @ weight.T).detach().requires_grad_()
@@ -322,3 +453,51 @@ def test_a_vector_input_is_checked_and_stays_inside_vsum():
         lcg.declare_term("x", S.vector("prior") * S.lse)
     with pytest.raises(ValueError, match="clashes"):
         lcg.declare_term("x", S.vsum(S.vector("labels") * S.logit))
+
+
+def test_a_quantile_over_rows_written_as_two_calls_matches_trls_top_entropy_quantile():
+    """TRL's GRPO top_entropy_quantile (a quantile of the batch's entropies masks the policy loss) is
+    an order statistic over rows, no formula: docs/adding-a-loss.md's two calls (the entropies without
+    gradient, the quantile in torch, the loss with loss_mask= and divisor=) against TRL's own
+    get_high_entropy_mask on float64 entropies and TRL's bnpo loss in float64."""
+    trl = pytest.importorskip("trl")
+    from types import SimpleNamespace
+    g = torch.Generator().manual_seed(6)
+    z = torch.randn(3, 8, 40, generator=g, dtype=torch.float64) * 2
+    y = torch.randint(0, 40, (3, 8), generator=g)
+    mask = torch.ones(3, 8, dtype=torch.bool)
+    mask[0, 6:], mask[2, 5:] = False, False
+    A = torch.randn(3, 1, generator=g, dtype=torch.float64).expand(3, 8).contiguous()
+    old = torch.log_softmax(z, -1).gather(-1, y[..., None])[..., 0] + 0.3 * torch.randn(3, 8, generator=g, dtype=torch.float64)
+    q = 0.4                                                      # TRL's top_entropy_quantile
+    labels = y.masked_fill(~mask, -100)
+
+    x = z.float().requires_grad_()
+    with torch.no_grad():
+        entropy = lcg.HeadLoss(lcg.Entropy())(x, labels, reduction="none").loss
+    valid = labels != -100
+    high = (entropy >= torch.quantile(entropy[valid], 1 - q)) & valid
+    out = lcg.HeadLoss(lcg.GRPO())(x, labels, loss_mask=high, divisor=valid.sum(), advantages=A.float(),
+                                   old_logprobs=old.float())
+    out.loss.backward()
+
+    z64 = z.clone().requires_grad_()
+    logp = torch.log_softmax(z64, -1)
+    fake = SimpleNamespace(accelerator=SimpleNamespace(pad_across_processes=lambda t, dim, pad_index: t,
+                                                       gather=lambda t: t))
+    trl_mask = trl.GRPOTrainer.get_high_entropy_mask(fake, -(logp.exp() * logp).sum(-1).detach(), mask.long(), 1 - q)
+    assert torch.equal(high, trl_mask) and 0 < trl_mask.sum() < mask.sum()
+    r = torch.exp(logp.gather(-1, y[..., None])[..., 0] - old)
+    per_token = -torch.min(r * A, torch.clamp(r, 0.8, 1.2) * A) * trl_mask
+    ref = (per_token * mask).sum() / mask.sum().clamp(min=1.0)   # TRL's loss_type="bnpo"
+    ref.backward()
+    lcg.testing.compare("loss", out.loss, ref.detach(), torch.float32)
+    lcg.testing.compare("gradient", x.grad, z64.grad, torch.float32)
+
+
+def test_the_trl_trainer_refuses_top_entropy_quantile_saying_what_to_write(tmp_path):
+    trl = pytest.importorskip("trl")
+    from losscodegen.integrations import trl as lcg_trl
+    refused = lcg_trl.unfused_options(trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[],
+                                                         top_entropy_quantile=0.2))
+    assert any("top_entropy_quantile=0.2" in r and "'Order statistics over rows'" in r for r in refused), refused

@@ -262,9 +262,64 @@ def test_preference_terms_pass_the_float64_parity_check():
                               **{k: (v.reshape(-1) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()})
 
 
-def _vp_worker(rank, world, port, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+# TRL 1.16's per-pair loss types in one list (TRL's loss_type=[...] with loss_weights), one option set
+_ALL = [t for t in P.DPO_LOSS_TYPES]
+_ALL_WEIGHTS = [1.0 / (k + 1) for k in range(len(_ALL))]
+_ALL_OPTIONS = dict(beta=0.4, label_smoothing=0.15, discopop_tau=0.3)
+
+
+def _trl_all(x, input_ids, mask, ref_c, ref_r):
+    """TRL's DPOTrainer._compute_loss with every per-pair loss type, on logits ``x`` (a graph)."""
+    fake = SimpleNamespace(
+        model=SimpleNamespace(training=True), accelerator=_accelerator(), aux_loss_enabled=False, ld_alpha=None,
+        precompute_ref_logps=True, f_divergence_type="reverse_kl", f_alpha_divergence_coef=1.0, loss_types=_ALL,
+        loss_weights=_ALL_WEIGHTS, beta=_ALL_OPTIONS["beta"], label_smoothing=_ALL_OPTIONS["label_smoothing"],
+        args=SimpleNamespace(discopop_tau=_ALL_OPTIONS["discopop_tau"]), use_weighting=False,
+        _metrics=defaultdict(lambda: defaultdict(list)), _total_train_tokens=0, _tp_size=1)
+    inputs = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), completion_mask=mask,
+                  ref_chosen_logps=ref_c, ref_rejected_logps=ref_r)
+    return trl.DPOTrainer._compute_loss(fake, _FusedModel(x), inputs, return_outputs=False)
+
+
+def _all_head():
+    return lcg.HeadLoss(*[P.DPO(loss_type=t, weight=w, **_ALL_OPTIONS) for t, w in zip(_ALL, _ALL_WEIGHTS)])
+
+
+def _all_case(seed):
+    """(hidden [2B, T, H], weight [V, H], input_ids, completion mask, ref_c, ref_r), float64: a
+    reference near the policy, so that margins fall on both sides."""
+    g = torch.Generator().manual_seed(seed)
+    _, input_ids, mask = _batch(seed=seed)
+    hidden = torch.randn(2 * B, T, 16, generator=g, dtype=torch.float64)
+    weight = torch.randn(V, 16, generator=g, dtype=torch.float64) * 0.4
+    with torch.no_grad():
+        seq = _token_logps((hidden @ weight.T)[:, :-1], _shifted(input_ids, mask)).sum(-1)
+        ref = seq + torch.randn(2 * B, generator=g, dtype=torch.float64)
+    return hidden, weight, input_ids, mask, ref[:B], ref[B:]
+
+
+def test_every_trl_loss_type_through_linear_matches_trl():
+    """Every per-pair loss type TRL has, in one head, through head.linear: TRL's loss and its
+    gradients w.r.t. the hidden states and the weight (float64 autograd through hidden @ weight.T)."""
+    hidden, weight, input_ids, mask, ref_c, ref_r = _all_case(11)
+    h64, w64 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref_loss = _trl_all(h64 @ w64.T, input_ids, mask, ref_c, ref_r)
+    ref_loss.backward()
+    head = _all_head()
+    labels = _shifted(input_ids, mask)
+    inputs = P.pair_inputs(head, labels, ref_chosen_logps=ref_c.float(), ref_rejected_logps=ref_r.float())
+    h, w = hidden[:, :-1].float().requires_grad_(), weight.float().requires_grad_()
+    out = head.linear(h, w, labels, chunk_rows=7, **inputs)
+    out.loss.backward()
+    assert abs(out.loss.item() - ref_loss.item()) <= 2e-5 * max(1.0, abs(ref_loss.item())), (out.loss, ref_loss)
+    for got, want in ((h.grad, h64.grad[:, :-1]), (w.grad, w64.grad)):
+        err = (got.double() - want).abs().max().item()
+        assert err <= 1e-4 * want.abs().max().item(), (err, want.abs().max().item())
+    assert h64.grad[:, -1].abs().max() == 0   # (the last position predicts nothing)
+
+
+def _vp_others(rank, world, queue):
+    """ORPO and ChosenNLL beside DPO: the sharded head against the unsharded one."""
     logits, input_ids, mask = _batch(seed=9)
     labels = _shifted(input_ids, mask)
     z = logits[:, :-1].float()
@@ -278,23 +333,91 @@ def _vp_worker(rank, world, port, queue):
     out = head(shard, labels, process_group=dist.group.WORLD, **inputs)
     out.loss.backward()
     err = (shard.grad - full.grad[..., rank * Vl:(rank + 1) * Vl]).abs().max().item()
-    queue.put((out.loss.item(), ref.loss.item(), err, full.grad.abs().max().item()))
+    queue.put(("others", out.loss.item(), ref.loss.item(), err, full.grad.abs().max().item()))
+
+
+def _vp_all_worker(rank, world, port, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    hidden, weight, input_ids, mask, ref_c, ref_r = _all_case(12)
+    logits = (hidden @ weight.T).detach().requires_grad_()
+    ref_loss = _trl_all(logits, input_ids, mask, ref_c, ref_r)
+    ref_loss.backward()
+    head = _all_head()
+    labels = _shifted(input_ids, mask)
+    inputs = P.pair_inputs(head, labels, ref_chosen_logps=ref_c.float(), ref_rejected_logps=ref_r.float())
+    Vl = V // world
+    shard = logits[:, :-1, rank * Vl:(rank + 1) * Vl].detach().float().requires_grad_()
+    out = head(shard, labels, process_group=dist.group.WORLD, **inputs)
+    out.loss.backward()
+    want = logits.grad[:, :-1, rank * Vl:(rank + 1) * Vl]
+    queue.put(("trl", out.loss.item(), ref_loss.item(), (shard.grad.double() - want).abs().max().item(),
+               logits.grad.abs().max().item()))
+    _vp_others(rank, world, queue)
     dist.destroy_process_group()
 
 
-def test_preference_losses_vocab_parallel_equal_unsharded():
-    for loss, ref, err, scale in run_ranks(_vp_worker, 2, 2):
-        assert abs(loss - ref) <= 1e-5 * max(1.0, abs(ref)), (loss, ref)
-        assert err <= 1e-5 * scale, (err, scale)
+def test_every_trl_loss_type_vocab_parallel_matches_trl():
+    """The same head on two gloo ranks, each with half of the vocabulary: TRL's loss and gradient;
+    and DPO with ORPO and ChosenNLL sharded against unsharded."""
+    for name, loss, ref, err, scale in run_ranks(_vp_all_worker, 2, 4):
+        assert abs(loss - ref) <= 2e-5 * max(1.0, abs(ref)), (name, loss, ref)
+        assert err <= (1e-4 if name == "trl" else 1e-5) * scale, (name, err, scale)
 
 
 def test_dpo_refuses_batch_sorted_loss_types_saying_what_to_write():
-    with pytest.raises(ValueError, match="sorts the log-ratios over the batch"):
-        P.DPO(loss_type="aot")
+    for loss_type in ("aot", "aot_unpaired"):
+        with pytest.raises(ValueError, match=f"loss_type='{loss_type}' sorts the log-ratios over the batch.*"
+                                             "lcg.LogProb.*reduction='none'.*sorted log-ratios.*loss_type='sigmoid'"):
+            P.DPO(loss_type=loss_type)
     with pytest.raises(ValueError, match="label_smoothing must be in"):
         P.DPO(loss_type="exo_pair")
     with pytest.raises(ValueError, match="loss_type must be one of"):
         P.DPO(loss_type="nope")
+
+
+@pytest.mark.parametrize("loss_type", ["aot", "aot_unpaired"])
+def test_batch_sorted_loss_types_written_as_docs_say_match_trl(loss_type):
+    """aot sorts the batch's log-ratios (no per-pair formula): docs/adding-a-loss.md's recipe, each
+    token's log-probability from LogProb under reduction="none", given to TRL's own _compute_loss in
+    place of its fused head's, against TRL on the float64 logits (value and gradient)."""
+    logits, input_ids, mask = _batch(seed=13)
+    labels = _shifted(input_ids, mask)
+    g = torch.Generator().manual_seed(14)
+    with torch.no_grad():
+        ref = _token_logps(logits[:, :-1], labels).sum(-1) + torch.randn(2 * B, generator=g, dtype=torch.float64)
+    options = dict(loss_type=loss_type, beta=0.5, label_smoothing=0.1)
+    ref_loss, ref_grad = _trl_dpo(logits, input_ids, mask, ref[:B], ref[B:], **options)
+
+    x = logits[:, :-1].detach().float().requires_grad_()
+    logps = lcg.HeadLoss(lcg.LogProb())(x, labels, reduction="none").loss
+
+    class _Ours(_FusedModel):
+        def __call__(self, *, labels, **_):
+            out = super().__call__(labels=labels)
+            out.log_probs = logps.double()
+            return out
+    fake_logits = torch.cat([x.detach().double(), logits[:, -1:]], 1)
+    fake = SimpleNamespace(
+        model=SimpleNamespace(training=True), accelerator=_accelerator(), aux_loss_enabled=False, ld_alpha=None,
+        precompute_ref_logps=True, f_divergence_type="reverse_kl", f_alpha_divergence_coef=1.0, loss_types=[loss_type],
+        loss_weights=[1.0], beta=0.5, label_smoothing=0.1, args=SimpleNamespace(discopop_tau=0.05), use_weighting=False,
+        _metrics=defaultdict(lambda: defaultdict(list)), _total_train_tokens=0, _tp_size=1)
+    inputs = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), completion_mask=mask,
+                  ref_chosen_logps=ref[:B], ref_rejected_logps=ref[B:])
+    loss = trl.DPOTrainer._compute_loss(fake, _Ours(fake_logits), inputs, return_outputs=False)
+    loss.backward()
+    grad = torch.zeros_like(logits)
+    grad[:, :-1] = x.grad.double()
+    _compare(SimpleNamespace(loss=loss.detach()), grad, ref_loss, ref_grad)
+
+
+def test_the_trl_trainer_refuses_aot_saying_what_to_write(tmp_path):
+    from losscodegen.integrations import trl as lcg_trl
+    refused = lcg_trl.unfused_dpo_options(trl.DPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[],
+                                                         loss_type=["sigmoid", "aot_unpaired"]))
+    assert len(refused) == 1 and "loss_type='aot_unpaired'" in refused[0] \
+        and "'Order statistics over rows'" in refused[0], refused
 
 
 def test_pair_inputs_checks_its_arguments():

@@ -58,11 +58,12 @@ def test_a_kink_of_a_log_normaliser_and_a_number_builds():
     check(lcg.HeadLoss(Hinge()), Plan(tile=(16, 4, False)), rows=6, vocab=40, seed=0)
 
 
-def test_a_per_row_temperature_in_a_vocabulary_exponential_is_refused_naming_it():
-    """exp(z / token) inside vsum has no maximum to subtract (its coefficient is known per row only)
-    and overflowed fp32 past z / token = 88: refused at declare_term, naming the exponential."""
-    with pytest.raises(ValueError, match=r"exp\(z/tok_tau\).*token\('tau'\).*param"):
-        lcg.declare_term("tempered_lse", S.log(S.vsum(S.exp(S.logit / S.token("tau")))))
+def test_a_row_coefficient_in_an_exponent_not_linear_in_the_element_is_refused_naming_it():
+    """exp(z**2 / token) inside vsum has no maximum to subtract and overflowed fp32: refused at
+    declare_term, naming the exponential (a linear one, exp(z / token), is read relative to the row
+    maximum: tests/test_language.py)."""
+    with pytest.raises(ValueError, match=r"exp\(z\*\*2/tok_tau\).*token\('tau'\).*linear in the element"):
+        lcg.declare_term("tempered_lse", S.log(S.vsum(S.exp(S.logit ** 2 / S.token("tau")))))
     # a number or a param there is a coefficient the kernel shifts by: accepted, and right past 88
     Tempered = lcg.declare_term("tempered_lse", S.log(S.vsum(S.exp(S.logit / S.param("tau")))))
     check(lcg.HeadLoss(Tempered(tau=0.02)), Plan(tile=(16, 4, True)), rows=6, vocab=40, seed=0)

@@ -73,7 +73,8 @@ def unfused_options(args: Any, model: Any = None) -> list[str]:
                    f"(fused: {', '.join(FUSED_IMPORTANCE_SAMPLING_LEVELS)})")
     if args.top_entropy_quantile < 1.0:
         out.append(f"top_entropy_quantile={args.top_entropy_quantile} (a quantile of the current pass's "
-                   "entropies masks the loss)")
+                   "entropies masks the loss; as two head calls: docs/adding-a-loss.md, 'Order statistics "
+                   "over rows')")
     if args.off_policy_mask_threshold is not None and args.importance_sampling_level == "token" \
             and args.loss_type in _CLIPPED:
         out.append(f"off_policy_mask_threshold={args.off_policy_mask_threshold} with loss_type={args.loss_type!r} at "
@@ -526,7 +527,8 @@ def _empty_sequences(trainer: str, what: str) -> ValueError:
 def unfused_dpo_options(args: Any, model: Any = None) -> list[str]:
     """The options of a ``DPOConfig`` (and model) that ``DPOTrainer`` cannot fuse, each with why."""
     loss_types = [args.loss_type] if isinstance(args.loss_type, str) else list(args.loss_type)
-    out = [f"loss_type={t!r} (fused: {', '.join(P.DPO_LOSS_TYPES)}; 'aot' and 'aot_unpaired' sort the batch)"
+    out = [f"loss_type={t!r} (fused: {', '.join(P.DPO_LOSS_TYPES)}; 'aot' and 'aot_unpaired' sort the batch: "
+           "docs/adding-a-loss.md, 'Order statistics over rows')"
            for t in loss_types if t not in P.DPO_LOSS_TYPES]
     if args.ld_alpha is not None:
         out.append(f"ld_alpha={args.ld_alpha} (LD-DPO weighs the tokens past the shorter response's length)")
