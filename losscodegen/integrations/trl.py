@@ -472,15 +472,20 @@ class SFTTrainer(trl.SFTTrainer):
     is ``-sum(log_probs) / num_items_in_batch`` over the fused outputs: the fused head gives each token's
     objective as ``-log_probs``, and TRL's ``compute_loss`` (its metrics, the router loss of a
     mixture-of-experts model, its scaling across processes) runs unchanged. With an objective other than
-    cross-entropy, options whose loss does not come from the fused outputs are refused at construction."""
+    cross-entropy, options whose loss does not come from the fused outputs are refused at construction.
+
+    On a patched model the head's terms and metrics are logged (``log_history`` and every ``report_to``)
+    as ``LosscodegenCallback`` logs them: per-token means over the tokens since the last log (with
+    ``logging_steps=1`` the accumulated batch), and over the evaluation set for ``evaluate()``; a name TRL
+    logs too (``entropy``) takes the head's per-token mean."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         with fusing_objective():
             super().__init__(*args, **kwargs)
         target = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        state = vars(target).get("losscodegen")
-        objective = None if state is None or computes_trls_fused_loss(state.head) else state.head
-        if objective is not None:
+        state = self._lcg_state = vars(target).get("losscodegen")
+        objective = None if state is None else state.head
+        if objective is not None and not computes_trls_fused_loss(objective):
             refused = [f"loss_type={self.args.loss_type!r} (only 'nll' is -sum(log_probs))"] \
                 if self.args.loss_type != "nll" else []
             if self.args.label_smoothing_factor:
@@ -497,6 +502,17 @@ class SFTTrainer(trl.SFTTrainer):
                              "this TRL is not one losscodegen was checked against")
         target.forward = found.pop("original_forward")     # TRL's patch undone, then ours
         add_fused_lm_head(target, **found, objective=objective)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self._lcg_state is not None:
+            values = self._lcg_state.take_for(logs)
+            mode = "train" if self.model.training else "eval"
+            # TRL's metric of a name the head logs (a mean of its micro-batches' means) gives way
+            prefix = "" if mode == "train" else "eval_"
+            for name in [k for k in self._metrics[mode] if prefix + k in values]:
+                del self._metrics[mode][name]
+            logs.update(values)
+        super().log(logs, start_time)
 
 
 # What TRL's DPO and KTO trainers log of the responses' tokens: each response's mean logit over the

@@ -80,9 +80,14 @@ def _head(outputs: tuple[str, ...], softcap: float | None, logit_scale: float,
                                    ("is_top1", lcg.TokenAccuracy)) if name in outputs]
     if objective is None:
         terms = [lcg.LogProb()] + ([lcg.Entropy()] if "entropy" in outputs else [])
-    else:   # the objective's terms; the entropy logged only (a metric)
+    else:   # the objective's terms and metrics; the entropy logged only (a metric)
         terms = list(objective.loss_terms)
         metrics += [lcg.Entropy()] if "entropy" in outputs else []
+        ours = {m.name: m for m in metrics}
+        for m in objective.metric_terms:   # (TRL's fields and the head's metrics of one name are one metric)
+            if m.name in ours and ours[m.name].formula != m.formula:
+                raise ValueError(f"objective: its metric {m.name!r} is not TRL's field of that name")
+            metrics += [] if m.name in ours else [m]
     return lcg.HeadLoss(*terms, metrics=tuple(metrics), softcap=softcap, logit_scale=logit_scale,
                         ignore_index=_IGNORE_INDEX)
 
@@ -100,7 +105,9 @@ def add_fused_lm_head(model: nn.Module, temperature: float = 1.0, cast_lm_head_t
     ``objective`` (losscodegen's, for a loss that is ``-sum(log_probs) / n`` such as SFT's): a head
     whose loss terms replace the log-likelihood: ``log_probs`` is then each token's objective, negated
     (so that ``loss`` and SFT's loss are the objective), and ``entropy`` is detached. Its softcap and
-    scale must be the model's (``final_logit_transform``).
+    scale must be the model's (``final_logit_transform``). Where it is the head of the model's
+    ``apply_losscodegen`` patch, each forward adds its terms and metrics to ``model.losscodegen``'s
+    ``train`` (or, outside training mode, ``eval``) token means, as the patched forward does.
     """
     if isinstance(outputs, str) or not all(isinstance(o, str) for o in outputs) \
             or not set(outputs) <= set(FUSED_OUTPUTS):
@@ -120,6 +127,9 @@ def add_fused_lm_head(model: nn.Module, temperature: float = 1.0, cast_lm_head_t
     fields = tuple(f for f in FUSED_OUTPUTS if f in outputs or f == "log_probs")
     original_forward = model.forward
     text_config = model.config.get_text_config()
+    state = vars(model).get("losscodegen")
+    if objective is None or state is None or state.head is not objective:
+        state = None
 
     # TRL's signature: generate validates its model kwargs against the class's forward
     @functools.wraps(type(model).forward)
@@ -159,6 +169,11 @@ def add_fused_lm_head(model: nn.Module, temperature: float = 1.0, cast_lm_head_t
         with autocast, maybe_gather_lm_head_ctx(weight, bias):
             out = head.linear(hidden[mask], weight, labels[mask], bias=bias, reduction="none")
         rows = dict(out.rows, logprob=-out.loss) if objective is not None else out.rows
+        if state is not None:   # the head's own terms and metrics (means over the scored rows)
+            state.terms = {t.name: out.terms[t.name] for t in objective.loss_terms}
+            state.metrics = {m.name: out.metrics[m.name] for m in objective.metric_terms}
+            (state.train if self.training else state.eval).add(
+                lcg.HeadOutput(out.loss, state.terms, state.metrics), mask.sum(), None)
         per_token = {f: rows[_ROWS[f]].new_zeros(mask.shape).masked_scatter(mask, rows[_ROWS[f]]) for f in fields}
         if "is_top1" in per_token:
             per_token["is_top1"] = per_token["is_top1"] == 1
