@@ -269,17 +269,35 @@ def _reads_fused_outputs(trainer: Any) -> bool:
     return True
 
 
+def _loss_from_full_logits(trainer: Any) -> list[str]:
+    """The options under which a TRL trainer that reads the fused outputs computes its loss from the full
+    logits instead, the fused outputs feeding its metrics only (SFT's, in TRL 1.16)."""
+    import trl
+    if not isinstance(trainer, trl.SFTTrainer):
+        return []
+    out = ["compute_loss_func"] if trainer.compute_loss_func is not None else []
+    if trainer.label_smoother is not None and trainer.args.loss_type == "nll":
+        out.append(f"label_smoothing_factor={trainer.args.label_smoothing_factor}")
+    return out
+
+
 def replace_fused_lm_heads(trainer: Any) -> Any:
     """Put losscodegen's fused LM head in place of TRL's on every model of ``trainer`` that TRL gave one
     (its model, the PEFT base model under it, its reference model), with the temperature, fp32 cast and
     outputs TRL chose for it; return the trainer. Call it after building the trainer, before training.
     Works for any TRL trainer whose loss reads ``add_fused_lm_head``'s outputs (GRPO, RLOO, DPO, KTO, SFT in
-    TRL 1.16); a trainer whose loss does not (GKD's, a subclass's own ``compute_loss``) is refused, and so is a
-    model patched by ``apply_losscodegen`` with a head other than cross-entropy alone."""
+    TRL 1.16); a trainer whose loss does not (GKD's, a subclass's own ``compute_loss``, SFT with
+    ``compute_loss_func`` or ``label_smoothing_factor``) is refused, and so is a model patched by
+    ``apply_losscodegen`` with a head other than cross-entropy alone."""
     if not _reads_fused_outputs(trainer):
         raise ValueError(f"{type(trainer).__name__}'s loss does not come from TRL's fused LM head (its compute_loss is "
                          f"not one of {', '.join(_READS_FUSED)}'s): replacing the head would change nothing it "
                          "trains on")
+    options = _loss_from_full_logits(trainer)
+    if options:
+        raise ValueError(f"{type(trainer).__name__}'s loss does not come from TRL's fused LM head with "
+                         f"{' and '.join(options)} (a loss from the full logits; the fused outputs feed its metrics "
+                         "only): replacing the head would change nothing it trains on")
     seen: set[int] = set()
     replaced = 0
     for value in list(vars(trainer).values()):
