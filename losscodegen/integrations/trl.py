@@ -248,9 +248,10 @@ _JSD_REDUCTIONS = ("batchmean", "sum", "mean")
 
 
 @functools.lru_cache(maxsize=64)
-def jsd_head(beta: float, temperature: float) -> lcg.HeadLoss:
-    """The head of TRL's ``generalized_jsd_loss(..., beta, temperature)``: ``JSD.trl``."""
-    return lcg.HeadLoss(lcg.JSD.trl(beta=beta, temperature=temperature))
+def jsd_head(beta: float, temperature: float, softcap: float | None = None, logit_scale: float = 1.0) -> lcg.HeadLoss:
+    """The head of TRL's ``generalized_jsd_loss(..., beta, temperature)``: ``JSD.trl``, on logits with the
+    final-logit transform ``(softcap, logit_scale)`` (both sides')."""
+    return lcg.HeadLoss(lcg.JSD.trl(beta=beta, temperature=temperature), softcap=softcap, logit_scale=logit_scale)
 
 
 def generalized_jsd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
