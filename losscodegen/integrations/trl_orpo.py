@@ -81,7 +81,8 @@ class ORPOTrainer(_TRLORPOTrainer):
         # TRL's accuracy compares the rewards, beta times the log-probs: none where beta is 0
         accuracy = out.terms["reward_accuracy"] if self.beta > 0 else out.loss.new_zeros(())
         metrics = {
-            "rewards/chosen": mean(self.beta * logps_chosen, B), "rewards/rejected": mean(self.beta * logps_rejected, B),
+            "rewards/chosen": mean(self.beta * logps_chosen, B),
+            "rewards/rejected": mean(self.beta * logps_rejected, B),
             "rewards/accuracies": mean(accuracy * B, B),
             "rewards/margins": mean(self.beta * (logps_chosen - logps_rejected), B),
             "logps/rejected": mean(logps_rejected, B), "logps/chosen": mean(logps_chosen, B),
