@@ -19,11 +19,13 @@ and a patch that dropped it would fail. A variant that fails is not timed, and t
 
 Recorded per variant: the median step time (after warm-up steps), tokens/s, the peak memory above the
 model's weights (gradients, optimizer states and activations included), the check, and the loss curve
-(for the z-loss variant its CE term). Written to ``DIR/<device>-hf-training-step[-<model>]-b<B>.json``
-(and a plot with matplotlib); a short table is printed last.
+(for the z-loss variant its CE term). ``--model`` and ``--batch`` take comma-separated lists (default: llama,
+batch sizes 1 and 4): one record per model and batch size, ``OUT/<device>-hf-training-step[-<model>]-b<B>.json``
+(``--out``, default ``$OUT`` where set, else docs/perf; and a plot with matplotlib); a short table of every
+run is printed last.
 
-    python bench/training_step.py --out docs/perf --steps 30 --batch 1
-    python bench/training_step.py --out docs/perf --model mixtral --steps 30
+    python bench/training_step.py                          # llama, batch 1 and 4, 30 steps; to $OUT or docs/perf
+    python bench/training_step.py --model qwen3_moe        # a mixture of experts (or --model llama,mixtral,...)
     python bench/training_step.py --cpu --tiny --out /tmp/ts      # end to end on the CPU (Triton's interpreter)
 """
 from __future__ import annotations
@@ -209,47 +211,30 @@ def timed(model, ce_of, args):
                 peak_gb_above_model=peak, losses=losses, step_ms=[t * 1e3 for t in times])
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "perf"))
-    ap.add_argument("--model", choices=MODELS, default="llama")
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=5, help="first steps left out of the median")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--vocab", type=int, default=128256)
-    ap.add_argument("--layers", type=int, default=None, help="default: 16 for llama, 4 for a mixture of experts")
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--intermediate", type=int, default=None,
-                    help="the MLP's width, each expert's for a mixture of experts (default: 8192 for llama, 4096)")
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--experts", type=int, default=8, help="experts per layer (mixtral, qwen3_moe)")
-    ap.add_argument("--top-k", type=int, default=2, help="experts per token (mixtral, qwen3_moe)")
-    ap.add_argument("--tie", action="store_true", help="tie the embeddings and the output layer")
-    ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--loss-rtol", type=float, default=1e-4,
-                    help="the loss check's tolerance, relative to the loss (at least 1): bf16 rounding of the logits")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--cpu", action="store_true", help="run on the CPU (losscodegen's kernels in Triton's interpreter)")
-    ap.add_argument("--tiny", action="store_true", help="tiny sizes and 3 steps (with --cpu: a check that it runs)")
-    args = ap.parse_args()
-    layers, intermediate = SIZES[args.model]
-    args.layers = layers if args.layers is None else args.layers
-    args.intermediate = intermediate if args.intermediate is None else args.intermediate
-    if args.tiny:
-        vars(args).update(TINY)
-    args.device = "cpu" if args.cpu else "cuda"
-    if args.steps <= args.warmup:
-        ap.error("--steps must be more than --warmup")
-    unknown = [v for v in args.variants.split(",") if v and v not in VARIANTS]
-    if unknown:
-        ap.error(f"--variants: unknown {', '.join(unknown)} (known: {', '.join(VARIANTS)})")
+def default_out() -> str:
+    """``$OUT`` where it is set (the GPU machine's folder that comes back), else docs/perf."""
+    return os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "perf")
 
+
+def listed(kind, choices=None):
+    """An argparse type: a comma-separated list of ``kind`` (among ``choices``)."""
+    def parse(text: str) -> list:
+        values = [kind(v) for v in text.split(",") if v]
+        bad = [v for v in values if choices is not None and v not in choices]
+        if not values or bad:
+            raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list" +
+                                             (f" among {', '.join(map(str, choices))}" if choices else ""))
+        return values
+    return parse
+
+
+def bench(args, variants) -> tuple[dict, str]:
+    """Every variant on one model and batch size; the record, written to ``args.out``, and its path's stem."""
     import gc
 
     import transformers
-    variants = [v for v in args.variants.split(",") if v]
+
+    import losscodegen
     results, skipped = {}, {}
     for variant in variants:
         if variant == "liger" and isinstance(liger_patch(args.model), str):
@@ -266,18 +251,18 @@ def main():
         if args.device == "cuda":
             torch.cuda.empty_cache()
         if "median_step_ms" not in r:
-            print(f"{variant}: loss check FAILED, not timed: {r['loss_check']['rows']}", flush=True)
+            print(f"{args.model} b{args.batch} {variant}: loss check FAILED, not timed: {r['loss_check']['rows']}",
+                  flush=True)
             continue
         peak = "-" if r["peak_gb_above_model"] is None else f"{r['peak_gb_above_model']:.2f} GB"
-        print(f"{variant}: {r['median_step_ms']:.1f} ms, {peak}, loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}",
-              flush=True)
+        print(f"{args.model} b{args.batch} {variant}: {r['median_step_ms']:.1f} ms, {peak}, loss {r['losses'][0]:.4f} -> "
+              f"{r['losses'][-1]:.4f}", flush=True)
 
     ref = results.get("unpatched")
     for r in results.values():
         if ref is not None and "losses" in r:
             r["max_loss_diff_vs_unpatched"] = max(abs(a - b) for a, b in zip(r["losses"], ref["losses"]))
     device = device_name(args.device)
-    import losscodegen
     record = dict(device=device, torch=torch.__version__, transformers=transformers.__version__,
                   losscodegen=losscodegen.__version__, args=vars(args), skipped=skipped, results=results,
                   note="median step after the warm-up steps; peak memory above the bf16 weights (gradients, "
@@ -289,47 +274,103 @@ def main():
     stem = os.path.join(args.out, f"{device.replace(' ', '-')}-hf-training-step{model_part}-b{args.batch}")
     with open(stem + ".json", "w") as f:
         json.dump(record, f, indent=1)
-    timed_results = {n: r for n, r in results.items() if "median_step_ms" in r}
+    plot(record, stem, args)
+    return record, stem
+
+
+def plot(record, stem, args) -> None:
+    timed_results = {n: r for n, r in record["results"].items() if "median_step_ms" in r}
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-        for name, r in timed_results.items():
-            a.plot(r["losses"], label=name)
-        a.set(xlabel="step", ylabel="loss", title=f"{args.model}, batch {args.batch} x {args.seq}")
-        a.legend()
-        names = list(timed_results)
-        b.bar(names, [timed_results[n]["median_step_ms"] for n in names])
-        b.set(ylabel="median step (ms)", title=device)
-        for i, n in enumerate(names):
-            peak = timed_results[n]["peak_gb_above_model"]
-            b.text(i, timed_results[n]["median_step_ms"], "" if peak is None else f"{peak:.1f} GB", ha="center",
-                   va="bottom")
-        fig.tight_layout()
-        fig.savefig(stem + ".png", dpi=110)
     except ImportError:
-        pass
+        return
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, r in timed_results.items():
+        a.plot(r["losses"], label=name)
+    a.set(xlabel="step", ylabel="loss", title=f"{args.model}, batch {args.batch} x {args.seq}")
+    a.legend()
+    names = list(timed_results)
+    b.bar(names, [timed_results[n]["median_step_ms"] for n in names])
+    b.set(ylabel="median step (ms)", title=record["device"])
+    for i, n in enumerate(names):
+        peak = timed_results[n]["peak_gb_above_model"]
+        b.text(i, timed_results[n]["median_step_ms"], "" if peak is None else f"{peak:.1f} GB", ha="center",
+               va="bottom")
+    fig.tight_layout()
+    fig.savefig(stem + ".png", dpi=110)
+    plt.close(fig)
 
-    moe = "" if args.model == "llama" else f", {args.experts} experts top {args.top_k}"
-    print(f"\n{device}, {args.model}, batch {args.batch} x {args.seq}, vocab {args.vocab}, {args.layers} x {args.hidden}"
-          f"{moe}; {stem}.json")
-    print(f"{'variant':<14} {'step ms':>9} {'tokens/s':>10} {'peak GB':>8} {'loss diff':>10} {'check (max diff)':>18}")
+
+def table(runs) -> list[str]:
+    """The short table printed last: one row per model, batch size and variant; the variants that failed."""
     failed = []
-    for name, r in results.items():
-        c = r.get("loss_check")
-        verdict = "" if c is None else f"{'ok' if c['ok'] else 'FAILED'} ({max(abs(x['diff']) for x in c['rows']):.1e})"
-        if c is not None and not c["ok"]:
-            failed.append(name)
-            print(f"{name:<14} {'not timed':>9} {'':>10} {'':>8} {'':>10} {verdict:>18}")
-            continue
-        diff, peak = r.get("max_loss_diff_vs_unpatched"), r["peak_gb_above_model"]
-        print(f"{name:<14} {r['median_step_ms']:>9.1f} {r['tokens_per_s']:>10.0f} "
-              f"{'-' if peak is None else f'{peak:.2f}':>8} {'' if diff is None else f'{diff:.4f}':>10} {verdict:>18}")
-    for name, why in skipped.items():
-        print(f"{name:<14} skipped: {why}")
+    for args, record, stem in runs:
+        moe = "" if args.model == "llama" else f", {args.experts} experts top {args.top_k}"
+        print(f"\n{record['device']}, {args.model}, batch {args.batch} x {args.seq}, vocab {args.vocab}, "
+              f"{args.layers} x {args.hidden}{moe}; {stem}.json")
+        print(f"{'variant':<14} {'step ms':>9} {'tokens/s':>10} {'peak GB':>8} {'loss diff':>10} {'check (max diff)':>18}")
+        for name, r in record["results"].items():
+            c = r.get("loss_check")
+            verdict = "" if c is None else f"{'ok' if c['ok'] else 'FAILED'} ({max(abs(x['diff']) for x in c['rows']):.1e})"
+            if c is not None and not c["ok"]:
+                failed.append(f"{args.model} b{args.batch} {name}")
+                print(f"{name:<14} {'not timed':>9} {'':>10} {'':>8} {'':>10} {verdict:>18}")
+                continue
+            diff, peak = r.get("max_loss_diff_vs_unpatched"), r["peak_gb_above_model"]
+            print(f"{name:<14} {r['median_step_ms']:>9.1f} {r['tokens_per_s']:>10.0f} "
+                  f"{'-' if peak is None else f'{peak:.2f}':>8} {'' if diff is None else f'{diff:.4f}':>10} {verdict:>18}")
+        for name, why in record["skipped"].items():
+            print(f"{name:<14} skipped: {why}")
+    return failed
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=default_out(), help="where the records go (default: $OUT if set, else docs/perf)")
+    ap.add_argument("--model", type=listed(str, MODELS), default=["llama"],
+                    help=f"comma-separated, among {', '.join(MODELS)} (default: llama)")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5, help="first steps left out of the median")
+    ap.add_argument("--batch", type=listed(int), default=[1, 4], help="batch sizes, comma-separated (default: 1,4)")
+    ap.add_argument("--seq", type=int, default=4096, help="tokens per sequence")
+    ap.add_argument("--vocab", type=int, default=128256, help="vocabulary size")
+    ap.add_argument("--layers", type=int, default=None, help="default: 16 for llama, 4 for a mixture of experts")
+    ap.add_argument("--hidden", type=int, default=2048, help="hidden size")
+    ap.add_argument("--intermediate", type=int, default=None,
+                    help="the MLP's width, each expert's for a mixture of experts (default: 8192 for llama, 4096)")
+    ap.add_argument("--heads", type=int, default=32, help="attention heads")
+    ap.add_argument("--kv-heads", type=int, default=8, help="key-value heads")
+    ap.add_argument("--experts", type=int, default=8, help="experts per layer (mixtral, qwen3_moe)")
+    ap.add_argument("--top-k", type=int, default=2, help="experts per token (mixtral, qwen3_moe)")
+    ap.add_argument("--tie", action="store_true", help="tie the embeddings and the output layer")
+    ap.add_argument("--lr", type=float, default=1e-4, help="AdamW's learning rate")
+    ap.add_argument("--loss-rtol", type=float, default=1e-4,
+                    help="the loss check's tolerance, relative to the loss (at least 1): bf16 rounding of the logits")
+    ap.add_argument("--variants", type=listed(str, VARIANTS), default=list(VARIANTS),
+                    help=f"comma-separated, among {', '.join(VARIANTS)} (liger is skipped where not importable)")
+    ap.add_argument("--cpu", action="store_true", help="run on the CPU (losscodegen's kernels in Triton's interpreter)")
+    ap.add_argument("--tiny", action="store_true", help="tiny sizes and 3 steps, where not given (with --cpu: a check that it runs)")
+    args = ap.parse_args()
+    if args.tiny:   # (the options given keep their values)
+        vars(args).update({k: v for k, v in TINY.items() if getattr(args, k) == ap.get_default(k)})
+    args.device = "cpu" if args.cpu else "cuda"
+    if args.steps <= args.warmup:
+        ap.error("--steps must be more than --warmup")
+
+    runs = []
+    for model in args.model:
+        for batch in args.batch:
+            one = argparse.Namespace(**{**vars(args), "model": model, "batch": batch})
+            layers, intermediate = SIZES[model]
+            one.layers = layers if args.layers is None else args.layers
+            one.intermediate = intermediate if args.intermediate is None else args.intermediate
+            record, stem = bench(one, args.variants)
+            runs.append((one, record, stem))
+    failed = table(runs)
     if failed:
-        sys.exit(f"loss check failed: {', '.join(failed)} (see {stem}.json)")
+        sys.exit(f"loss check failed: {', '.join(failed)} (see the records)")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ VESPO's segment terms cost. Both ``reduction="none"`` and segment terms make eac
 from __future__ import annotations
 
 import argparse
+import math
 import json
 
 import torch
@@ -36,14 +37,14 @@ def main() -> None:
                   w_pol=torch.full((R,), 1.0 / R, device=dev), seq_len=torch.full((R,), float(R // B), device=dev),
                   w_ent=torch.full((R,), -1e-3 / R, device=dev), log_is=torch.zeros(R, device=dev))
     segments = dict(segment_ids=seq, num_segments=B)
-    params = dict(eps_low=0.2, eps_high=0.28, k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0)
+    params = dict(eps_low=0.2, eps_high=0.28, delta=math.inf, k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0)
     cases = [("dapo token level, reduction='none' (the trainer's call)", "dapo", False, dict(reduction="none")),
              ("dapo token level, reduction='sum' (no per-sequence clip ratios)", "dapo", False, dict(reduction="sum")),
              ("GSPO grpo (segment terms, reduction='sum')", "grpo", True, dict(reduction="sum", **segments)),
              ("vespo (segment terms, reduction='sum')", "vespo", False, dict(reduction="sum", **segments))]
     for label, loss_type, sequence, call in cases:
         head = _head(loss_type=loss_type, sequence=sequence, old_given=True, off_policy=False, sampling_given=False,
-                     delta=None, beta=False, bias_corrected=False, entropy=True, params=params, softcap=None,
+                     beta=False, bias_corrected=False, entropy=True, params=params, softcap=None,
                      logit_scale=1.0)
         inputs = {k: v for k, v in tokens.items() if k in ("advantages", "old_logprobs", *head.kernel.TOKENS)}
 

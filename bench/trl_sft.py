@@ -10,14 +10,16 @@ tokenizer built here gives TRL its pad and eos tokens). Variants:
 
 Checked: each trainer's first logged loss (step 1, batches in the dataset's order) against its objective
 (CE, or CE + 1e-4 * logsumexp**2) in float64 from the same model's logits on that batch, before training,
-within ``--loss-rtol`` (bf16 logits); the logged entropy and token accuracy are recorded beside their float64
-values; and which of ``z_loss`` (``losscodegen+``), ``entropy`` and ``token_accuracy`` are in
-``trainer.state.log_history``. Recorded: the median optimizer step (after ``--warmup`` steps, the device
-synchronized around it), tokens/s, the peak memory during training (and above the weights), the first and
-last log entries. Written to ``DIR/<device>-trl-sft-b<B>.json``; a short table is printed last. Exits 1 if a
-check fails or an expected log key is missing (after writing the record).
+within ``--loss-rtol`` (bf16 logits); the step's logged terms and metrics (``cross_entropy`` and ``z_loss``
+of ``losscodegen+``'s head, ``entropy`` and ``token_accuracy``: TRL's ``mean_token_accuracy`` for the others)
+against their float64 values within ``--terms-rtol``, and that each is in ``trainer.state.log_history``.
+Recorded: the median optimizer step (after ``--warmup`` steps, the device synchronized around it), tokens/s,
+the peak memory during training (and above the weights), the first and last log entries. Written to
+``OUT/<device>-trl-sft-b<B>.json`` (``--out``, default ``$OUT`` where set, else docs/perf); a short table of
+the timings and the logged terms is printed last. Exits 1 if a check fails or an expected log key is missing
+(after writing the record).
 
-    python bench/trl_sft.py --out docs/perf --steps 12
+    python bench/trl_sft.py                                 # 12 steps, batch 2 x 2048; to $OUT or docs/perf
     python bench/trl_sft.py --cpu --tiny --out /tmp/sft     # end to end on the CPU (Triton's interpreter)
 """
 from __future__ import annotations
@@ -36,12 +38,14 @@ if "--cpu" in sys.argv:   # (Triton reads the switch when it is imported)
 
 import torch  # noqa: E402
 
-from training_step import Z_WEIGHT, device_name, shifted_ce_z_float64, sync  # noqa: E402
+from training_step import Z_WEIGHT, default_out, device_name, shifted_ce_z_float64, sync  # noqa: E402
 
 VARIANTS = ("trl", "losscodegen", "losscodegen+")
 # the log keys each variant must have in log_history (a key matches a name it ends with: mean_token_accuracy)
 LOGGED = {"trl": ("entropy", "token_accuracy"), "losscodegen": ("entropy", "token_accuracy"),
-          "losscodegen+": ("z_loss", "entropy", "token_accuracy")}
+          "losscodegen+": ("cross_entropy", "z_loss", "entropy", "token_accuracy")}
+# the logged values compared with float64 on step 1's batch: (log key, shifted_ce_z_float64's name)
+TERMS = (("cross_entropy", "cross_entropy"), ("z_loss", "z"), ("entropy", "entropy"), ("token_accuracy", "accuracy"))
 TINY = dict(vocab=512, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, seq=64, steps=3, warmup=1)
 
 
@@ -144,8 +148,11 @@ def reference(trainer, args) -> dict[str, float]:
 
 
 def logged(history: list[dict], name: str) -> tuple[str, float] | None:
-    """The first log entry's key ending in ``name``, and its value."""
-    return next(((k, v) for k, v in history[0].items() if k.endswith(name)), None) if history else None
+    """The first log entry's key ``name`` (else one ending in it: TRL's ``mean_token_accuracy``), and its value."""
+    if not history:
+        return None
+    first = history[0]
+    return (name, first[name]) if name in first else next(((k, v) for k, v in first.items() if k.endswith(name)), None)
 
 
 def run(variant, args):
@@ -168,9 +175,12 @@ def run(variant, args):
         first_loss=first, expected_first_loss=expected, z_weight=weight, reference_float64=ref,
         loss_check=dict(ok=abs(first - expected) <= args.loss_rtol * max(1.0, abs(expected)), diff=first - expected,
                         rtol=args.loss_rtol),
-        logged_vs_float64={name: dict(key=found[0], logged=found[1], float64=ref[ref_name])
-                           for name, ref_name in (("entropy", "entropy"), ("token_accuracy", "accuracy"))
-                           if (found := logged(history, name)) is not None},
+        logged_vs_float64=(compared := {
+            name: dict(key=found[0], logged=found[1], float64=ref[ref_name],
+                       ok=abs(found[1] - ref[ref_name]) <= args.terms_rtol * max(1.0, abs(ref[ref_name])))
+            for name, ref_name in TERMS if (found := logged(history, name)) is not None}),
+        terms_check=dict(ok=all(c["ok"] for name, c in compared.items() if name in LOGGED[variant]),
+                         rtol=args.terms_rtol),
         missing_logs=missing, first_log=history[0], last_log=history[-1],
         losses=[h["loss"] for h in history])
     del trainer
@@ -182,7 +192,7 @@ def run(variant, args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "perf"))
+    ap.add_argument("--out", default=default_out(), help="where the record goes (default: $OUT if set, else docs/perf)")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3, help="first steps left out of the median")
     ap.add_argument("--batch", type=int, default=2)
@@ -196,12 +206,15 @@ def main():
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--loss-rtol", type=float, default=1e-4,
                     help="the first-step loss check's tolerance, relative to the loss (at least 1)")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--terms-rtol", type=float, default=1e-3,
+                    help="the logged terms' and metrics' tolerance against float64, relative (at least 1): bf16 logits")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"comma-separated, among {', '.join(VARIANTS)}")
     ap.add_argument("--cpu", action="store_true", help="run on the CPU (losscodegen's kernels in Triton's interpreter)")
-    ap.add_argument("--tiny", action="store_true", help="tiny sizes and 3 steps (with --cpu: a check that it runs)")
+    ap.add_argument("--tiny", action="store_true", help="tiny sizes and 3 steps, where not given (with --cpu: a check that it runs)")
     args = ap.parse_args()
-    if args.tiny:
-        vars(args).update(TINY)
+    if args.tiny:   # (the options given keep their values)
+        vars(args).update({k: v for k, v in TINY.items() if getattr(args, k) == ap.get_default(k)})
     args.device = "cpu" if args.cpu else "cuda"
     if args.steps <= args.warmup:
         ap.error("--steps must be more than --warmup")
@@ -234,23 +247,26 @@ def main():
 
     print(f"\n{device}, llama {args.layers} x {args.hidden}, batch {args.batch} x {args.seq}, vocab {args.vocab}, "
           f"{args.steps} steps; {path}")
+    print("step 1's logged terms and metrics (float64 on its batch in brackets); '-': not logged")
     print(f"{'variant':<13} {'step ms':>8} {'tokens/s':>9} {'peak GB':>8} {'1st loss':>9} {'diff f64':>9} {'check':>6} "
-          f"{'z_loss':>7} {'entropy':>8} {'accuracy':>8}")
+          + " ".join(f"{name:>22}" for name, _ in TERMS))
     failed = []
     for name, r in results.items():
-        ok = r["loss_check"]["ok"] and not r["missing_logs"]
+        ok = r["loss_check"]["ok"] and r["terms_check"]["ok"] and not r["missing_logs"]
         failed += [] if ok else [name]
         peak = "-" if r["peak_gb"] is None else f"{r['peak_gb']:.2f}"
-        z = "-" if "z_loss" not in LOGGED[name] else ("missing" if "z_loss" in r["missing_logs"] else
-                                                       f"{logged([r['first_log']], 'z_loss')[1]:.3f}")
-        ent = r["logged_vs_float64"].get("entropy", {}).get("logged")
-        acc = r["logged_vs_float64"].get("token_accuracy", {}).get("logged")
+        cells = []
+        for term, _ in TERMS:
+            c = r["logged_vs_float64"].get(term)
+            cell = ("missing" if term in r["missing_logs"] else "-") if c is None else \
+                f"{c['logged']:.4f} ({c['float64']:.4f}){'' if c['ok'] else '!'}"
+            cells.append(f"{cell:>22}")
         print(f"{name:<13} {r['median_step_ms']:>8.1f} {r['tokens_per_s']:>9.0f} {peak:>8} {r['first_loss']:>9.4f} "
-              f"{r['loss_check']['diff']:>9.1e} {'ok' if r['loss_check']['ok'] else 'FAIL':>6} {z:>7} "
-              f"{'missing' if ent is None else f'{ent:.3f}':>8} {'missing' if acc is None else f'{acc:.4f}':>8}")
+              f"{r['loss_check']['diff']:>9.1e} {'ok' if ok else 'FAIL':>6} " + " ".join(cells))
     if failed:
         sys.exit("failed: " + "; ".join(
             f"{n} (loss check {'ok' if results[n]['loss_check']['ok'] else 'FAILED'}"
+            + ("" if results[n]["terms_check"]["ok"] else ", a logged term off float64 (marked !)")
             + (f", missing from log_history: {', '.join(results[n]['missing_logs'])}" if results[n]['missing_logs'] else "")
             + ")" for n in failed))
 

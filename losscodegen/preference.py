@@ -24,7 +24,7 @@ from . import symbols as S
 from .terms import Term, declare_term
 
 __all__ = ["DPO", "CPO", "SimPO", "ORPO", "KTO", "ChosenNLL", "pair_statistics", "sequence_statistics", "cpo_statistics",
-           "DPO_LOSS_TYPES", "pair_inputs", "sequence_inputs", "concatenated", "logsigmoid", "sigmoid"]
+           "orpo_statistics", "DPO_LOSS_TYPES", "pair_inputs", "sequence_inputs", "concatenated", "logsigmoid", "sigmoid"]
 
 # the per-row tokens the terms read, filled by pair_inputs / sequence_inputs
 CHOSEN = S.token("chosen")              # 1.0 on a chosen (KTO: desirable) response's rows, else 0.0
@@ -233,12 +233,27 @@ def _log1mexp(x: sp.Expr) -> sp.Expr:
     return S.log(1 - S.exp(x))
 
 
+def _orpo_pair() -> tuple[sp.Expr, sp.Expr, sp.Expr]:
+    """ORPO's (chosen, rejected) average log-probabilities of a pair and its log odds ratio."""
+    chosen, rejected = _chosen_logps / _n_chosen, _rejected_logps / _n_rejected
+    return chosen, rejected, (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
+
+
 def ORPO(*, beta: Any = 0.1, weight: Any = 1.0) -> Term:
     """ORPO's odds-ratio term (arXiv 2403.07691), TRL's ``-beta * logsigmoid(log_odds)`` over the
     responses' average log-probabilities, named ``orpo``; ORPO's loss is this plus ``ChosenNLL()``."""
-    chosen, rejected = _chosen_logps / _n_chosen, _rejected_logps / _n_rejected
-    log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
-    return _term("orpo", -_beta * logsigmoid(log_odds), weight, dict(beta=beta))
+    return _term("orpo", -_beta * logsigmoid(_orpo_pair()[2]), weight, dict(beta=beta))
+
+
+def orpo_statistics() -> tuple[Term, ...]:
+    """What TRL's ORPOTrainer logs of each pair, as segment terms of weight 0 averaged over the pairs:
+    ``logps_chosen`` / ``logps_rejected`` (each response's average log-probability, as ``ORPO`` reads
+    it), ``log_odds`` (the pair's log odds ratio, TRL's ``log_odds_chosen``) and ``reward_accuracy`` (1
+    where the chosen average is above the rejected one)."""
+    chosen, rejected, log_odds = _orpo_pair()
+    values = dict(logps_chosen=chosen, logps_rejected=rejected, log_odds=log_odds,
+                  reward_accuracy=S.Piecewise((1, chosen > rejected), (0, True)))
+    return tuple(declare_term(name, formula)(weight=0.0) for name, formula in values.items())
 
 
 _KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")

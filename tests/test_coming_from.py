@@ -278,3 +278,81 @@ def test_the_docs_pass_term_options_by_keyword():
                 if first and "=" not in first and not first.startswith("*") and first != "...":
                     positional.append(f"{path.name}:{number}: {m.group(0)}")
     assert not positional, positional
+
+
+# ---- the remaining rows of the tables, one test each ------------------------------------------------
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+def test_torch_cross_entropy_reductions(data, reduction):
+    z, _, y, _ = data
+    up = torch.linspace(0.5, 1.5, R)   # per-row upstream gradients under "none": the rows match one by one
+    head = lcg.HeadLoss(lcg.CrossEntropy())
+    same(lambda x: (head(x, y, reduction=reduction).loss * (up if reduction == "none" else 1)).sum(),
+         lambda x: (F.cross_entropy(x, y, reduction=reduction) * (up if reduction == "none" else 1)).sum(), z)
+    assert (head(z, y, reduction="none").loss[y == -100] == 0).all()
+
+
+def test_torch_kl_div_with_the_student_as_target_is_reverse_kl(data):
+    z, t, _, _ = data
+    same(lambda x: lcg.HeadLoss(lcg.ReverseKL())(x, teacher_logits=t).loss,
+         lambda x: F.kl_div(torch.log_softmax(t, -1), torch.log_softmax(x, -1), log_target=True,
+                            reduction="batchmean"), z)
+
+
+def test_liger_z_loss_and_token_accuracy_outputs(data):
+    # Liger's return_z_loss: lse_square_scale * the mean over valid rows of lse**2; return_token_accuracy:
+    # the fraction of valid rows whose argmax is the label
+    z, _, y, _ = data
+    z = z.clone()
+    z[0, y[0]] += 20.0                                 # (one row surely right)
+    c, valid = 1e-3, y != -100
+    out = lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(weight=c), metrics=(lcg.TokenAccuracy(),))(z, y)
+    liger_z_loss = c * (torch.logsumexp(z, -1) ** 2)[valid].mean()
+    torch.testing.assert_close(c * out.terms["z_loss"], liger_z_loss)
+    torch.testing.assert_close(out.metrics["token_accuracy"], (z.argmax(-1) == y)[valid].float().mean())
+
+
+def test_liger_fused_linear_cross_entropy_with_a_bias(data):
+    _, _, y, g = data
+    h, w, b = torch.randn(R, H, generator=g), torch.randn(V, H, generator=g) * 0.5, torch.randn(V, generator=g)
+    head = lcg.HeadLoss(lcg.CrossEntropy())
+    same(lambda hh: head.linear(hh, w, y, bias=b).loss, lambda hh: F.cross_entropy(F.linear(hh, w, b), y), h)
+
+
+def test_flash_attn_mean_inplace_backward_and_z_loss(data):
+    # CrossEntropyLoss(reduction="mean", label_smoothing=s, lse_square_scale=c, inplace_backward=True):
+    # the mean over valid rows of the per-row losses, z-loss included; return_z_loss: c * lse**2's mean
+    z, _, y, _ = data
+    s, c, valid = 0.1, 1e-3, y != -100
+
+    def flash(x):
+        lse = torch.logsumexp(x, -1)
+        rows = (1 - s) * (lse - x.gather(-1, y.clamp_min(0)[:, None])[:, 0]) + s * (lse - x.mean(-1)) + c * lse ** 2
+        return rows[valid].mean()
+    terms = (lcg.CrossEntropy(label_smoothing=s), lcg.ZLoss(weight=c))
+    same(lambda x: lcg.HeadLoss(*terms, inplace_backward=True)(x.clone(), y).loss, flash, z)
+    out = lcg.HeadLoss(*terms)(z, y)
+    torch.testing.assert_close(c * out.terms["z_loss"], c * (torch.logsumexp(z, -1) ** 2)[valid].mean())
+
+
+def test_trl_grpo_loss_type_divisors_delta_bias_corrected_kl_and_entropy(data):
+    # TRL: coef_1 = exp(l - old) clamped at delta (two-sided clipping), coef_2 = clamp(exp(l - old), 1 - eps,
+    # 1 + eps_high); per_token_kl times the unclamped coef_1 under use_bias_correction_kl; the token sum divided
+    # by num_items_in_batch (dapo) or B * max_completion_length (dr_grpo)
+    z, _, y, g = data
+    inp = _policy(z, y, g)
+    eps_lo, eps_hi, beta, delta, valid = 0.2, 0.28, 0.04, 1.3, y != -100
+    num_items_in_batch, B, max_completion_length = 17.0, 3, 5
+
+    def token_sum(x):
+        l = torch.log_softmax(x, -1).gather(-1, y.clamp_min(0)[:, None])[:, 0]
+        r, A, d = torch.exp(l - inp["old_logprobs"]), inp["advantages"], inp["ref_logprobs"] - l
+        rows = -torch.min(r.clamp(max=delta) * A, r.clamp(1 - eps_lo, 1 + eps_hi) * A) + beta * (d.exp() - d - 1) * r
+        return torch.where(valid, rows, 0).sum()
+    head = lcg.HeadLoss(lcg.GRPO(eps_low=eps_lo, eps_high=eps_hi, kl_beta=beta, delta=delta, kl_bias_correction=True),
+                        metrics=(lcg.Entropy(),))
+    same(lambda x: head(x, y, **inp, divisor=num_items_in_batch).loss, lambda x: token_sum(x) / num_items_in_batch, z)
+    same(lambda x: head(x, y, **inp, divisor=B * max_completion_length).loss,
+         lambda x: token_sum(x) / (B * max_completion_length), z)
+    same(lambda x: head(x, y, **inp).loss, lambda x: token_sum(x) / valid.sum(), z)     # bnpo: the default divisor
+    logp = torch.log_softmax(z, -1)
+    torch.testing.assert_close(head(z, y, **inp).metrics["entropy"], (-(logp.exp() * logp).sum(-1))[valid].mean())

@@ -229,3 +229,21 @@ def test_the_models_final_logit_transform_and_temperature(model_type, overrides,
     _assert_same_step(trainer, ref_trainer, inputs)
     torch.testing.assert_close(torch.tensor(trainer._metrics["train"]["entropy"]),
                                torch.tensor(ref_trainer._metrics["train"]["entropy"]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("loss_type,factory", [("dapo", "GRPO"), ("cispo", "CISPO"), ("sapo", "SAPO")])
+def test_the_trainers_policy_terms_are_terms_pys_declarations(loss_type, factory):
+    """The trainer's token-level policy term is terms.py's formula (GRPO without its KL, CISPO, SAPO) times
+    TRL's per-token weight, and its KL penalty RefKL's: no formula of TRL's losses declared twice."""
+    import sympy as sp
+    from losscodegen import symbols as S
+    from losscodegen import terms as T
+    params = dict(dapo=dict(eps_low=0.2, eps_high=0.28, delta=float("inf")), cispo=dict(eps_high=4.0),
+                  sapo=dict(temperature_pos=1.0, temperature_neg=1.05))[loss_type]
+    head = lcg_trl._head(loss_type=loss_type, sequence=False, old_given=True, off_policy=False, sampling_given=False,
+                         beta=True, bias_corrected=False, entropy=False, params=params, softcap=None, logit_scale=1.0)
+    (policy,) = head.loss_terms
+    want = (S.token("w_pol") * getattr(T, factory).formula.xreplace({S.param("kl_beta"): 0})
+            + S.token("w_kl") * T.RefKL.formula.xreplace({S.param("kl_bias_correction"): 0}))
+    assert sp.expand(policy.formula - want) == 0
+    assert dict(policy.params) == params

@@ -1,6 +1,7 @@
 """losscodegen.integrations.trl_gkd.GKDTrainer: TRL's GKD trainer whose compute_loss is one fused head
 call on both models' hidden states, against trl.experimental.gkd.GKDTrainer's own compute_loss (its
-value and every student parameter's gradient), at TRL's beta 0 (forward KL), 0.3 and 1 (reverse KL)."""
+value and every student parameter's gradient), at TRL's beta 0 (forward KL), 0.3 and 1 (reverse KL), on
+a softcapped student and on scaled logits (the teacher's scale another)."""
 import copy
 
 import pytest
@@ -27,10 +28,22 @@ def _trainer(cls, student, teacher, beta):
     return t
 
 
-@pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
-def test_compute_loss_equals_trls(beta):
-    student = tiny_causal_lm(V)
-    teacher = copy.deepcopy(student)
+CASES = {"beta 0 (forward KL)": (0.0, "llama", {}, {}), "beta 0.3": (0.3, "llama", {}, {}),
+         "beta 1 (reverse KL)": (1.0, "llama", {}, {}),
+         "a Gemma 2 student's softcap": (0.3, "gemma2", dict(final_logit_softcapping=5.0), None),
+         "Cohere's scale, the teacher's another": (0.3, "cohere", dict(logit_scale=0.5), dict(logit_scale=0.25))}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_compute_loss_equals_trls(case):
+    beta, model_type, options, teacher_options = CASES[case]
+    student = tiny_causal_lm(V, model_type, **options)
+    # (None: a Llama teacher, its logits untransformed)
+    teacher = tiny_causal_lm(V) if teacher_options is None else copy.deepcopy(student)
+    for k, v in (teacher_options or {}).items():
+        setattr(teacher.config, k, v)
+        if hasattr(teacher, k):   # (Cohere's forward reads its own copy)
+            setattr(teacher, k, v)
     with torch.no_grad():
         for p in teacher.parameters():
             p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
@@ -55,7 +68,7 @@ def test_compute_loss_equals_trls(beta):
                                        msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_a_transformed_final_logit_is_refused():
-    student = tiny_causal_lm(V, "gemma2", final_logit_softcapping=5.0)
-    with pytest.raises(ValueError, match="transformed"):
-        _trainer(trl_gkd.GKDTrainer, student, copy.deepcopy(student), 0.5)
+def test_a_softcapped_teacher_is_refused():
+    teacher = tiny_causal_lm(V, "gemma2", final_logit_softcapping=5.0)
+    with pytest.raises(ValueError, match="teacher's final logits are softcapped"):
+        _trainer(trl_gkd.GKDTrainer, tiny_causal_lm(V), teacher, 0.5)

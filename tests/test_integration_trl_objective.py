@@ -64,6 +64,30 @@ def test_replace_fused_lm_heads_refuses_a_trainer_whose_loss_does_not_read_them(
         GKDTrainer.__new__(GKDTrainer))
 
 
+@pytest.mark.parametrize("option", ["label_smoothing_factor", "compute_loss_func"])
+def test_replace_fused_lm_heads_refuses_sft_whose_loss_comes_from_the_full_logits(option):
+    """SFT with label smoothing or a compute_loss_func computes its loss from the model's logits, the fused
+    outputs feeding its metrics only: TRL's own compute_loss takes that path, and the replacement is refused."""
+    args = trl.SFTConfig(output_dir=OUT, use_cpu=True, report_to=[], bf16=False,
+                         label_smoothing_factor=0.1 if option == "label_smoothing_factor" else 0.0)
+    extra = dict(compute_loss_func=lambda outputs, labels, num_items_in_batch=None: outputs.logits.mean()) \
+        if option == "compute_loss_func" else {}
+    trainer = trl.SFTTrainer(model=tiny_causal_lm(V), args=args, processing_class=tiny_tokenizer(V),
+                             train_dataset=datasets.Dataset.from_dict({"text": ["t5 t6 t7 t8"] * 4}), **extra)
+    trainer.model.train()
+    ids = torch.randint(4, V, (2, 8), generator=torch.Generator().manual_seed(0))
+    inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
+    fused = []   # (TRL's own path: the loss's forward is the model's, without fused_lm_head)
+    forward = trainer.model.forward
+    trainer.model.forward = lambda *a, fused_lm_head=False, **k: fused.append(fused_lm_head) or forward(
+        *a, fused_lm_head=fused_lm_head, **k)
+    trainer.compute_loss(trainer.model, inputs)
+    assert fused[0] is False and fused[-1] is True
+    trainer.model.forward = forward
+    with pytest.raises(ValueError, match=f"does not come from TRL's fused LM head with {option}"):
+        lcg_trl.replace_fused_lm_heads(trainer)
+
+
 def test_a_training_forward_whose_loss_is_computed_outside_warns_once():
     """Trainer(label_smoothing_factor>0) takes the labels out of the model's inputs: the head is unused."""
     model = apply_losscodegen(tiny_causal_lm(V)).train()

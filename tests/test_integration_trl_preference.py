@@ -277,3 +277,49 @@ def test_cpo_trainer_refuses_a_softcapped_model():
     from losscodegen.integrations.trl_cpo import CPOTrainer
     with pytest.raises(ValueError, match="cannot fuse a final-logit softcap"):
         _cpo_trainer(CPOTrainer, _models("gemma2", final_logit_softcapping=3.0)[0])
+
+
+# ----- ORPO (trl.experimental) ----------------------------------------------------------------------
+def _orpo_trainer(cls, policy, **options):
+    from trl.experimental.orpo import ORPOConfig
+    args = ORPOConfig(output_dir="/tmp/lcg-trl-orpo-test", use_cpu=True, report_to=[], bf16=False,
+                      per_device_train_batch_size=B, **options)
+    data = datasets.Dataset.from_dict({"prompt": ["t5 t6 t7", "t8", "t9 t10"],
+                                       "chosen": [" t11 t12", " t13", " t14 t15 t16"],
+                                       "rejected": [" t17", " t18 t19 t20", " t21 t22"]})
+    trainer = cls(model=copy.deepcopy(policy), args=args, processing_class=tiny_tokenizer(V), train_dataset=data)
+    trainer.model.train()
+    return trainer
+
+
+@pytest.mark.parametrize("options", [{}, dict(beta=0.7)], ids=["default beta", "beta 0.7"])
+def test_orpo_trainer_equals_trls(options):
+    """TRL's compute_loss (its concatenated_forward, odds_ratio_loss and NLL over the prompt and the
+    response) against ours: the loss, every parameter's gradient and every metric it stores."""
+    from trl.experimental.orpo import ORPOTrainer
+    from losscodegen.integrations.trl_orpo import ORPOTrainer as Ours
+    policy, _ = _models()
+    runs = []
+    for cls in (ORPOTrainer, Ours):
+        trainer = _orpo_trainer(cls, policy, **options)
+        batch = trainer.data_collator([trainer.train_dataset[i] for i in range(B)])
+        loss = trainer.compute_loss(trainer.model, batch)
+        loss.backward()
+        runs.append((loss.detach(), {n: p.grad for n, p in trainer.model.named_parameters()},
+                     {k: v[-1] for k, v in trainer._stored_metrics["train"].items()}))
+    (want, want_grads, want_metrics), (got, grads, metrics) = runs
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-6)
+    for name, g in want_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=2e-5 * g.abs().max().item(), msg=name)
+    assert list(metrics) == list(want_metrics)
+    for name, value in want_metrics.items():
+        assert metrics[name] == pytest.approx(value, rel=2e-5, abs=2e-6), name
+    assert want_metrics["rewards/margins"] != 0.0 and want_metrics["log_odds_chosen"] != 0.0
+
+
+def test_orpo_trainer_refuses_a_negative_beta_and_a_softcapped_model():
+    from losscodegen.integrations.trl_orpo import ORPOTrainer
+    with pytest.raises(ValueError, match="cannot fuse beta=-0.1"):
+        _orpo_trainer(ORPOTrainer, _models()[0], beta=-0.1)
+    with pytest.raises(ValueError, match="cannot fuse a final-logit softcap.*trl.experimental.orpo.ORPOTrainer"):
+        _orpo_trainer(ORPOTrainer, _models("gemma2", final_logit_softcapping=3.0)[0])

@@ -88,3 +88,62 @@ def test_options_whose_loss_is_not_the_fused_outputs_are_refused_for_another_obj
     head = lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(weight=W_Z))
     with pytest.raises(ValueError, match=next(iter(option))):
         _trainer(lcg_trl.SFTTrainer, apply_losscodegen(tiny_causal_lm(V), head), **option)
+
+
+def _token_means(model, rows):
+    """Per-token means over every row's scored tokens (each row's own, labels its input ids), float64,
+    from the model's own logits."""
+    model = copy.deepcopy(model).double().eval()
+    values = {"cross_entropy": [], "z_loss": [], "entropy": [], "token_accuracy": []}
+    for ids in rows:
+        ids = torch.tensor([ids])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, :-1]
+        y = ids[0, 1:]
+        logp = logits.log_softmax(-1)
+        values["cross_entropy"].append(-logp.gather(-1, y[:, None])[:, 0])
+        values["z_loss"].append(logits.logsumexp(-1) ** 2)
+        values["entropy"].append(-(logp.exp() * logp).sum(-1))
+        values["token_accuracy"].append((logits.argmax(-1) == y).double())
+    return {k: torch.cat(v).mean().item() for k, v in values.items()}
+
+
+class _Reporter(transformers.TrainerCallback):
+    """A reporting callback, as report_to's are."""
+
+    def __init__(self):
+        self.logs = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs))
+
+
+def test_the_heads_terms_reach_log_history_as_per_token_means_over_the_accumulated_batch(tmp_path):
+    model = tiny_causal_lm(V)
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(3)
+    train = [torch.randint(4, V, (n,), generator=g).tolist() for n in (5, 11, 7, 3)]   # unequal token counts
+    evaluation = [torch.randint(4, V, (n,), generator=g).tolist() for n in (9, 4, 6)]
+    head = lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(weight=W_Z), metrics=(lcg.Entropy(), lcg.TokenAccuracy()))
+    args = trl.SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], bf16=False, learning_rate=0.0,
+                         per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=1,
+                         per_device_eval_batch_size=2, logging_steps=1, save_strategy="no", disable_tqdm=True)
+    reporter = _Reporter()
+    trainer = lcg_trl.SFTTrainer(model=apply_losscodegen(model, head), args=args, processing_class=tiny_tokenizer(V),
+                                 train_dataset=datasets.Dataset.from_dict({"input_ids": train}),
+                                 eval_dataset=datasets.Dataset.from_dict({"input_ids": evaluation}),
+                                 callbacks=[reporter])
+    trainer.train()
+    want = _token_means(reference, train)      # (learning rate 0: the step's parameters)
+    (logged,) = [h for h in trainer.state.log_history if "loss" in h]
+    (reported,) = [h for h in reporter.logs if "loss" in h]
+    for name, value in want.items():
+        assert logged[name] == pytest.approx(value, rel=1e-5), name
+        assert reported[name] == logged[name], name
+    assert logged["loss"] == pytest.approx(want["cross_entropy"] + W_Z * want["z_loss"], rel=1e-5)
+
+    metrics = trainer.evaluate()
+    want = _token_means(reference, evaluation)
+    for name, value in want.items():
+        assert metrics["eval_" + name] == pytest.approx(value, rel=1e-5), name
+        assert reporter.logs[-1]["eval_" + name] == metrics["eval_" + name], name

@@ -7,7 +7,8 @@
 - ``losscodegen.integrations.trl``: TRL's GRPO trainer on one fused head call per micro-batch,
   ``generalized_jsd_loss`` (TRL's GKD loss, fused), and ``add_fused_lm_head`` / ``replace_fused_lm_heads``:
   TRL's fused LM head on ``head.linear``, under TRL's own loss code (``losscodegen.integrations.trl_lm_head``);
-  its SFT trainer on the patched model's objective; ``losscodegen.integrations.trl_gkd``: GKD in one fused call.
+  its SFT, DPO and KTO trainers; ``trl_gkd``, ``trl_cpo`` and ``trl_orpo`` (TRL's experimental GKD, CPO and
+  ORPO trainers), each in one fused call.
 
 Importing this package imports neither transformers nor trl (``pip install "losscodegen[hf]"``).
 """

@@ -187,6 +187,15 @@ class LosscodegenState:
     eval: TokenMeans = field(default_factory=TokenMeans)
     warned_unused: bool = False          # (a training forward without labels warns once)
 
+    def take_for(self, logs: dict) -> dict[str, float]:
+        """What a Trainer's ``logs`` gets of the head: for a training log (it has ``loss``), the per-token
+        means of ``train``; for ``evaluate()``'s (``{prefix}_loss``), those of ``eval`` under its prefix
+        (``eval_cross_entropy``); each then empty. {} for another log."""
+        if "loss" in logs:
+            return self.train.take()
+        prefix = next((k[:-len("loss")] for k in logs if k.endswith("_loss")), None)
+        return {} if prefix is None else {prefix + k: v for k, v in self.eval.take().items()}
+
 
 def apply_losscodegen(model: nn.Module, head: lcg.HeadLoss | None = None) -> nn.Module:
     """Patch ``model`` (a transformers causal LM instance, e.g. ``LlamaForCausalLM``) in place and
@@ -381,13 +390,7 @@ class LosscodegenCallback(TrainerCallback):
         lcg_state = None if model is None else vars(_patchable(model)).get("losscodegen")
         if logs is None or lcg_state is None:
             return
-        if "loss" in logs:          # a training log
-            values = lcg_state.train.take()
-        else:                       # evaluate()'s: {prefix}_loss, ...
-            prefix = next((k[:-len("loss")] for k in logs if k.endswith("_loss")), None)
-            if prefix is None:
-                return
-            values = {prefix + k: v for k, v in lcg_state.eval.take().items()}
+        values = lcg_state.take_for(logs)
         logs.update(values)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(values)   # (the Trainer appended a copy of logs before calling us)

@@ -27,6 +27,7 @@ import torch
 import losscodegen as lcg
 from losscodegen import preference as P
 from losscodegen import symbols as S
+from losscodegen import terms as T
 from losscodegen.integrations.trl_lm_head import (add_fused_lm_head, computes_trls_fused_loss,  # noqa: F401
                                                   final_logit_transform, fusing_objective, replace_fused_lm_heads,
                                                   trl_fused_head_of)
@@ -87,6 +88,41 @@ def unfused_options(args: Any, model: Any = None) -> list[str]:
 _SEQ = S.segment_mean
 # exp above this overflows fp32: TRL's phi_seq is then inf, which its nan_to_num makes 0
 _LOG_FLT_MAX = math.log(torch.finfo(torch.float32).max)
+# terms.py's policy-gradient formulas read l = log p_y, the ratio r = exp(l - old_logprobs) and the
+# advantage A; here r stands as a placeholder while a formula is put at the token or sequence level
+_L = S.target_logit - S.lse
+_OLD, _A = S.token("old_logprobs"), S.token("advantages")
+_RATIO = S.exp(_L - _OLD)
+_R = sp.Dummy("r")
+_SEQ_RATIO = S.exp(_SEQ(_L - _OLD))    # GSPO's: the ratio of the mean over the sequence's tokens
+_POLICY = {"cispo": T.CISPO, "sapo": T.SAPO}   # TRL's loss_type -> terms.py's term (else GRPO)
+
+
+def _of_ratio(factory: Any, **numbers: float) -> sp.Expr:
+    """The formula of a term of terms.py with ``numbers`` for the parameters named (structural switches:
+    GRPO's ``kl_beta`` 0 leaves its KL out, ``kl_bias_correction`` 0 or 1) and the placeholder for r."""
+    formula = factory.formula.xreplace({S.param(k): v for k, v in numbers.items()}).xreplace({_RATIO: _R})
+    if formula.has(_OLD):
+        raise RuntimeError(f"{factory.name}: terms.py's formula no longer reads the ratio as exp(logp - old_logprobs)")
+    return formula
+
+
+def _at(formula: sp.Expr, sequence: bool) -> sp.Expr:
+    """A formula of the placeholder at the token level (r = exp(l - old)), or at the sequence level
+    (GSPO: the sequence's ratio, and its advantage, the mean of its tokens')."""
+    return formula.xreplace({_R: _SEQ_RATIO, _A: _SEQ(_A)} if sequence else {_R: _RATIO})
+
+
+def _summed(formula: sp.Expr, weight: Any, *, sequence: bool, segments: bool) -> sp.Expr:
+    """TRL's sum of ``weight * formula`` over a sequence's tokens: per token (the head's rows), or a segment
+    term (a weight of a segment term carries the sequence's token count ``n_s``, so that
+    ``segment_mean(w * x)`` is the weighted sum over its tokens). At the sequence level the factors that read
+    the ratio are the sequence's, the others (CISPO's ``A * l``) stay per token inside the sum."""
+    if sequence:
+        per_token, factor = formula.as_independent(_R, as_Add=False)
+        return _at(factor, True) * _SEQ(weight * per_token)
+    x = weight * _at(formula, False)
+    return _SEQ(x) if segments else x
 
 
 def _log_gamma(log_w: Any, k: Any, lam: Any, exp: Any) -> Any:
@@ -96,96 +132,80 @@ def _log_gamma(log_w: Any, k: Any, lam: Any, exp: Any) -> Any:
 
 
 def _head(*, loss_type: str, sequence: bool, old_given: bool, off_policy: bool, sampling_given: bool,
-          delta: float | None, beta: bool, bias_corrected: bool, entropy: bool, params: dict[str, float],
+          beta: bool, bias_corrected: bool, entropy: bool, params: dict[str, float],
           softcap: float | None, logit_scale: float) -> lcg.HeadLoss:
-    """TRL's per-token objective, declared from its ``_compute_loss``. The term ``trl_policy`` is the
-    policy loss plus the KL penalty, ``trl_entropy_bonus`` the entropy bonus, each weighted by per-token
-    inputs (the loss_type's normalisation, beta, vLLM's ratios, the entropy coefficient); the metrics are
-    TRL's, as means over the completion tokens.
+    """TRL's per-token objective from terms.py's declarations of its losses (``GRPO``, ``CISPO``, ``SAPO``,
+    ``RefKL``, the clip ratios, ``Entropy``), put at TRL's level and weighted by per-token inputs. The term
+    ``trl_policy`` is the policy loss plus the KL penalty, ``trl_entropy_bonus`` the entropy bonus (weights:
+    the loss_type's normalisation, beta, vLLM's ratios, the entropy coefficient); the metrics are TRL's,
+    as means over the completion tokens. Without old log-probs TRL's are the current pass's, detached.
 
     Token level: every part is a per-token formula (the head's rows). Sequence level (GSPO's
-    ``importance_sampling_level="sequence"``) and VESPO: the ratio is a sequence's, so ``trl_policy`` is a
-    segment term (one segment per completion), each sequence's value a formula of segment means; a
-    weight ``w`` of a segment term carries the sequence's token count ``n_s``, so that
-    ``segment_mean(w * x)`` is the weighted sum over its tokens; TRL's per-sequence metrics are segment
-    terms of weight 0 (counts over sequences). The off-policy sequence mask (``off_policy``) is a
-    segment quantity too: with it, the policy term is a segment term at the token level as well."""
-    l = S.target_logit - S.lse                         # per_token_logps (at the head's temperature)
-    old = S.token("old_logprobs") if old_given else S.stop_gradient(l)   # TRL: per_token_logps.detach()
-    A, w_pol, w_kl = S.token("advantages"), S.token("w_pol"), S.token("w_kl")
-    lo, hi = 1 - S.param("eps_low"), 1 + S.param("eps_high")
+    ``importance_sampling_level="sequence"``) and VESPO (declared here from TRL's code: terms.py has no
+    VESPO): the ratio is a sequence's, so ``trl_policy`` is a segment term (one segment per completion);
+    TRL's per-sequence metrics are segment terms of weight 0 (counts over sequences). The off-policy
+    sequence mask (``off_policy``) is a segment quantity too: with it, the policy term is a segment term
+    at the token level as well."""
     segments = sequence or loss_type == "vespo" or off_policy
-    seq = _SEQ if segments else (lambda x: x)         # a (weighted) sum over the sequence's tokens, or the token
-
-    def summed(factor: Any, per_token: Any) -> Any:
-        """The policy's sum over a sequence's tokens (or a token's value): ``factor`` is the sequence's at
-        the sequence level, the token's otherwise."""
-        return factor * seq(per_token) if sequence else seq(factor * per_token)
-    if sequence:   # coef_1 = exp(mean over the completion of log_ratio), one advantage per sequence
-        r, A = S.exp(_SEQ(l - old)), _SEQ(A)
-    else:
-        r = S.exp(l - old)                             # coef_1, per token
+    w_pol, w_kl = S.token("w_pol"), S.token("w_kl")
     metrics: list = [lcg.Entropy()]
     counts: list = []                                  # (segment terms of weight 0)
 
-    def indicator(name: str, condition: Any) -> None:
-        term = lcg.declare_term(name, S.Piecewise((1, condition), (0, True)), defaults=params,
-                                metric_only=not sequence)
-        (counts.append(term(weight=0.0)) if sequence else metrics.append(term()))
+    def declare(name: str, formula: sp.Expr, **options: Any) -> Any:
+        if not old_given:   # TRL: old_per_token_logps = per_token_logps.detach()
+            formula = formula.xreplace({_OLD: S.stop_gradient(_L)})
+        reads = {s.name[len(S.PARAM_PREFIX):] for s in formula.free_symbols if s.name.startswith(S.PARAM_PREFIX)}
+        return lcg.declare_term(name, formula, defaults={k: v for k, v in params.items() if k in reads}, **options)
 
-    if loss_type == "cispo":
-        # -clamp(coef_1, max=epsilon_high).detach() * A * logp; epsilon_high is the bound itself
-        policy = summed(-S.stop_gradient(S.Min(r, S.param("eps_high"))), w_pol * S.token("advantages") * l)
-        indicator("cispo_clip", sp.And(r > S.param("eps_high"), A > 0))
-    elif loss_type == "sapo":
-        # -sigmoid(tau * (coef_1 - 1)) * 4 / tau * A, tau = sapo_temperature_pos if A > 0 else _neg
-        tau = S.Piecewise((S.param("tau_pos"), A > 0), (S.param("tau_neg"), True))
-        policy = summed(-4 / tau / (1 + S.exp(-tau * (r - 1))) * A, w_pol)
-    elif loss_type == "vespo":
+    def indicator(name: str, factory: Any) -> None:
+        """TRL's clip ratio of terms.py's ``factory``: a metric per token, a count of sequences per sequence."""
+        if sequence:
+            counts.append(declare(name, _at(_of_ratio(factory), True))(weight=0.0))
+        else:
+            metrics.append(declare(name, _at(_of_ratio(factory), False), metric_only=True)())
+
+    if loss_type == "vespo":
         # TRL's get_gamma_weights: log w = clamp(sum_t clamp(log_ratio, -20, 20) + sum_t log(IS ratio),
         # log 1e-8, 20), phi = exp(log_gamma) (0 where it overflows), detached; loss -phi * A * logp
-        n, A_s = S.token("seq_len"), _SEQ(S.token("advantages"))
-        log_w = S.clamp(_SEQ(n * S.clamp(l - old, -20, 20)) + _SEQ(S.token("log_is")), sp.Float(math.log(1e-8)), 20)
+        n, A_s = S.token("seq_len"), _SEQ(_A)
+        log_w = S.clamp(_SEQ(n * S.clamp(_L - _OLD, -20, 20)) + _SEQ(S.token("log_is")), sp.Float(math.log(1e-8)), 20)
         k = S.Piecewise((S.param("k_pos"), A_s >= 0), (S.param("k_neg"), True))
         lam = S.Piecewise((S.param("lambda_pos"), A_s >= 0), (S.param("lambda_neg"), True))
         log_phi = _log_gamma(log_w, k, lam, S.exp)
         phi = S.Piecewise((0, log_phi > _LOG_FLT_MAX), (S.exp(log_phi), True))
-        policy = -S.stop_gradient(phi) * _SEQ(w_pol * S.token("advantages") * l)
-        counts.append(lcg.declare_term("vespo_phi", phi, defaults=params)(weight=0.0))
+        policy = -S.stop_gradient(phi) * _SEQ(w_pol * _A * _L)
+        counts.append(declare("vespo_phi", phi)(weight=0.0))
     else:
-        # coef_2 = clamp(coef_1, 1 - eps_low, 1 + eps_high); two-sided clipping: coef_1 = clamp(coef_1, max=delta)
-        r1 = r if delta is None else S.clamp(r, 0, S.param("delta"))
-        policy = summed(-S.Min(r1 * A, S.clamp(r, lo, hi) * A), w_pol)
-        # TRL's clip ratios, on coef_1 after delta's clamp: low where A < 0, high where A > 0 (an empty
-        # sequence's ratio, 1, is inside the clip range: TRL's delta is above 1 + epsilon_high)
-        indicator("clip_low", sp.And(r1 < lo, A < 0))
-        indicator("clip_high", sp.And(r1 > hi, A > 0))
-        if not sequence:
-            indicator("clip_region", sp.Or(sp.And(r1 < lo, A < 0), sp.And(r1 > hi, A > 0)))
+        factory = _POLICY.get(loss_type, T.GRPO)
+        policy = _summed(_of_ratio(factory, kl_beta=0), w_pol, sequence=sequence, segments=segments)
+        if loss_type == "cispo":
+            indicator("cispo_clip", T.CISPOClipRatio)
+        elif loss_type != "sapo":   # TRL's clip ratios, on coef_1 after delta's clamp
+            indicator("clip_low", T.ClipRatioLow)
+            indicator("clip_high", T.ClipRatioHigh)
+            if not sequence:
+                indicator("clip_region", T.ClipRatioRegion)
     if off_policy:
         # TRL's get_off_policy_mask: keep a sequence if A >= 0 or the mean over its tokens of
         # sampling - logp.detach() (NaN made 0: sampling_known) is at most the threshold; the sampling
         # log-probs are vLLM's, else the old ones, else the current pass's (the mean is then 0)
         if sampling_given:
-            drift = S.token("sampling_known") * (S.token("sampling_logprobs") - S.stop_gradient(l))
+            drift = S.token("sampling_known") * (S.token("sampling_logprobs") - S.stop_gradient(_L))
             close = _SEQ(drift) <= S.param("off_policy_threshold")
         else:
             close = sp.true if params["off_policy_threshold"] >= 0 else sp.false
-        keep = sp.Or(_SEQ(S.token("advantages")) >= 0, close)
+        keep = sp.Or(_SEQ(_A) >= 0, close)
         policy = policy if keep == sp.true else S.Piecewise((1, keep), (0, True)) * policy
-    d = S.token("ref_logprobs") - l
-    kl = S.exp(d) - d - 1                              # per_token_kl, times coef_1 under use_bias_correction_kl
-    if beta:
-        if bias_corrected and sequence:   # a sequence's coef_1 times its tokens' KL
-            policy += r * _SEQ(w_kl * kl)
-            counts.append(lcg.declare_term("kl", r * _SEQ(S.token("seq_len") * kl))(weight=0.0))
+    if beta:   # TRL's per_token_kl, times coef_1 (the sequence's under GSPO) with use_bias_correction_kl
+        kl = _of_ratio(T.RefKL, kl_bias_correction=int(bias_corrected))
+        policy += _summed(kl, w_kl, sequence=sequence, segments=segments)
+        if bias_corrected and sequence:   # a sequence's coef_1 times its tokens' KL summed
+            counts.append(declare("kl", _summed(kl, S.token("seq_len"), sequence=True, segments=True))(weight=0.0))
         else:
-            kl = kl * S.exp(l - old) if bias_corrected else kl
-            policy += seq(w_kl * kl)
-            metrics.append(lcg.declare_term("kl", kl, metric_only=True)())
-    terms = [lcg.declare_term("trl_policy", policy, defaults=params)()]
+            metrics.append(declare("kl", _at(kl, False), metric_only=True)())
+    terms = [declare("trl_policy", policy)()]
     if entropy:
-        terms.append(lcg.declare_term("trl_entropy_bonus", S.token("w_ent") * -S.vsum(S.softmax * S.logsoftmax))())
+        terms.append(declare("trl_entropy_bonus", S.token("w_ent") * T.Entropy.formula)())
     return lcg.HeadLoss(*terms, *counts, metrics=tuple(metrics), softcap=softcap, logit_scale=logit_scale)
 
 
@@ -229,9 +249,10 @@ _JSD_REDUCTIONS = ("batchmean", "sum", "mean")
 
 
 @functools.lru_cache(maxsize=64)
-def jsd_head(beta: float, temperature: float) -> lcg.HeadLoss:
-    """The head of TRL's ``generalized_jsd_loss(..., beta, temperature)``: ``JSD.trl``."""
-    return lcg.HeadLoss(lcg.JSD.trl(beta=beta, temperature=temperature))
+def jsd_head(beta: float, temperature: float, softcap: float | None = None, logit_scale: float = 1.0) -> lcg.HeadLoss:
+    """The head of TRL's ``generalized_jsd_loss(..., beta, temperature)``: ``JSD.trl``, on logits with the
+    final-logit transform ``(softcap, logit_scale)`` (both sides')."""
+    return lcg.HeadLoss(lcg.JSD.trl(beta=beta, temperature=temperature), softcap=softcap, logit_scale=logit_scale)
 
 
 def generalized_jsd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
@@ -293,16 +314,18 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _lcg_params(self) -> dict[str, float]:
         """The head's parameters, from the config (each a kernel argument: no new kernel per value)."""
         a = self.args
-        params = dict(eps_low=self.epsilon_low, eps_high=self.epsilon_high)
-        if a.delta is not None:
-            params["delta"] = float(a.delta)
-        if self.loss_type == "sapo":
-            params.update(tau_pos=a.sapo_temperature_pos, tau_neg=a.sapo_temperature_neg)
+        if self.loss_type == "cispo":   # (TRL's epsilon_high is CISPO's bound, terms.CISPO's 1 + eps_high)
+            params = dict(eps_high=self.epsilon_high - 1.0)
+        elif self.loss_type == "sapo":
+            params = dict(temperature_pos=a.sapo_temperature_pos, temperature_neg=a.sapo_temperature_neg)
+        elif self.loss_type == "vespo":   # (TRL clamps lambda at 1e-4)
+            params = dict(k_pos=a.vespo_k_pos, lambda_pos=max(a.vespo_lambda_pos, 1e-4), k_neg=a.vespo_k_neg,
+                          lambda_neg=max(a.vespo_lambda_neg, 1e-4))
+        else:   # (delta: INTELLECT-2's bound on the ratio; none is an infinite one)
+            params = dict(eps_low=self.epsilon_low, eps_high=self.epsilon_high,
+                          delta=math.inf if a.delta is None else float(a.delta))
         if self.off_policy_mask_threshold is not None:
             params["off_policy_threshold"] = float(self.off_policy_mask_threshold)
-        if self.loss_type == "vespo":   # (TRL clamps lambda at 1e-4)
-            params.update(k_pos=a.vespo_k_pos, lambda_pos=max(a.vespo_lambda_pos, 1e-4), k_neg=a.vespo_k_neg,
-                          lambda_neg=max(a.vespo_lambda_neg, 1e-4))
         return params
 
     def _lcg_head(self, old_given: bool, sampling_given: bool) -> tuple[lcg.HeadLoss, frozenset[str]]:
@@ -314,7 +337,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             softcap, scale = self._lcg_final_logits
             head = _head(loss_type=self.loss_type, sequence=self.importance_sampling_level == "sequence",
                          old_given=old_given, off_policy=self.off_policy_mask_threshold is not None,
-                         sampling_given=sampling_given, delta=self.args.delta, beta=self.beta != 0.0,
+                         sampling_given=sampling_given, beta=self.beta != 0.0,
                          bias_corrected=bool(self.args.use_bias_correction_kl), entropy=self._entropy_bonus_enabled,
                          params=self._lcg_params(), softcap=softcap, logit_scale=scale)
             # (advantages and old/ref log-probs: any head takes them; other tokens: those its kernel reads)
@@ -473,15 +496,20 @@ class SFTTrainer(trl.SFTTrainer):
     is ``-sum(log_probs) / num_items_in_batch`` over the fused outputs: the fused head gives each token's
     objective as ``-log_probs``, and TRL's ``compute_loss`` (its metrics, the router loss of a
     mixture-of-experts model, its scaling across processes) runs unchanged. With an objective other than
-    cross-entropy, options whose loss does not come from the fused outputs are refused at construction."""
+    cross-entropy, options whose loss does not come from the fused outputs are refused at construction.
+
+    On a patched model the head's terms and metrics are logged (``log_history`` and every ``report_to``)
+    as ``LosscodegenCallback`` logs them: per-token means over the tokens since the last log (with
+    ``logging_steps=1`` the accumulated batch), and over the evaluation set for ``evaluate()``; a name TRL
+    logs too (``entropy``) takes the head's per-token mean."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         with fusing_objective():
             super().__init__(*args, **kwargs)
         target = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        state = vars(target).get("losscodegen")
-        objective = None if state is None or computes_trls_fused_loss(state.head) else state.head
-        if objective is not None:
+        state = self._lcg_state = vars(target).get("losscodegen")
+        objective = None if state is None else state.head
+        if objective is not None and not computes_trls_fused_loss(objective):
             refused = [f"loss_type={self.args.loss_type!r} (only 'nll' is -sum(log_probs))"] \
                 if self.args.loss_type != "nll" else []
             if self.args.label_smoothing_factor:
@@ -498,6 +526,17 @@ class SFTTrainer(trl.SFTTrainer):
                              "this TRL is not one losscodegen was checked against")
         target.forward = found.pop("original_forward")     # TRL's patch undone, then ours
         add_fused_lm_head(target, **found, objective=objective)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self._lcg_state is not None:
+            values = self._lcg_state.take_for(logs)
+            mode = "train" if self.model.training else "eval"
+            # TRL's metric of a name the head logs (a mean of its micro-batches' means) gives way
+            prefix = "" if mode == "train" else "eval_"
+            for name in [k for k in self._metrics[mode] if prefix + k in values]:
+                del self._metrics[mode][name]
+            logs.update(values)
+        super().log(logs, start_time)
 
 
 # What TRL's DPO and KTO trainers log of the responses' tokens: each response's mean logit over the

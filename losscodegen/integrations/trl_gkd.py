@@ -23,16 +23,21 @@ class GKDTrainer(_TRLGKDTrainer):
     """``trl.experimental.gkd.GKDTrainer`` with the same constructor; ``compute_loss`` is TRL's (its
     ``generalized_jsd_loss`` at ``beta``, temperature 1, over the positions whose label is not -100,
     divided by ``num_items_in_batch``, else by those positions) from one ``head.linear`` call on the
-    student's hidden states with the teacher's as ``teacher_hidden``. Models whose final logits are
-    transformed (a softcap, a scale) are refused: one head carries one transform for both sides."""
+    student's hidden states with the teacher's as ``teacher_hidden``. The student's final-logit transform
+    (its config's softcap and scale, as its forward applies it) is the head's; the head takes the teacher's
+    logits as they come, so a teacher's scale is folded into its hidden states and bias (its logits are linear
+    in them), and a softcapped teacher is refused."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        for name, model in (("model", self.model), ("teacher_model", self.teacher_model)):
-            transform = final_logit_transform(self.accelerator.unwrap_model(model))
-            if transform != (None, 1.0):
-                raise ValueError(f"losscodegen's GKDTrainer: the {name}'s final logits are transformed (softcap, "
-                                 f"scale: {transform}); use trl's GKDTrainer for it")
+        (cap, scale), (teacher_cap, teacher_scale) = (final_logit_transform(self.accelerator.unwrap_model(m))
+                                                      for m in (self.model, self.teacher_model))
+        if teacher_cap is not None:
+            raise ValueError(f"losscodegen's GKDTrainer: the teacher's final logits are softcapped "
+                             f"({teacher_cap * abs(teacher_scale)}), which the fused head does not apply to a teacher; "
+                             "use trl's GKDTrainer for it")
+        self._lcg_head = jsd_head(float(self.beta), 1.0, cap, scale)
+        self._lcg_teacher_scale = teacher_scale
         student = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         add_fused_objective(student, cast_lm_head_to_fp32=False)
 
@@ -45,10 +50,12 @@ class GKDTrainer(_TRLGKDTrainer):
         with torch.no_grad():
             teacher_hidden = teacher.base_model(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1]
         out_layer = teacher.get_output_embeddings()
+        bias, scale = out_layer.bias, self._lcg_teacher_scale
+        if scale != 1.0:   # the teacher's scaled logits: its hidden states and bias times the scale
+            teacher_hidden = teacher_hidden * scale
+            bias = None if bias is None else bias * scale
         labels = inputs["labels"][:, 1:]
         divisor = (labels != -100).sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
-        call = dict(teacher_hidden=teacher_hidden, teacher_weight=out_layer.weight, teacher_bias=out_layer.bias,
-                    divisor=divisor)
-        out = model(input_ids=ids, attention_mask=mask,
-                    losscodegen=(jsd_head(float(self.beta), 1.0), labels, call, ids.shape[1] - 1))
+        call = dict(teacher_hidden=teacher_hidden, teacher_weight=out_layer.weight, teacher_bias=bias, divisor=divisor)
+        out = model(input_ids=ids, attention_mask=mask, losscodegen=(self._lcg_head, labels, call, ids.shape[1] - 1))
         return out.loss

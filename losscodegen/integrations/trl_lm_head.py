@@ -80,9 +80,14 @@ def _head(outputs: tuple[str, ...], softcap: float | None, logit_scale: float,
                                    ("is_top1", lcg.TokenAccuracy)) if name in outputs]
     if objective is None:
         terms = [lcg.LogProb()] + ([lcg.Entropy()] if "entropy" in outputs else [])
-    else:   # the objective's terms; the entropy logged only (a metric)
+    else:   # the objective's terms and metrics; the entropy logged only (a metric)
         terms = list(objective.loss_terms)
         metrics += [lcg.Entropy()] if "entropy" in outputs else []
+        ours = {m.name: m for m in metrics}
+        for m in objective.metric_terms:   # (TRL's fields and the head's metrics of one name are one metric)
+            if m.name in ours and ours[m.name].formula != m.formula:
+                raise ValueError(f"objective: its metric {m.name!r} is not TRL's field of that name")
+            metrics += [] if m.name in ours else [m]
     return lcg.HeadLoss(*terms, metrics=tuple(metrics), softcap=softcap, logit_scale=logit_scale,
                         ignore_index=_IGNORE_INDEX)
 
@@ -100,7 +105,9 @@ def add_fused_lm_head(model: nn.Module, temperature: float = 1.0, cast_lm_head_t
     ``objective`` (losscodegen's, for a loss that is ``-sum(log_probs) / n`` such as SFT's): a head
     whose loss terms replace the log-likelihood: ``log_probs`` is then each token's objective, negated
     (so that ``loss`` and SFT's loss are the objective), and ``entropy`` is detached. Its softcap and
-    scale must be the model's (``final_logit_transform``).
+    scale must be the model's (``final_logit_transform``). Where it is the head of the model's
+    ``apply_losscodegen`` patch, each forward adds its terms and metrics to ``model.losscodegen``'s
+    ``train`` (or, outside training mode, ``eval``) token means, as the patched forward does.
     """
     if isinstance(outputs, str) or not all(isinstance(o, str) for o in outputs) \
             or not set(outputs) <= set(FUSED_OUTPUTS):
@@ -120,6 +127,9 @@ def add_fused_lm_head(model: nn.Module, temperature: float = 1.0, cast_lm_head_t
     fields = tuple(f for f in FUSED_OUTPUTS if f in outputs or f == "log_probs")
     original_forward = model.forward
     text_config = model.config.get_text_config()
+    state = vars(model).get("losscodegen")
+    if objective is None or state is None or state.head is not objective:
+        state = None
 
     # TRL's signature: generate validates its model kwargs against the class's forward
     @functools.wraps(type(model).forward)
@@ -159,6 +169,11 @@ def add_fused_lm_head(model: nn.Module, temperature: float = 1.0, cast_lm_head_t
         with autocast, maybe_gather_lm_head_ctx(weight, bias):
             out = head.linear(hidden[mask], weight, labels[mask], bias=bias, reduction="none")
         rows = dict(out.rows, logprob=-out.loss) if objective is not None else out.rows
+        if state is not None:   # the head's own terms and metrics (means over the scored rows)
+            state.terms = {t.name: out.terms[t.name] for t in objective.loss_terms}
+            state.metrics = {m.name: out.metrics[m.name] for m in objective.metric_terms}
+            (state.train if self.training else state.eval).add(
+                lcg.HeadOutput(out.loss, state.terms, state.metrics), mask.sum(), None)
         per_token = {f: rows[_ROWS[f]].new_zeros(mask.shape).masked_scatter(mask, rows[_ROWS[f]]) for f in fields}
         if "is_top1" in per_token:
             per_token["is_top1"] = per_token["is_top1"] == 1
@@ -254,17 +269,35 @@ def _reads_fused_outputs(trainer: Any) -> bool:
     return True
 
 
+def _loss_from_full_logits(trainer: Any) -> list[str]:
+    """The options under which a TRL trainer that reads the fused outputs computes its loss from the full
+    logits instead, the fused outputs feeding its metrics only (SFT's, in TRL 1.16)."""
+    import trl
+    if not isinstance(trainer, trl.SFTTrainer):
+        return []
+    out = ["compute_loss_func"] if trainer.compute_loss_func is not None else []
+    if trainer.label_smoother is not None and trainer.args.loss_type == "nll":
+        out.append(f"label_smoothing_factor={trainer.args.label_smoothing_factor}")
+    return out
+
+
 def replace_fused_lm_heads(trainer: Any) -> Any:
     """Put losscodegen's fused LM head in place of TRL's on every model of ``trainer`` that TRL gave one
     (its model, the PEFT base model under it, its reference model), with the temperature, fp32 cast and
     outputs TRL chose for it; return the trainer. Call it after building the trainer, before training.
     Works for any TRL trainer whose loss reads ``add_fused_lm_head``'s outputs (GRPO, RLOO, DPO, KTO, SFT in
-    TRL 1.16); a trainer whose loss does not (GKD's, a subclass's own ``compute_loss``) is refused, and so is a
-    model patched by ``apply_losscodegen`` with a head other than cross-entropy alone."""
+    TRL 1.16); a trainer whose loss does not (GKD's, a subclass's own ``compute_loss``, SFT with
+    ``compute_loss_func`` or ``label_smoothing_factor``) is refused, and so is a model patched by
+    ``apply_losscodegen`` with a head other than cross-entropy alone."""
     if not _reads_fused_outputs(trainer):
         raise ValueError(f"{type(trainer).__name__}'s loss does not come from TRL's fused LM head (its compute_loss is "
                          f"not one of {', '.join(_READS_FUSED)}'s): replacing the head would change nothing it "
                          "trains on")
+    options = _loss_from_full_logits(trainer)
+    if options:
+        raise ValueError(f"{type(trainer).__name__}'s loss does not come from TRL's fused LM head with "
+                         f"{' and '.join(options)} (a loss from the full logits; the fused outputs feed its metrics "
+                         "only): replacing the head would change nothing it trains on")
     seen: set[int] = set()
     replaced = 0
     for value in list(vars(trainer).values()):
