@@ -1,11 +1,12 @@
 """Compile every kernel a head launches for an H100 (sm_90), on a machine without a GPU.
 
-Run as a script (tests/test_gpu_compile.py does) without TRITON_INTERPRET: each launch is compiled by
-Triton for sm_90 instead of being run, so what the interpreter accepts but the GPU compiler refuses
-(a non-constexpr global, a type that changes inside a loop) fails here, in CI. The heads are called
-with CPU tensors; their outputs are meaningless, since no kernel runs.
+Run as a script (tests/gpu/test_gpu_compile.py and tests/compiler/test_refusals.py do) without
+TRITON_INTERPRET: each launch is compiled by Triton for sm_90 instead of being run, so what the
+interpreter accepts but the GPU compiler refuses (a non-constexpr global, a type that changes inside a
+loop) fails here, in CI. The heads are called with CPU tensors; their outputs are meaningless, since no
+kernel runs.
 
-    python tests/sm90_compile.py [manifest]     prints one line per compiled kernel variant
+    python bench/sm90_compile.py [manifest]     prints one line per compiled kernel variant
 """
 from __future__ import annotations
 

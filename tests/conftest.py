@@ -1,7 +1,15 @@
 import os
+import sys
 import tempfile
+from pathlib import Path
 
 import torch
+
+# The tests live in one folder per stage (compiler/, runtime/, integrations/, gpu/); the helpers they
+# share (helpers.py, reference.py, contract_reference.py, this file) stay here, importable by name from
+# any of them, whatever pytest's import mode (spawned ranks inherit sys.path).
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # Without a GPU the kernels run in Triton's interpreter; it must be chosen before triton is imported.
 if not torch.cuda.is_available():
@@ -12,6 +20,7 @@ os.environ.setdefault("LOSSCODEGEN_CACHE", tempfile.mkdtemp(prefix="losscodegen-
 import pytest  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTEGRATIONS = Path(__file__).resolve().parent / "integrations"
 
 
 @pytest.fixture
@@ -46,10 +55,16 @@ def _nan_workspace(monkeypatch):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` need a CUDA device: skipped without one (CI), run on the lent GPU."""
-    if DEVICE == "cuda":
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    """Tests marked ``gpu`` need a CUDA device: skipped without one (CI), run on the lent GPU. Tests
+    marked ``cpu`` (a test, or a whole file) run CPU tensors through the Triton backend, which takes
+    them only in Triton's interpreter (chosen above, before triton is imported, only where there is
+    no GPU): skipped where there is a GPU, unless marked ``gpu`` too; CI runs them. Every other test
+    takes its tensors to ``device`` (or DEVICE), or spawns gloo ranks (helpers.run_ranks); the
+    integration tests (tests/integrations/) are all ``cpu``."""
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if INTEGRATIONS in item.path.parents:   # tiny models built on the CPU, as the docs show them
+            item.add_marker(pytest.mark.cpu)
+        if DEVICE != "cuda" and item.get_closest_marker("gpu"):
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        elif DEVICE == "cuda" and item.get_closest_marker("cpu") and not item.get_closest_marker("gpu"):
+            item.add_marker(pytest.mark.skip(reason="runs CPU tensors in Triton's interpreter: CI runs it"))

@@ -33,6 +33,7 @@ def test_declared_term_parity(term):
     assert_parity(lcg.HeadLoss(term), rows=16, vocab=500)
 
 
+@pytest.mark.cpu
 @pytest.mark.parametrize("term,name", [(Poly1(eps=2.0), "poly1"), (Focal(gamma=2.0), "focal")])
 def test_declared_term_vs_hand_written_autograd(term, name):
     """The checker's check: a reference written by hand, with autograd for the gradient."""
@@ -48,6 +49,7 @@ def test_declared_term_vs_hand_written_autograd(term, name):
     assert (x.grad.double() - xd.grad).abs().max() <= 2e-4 * xd.grad.abs().max()
 
 
+@pytest.mark.cpu
 def test_per_token_weight_and_collision_metric():
     head = lcg.HeadLoss(Weighted(), metrics=(Collision(),))
     assert_parity(head, rows=16, vocab=256)
@@ -56,6 +58,7 @@ def test_per_token_weight_and_collision_metric():
         head(logits, labels)
 
 
+@pytest.mark.cpu
 @pytest.mark.parametrize("formula", [
     S.vsum(S.Abs(S.logit - S.token("center"))) / S.vocab_size,          # online: read in the stats loop
     S.vsum(S.softmax * S.log(1 + S.exp(S.logsoftmax - S.token("center")))),  # exact: a second read

@@ -14,8 +14,8 @@ from losscodegen import symbols as S
 from helpers import run_ranks
 
 # every test here runs on both backends (conftest's ``backend``: the heads built with backend="auto";
-# spawned ranks take the parent's)
-pytestmark = pytest.mark.usefixtures("backend")
+# spawned ranks take the parent's), on CPU tensors (conftest's ``cpu``)
+pytestmark = [pytest.mark.usefixtures("backend"), pytest.mark.cpu]
 
 _l = S.target_logit - S.lse
 # Dr. GRPO-style sequence loss (arXiv 2503.20783): each sequence's summed -A*log p, over a constant

@@ -18,7 +18,7 @@ import losscodegen as lcg
 from losscodegen import load
 from losscodegen import symbols as S
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MANIFEST = """\
 # a downstream project's heads: its own declared term, and a built-in combination
 Tsallis = declare_term("tsallis", (1 - S.vsum(S.softmax ** 2)) / 1)
@@ -65,6 +65,7 @@ def test_kernel_folders_come_before_the_cache(tmp_path, monkeypatch):
     assert Path(head.kernel.__file__) == folder / load.file_name(head.key)
 
 
+@pytest.mark.cpu
 def test_a_stale_kernel_file_is_never_used(tmp_path, monkeypatch):
     head = _own_kernel("stale_file", 35)
     folder = tmp_path / "built"

@@ -17,7 +17,7 @@ from losscodegen import symbols as S
 from losscodegen.inputs import STANDARD_INPUTS
 from losscodegen.symbols import CALL_ARGUMENTS
 
-HERE = Path(__file__).resolve().parent
+SM90_COMPILE = Path(__file__).resolve().parents[2] / "bench" / "sm90_compile.py"
 _l = S.target_logit - S.lse          # log p_y
 
 
@@ -44,6 +44,7 @@ SUPPORTED = {
 }
 
 
+@pytest.mark.cpu
 @pytest.mark.parametrize("name", SUPPORTED)
 def test_supported_function_value_and_gradient(name):
     formula, by_hand = SUPPORTED[name]
@@ -146,7 +147,7 @@ def test_new_functions_compile_for_sm90(tmp_path):
         "HeadLoss(Fns(), Seg())\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["LOSSCODEGEN_CACHE"] = str(tmp_path / "cache")
-    done = subprocess.run([sys.executable, str(HERE / "sm90_compile.py"), str(manifest)], env=env,
+    done = subprocess.run([sys.executable, str(SM90_COMPILE), str(manifest)], env=env,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     kernels = done.stdout.splitlines()

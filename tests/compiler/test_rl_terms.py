@@ -363,6 +363,7 @@ def test_rl_builtins_pass_the_parity_tool():
     lcg.testing.assert_parity(head, rows=16, vocab=128)
 
 
+@pytest.mark.cpu
 def test_a_segment_term_may_be_named_like_the_parameter_prefix():
     """A segment term named "p" (its segment means were p_U0, read as runtime parameters "p_...")."""
     logits, labels, g = make_inputs(R=12, V=64)

@@ -5,13 +5,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "sm90_compile.py"
 
 
 def test_manifest_kernels_compile_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["LOSSCODEGEN_CACHE"] = str(tmp_path)
-    done = subprocess.run([sys.executable, str(HERE / "sm90_compile.py")], env=env, capture_output=True,
+    done = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True,
                           text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     kernels = done.stdout.splitlines()

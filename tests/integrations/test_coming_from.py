@@ -267,7 +267,7 @@ def test_the_docs_pass_term_options_by_keyword():
     from pathlib import Path
     names = [n for n in lcg.__all__ if n[0].isupper() and n not in ("HeadLoss", "HeadOutput")]
     call = re.compile(r"\b(?:lcg\.)?(%s)\(([^()]*)\)" % "|".join(names))
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     positional = []
     for path in sorted((root / "docs").glob("*.md")) + [root / "README.md"]:
         for number, line in enumerate(path.read_text().splitlines(), 1):

@@ -12,7 +12,7 @@ import torch
 import contract_reference as R
 
 FP32 = 5e-5
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_importing_losscodegen_imports_neither_dynamo_transformers_nor_trl():

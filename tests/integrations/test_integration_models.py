@@ -179,7 +179,7 @@ def test_register_model_type_lets_another_family_be_patched():
 
 
 def test_the_docs_list_the_supported_model_types():
-    docs = (Path(__file__).resolve().parent.parent / "docs" / "integrations-transformers.md").read_text()
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "integrations-transformers.md").read_text()
     listed = re.search(r"<!-- SUPPORTED_MODEL_TYPES -->\n(.*?)\n<!-- end -->", docs, re.S)
     assert listed, "docs/integrations-transformers.md: the list between <!-- SUPPORTED_MODEL_TYPES --> and <!-- end -->"
     assert listed.group(1) == ", ".join(f"`{t}`" for t in SUPPORTED_MODEL_TYPES)

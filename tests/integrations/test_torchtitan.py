@@ -137,8 +137,8 @@ def test_head_as_torchtitan_loss_equals_torchtitan_cross_entropy(tmp_path):
     # (in a process of its own without Triton's interpreter, which the model's own kernels do not run
     # under: its hidden states come out NaN there)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET" and not k.startswith("PYTEST")}
-    here = os.path.dirname(os.path.abspath(__file__))
-    subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {here!r}); "
+    here = os.path.dirname(os.path.abspath(__file__))   # (this file, and helpers.py one folder up)
+    subprocess.run([sys.executable, "-c", f"import sys; sys.path[:0] = [{here!r}, {os.path.dirname(here)!r}]; "
                     f"from test_torchtitan import _inputs; _inputs({str(path)!r})"], env=env, check=True)
     os.environ["LCG_TITAN_INPUTS"] = str(path)
     for rank, rows, error in run_ranks(_worker, 2, 2):

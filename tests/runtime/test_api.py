@@ -11,7 +11,7 @@ import torch
 import losscodegen as lcg
 from helpers import make_inputs
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -19,6 +19,7 @@ def head():
     return lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(), metrics=(lcg.Entropy(), lcg.TokenAccuracy()))
 
 
+@pytest.mark.cpu
 def test_bad_inputs_name_the_argument(head):
     logits, labels, _ = make_inputs(R=6, V=256)
     bad = labels.clone()

@@ -132,6 +132,7 @@ def test_zero_total_weight_is_zero_not_nan():
     compare("gradient", grad, want_grad, torch.float32)   # the z-loss's alone
 
 
+@pytest.mark.cpu
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @BOTH
 def test_linear(reduction):
@@ -200,6 +201,7 @@ def _sharded_worker(rank, world, port, queue):
     dist.destroy_process_group()
 
 
+@pytest.mark.cpu
 def test_vocab_parallel():
     for rank, results in run_ranks(_sharded_worker, 2, 2):
         for name, values in results.items():
@@ -213,6 +215,7 @@ def test_vocab_parallel():
                 compare("gradient", grad, want_grad, torch.float32, where=where)
 
 
+@pytest.mark.cpu
 @BOTH
 def test_compiled_equals_eager():
     z, y, w, _ = _data(6)
@@ -231,6 +234,7 @@ def test_compiled_equals_eager():
     torch.testing.assert_close(x1.grad, x2.grad)
 
 
+@pytest.mark.cpu
 @BOTH
 def test_buffer_follows_the_head_and_in_place_updates():
     z, y, w, _ = _data(7)
@@ -296,6 +300,7 @@ def test_bad_class_weights_are_refused():
         lcg.declare_term("mine", S.token("class_weight__cross_entropy") * S.lse)
 
 
+@pytest.mark.cpu
 @BOTH
 def test_bad_calls_are_refused():
     z, y, w, _ = _data(9)

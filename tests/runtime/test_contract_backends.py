@@ -9,6 +9,8 @@ import torch
 import losscodegen as lcg
 import contract_reference as R
 
+pytestmark = pytest.mark.cpu   # CPU tensors throughout (conftest's ``cpu``)
+
 BACKENDS = ["torch", "triton"]
 FP32 = 2e-5
 

@@ -14,6 +14,8 @@ import losscodegen as lcg
 from losscodegen import symbols as S
 import contract_reference as R
 
+pytestmark = pytest.mark.cpu   # CPU tensors throughout (conftest's ``cpu``)
+
 FP32 = 2e-5
 
 

@@ -58,6 +58,7 @@ def test_full_combination(V, dtype):
     check_head(head, logits, labels)
 
 
+@pytest.mark.cpu
 def test_entropy_as_metric_has_no_gradient():
     logits, labels, _ = make_inputs(R=16, V=256)
     out = check_head(lcg.HeadLoss(lcg.CrossEntropy(), metrics=(lcg.Entropy(),)), logits, labels)
@@ -108,6 +109,7 @@ def test_non_contiguous_rows():
     check_head(lcg.HeadLoss(lcg.CrossEntropy()), big.t().contiguous().t()[:, :500], labels)
 
 
+@pytest.mark.cpu
 def test_zero_valid_rows_gives_zero_and_no_nan():
     logits, labels, _ = make_inputs(R=8, V=256)
     labels[:] = -100
@@ -119,6 +121,7 @@ def test_zero_valid_rows_gives_zero_and_no_nan():
     assert torch.equal(x.grad, torch.zeros_like(x))
 
 
+@pytest.mark.cpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_huge_logits_stay_finite(dtype):
     logits, labels, _ = make_inputs(R=8, V=500, dtype=dtype, scale=1e4)
@@ -130,6 +133,7 @@ def test_huge_logits_stay_finite(dtype):
     check_head(lcg.HeadLoss(lcg.CrossEntropy()), logits, labels, value_tol=(1e-5, 1e-2))
 
 
+@pytest.mark.cpu
 def test_bf16_confident_target_gradient():
     logits, labels, _ = make_inputs(R=16, V=4099, dtype=torch.float32, ignored=())
     rows = torch.arange(16)
@@ -144,6 +148,7 @@ def test_bf16_confident_target_gradient():
     assert ((got - want).abs() / want.abs()).max() < 0.03
 
 
+@pytest.mark.cpu
 def test_backward_scales_by_upstream_gradient():
     logits, labels, _ = make_inputs(R=8, V=256)
     head = lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(weight=0.1))
@@ -160,6 +165,7 @@ def test_backward_scales_by_upstream_gradient():
                                rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.cpu
 def test_no_grad_call_computes_values():
     logits, labels, _ = make_inputs(R=8, V=256)
     with torch.no_grad():

@@ -75,6 +75,7 @@ def test_plans():
     assert mixed.reads == 1
 
 
+@pytest.mark.cpu
 def test_missing_teacher_is_named():
     logits, labels, _ = make_inputs(R=4, V=256)
     with pytest.raises(ValueError, match="teacher_logits"):

@@ -13,6 +13,8 @@ import losscodegen as lcg
 from helpers import run_ranks, spec, topk_inputs
 from reference import head_reference
 
+pytestmark = pytest.mark.cpu   # CPU tensors throughout (conftest's ``cpu``)
+
 TOL = 2e-5
 
 

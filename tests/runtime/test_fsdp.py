@@ -15,6 +15,8 @@ import losscodegen as lcg
 from helpers import run_ranks, spec
 from reference import head_reference
 
+pytestmark = pytest.mark.cpu   # CPU tensors throughout (conftest's ``cpu``)
+
 TOL = 2e-5
 
 

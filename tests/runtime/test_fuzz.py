@@ -3,10 +3,13 @@ must match the float64 reference, and a mismatch is shrunk and printed as a test
 import ast
 import random
 
+import pytest
 import sympy as sp
 
 from losscodegen import fuzz
 from losscodegen import symbols as S
+
+pytestmark = pytest.mark.cpu   # CPU tensors throughout (conftest's ``cpu``)
 
 
 def test_fixed_seed_slice_of_random_heads_and_plans_matches_the_reference():

@@ -120,6 +120,7 @@ def test_segment_terms_take_two_passes():
     _check(head, hidden, weight, bias, labels, inputs, chunk_rows=5)
 
 
+@pytest.mark.cpu
 @BOTH
 def test_upstream_gradient_and_frozen_weight():
     head, hidden, weight, bias, labels, inputs = _case("ce")
@@ -133,6 +134,7 @@ def test_upstream_gradient_and_frozen_weight():
     torch.testing.assert_close(out.loss, head(hidden @ weight.t() + bias, labels).loss, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.cpu
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @BOTH
 def test_no_rows_give_zero_gradients(reduction):
@@ -147,6 +149,7 @@ def test_no_rows_give_zero_gradients(reduction):
     assert torch.equal(w.grad, torch.zeros_like(w)) and torch.equal(b.grad, torch.zeros_like(b))
 
 
+@pytest.mark.cpu
 @BOTH
 def test_bad_inputs_name_the_argument():
     head, hidden, weight, bias, labels, inputs = _case("ce")
@@ -189,6 +192,7 @@ def _worker(rank, world, port, queue):
     dist.destroy_process_group()
 
 
+@pytest.mark.cpu
 @pytest.mark.parametrize("world", [2, 3])
 def test_vocab_parallel_linear(world):
     results = run_ranks(_worker, world, world * 4)

@@ -187,6 +187,7 @@ def test_grpo_and_policy_metrics_with_masked_vocabulary():
     _check(head, ["grpo", "entropy", "ratio_mean", "kl_new_old", "clip_fraction"], x, y, by_hand, **kw)
 
 
+@pytest.mark.cpu
 @BOTH
 def test_a_row_of_all_neg_inf_is_nan_for_that_row_only():
     """A row with no finite logit (or no finite teacher logit) has no distribution: its values are
@@ -207,6 +208,7 @@ def test_a_row_of_all_neg_inf_is_nan_for_that_row_only():
     assert torch.isfinite(ent(x[[0, 2, 4]], y[[0, 2, 4]]).metrics["entropy"])
 
 
+@pytest.mark.cpu
 @BOTH
 def test_real_nans_are_not_hidden():
     """A NaN logit, or a NaN teacher logit, is not -inf: the loss and that row's gradient stay NaN."""
@@ -221,6 +223,7 @@ def test_real_nans_are_not_hidden():
     assert torch.isfinite(xk.grad[4]).all()
 
 
+@pytest.mark.cpu
 @BOTH
 def test_bad_labels_still_raise_with_neg_inf_logits():
     x, t, y = _inputs(seed=7)
@@ -255,6 +258,7 @@ def _sharded_worker(rank, world, port, queue):
     dist.destroy_process_group()
 
 
+@pytest.mark.cpu
 @BOTH
 def test_a_vocab_shard_of_all_neg_inf_merges_to_the_unsharded_values():
     """Vocab-parallel: a rank whose whole shard of a row is -inf adds nothing to the merged sums."""

@@ -22,6 +22,7 @@ def test_grpo_with_metrics(eps_low, eps_high, kl_beta, dtype):
     assert 0 < out.metrics["clip_fraction"] < 1  # both regimes are exercised
 
 
+@pytest.mark.cpu
 def test_grpo_zero_gradient_where_clipped():
     logits, labels, g = make_inputs(R=8, V=256, ignored=())
     inputs = policy_inputs(logits, labels, g, spread=0.0)
@@ -60,6 +61,7 @@ def test_gspo_segments(n_segments, dtype):
     check_head(head, logits, labels, segment_ids=seg, num_segments=n_segments, divisor=5.0, **inputs)
 
 
+@pytest.mark.cpu
 def test_policy_inputs_are_named_when_missing():
     logits, labels, _ = make_inputs(R=4, V=256)
     with pytest.raises(ValueError, match="advantages"):
@@ -75,6 +77,7 @@ def test_policy_inputs_are_named_when_missing():
 _OUT_OF_RANGE = r"segment_ids of valid rows must be in \[0, num_segments=2\)"
 
 
+@pytest.mark.cpu
 @pytest.mark.parametrize("bad, match", [
     (dict(segment_ids=torch.tensor([0, -1, 1, 1])), "segment_ids of valid rows must be non-negative; found -1"),
     (dict(segment_ids=torch.tensor([0, -1, 1, 1]), num_segments=2), "must be non-negative; found -1"),
@@ -89,6 +92,7 @@ def test_bad_segments_are_named(bad, match):
                                  **bad)
 
 
+@pytest.mark.cpu
 def test_ignored_rows_may_carry_any_segment_id():
     """Padding rows (ignored) often carry -1 or a huge id: neither is checked nor sizes the segments."""
     logits, labels, g = make_inputs(R=6, V=256, ignored=(1, 4))
@@ -101,6 +105,7 @@ def test_ignored_rows_may_carry_any_segment_id():
     assert torch.equal(out.loss, ref.loss)
 
 
+@pytest.mark.cpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dpo_pair_loss_declared_with_segments(dtype):
     """docs/examples.md's DPO: a pair's chosen (sign +1) and rejected (sign -1) responses share a
@@ -135,6 +140,7 @@ def test_dpo_pair_loss_declared_with_segments(dtype):
     assert err <= (1e-5 if dtype == torch.float32 else 8e-3) * x.grad.abs().max().item(), err
 
 
+@pytest.mark.cpu
 def test_segment_ids_must_be_shaped_like_labels():
     logits, labels, _ = make_inputs(R=6, V=256, shape=(2, 3))
     with pytest.raises(ValueError, match=r"segment_ids must have shape \(2, 3\)"):

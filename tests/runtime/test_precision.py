@@ -60,6 +60,7 @@ def assert_on_par(what: str, ours: torch.Tensor, torch32: torch.Tensor, ref64: t
                          f"{torch_err:.3g} (x2 plus {ulps} ulps allowed)")
 
 
+@pytest.mark.cpu
 def test_softcap_is_as_precise_as_torch():
     # issue 25's repro: the capped logit 30*tanh(x/30) ~ x, whose error must be relative to x
     torch.manual_seed(42)
@@ -118,6 +119,7 @@ def test_declared_sums_are_combined_only_where_read_as_one_difference():
     assert _accumulators(lcg.HeadLoss(mixed())) == (3, 3)
 
 
+@pytest.mark.cpu
 def test_combined_forward_kl_cancels_less():
     # issue 25: forward KL as two sums subtracted afterwards lost 1.2e-5 per row at V=1271 (torch
     # fp32 2.5e-7); one sum of the difference keeps it within 2x torch's
@@ -304,6 +306,7 @@ def test_precision_on_par_with_torch(name, V):
     check_term(name, V)
 
 
+@pytest.mark.cpu
 def test_log_of_a_mixture_where_both_underflow():
     # A declared skewed KL, KL(p || a p + (1 - a) q): where p and q both underflow at finite logits
     # (entries 150 below the rows' maxima), the mixture is 0 in fp32 and p (log p - log M) was
@@ -335,6 +338,7 @@ def test_log_of_a_mixture_where_both_underflow():
     assert_on_par("skewed KL gradient", xx.grad, g32, g64)
 
 
+@pytest.mark.cpu
 @pytest.mark.parametrize("V", [200, 3001])
 def test_metrics_on_par_with_torch(V):
     x, y, I = sweep_inputs(V)
@@ -369,6 +373,7 @@ def test_metrics_on_par_with_torch_at_scale():
         assert_on_par(f"{name} (4096 x 128256)", out.metrics[name], v32, v64, floor=1e-7)
 
 
+@pytest.mark.cpu
 def test_kl_penalty_for_small_log_ratios_is_precise_to_a_few_ulps():
     """GRPO's KL penalty e^d - d - 1 (d = ref_logprobs - log p_y) for |d| from 1e-5 to 1, and its
     gradient (e^d - 1) (p - onehot(y)): within a few ulps of their values beyond what the rounding

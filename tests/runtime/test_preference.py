@@ -19,7 +19,7 @@ from helpers import run_ranks
 trl = pytest.importorskip("trl")
 # every test here runs on both backends (conftest's ``backend``: the heads built with backend="auto";
 # spawned ranks take the parent's)
-pytestmark = pytest.mark.usefixtures("backend")
+pytestmark = [pytest.mark.usefixtures("backend"), pytest.mark.cpu]   # (CPU tensors: conftest's ``cpu``)
 
 B, T, V = 3, 7, 48
 

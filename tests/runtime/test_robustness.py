@@ -143,7 +143,7 @@ def test_a_head_saved_before_and_after_its_first_call_loads_in_another_process(t
     torch.save(head, tmp_path / "before.pt")
     head(logits.to(DEVICE), labels.to(DEVICE))
     torch.save(head, tmp_path / "after.pt")
-    script = _OTHER_PROCESS.format(tests=os.path.dirname(__file__))
+    script = _OTHER_PROCESS.format(tests=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "before.pt"), str(tmp_path / "after.pt")],
                          capture_output=True, text=True, timeout=600)
     assert out.stdout.split() == ["ok", "True", "ok", "True"], out.stdout + out.stderr
@@ -228,6 +228,7 @@ def _two_threads(head, calls, then_valid=0):
     return {k: [(kind, v if kind == "error" else float(v)) for kind, v in calls] for k, calls in seen.items()}
 
 
+@pytest.mark.cpu
 @pytest.mark.skipif(DEVICE == "cuda", reason="the CPU's immediate check; the GPU's deferred one below")
 def test_a_bad_call_is_reported_to_its_own_thread_only(monkeypatch):
     # The interleaving that mixed threads up, made certain: the bad thread's kernel has run, and the
@@ -403,6 +404,7 @@ def _topk_ranks(rank, world, port, queue):
     dist.destroy_process_group()
 
 
+@pytest.mark.cpu
 @pytest.mark.skipif(DEVICE == "cuda", reason="gloo ranks on CPU tensors, under Triton's interpreter")
 def test_vocab_parallel_topk_ids_are_checked_against_the_global_vocabulary():
     from helpers import run_ranks

@@ -100,6 +100,7 @@ def test_rows_and_their_gradients_through_head_linear(dtype):
         compare("gradient", got, ref, dtype, tolerances=tol, where=name)
 
 
+@pytest.mark.cpu
 def test_rows_under_torch_compile_match_eager():
     head = lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(weight=0.1), metrics=(lcg.Entropy(),))
     logits, labels, _ = make_inputs(R=8, V=64)
@@ -118,6 +119,7 @@ def test_rows_under_torch_compile_match_eager():
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@pytest.mark.cpu
 def test_a_declared_term_and_a_second_backward():
     head = lcg.HeadLoss(lcg.declare_term("neg_logprob", S.lse - S.target_logit)())
     logits, labels, _ = make_inputs(R=6, V=32)

@@ -12,6 +12,8 @@ import losscodegen as lcg
 import losscodegen.symbols as S
 from helpers import DEVICE, check_head, make_inputs, policy_inputs
 
+pytestmark = pytest.mark.cpu   # CPU tensors throughout (conftest's ``cpu``)
+
 
 def _policy(R=16, V=64, seed=0):
     logits, labels, g = make_inputs(R=R, V=V, ignored=(1, 6), seed=seed)

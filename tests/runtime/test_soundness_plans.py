@@ -21,10 +21,11 @@ Unlikelihood = lcg.declare_term("unlikelihood", -S.topk_sum(S.log(1 - S.exp(S.to
 
 @pytest.mark.parametrize("plan", [Plan(tile=(16, 4, True)), Plan(tile=(16, 4, True), reduction="none"),
                                   Plan(dtype="bfloat16", tile=(32, 4, True))], ids=str)
-def test_token_level_unlikelihood_with_split_launches(plan):
-    check(lcg.HeadLoss(Unlikelihood(), lcg.CrossEntropy()), plan, rows=8, vocab=64, seed=1)
+def test_token_level_unlikelihood_with_split_launches(plan, device):
+    check(lcg.HeadLoss(Unlikelihood(), lcg.CrossEntropy()), plan, rows=8, vocab=64, seed=1, device=device)
 
 
+@pytest.mark.cpu   # (the fuzzer's gloo ranks)
 def test_token_level_unlikelihood_on_two_gloo_ranks():
     check(lcg.HeadLoss(Unlikelihood(), lcg.CrossEntropy()),
           Plan(kind="sharded", world=2, shards=(32, 32)), rows=8, vocab=64, seed=1)
@@ -52,20 +53,20 @@ def test_a_kernel_reading_a_loop_value_after_the_loop_is_refused_at_generation()
     assert emit._read_out_of_scope(fn, {"range"} | {"V", "BLOCK"}) == ["d0 (line 10)"]
 
 
-def test_a_kink_of_a_log_normaliser_and_a_number_builds():
+def test_a_kink_of_a_log_normaliser_and_a_number_builds(device):
     """S.Max(S.lse, 0): a log-normaliser is a row value, not a number sympy fails to compare."""
     Hinge = lcg.declare_term("hinge", S.Max(S.lse - S.target_logit, 1) + S.Min(S.lse_at(2), 3))
-    check(lcg.HeadLoss(Hinge()), Plan(tile=(16, 4, False)), rows=6, vocab=40, seed=0)
+    check(lcg.HeadLoss(Hinge()), Plan(tile=(16, 4, False)), rows=6, vocab=40, seed=0, device=device)
 
 
-def test_a_per_row_temperature_in_a_vocabulary_exponential_is_refused_naming_it():
+def test_a_per_row_temperature_in_a_vocabulary_exponential_is_refused_naming_it(device):
     """exp(z / token) inside vsum has no maximum to subtract (its coefficient is known per row only)
     and overflowed fp32 past z / token = 88: refused at declare_term, naming the exponential."""
     with pytest.raises(ValueError, match=r"exp\(z/tok_tau\).*token\('tau'\).*param"):
         lcg.declare_term("tempered_lse", S.log(S.vsum(S.exp(S.logit / S.token("tau")))))
     # a number or a param there is a coefficient the kernel shifts by: accepted, and right past 88
     Tempered = lcg.declare_term("tempered_lse", S.log(S.vsum(S.exp(S.logit / S.param("tau")))))
-    check(lcg.HeadLoss(Tempered(tau=0.02)), Plan(tile=(16, 4, True)), rows=6, vocab=40, seed=0)
+    check(lcg.HeadLoss(Tempered(tau=0.02)), Plan(tile=(16, 4, True)), rows=6, vocab=40, seed=0, device=device)
 
 
 @pytest.mark.parametrize("normalize", ["sum", "sequence"])
@@ -77,42 +78,43 @@ def test_a_metric_asked_for_another_normalisation_is_refused(normalize):
 
 @pytest.mark.parametrize("term", [lambda: lcg.TopKForwardKL(temperature=2.0), lambda: Unlikelihood()],
                          ids=["topk_forward_kl", "unlikelihood"])
-def test_a_bf16_gradient_at_the_topk_ids_is_rounded_once(term):
+def test_a_bf16_gradient_at_the_topk_ids_is_rounded_once(term, device):
     """The dense and the sparse parts of the gradient at a top-k id summed in fp32 and rounded to
     bf16 once: within one rounding of the float64 gradient (half an ulp; a whole one in Triton's
     interpreter, whose fp32 -> bf16 conversion truncates). The dense part was rounded to bf16, read
     back, added to and rounded again: 64 half-ulps off where the two parts nearly cancel."""
     head = lcg.HeadLoss(term(), lcg.CrossEntropy())
-    logits, labels, kw = random_inputs(head, rows=16, vocab=64, dtype=torch.bfloat16, seed=4)
+    logits, labels, kw = random_inputs(head, rows=16, vocab=64, dtype=torch.bfloat16, device=device, seed=4)
     x = logits.clone().requires_grad_()
     head(x, labels, **kw).loss.backward()
-    want = reference(head)(logits, labels, **kw)[2]
-    ids = kw["teacher_topk_ids"]
-    got_k, want_k = x.grad.double().gather(1, ids), want.gather(1, ids)
+    want = reference(head)(logits.cpu(), labels.cpu(), **{k: v.cpu() for k, v in kw.items()})[2]
+    ids = kw["teacher_topk_ids"].cpu()
+    got_k, want_k = x.grad.double().cpu().gather(1, ids), want.gather(1, ids)
     rounding = 2.0 ** (torch.floor(torch.log2(want_k.abs().clamp_min(1e-30))) - 8)  # half a bf16 ulp
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         rounding = 2 * rounding
     assert ((got_k - want_k).abs() <= rounding * 1.001).all(), ((got_k - want_k).abs() / rounding).max()
 
 
-def test_parity_of_a_formula_whose_token_simplifies_away():
+def test_parity_of_a_formula_whose_token_simplifies_away(device):
     """Min(1 + a**2, vsum(softmax)) is 1: the kernel reads no token a (the head accepts none), and
     the float64 reference, which evaluates the formula as written, still gets values for it."""
     Flat = lcg.declare_term("flat", S.Min(1 + S.token("a") ** 2, S.vsum(S.softmax)) * S.lse)
     head = lcg.HeadLoss(lcg.CrossEntropy(), metrics=(Flat(),))
     assert "a" not in head.kernel.TOKENS
-    check(head, Plan(), rows=4, vocab=40, seed=0)
+    check(head, Plan(), rows=4, vocab=40, seed=0, device=device)
 
 
-def test_a_doubly_stopped_gradient_compiles():
+def test_a_doubly_stopped_gradient_compiles(device):
     """stop_gradient(stop_gradient(x)): the value x, no gradient (the inner one reached the printer)."""
     Stopped = lcg.declare_term("stopped", S.stop_gradient(S.stop_gradient(S.vsum(S.softmax * S.logit))) * S.lse)
-    check(lcg.HeadLoss(Stopped()), Plan(), rows=4, vocab=40, seed=0)
+    check(lcg.HeadLoss(Stopped()), Plan(), rows=4, vocab=40, seed=0, device=device)
 
 
-def test_a_constant_term_and_a_stopped_constant_metric():
+def test_a_constant_term_and_a_stopped_constant_metric(device):
     """Formulas with no row quantity at all: 0.5 summed over rows, and stop_gradient(log(2)) (the
     reference printed (0.693...).detach(), on a float)."""
     Half = lcg.declare_term("half", sp.Rational(1, 2))
     Log2 = lcg.declare_term("log2", S.stop_gradient(S.log(2)))
-    check(lcg.HeadLoss(Half(weight=0.3, normalize="sum"), metrics=(Log2(),)), Plan(), rows=3, vocab=40, seed=0)
+    check(lcg.HeadLoss(Half(weight=0.3, normalize="sum"), metrics=(Log2(),)), Plan(), rows=3, vocab=40, seed=0,
+          device=device)

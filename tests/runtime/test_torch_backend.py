@@ -21,7 +21,7 @@ from losscodegen.__main__ import manifest_heads
 from losscodegen.backends.torch import Config
 from losscodegen.testing import assert_parity, compare, reference
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MANIFEST = [line for line, _ in manifest_heads(ROOT / "generated" / "manifest")]
 # small vocabulary blocks that do not divide the vocabulary (the online rescale across blocks), and
 # the reads as a launch each (stats, exact, rows and gradient)
@@ -60,15 +60,15 @@ def test_declared_terms_match_float64(term):
     assert_parity(head, rows=16, vocab=200)
 
 
-def test_class_weights_logit_scale_and_softcap():
-    weight = torch.rand(300, generator=torch.Generator().manual_seed(1)) + 0.5
+def test_class_weights_logit_scale_and_softcap(device):
+    weight = (torch.rand(300, generator=torch.Generator().manual_seed(1)) + 0.5).to(device)
     head = lcg.HeadLoss(lcg.CrossEntropy(class_weight=weight), lcg.ZLoss(weight=1e-2), logit_scale=0.5,
                         softcap=3.0, backend="torch")
-    assert_parity(head, rows=16, vocab=300)
+    assert_parity(head, rows=16, vocab=300, device=device)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_head_linear_in_chunks_of_rows(reduction):
+def test_head_linear_in_chunks_of_rows(reduction, device):
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(3, 7, 16, generator=g)
     weight, bias = torch.randn(130, 16, generator=g) / 4, torch.randn(130, generator=g)
@@ -76,11 +76,11 @@ def test_head_linear_in_chunks_of_rows(reduction):
     labels[0, 2] = -100
     head = lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(weight=0.1), metrics=(lcg.Entropy(),), backend="torch")
     head.tile_override = Config(block_v=50)
-    h = hidden.clone().requires_grad_()
-    w = weight.clone().requires_grad_()
-    out = head.linear(h, w, labels, bias=bias, chunk_rows=4, reduction=reduction)
+    h = hidden.to(device, copy=True).requires_grad_()
+    w = weight.to(device, copy=True).requires_grad_()
+    out = head.linear(h, w, labels.to(device), bias=bias.to(device), chunk_rows=4, reduction=reduction)
     upstream = torch.randn(out.loss.shape, generator=g)
-    (out.loss * upstream).sum().backward()
+    (out.loss * upstream.to(device)).sum().backward()
 
     hd, wd = hidden.double().requires_grad_(), weight.double().requires_grad_()
     logits = hd @ wd.T + bias.double()
@@ -93,31 +93,32 @@ def test_head_linear_in_chunks_of_rows(reduction):
     compare("gradient", w.grad, wd.grad, torch.float32)
 
 
-def test_bad_values_raise_as_on_triton():
+def test_bad_values_raise_as_on_triton(device):
     head = lcg.HeadLoss(lcg.GSPO(), lcg.TopKForwardKL(weight=0.5), backend="torch")
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(6, 40, generator=g)
+    x = torch.randn(6, 40, generator=g).to(device)
     ids = torch.stack([torch.randperm(40, generator=g)[:4] for _ in range(6)])
     good = dict(advantages=torch.randn(6, generator=g), old_logprobs=torch.randn(6, generator=g) - 4,
-                segment_ids=torch.tensor([0, 0, 1, 1, 2, 2]), num_segments=3, teacher_topk_ids=ids,
+                segment_ids=torch.tensor([0, 0, 1, 1, 2, 2]), teacher_topk_ids=ids,
                 teacher_topk_logprobs=torch.log_softmax(torch.randn(6, 4, generator=g), -1))
-    y = torch.randint(0, 40, (6,), generator=g)
+    good = {**{k: v.to(device) for k, v in good.items()}, "num_segments": 3}
+    y = torch.randint(0, 40, (6,), generator=g).to(device)
     assert torch.isfinite(head(x, y, **good).loss)
     with pytest.raises(ValueError, match="labels: values must be in \\[0, 40\\).*found 40"):
-        head(x, torch.where(torch.arange(6) == 3, 40, y), **good)
+        head(x, torch.where(torch.arange(6, device=device) == 3, 40, y), **good)
     with pytest.raises(ValueError, match="segment_ids .* found 7"):
-        head(x, y, **{**good, "segment_ids": torch.tensor([0, 0, 1, 7, 2, 2])})
+        head(x, y, **{**good, "segment_ids": torch.tensor([0, 0, 1, 7, 2, 2], device=device)})
     repeated = ids.clone()
     repeated[2, 3] = repeated[2, 1]
     with pytest.raises(ValueError, match=f"found {int(repeated[2, 1])} twice"):
-        head(x, y, **{**good, "teacher_topk_ids": repeated})
+        head(x, y, **{**good, "teacher_topk_ids": repeated.to(device)})
 
 
-def test_compiled_step_equals_eager():
+def test_compiled_step_equals_eager(device):
     head = lcg.HeadLoss(lcg.CrossEntropy(), lcg.ForwardKL(weight=0.5), metrics=(lcg.Entropy(),), backend="torch")
     g = torch.Generator().manual_seed(0)
-    x, t = torch.randn(10, 90, generator=g), torch.randn(10, 90, generator=g)
-    y = torch.randint(0, 90, (10,), generator=g)
+    x, t = torch.randn(10, 90, generator=g).to(device), torch.randn(10, 90, generator=g).to(device)
+    y = torch.randint(0, 90, (10,), generator=g).to(device)
 
     def step(logits):
         out = head(logits, y, teacher_logits=t)
@@ -133,15 +134,15 @@ def test_compiled_step_equals_eager():
     torch.testing.assert_close(grads[0], grads[1])
 
 
-def test_no_rows_by_vocabulary_fp32_temporary():
+def test_no_rows_by_vocabulary_fp32_temporary(device):
     """Chunks of rows x blocks of the vocabulary: no fp32 tensor the size of the logits (bf16 here,
     so the gradient buffer is bf16) is ever made."""
     rows, V = 300, 5000
     head = lcg.HeadLoss(lcg.CrossEntropy(), lcg.ForwardKL(), metrics=(lcg.Entropy(),), backend="torch")
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(rows, V, generator=g).bfloat16().requires_grad_()
-    t = torch.randn(rows, V, generator=g).bfloat16()
-    y = torch.randint(0, V, (rows,), generator=g)
+    x = torch.randn(rows, V, generator=g).bfloat16().to(device).requires_grad_()
+    t = torch.randn(rows, V, generator=g).bfloat16().to(device)
+    y = torch.randint(0, V, (rows,), generator=g).to(device)
     head(x[:2], y[:2], teacher_logits=t[:2])   # (the kernel file generated outside the count)
     with _Fp32Sizes() as made:
         head(x, y, teacher_logits=t).loss.backward()
@@ -249,20 +250,20 @@ def test_its_kernels_trace_whole_under_torch_compile(monkeypatch, terms):
     assert_parity(head, rows=10, vocab=150, dtypes=(torch.float32,))
 
 
-def test_a_topk_sum_of_the_final_lse_is_right_when_the_reads_are_split():
+def test_a_topk_sum_of_the_final_lse_is_right_when_the_reads_are_split(device):
     # (found by the fuzzer: the torch file's HAS_EXACT counted the vocabulary's exact sums only, so
     # split reads never ran the launch that sums the top-k entries against the final lse)
     from losscodegen.fuzz import Plan, check
     from losscodegen import symbols as S
     unlikely = lcg.declare_term("unlikely", S.topk_sum(S.log(1 - S.exp(S.topk_logit - S.lse))))
     head = lcg.HeadLoss(lcg.CrossEntropy(), metrics=(unlikely(),), backend="torch")
-    check(head, Plan(tile=(24, 4, True)), rows=3, vocab=61, seed=611)
+    check(head, Plan(tile=(24, 4, True)), rows=3, vocab=61, seed=611, device=device)
 
 
-def test_a_topk_gradient_with_shared_temporaries_is_generated_where_it_is_used():
+def test_a_topk_gradient_with_shared_temporaries_is_generated_where_it_is_used(device):
     # (found by the fuzzer: the top-k gradient's temporaries were printed with the vocabulary's,
     # inside its loop, and read after it; the scope check refused the file)
     from losscodegen.fuzz import Plan, check
     from losscodegen import symbols as S
     t = lcg.declare_term("topk_ent", S.topk_sum(S.exp(S.topk_logit - S.lse) * (S.topk_logit - S.lse)))
-    check(lcg.HeadLoss(t(), backend="torch"), Plan(), rows=3, vocab=61, seed=530)
+    check(lcg.HeadLoss(t(), backend="torch"), Plan(), rows=3, vocab=61, seed=530, device=device)

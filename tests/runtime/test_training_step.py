@@ -8,6 +8,8 @@ from losscodegen import autograd
 from losscodegen.inputs import check_call
 from helpers import check_head, make_inputs, policy_inputs, topk_inputs
 
+pytestmark = pytest.mark.cpu   # CPU tensors throughout (conftest's ``cpu``)
+
 
 def _case(name, R=12, V=96):
     """A head and every input it reads: a teacher, per-row tokens, top-k ids, segments."""

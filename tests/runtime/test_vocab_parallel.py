@@ -109,6 +109,7 @@ def _compare_sequence_parallel(rank, world, calls):
 
 
 # on both backends (conftest's ``backend``; the torch backend's merge is one code for any world)
+@pytest.mark.cpu
 @pytest.mark.parametrize("world,backend", [(2, "triton"), (3, "triton"), (2, "torch")], indirect=["backend"])
 def test_sharded_equals_unsharded(world, backend):
     heads = _heads()
@@ -221,6 +222,7 @@ def _uneven_worker(rank, world, port, queue):
     dist.destroy_process_group()
 
 
+@pytest.mark.cpu
 @pytest.mark.parametrize("world", [2, 3])
 def test_vocab_shards_of_uneven_widths_match_the_whole_vocabulary(world):
     results = run_ranks(_uneven_worker, world, world * (len(_uneven_heads()) + 1))

@@ -25,7 +25,7 @@ class Triton:
     describe_costs = staticmethod(renderer.describe_costs)
 
     def check_device(self, device: torch.device) -> None:
-        # (read at each call: a script may compile for the GPU without one, tests/sm90_compile.py)
+        # (read at each call: a script may compile for the GPU without one, bench/sm90_compile.py)
         if device.type == "cpu" and not helpers.INTERPRETED:
             raise ValueError("the inputs are CPU tensors, which losscodegen's kernels take only in "
                              "Triton's interpreter: set TRITON_INTERPRET=1 in the environment before "
