@@ -2,6 +2,7 @@
 signature from it, the generated file records it, and the launcher passes arguments by its names. A
 template or a declaration that disagrees fails when the kernel file is generated, not at a launch."""
 import inspect
+import shutil
 
 import pytest
 
@@ -15,10 +16,12 @@ def _head():
 
 
 def _template_with(tmp_path, old: str, new: str):
-    text = (render.TEMPLATES / "head_loss.py.j2").read_text()
+    """A copy of the templates folder (the Triton template and those it includes), ``old`` replaced."""
+    folder = shutil.copytree(render.TEMPLATES, tmp_path / "templates")
+    text = (folder / "head_loss.py.j2").read_text()
     assert old in text
-    (tmp_path / "head_loss.py.j2").write_text(text.replace(old, new))
-    return tmp_path
+    (folder / "head_loss.py.j2").write_text(text.replace(old, new))
+    return folder
 
 
 def test_generated_kernels_take_exactly_their_declared_interface():

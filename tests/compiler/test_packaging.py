@@ -160,6 +160,7 @@ def test_the_wheel_carries_templates_and_kernels(tmp_path):
     assert {"losscodegen/templates/head_loss.py.j2", "losscodegen/generated/manifest",
             "losscodegen/backends/triton/tiles.json", "losscodegen/py.typed", "losscodegen/integrations/transformers.py",
             "losscodegen/integrations/trl.py", "losscodegen/templates/head_loss_torch.py.j2",
+            "losscodegen/templates/_spec_constants.j2",
             "losscodegen/backends/torch/render.py"} <= names
 
 
