@@ -426,7 +426,7 @@ def derive(expr: sp.Expr, x: sp.Symbol) -> sp.Expr:
     return d.replace(lambda e: type(e) in _AS_SYMPY, lambda e: _AS_SYMPY[type(e)](*e.args))
 
 
-def _value(expr: sp.Expr) -> sp.Expr:
+def _without_stop_gradient(expr: sp.Expr) -> sp.Expr:
     """The value of an expression, once its gradient is derived: ``stop_gradient(x)`` is ``x``
     (at every depth: one ``replace`` leaves the inner of two nested ones)."""
     while expr.has(S.stop_gradient):
@@ -596,8 +596,8 @@ def _abstract_terms(lw: _Lowering, terms: tuple[tuple[str, sp.Expr, bool], ...])
                 row_values += [(p.name, a) for a, p in P.items()] + [(f"V_{name}", sp.S.One)]
                 loss += w * F
             segments.append(SegmentTerm(
-                name, tuple(means.values()), _value(F.xreplace(P)),
-                tuple(_value(derive(F, U).xreplace(P)) for U in means.values()), coefs,
+                name, tuple(means.values()), _without_stop_gradient(F.xreplace(P)),
+                tuple(_without_stop_gradient(derive(F, U).xreplace(P)) for U in means.values()), coefs,
                 tuple(P.values()), f"V_{name}" if P else ""))
             continue
         f = _cancellations(lw.abstract(formula))
@@ -654,7 +654,7 @@ def _derive_gradient(lw: _Lowering, loss: sp.Expr):
             grad_vocab += coef(total) * alpha * sp.exp(alpha * S.logit + beta * S.teacher_logit - x)
         else:
             grad_vocab += coef(total) * _Z_DEPENDENT_ROW[x]
-    return coefs, _value(grad_vocab), _value(grad_topk)
+    return coefs, _without_stop_gradient(grad_vocab), _without_stop_gradient(grad_topk)
 
 
 def _accumulate(lw: _Lowering):
@@ -662,7 +662,8 @@ def _accumulate(lw: _Lowering):
     another's summand as one of the first read's; then each normaliser's sum. Returns each
     placeholder's value in the accumulators, and the normalisers."""
     nested = {r for _, body in lw.reductions for r in body.free_symbols if r in lw.red_of}
-    lowered_red = {r: lw.lower_reduction(domain, _value(body)) for (domain, body), r in lw.reductions.items()}
+    lowered_red = {r: lw.lower_reduction(domain, _without_stop_gradient(body))
+                   for (domain, body), r in lw.reductions.items()}
     for r in nested:
         if any(not a.online for a in lw.accs.values() if sp.Symbol(a.name, real=True) in lowered_red[r].free_symbols):
             raise ValueError(f"a sum read inside another sum must be one of the first read (a sum of "
@@ -689,7 +690,7 @@ def _row_math(expr: sp.Expr, lowered_red: dict, normalizers: tuple[Normalizer, .
     (z_y stays itself where a kink or a condition reads it: zym + m need not round back to z_y,
     and a tie that torch sees, z_y == b, must stay one.)"""
     parts = {n.symbol: n.value for n in normalizers}
-    expr = _value(expr).xreplace(lowered_red).xreplace(parts).xreplace({S.row_max: M})
+    expr = _without_stop_gradient(expr).xreplace(lowered_red).xreplace(parts).xreplace({S.row_max: M})
     if _only_smooth(expr, S.target_logit):
         expr = expr.xreplace({S.target_logit: ZYM + M})
     return _log_of_exp(sp.powsimp(expr, deep=True, combine="exp"))
