@@ -222,8 +222,10 @@ def _uneven_worker(rank, world, port, queue):
     dist.destroy_process_group()
 
 
+# (3 ranks: 21 + 20 + 20 columns, a middle rank among them; two ranks' exchange is every other
+# vocab-parallel test's)
 @pytest.mark.cpu
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [3])
 def test_vocab_shards_of_uneven_widths_match_the_whole_vocabulary(world):
     results = run_ranks(_uneven_worker, world, world * (len(_uneven_heads()) + 1))
     assert len(results) == world * 4
