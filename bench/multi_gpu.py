@@ -30,7 +30,7 @@ each step (a run stopped by its time limit keeps what it finished); a table is p
 exit status is 1 where a check failed.
 
 `--cpu`: gloo ranks on the CPU, tiny sizes, kernels in Triton's interpreter: the same code paths
-(tests/test_multi_gpu_script.py). Sizes and counts: the MGPU_* variables below.
+(tests/runtime/test_multi_gpu_script.py). Sizes and counts: the MGPU_* variables below.
 `python bench/multi_gpu.py --markdown RECORD...`: the records' tables for docs/performance.md."""
 from __future__ import annotations
 

@@ -14,12 +14,13 @@ import builtins
 import hashlib
 import re
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import sympy as sp
 from sympy.printing.pycode import PythonCodePrinter, _print_known_const, _print_known_func
 
 from . import symbols as S
-from .lower import TM, ZM
+from .lower import IS_ARGMAX, IS_Y, M, MT, TM, ZM, ZYM
 from .plan import Plan
 
 
@@ -363,6 +364,128 @@ def stats_relative(exprs: list[sp.Expr]) -> list[tuple[sp.Symbol, sp.Expr]]:
     """The first read's relative elements that ``exprs`` read, each with its value."""
     return [(e, value) for e, value in ((ZM, S.logit - M_REF), (TM, S.teacher_logit - MT_REF))
             if any(x.has(e) for x in exprs)]
+
+
+# ---- what every backend's kernels compute, printed and grouped by the phase that computes it ------
+
+# the logits' transform, of the raw logit x: the scale, then softcap's tanh
+X = sp.Symbol("x", real=True)
+LOGIT_SCALE = sp.Symbol("logit_scale", positive=True)
+SOFTCAP = sp.Symbol("softcap", positive=True)
+
+# A backend's statements of a group of expressions: (``prefix0 = code`` for each common
+# subexpression, in order; then each expression's code, written with them)
+Statements = Callable[[list[sp.Expr], str], tuple[list[str], list[str]]]
+
+
+def cse_statements(printer: ArrayPrinter, exprs: list[sp.Expr], prefix: str,
+                   prepare: Callable[[list[sp.Expr]], list[sp.Expr]] | None = None) -> tuple[list[str], list[str]]:
+    """``Statements`` with ``printer``: sympy's common subexpressions (``prefix0``, ...) of ``exprs``
+    (after ``prepare``, a backend's rewrite that lets more of them be shared), then the results."""
+    temps, reduced = sp.cse(prepare(exprs) if prepare else exprs, symbols=sp.numbered_symbols(prefix, real=True),
+                            order="canonical")
+    return [f"{s} = {printer.doprint(e)}" for s, e in temps], [printer.doprint(e) for e in reduced]
+
+
+@dataclass(frozen=True)
+class Phases:
+    """A plan's expressions as one backend prints them, grouped by the phase of its kernels that
+    computes them. ``context`` holds them under the names every backend's template reads:
+
+    - the reads: ``transform``/``dtransform`` (the logits' transform and its derivative),
+      ``stats_relative`` (the first read's elements relative to the running maxima), ``topk_online``
+      (the top-k entries' online summands), ``exact_temps``/``exact`` (the exact read's summands),
+      ``topk_temps``/``topk_exact`` (the exact sums of the top-k entries), ``normalizers``, and
+      ``neg_inf`` (each read's handling of -inf inputs, ``neg_inf_handling``);
+    - the rows: ``row_temps``/``rows`` (each row value), ``finish``/``finish_loss`` (each output's
+      reduction over the rows and its normalisation), ``grad_weights``;
+    - the gradient: ``coef_temps``/``coefs`` (its per-row coefficients), ``grad_temps``/``grad_expr``
+      (over the vocabulary), ``topk_grad_temps``/``topk_grad`` (None without a top-k part),
+      ``grad_means`` (the segment means a row term of segment statistics' direct path reads);
+    - the segments: ``segments`` (each segment term's value and gradients in the means),
+      ``seg_coefs``, ``seg_mean_rows``;
+    - and what the template declares only where read: ``uses_label``, ``uses_zym``,
+      ``uses_vocab_size``, ``uses_is_y``, ``uses_is_argmax``, ``flag_slots``.
+
+    ``body``, ``grad_vocab`` and ``grad_topk`` are the sympy expressions printed (``printed_bodies``),
+    for what a backend prints itself (its first read's layout)."""
+
+    body: dict[str, sp.Expr]
+    grad_vocab: sp.Expr
+    grad_topk: sp.Expr
+    context: dict[str, Any]
+
+
+def phases(plan: Plan, spec: KernelSpec, printer: ArrayPrinter, statements: Statements) -> Phases:
+    """The plan's expressions printed with ``printer`` (``statements`` for a group with common
+    subexpressions), by phase; the same grouping for every backend."""
+    lw = plan.lowered
+    vocab, topk = (*S.ELEMENT_SYMBOLS, ZM, TM), S.TOPK_SYMBOLS
+    transform = LOGIT_SCALE * (SOFTCAP * sp.tanh(X / SOFTCAP) if plan.softcap else X)
+    body, (grad_vocab, grad_topk) = printed_bodies(lw)
+    stats_exprs = [e for (alpha, beta), accs in online_groups(plan).items()
+                   for e in [online_exponent(alpha, beta)] + [body[a.name] for a in accs]]
+    exact = [a for a in lw.accumulators if not a.online and a.domain == "vocab"]
+    topk_exact = [a for a in lw.accumulators if not a.online and a.domain == "topk"]
+    exact_temps, exact_bodies = statements([body[a.name] for a in exact], "e")
+    tk_temps, tk_bodies = statements([body[a.name] for a in topk_exact], "k")
+    row_temps, row_exprs = statements([e for _, e in lw.row_values], "r")
+    coef_temps, coef_exprs = statements([e for _, e in lw.grad_coefs], "c")
+    # (apart: the vocabulary's temporaries live in its loop, the top-k entries' outside it)
+    grad_temps, (grad_expr,) = statements([grad_vocab], "d")
+    topk_grad_temps, (topk_grad_expr,) = statements([grad_topk], "dk")
+
+    row_names, seg_means, norm = list(spec.row_values), list(spec.segment_means), spec.normalization
+    segments = []
+    for seg in lw.segments:
+        temps, (value, *grads) = statements([seg.formula, *seg.dformula], f"{seg.name}_u")
+        segments.append(dict(name=seg.name, temps=temps, value=value, slot=lw.outputs.index(seg.name),
+                             per_sequence=norm[seg.name] == "sequence",
+                             # its divisor: a row term of segment statistics is divided as a row term is
+                             div="div_rows" if seg.rows else "div_seq" if norm[seg.name] == "sequence" else "div",
+                             grads=[(seg_means.index(U.name), g) for U, g in zip(seg.means, grads)],
+                             # a row term of segment statistics: its row values, read row by row
+                             rows=[(p.name, row_names.index(p.name)) for p in seg.rows],
+                             valid=row_names.index(seg.valid) if seg.valid else None))
+    head_exprs = ([a.body for a in lw.accumulators] + [e for _, e in lw.grad_coefs + lw.row_values]
+                  + [lw.grad_vocab, lw.grad_topk])
+    neg_inf = dict(stats=neg_inf_handling([body[a.name] for a in lw.accumulators
+                                           if a.online and a.domain == "vocab"], vocab),
+                   exact=neg_inf_handling([body[a.name] for a in exact], vocab),
+                   grad=neg_inf_handling([grad_vocab], vocab),
+                   topk=neg_inf_handling([sp.exp(a.alpha * S.topk_logit) * body[a.name] for a in lw.accumulators
+                                          if a.domain == "topk"] + [grad_topk], topk))
+    context = dict(
+        transform=printer.doprint(transform), dtransform=printer.doprint(transform.diff(X)),
+        stats_relative=[(e.name, printer.doprint(value)) for e, value in stats_relative(stats_exprs)],
+        topk_online=[(a.name, printer.doprint(sp.exp(a.alpha * (S.topk_logit - M)) * body[a.name]))
+                     for a in lw.accumulators if a.online and a.domain == "topk"],
+        exact=list(zip([a.name for a in exact], exact_bodies)), exact_temps=exact_temps,
+        topk_exact=list(zip([a.name for a in topk_exact], tk_bodies)), topk_temps=tk_temps,
+        normalizers=[(name, printer.doprint(value)) for n in lw.normalizers
+                     for name, value in ((n.log_acc.name, sp.log(sp.Symbol(n.acc, real=True))),
+                                         (n.symbol.name, n.alpha * M + n.beta * MT + n.log_acc))],
+        neg_inf=neg_inf,
+        row_temps=row_temps, rows=list(zip(row_names, row_exprs)),
+        finish=[(n, row_names.index(n), lw.outputs.index(n),
+                 {"tokens": " * value_scale", "mean": " * count_scale", "sum": ""}[norm[n]])
+                for n in lw.outputs if n not in spec.segments],
+        finish_loss=" + ".join(f"weight_{n} * value_{n}" for n in spec.row_loss_terms),
+        grad_weights=[(n, f"weight_{n} * grad_scale" if norm[n] == "tokens" else f"weight_{n}")
+                      for n in spec.row_loss_terms],
+        coef_temps=coef_temps, coefs=list(zip([s.name for s, _ in lw.grad_coefs], coef_exprs)),
+        grad_temps=grad_temps, grad_expr=grad_expr,
+        topk_grad=None if lw.grad_topk == 0 else topk_grad_expr, topk_grad_temps=topk_grad_temps,
+        grad_means=[(U.name, seg_means.index(U.name)) for seg in lw.segments if seg.rows for U in seg.means],
+        segments=segments, seg_coefs=[c.name for s in lw.segments for c in s.coefs],
+        seg_mean_rows=[row_names.index(u) for u in seg_means],
+        uses_label=any(e.has(S.label) for _, e in lw.row_values),
+        uses_zym=any(e.has(ZYM) for _, e in lw.row_values + lw.grad_coefs),
+        uses_vocab_size=any(e.has(S.vocab_size) for e in head_exprs),
+        uses_is_y=lw.grad_vocab.has(IS_Y), uses_is_argmax=lw.grad_vocab.has(IS_ARGMAX),
+        flag_slots={name: i for i, name in enumerate(FLAG_SLOTS)},
+    )
+    return Phases(body, grad_vocab, grad_topk, context)
 
 
 def header(bound, plan: Plan) -> str:

@@ -32,7 +32,7 @@ def _real(name: str, x: Any) -> float:
 
 def _constant_under_compile(fn: Any) -> Any:
     """``torch.compiler.assume_constant_result(fn)`` without importing Dynamo (2-3 s) with the
-    package: the decorator sets this mark and nothing else (tests/test_imports.py checks that
+    package: the decorator sets this mark and nothing else (tests/compiler/test_imports.py checks that
     against torch's)."""
     fn._dynamo_marked_constant = True
     return fn

@@ -32,7 +32,7 @@ def by_name(values: dict[str, Any], names: tuple[str, ...], kernel: str) -> list
     return [values[n] for n in names]
 
 
-class Signature(NamedTuple):
+class LayoutKey(NamedTuple):
     """What a call's layout depends on, and the key of the head's layouts: ``_layout`` reads the
     call only through it (the head's own options are fixed when it is built)."""
 
@@ -108,7 +108,7 @@ class _Layout:
     segment_kernels: dict = field(default_factory=dict, compare=False)  # by BLOCK_S
 
 
-def _layout(head, sig: Signature) -> _Layout:
+def _layout(head, sig: LayoutKey) -> _Layout:
     k, backend = head.kernel, head.backend
     world = collectives.group_info(sig.group)[0]
     sharded = sig.group is not None
@@ -236,7 +236,7 @@ class Launcher:
         # (an exact read takes the all-gather: it reads every row again after the exchange anyway)
         self.exchange = None if k.HAS_EXACT or not head.backend.exchange \
             else collectives.exchange(call.group, call.device)
-        sig = Signature(call.V_local, dtype, element_size, call.device, call.reduction, call.group, grad,
+        sig = LayoutKey(call.V_local, dtype, element_size, call.device, call.reduction, call.group, grad,
                         call.divisor is not None, call.topk_ids.shape[1] if k.USES_TOPK else 0,
                         self.exchange is not None)
         # (a configuration being measured takes no layout kept from a call before it, nor leaves one)

@@ -429,7 +429,7 @@ def derive(expr: sp.Expr, x: sp.Symbol) -> sp.Expr:
     return d.replace(lambda e: type(e) in _AS_SYMPY, lambda e: _AS_SYMPY[type(e)](*e.args))
 
 
-def _value(expr: sp.Expr) -> sp.Expr:
+def _without_stop_gradient(expr: sp.Expr) -> sp.Expr:
     """The value of an expression, once its gradient is derived: ``stop_gradient(x)`` is ``x``
     (at every depth: one ``replace`` leaves the inner of two nested ones)."""
     while expr.has(S.stop_gradient):
@@ -564,12 +564,6 @@ def _log_of_exp(expr: sp.Expr) -> sp.Expr:
     return expr.replace(sp.log, split)
 
 
-def _piecewise(expr: sp.Expr) -> sp.Expr:
-    """Min/Max/Abs as Piecewise, so that sympy differentiates them branch by branch."""
-    return expr.replace(lambda e: isinstance(e, (sp.Min, sp.Max, sp.Abs)),
-                        lambda e: e.rewrite(sp.Piecewise))
-
-
 # the row maximum of the teacher logits (the first read's m_t), which a shifted exponent of t reads
 _TEACHER_MAX = sp.Symbol("t_max", real=True)
 _MAXIMA = {S.logit: S.stop_gradient(S.row_max), S.teacher_logit: S.stop_gradient(_TEACHER_MAX),
@@ -643,9 +637,10 @@ def _run_time_temperatures(formula: sp.Expr) -> sp.Expr:
     return sp.expand(formula.xreplace(sums), power_exp=False, log=False).xreplace({d: r for r, d in sums.items()})
 
 
-def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
-    """``terms``: (name, bound formula, is_metric) for each term of the head, in output order."""
-    lw = _Lowering()
+def _abstract_terms(lw: _Lowering, terms: tuple[tuple[str, sp.Expr, bool], ...]):
+    """Pass 1: each term over placeholders of its sums (``_Lowering.abstract``): its row values, a
+    segment term's means and its formula in them, each loss term's weight, and the loss they make
+    (a segment term's part is its coefs times its means' row quantities)."""
     row_values: list[tuple[str, sp.Expr]] = []
     segments: list[SegmentTerm] = []
     weights: list[sp.Symbol] = []
@@ -678,8 +673,8 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
                 row_values += [(p.name, a) for a, p in P.items()] + [(f"V_{name}", sp.S.One)]
                 loss += w * F
             segments.append(SegmentTerm(
-                name, tuple(means.values()), _value(F.xreplace(P)),
-                tuple(_value(derive(F, U).xreplace(P)) for U in means.values()), coefs,
+                name, tuple(means.values()), _without_stop_gradient(F.xreplace(P)),
+                tuple(_without_stop_gradient(derive(F, U).xreplace(P)) for U in means.values()), coefs,
                 tuple(P.values()), f"V_{name}" if P else ""))
             continue
         f = _cancellations(lw.abstract(formula))
@@ -688,8 +683,12 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
             w = sp.Symbol(f"w_{name}", real=True)
             weights.append(w)
             loss += w * f
+    return row_values, segments, weights, loss
 
-    # ---- the gradient, by the chain rule over placeholders --------------------------------------
+
+def _derive_gradient(lw: _Lowering, loss: sp.Expr):
+    """Pass 2: dloss/dz_i by the chain rule over the placeholders: per-row coefficients (``g0``,
+    ...) and the per-element parts over the vocabulary and over the top-k entries."""
     coefs: list[tuple[sp.Symbol, sp.Expr]] = []
 
     def coef(expr: sp.Expr) -> sp.Expr:
@@ -732,12 +731,16 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
             grad_vocab += coef(total) * alpha * sp.exp(alpha * S.logit + beta * S.teacher_logit - x)
         else:
             grad_vocab += coef(total) * _Z_DEPENDENT_ROW[x]
+    return coefs, _without_stop_gradient(grad_vocab), _without_stop_gradient(grad_topk)
 
-    grad_vocab, grad_topk = _value(grad_vocab), _value(grad_topk)
+
+def _accumulate(lw: _Lowering):
+    """Pass 3: the placeholders as accumulators (``_Lowering.lower_reduction``), a sum read inside
+    another's summand as one of the first read's; then each normaliser's sum. Returns each
+    placeholder's value in the accumulators, and the normalisers."""
     nested = {r for _, body in lw.reductions for r in body.free_symbols if r in lw.red_of}
-
-    # ---- placeholders -> accumulators ----------------------------------------------------------
-    lowered_red = {r: lw.lower_reduction(domain, _value(body)) for (domain, body), r in lw.reductions.items()}
+    lowered_red = {r: lw.lower_reduction(domain, _without_stop_gradient(body))
+                   for (domain, body), r in lw.reductions.items()}
     for r in nested:
         if any(not a.online for a in lw.accs.values() if sp.Symbol(a.name, real=True) in lowered_red[r].free_symbols):
             body = lw.red_of[r][1]
@@ -751,54 +754,67 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
     # a nested sum inside a summand (or a row factor of one: vsum(z * vsum(z))), and the gradient's
     # summands, read as the first read's sums
     lowered_red = {r: v.xreplace(lowered_red) for r, v in lowered_red.items()}
-    grad_vocab = grad_vocab.xreplace(lowered_red)
     for key, sym in list(lw.norms.items()):
         lw.acc("vocab", True, key[0], key[1], sp.S.One)
     normalizers = tuple(
         Normalizer(sym, key[0], key[1], lw.accs[("vocab", True, key[0], key[1], sp.S.One)].name)
         for key, sym in lw.norms.items())
+    return lowered_red, normalizers
 
-    # Row math reads each normaliser as its parts, alpha*m + beta*m_t + log(acc), and the target
-    # logit as m + (z_y - m): sympy then cancels products such as acc*exp(m - N) (the total
-    # probability, 1) exactly, exp(m_t - N) is 1/acc, lse - z_y is log(acc) - zym, and N1 - N0 is
-    # (m - m_t) + log(acc2) - log(acc0): sums of small terms, where the rounded N (an ulp of |N|,
-    # 1e-6 at N = 20) would cost a confident row's cross-entropy most of its digits.
-    # (z_y stays itself where a kink or a condition reads it: zym + m need not round back to z_y,
-    # and a tie that torch sees, z_y == b, must stay one.)
+
+def _row_math(expr: sp.Expr, lowered_red: dict, normalizers: tuple[Normalizer, ...]) -> sp.Expr:
+    """Pass 4, for each row value and gradient coefficient: read in the accumulators.
+
+    Row math reads each normaliser as its parts, alpha*m + beta*m_t + log(acc), and the target
+    logit as m + (z_y - m): sympy then cancels products such as acc*exp(m - N) (the total
+    probability, 1) exactly, exp(m_t - N) is 1/acc, lse - z_y is log(acc) - zym, and N1 - N0 is
+    (m - m_t) + log(acc2) - log(acc0): sums of small terms, where the rounded N (an ulp of |N|,
+    1e-6 at N = 20) would cost a confident row's cross-entropy most of its digits.
+    (z_y stays itself where a kink or a condition reads it: zym + m need not round back to z_y,
+    and a tie that torch sees, z_y == b, must stay one.)"""
     parts = {n.symbol: n.value for n in normalizers}
+    expr = _without_stop_gradient(expr).xreplace(lowered_red).xreplace(parts).xreplace({S.row_max: M, _TEACHER_MAX: MT})
+    if _only_smooth(expr, S.target_logit):
+        expr = expr.xreplace({S.target_logit: ZYM + M})
+    return _log_of_exp(sp.powsimp(expr, deep=True, combine="exp"))
 
-    def finish(expr: sp.Expr) -> sp.Expr:
-        expr = _value(expr).xreplace(lowered_red).xreplace(parts).xreplace({S.row_max: M, _TEACHER_MAX: MT})
-        if _only_smooth(expr, S.target_logit):
-            expr = expr.xreplace({S.target_logit: ZYM + M})
-        return _log_of_exp(sp.powsimp(expr, deep=True, combine="exp"))
 
-    row_values = [(n, finish(e)) for n, e in row_values]
-    coefs = [(s, finish(e)) for s, e in coefs]
-    # A coefficient's factor exp(E) of the row maxima (1/R of a sum of exp(alpha*z) with no
-    # normaliser: exp(-alpha*m)/acc) goes to the elements it multiplies, to meet their
-    # exp(alpha*z) = exp(alpha*m + alpha*zm) in one exponential: apart, past alpha*m = 88 one
-    # underflows to 0 and the other overflows to inf
+def _move_maxima_factors(coefs: list[tuple[sp.Symbol, sp.Expr]], grad_vocab: sp.Expr, grad_topk: sp.Expr):
+    """Pass 5: a coefficient's factor exp(E) of the row maxima (1/R of a sum of exp(alpha*z) with no
+    normaliser: exp(-alpha*m)/acc) goes to the elements it multiplies, to meet their
+    exp(alpha*z) = exp(alpha*m + alpha*zm) in one exponential: apart, past alpha*m = 88 one
+    underflows to 0 and the other overflows to inf. (``coefs`` is rewritten in place; returns the
+    gradient's two parts.)"""
     moved = {}
     for i, (sym, e) in enumerate(coefs):
         factor = sp.Mul(*[f for f in sp.Mul.make_args(e) if isinstance(f, sp.exp) and f.has(M, MT)])
         if factor != 1:
             coefs[i], moved[sym] = (sym, e / factor), sym * factor
-    grad_vocab, grad_topk = grad_vocab.xreplace(moved), sp.powsimp(grad_topk.xreplace(moved), deep=True, combine="exp")
+    return grad_vocab.xreplace(moved), sp.powsimp(grad_topk.xreplace(moved), deep=True, combine="exp")
 
-    # Per-element expressions of the reads after the first see each element relative to the final
-    # maxima and each normaliser as maxima + log(acc): exp(z - N) is exp(zm - L_N), whose exponent
-    # is exact up to an ulp of itself, where z - N would carry the rounding of |N| (the gradient
-    # of a row with logits near 100 off by 5e-6 relative, 30x torch's).
+
+def _relative_to_maxima(lw: _Lowering, normalizers: tuple[Normalizer, ...], lowered_red: dict,
+                        grad_vocab: sp.Expr) -> sp.Expr:
+    """Pass 6: the per-element expressions of the reads after the first (the gradient's, the exact
+    sums' summands, in ``lw.accs``) see each element relative to the final maxima and each
+    normaliser as maxima + log(acc): exp(z - N) is exp(zm - L_N), whose exponent is exact up to an
+    ulp of itself, where z - N would carry the rounding of |N| (the gradient of a row with logits
+    near 100 off by 5e-6 relative, 30x torch's). Returns the gradient's vocabulary part."""
     relative = {n.symbol: n.alpha * M + n.beta * MT + n.log_acc for n in normalizers}
     relative.update({S.logit: ZM + M, S.teacher_logit: TM + MT, S.row_max: M, _TEACHER_MAX: MT})
 
     def per_element(expr: sp.Expr) -> sp.Expr:
         return sp.powsimp(expr.xreplace(relative), deep=True, combine="exp")
-    grad_vocab = per_element(grad_vocab)
     lw.accs = {k: (a if a.online else Accumulator(a.name, a.domain, False, a.alpha, a.beta,
                                                   per_element(a.body.xreplace(lowered_red))))
                for k, a in lw.accs.items()}
+    return per_element(grad_vocab)
+
+
+def _combine_and_prune(lw: _Lowering, normalizers: tuple[Normalizer, ...], row_values, coefs):
+    """Pass 7: sums that are multiples of one another combined (``_combine``), those nothing reads
+    dropped and the rest renamed in order (``_prune``). Returns the accumulators, the normalisers,
+    the row values and coefficients renamed, and how many sums there were before combining."""
     exprs = [e for _, e in row_values] + [e for _, e in coefs]
     uncombined = len(_prune(list(lw.accs.values()), normalizers, exprs)[0])
     # never combined: sums read by name (the normalisers', and the weights' own sums that relative
@@ -813,9 +829,12 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
     subs = {sp.Symbol(old, real=True): sp.Symbol(new, real=True) for old, new in rename.items()}
     row_values = [(n, e.xreplace(subs)) for n, e in row_values]
     coefs = [(s, e.xreplace(subs)) for s, e in coefs]
-    free = set().union(*(e.free_symbols for _, e in row_values), *(e.free_symbols for _, e in coefs),
-                       grad_vocab.free_symbols, grad_topk.free_symbols,
-                       *(a.body.free_symbols for a in accumulators))
+    return accumulators, normalizers, row_values, coefs, uncombined
+
+
+def _inputs(free: set[sp.Symbol]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The per-row tokens and per-class vectors the lowered head reads; a parameter left unbound
+    is refused."""
     tokens = tuple(sorted(s.name[len(S.TOKEN_PREFIX):] for s in free
                           if s.name.startswith(S.TOKEN_PREFIX)))
     vectors = tuple(sorted(s.name[len(S.VECTOR_PREFIX):] for s in free if s.name.startswith(S.VECTOR_PREFIX)))
@@ -824,6 +843,29 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
     params = [s.name for s in free if s.name.startswith(S.PARAM_PREFIX)]
     if params:
         raise ValueError(f"unbound parameters {params}")
+    return tokens, vectors
+
+
+def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
+    """``terms``: (name, bound formula, is_metric) for each term of the head, in output order. The
+    passes, in order: each term over placeholders of its sums, the gradient by the chain rule, the
+    placeholders as accumulators, the row math in them, the maxima's factors moved to the elements,
+    the later reads relative to the maxima, the sums combined and pruned."""
+    lw = _Lowering()
+    row_values, segments, weights, loss = _abstract_terms(lw, terms)
+    coefs, grad_vocab, grad_topk = _derive_gradient(lw, loss)
+    lowered_red, normalizers = _accumulate(lw)
+    grad_vocab = grad_vocab.xreplace(lowered_red)
+    row_values = [(n, _row_math(e, lowered_red, normalizers)) for n, e in row_values]
+    coefs = [(s, _row_math(e, lowered_red, normalizers)) for s, e in coefs]
+    grad_vocab, grad_topk = _move_maxima_factors(coefs, grad_vocab, grad_topk)
+    grad_vocab = _relative_to_maxima(lw, normalizers, lowered_red, grad_vocab)
+    accumulators, normalizers, row_values, coefs, uncombined = _combine_and_prune(lw, normalizers, row_values,
+                                                                                  coefs)
+    free = set().union(*(e.free_symbols for _, e in row_values), *(e.free_symbols for _, e in coefs),
+                       grad_vocab.free_symbols, grad_topk.free_symbols,
+                       *(a.body.free_symbols for a in accumulators))
+    tokens, vectors = _inputs(free)
     return Lowered(
         outputs=tuple(name for name, _, _ in terms),
         accumulators=accumulators,

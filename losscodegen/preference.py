@@ -10,7 +10,7 @@ torch glue. KTO is per sequence: each sequence its own segment, ``chosen`` its d
 
 ``pair_inputs`` / ``sequence_inputs`` turn TRL's batches into the keyword inputs these terms read.
 Sources: TRL 1.x ``DPOTrainer._compute_loss``, ``CPOTrainer.cpo_loss``, ``ORPOTrainer.odds_ratio_loss``
-and ``KTOTrainer._compute_loss``; tests/test_preference.py checks each against them.
+and ``KTOTrainer._compute_loss``; tests/runtime/test_preference.py checks each against them.
 """
 from __future__ import annotations
 

@@ -55,7 +55,7 @@ STANDARD_INPUTS = ("teacher_logits", "loss_mask", "teacher_topk_ids", "teacher_t
                    "segment_ids", "num_segments", "process_group", "segment_group", "divisor",
                    "reduction")
 # the named arguments of HeadLoss.forward and HeadLoss.linear (their other inputs come as keywords);
-# with STANDARD_INPUTS, names no token may take (tests/test_refusals.py reads the signatures)
+# with STANDARD_INPUTS, names no token may take (tests/compiler/test_refusals.py reads the signatures)
 CALL_ARGUMENTS = ("logits", "labels", "hidden", "weight", "bias", "teacher_hidden", "teacher_weight",
                   "teacher_bias", "chunk_rows")
 

@@ -1,7 +1,15 @@
 import os
+import sys
 import tempfile
+from pathlib import Path
 
 import torch
+
+# The tests live in one folder per stage (compiler/, runtime/, integrations/, gpu/); the helpers they
+# share (helpers.py, reference.py, contract_reference.py, this file) stay here, importable by name from
+# any of them, whatever pytest's import mode (spawned ranks inherit sys.path).
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # Without a GPU the kernels run in Triton's interpreter; it must be chosen before triton is imported.
 if not torch.cuda.is_available():
@@ -12,6 +20,7 @@ os.environ.setdefault("LOSSCODEGEN_CACHE", tempfile.mkdtemp(prefix="losscodegen-
 import pytest  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTEGRATIONS = Path(__file__).resolve().parent / "integrations"
 
 
 @pytest.fixture
@@ -27,9 +36,21 @@ def use_backend(name: str) -> None:
     backends.resolve = lambda option: name if option == "auto" else resolve(option)
 
 
-@pytest.fixture(params=["triton", "torch"])
+BACKENDS = ("triton", "torch")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--all-backends", action="store_true",
+                     help="run each case of a test that takes the backend fixture on every backend (by default "
+                          "each case runs on one, the backends taking turns; a test of one case runs on each)")
+
+
+@pytest.fixture(params=BACKENDS)
 def backend(request, monkeypatch):
-    """A test run once with each backend: heads it builds with the default backend="auto" get it."""
+    """A test run with each backend: heads it builds with the default backend="auto" get it. Its
+    cases take turns (the first on Triton, the next on torch...), each on one backend, unless the
+    test has one case or pytest runs with --all-backends (``_one_backend_a_case``); the fuzzer
+    (tests/runtime/test_fuzz.py) runs each random head on both."""
     from losscodegen import backends
     monkeypatch.setattr(backends, "resolve", backends.resolve)   # (undone after the test)
     monkeypatch.setenv("LOSSCODEGEN_TEST_BACKEND", request.param)
@@ -45,11 +66,52 @@ def _nan_workspace(monkeypatch):
     monkeypatch.setattr(launch, "workspace", lambda size, device: torch.full((size,), float("nan"), device=device))
 
 
-def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` need a CUDA device: skipped without one (CI), run on the lent GPU."""
-    if DEVICE == "cuda":
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+def _one_backend_a_case(items) -> list:
+    """The items that take the ``backend`` fixture and are not run: of a test with several cases,
+    each case's items but the one on BACKENDS[k % 2], k its place among the test's cases."""
+    cases: dict[tuple, dict[tuple, list]] = {}
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        spec = getattr(item, "callspec", None)
+        if spec is None or "backend" not in spec.params or _names_backend(item):
+            continue
+        # (a case by its other parameters' values, the same objects on each backend)
+        case = tuple(sorted((name, id(value)) for name, value in spec.params.items() if name != "backend"))
+        cases.setdefault((item.path, item.originalname), {}).setdefault(case, []).append(item)
+    dropped = []
+    for by_case in cases.values():
+        if len(by_case) > 1:
+            for k, case_items in enumerate(by_case.values()):
+                kept = [i for i in case_items if i.callspec.params["backend"] == BACKENDS[k % len(BACKENDS)]]
+                dropped += [i for i in case_items if kept and i not in kept]
+    return dropped
+
+
+def _names_backend(item) -> bool:
+    """Whether the test chooses its cases' backends itself (``parametrize("...,backend", ...,
+    indirect=...)``): those run as written."""
+    for mark in item.iter_markers("parametrize"):
+        names = mark.args[0].split(",") if isinstance(mark.args[0], str) else mark.args[0]
+        if "backend" in [n.strip() for n in names]:
+            return True
+    return False
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need a CUDA device: skipped without one (CI), run on the lent GPU. Tests
+    marked ``cpu`` (a test, or a whole file) run CPU tensors through the Triton backend, which takes
+    them only in Triton's interpreter (chosen above, before triton is imported, only where there is
+    no GPU): skipped where there is a GPU, unless marked ``gpu`` too; CI runs them. Every other test
+    takes its tensors to ``device`` (or DEVICE), or spawns gloo ranks (helpers.run_ranks); the
+    integration tests (tests/integrations/) are all ``cpu``."""
+    if not config.getoption("--all-backends"):
+        dropped = set(_one_backend_a_case(items))
+        if dropped:
+            config.hook.pytest_deselected(items=[i for i in items if i in dropped])
+            items[:] = [i for i in items if i not in dropped]
+    for item in items:
+        if INTEGRATIONS in item.path.parents:   # tiny models built on the CPU, as the docs show them
+            item.add_marker(pytest.mark.cpu)
+        if DEVICE != "cuda" and item.get_closest_marker("gpu"):
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        elif DEVICE == "cuda" and item.get_closest_marker("cpu") and not item.get_closest_marker("gpu"):
+            item.add_marker(pytest.mark.skip(reason="runs CPU tensors in Triton's interpreter: CI runs it"))

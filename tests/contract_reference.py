@@ -1,5 +1,5 @@
 """Float64 torch formulas written from CONTRACT.md alone (its tables and notation), for the
-contract conformance suites (tests/test_contract_*.py). Nothing here imports losscodegen: the
+contract conformance suites (tests/*/test_contract_*.py). Nothing here imports losscodegen: the
 expected values must not come from the code they check."""
 import math
 

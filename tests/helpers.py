@@ -61,8 +61,19 @@ def run_ranks(worker, world: int, n_results: int) -> list:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_on_backend, args=(worker, r, world, port, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
+    # gloo ranks hold CPU tensors, which the Triton backend takes only in Triton's interpreter: the
+    # ranks start with it even where this process compiles for a GPU (a spawned rank's environment
+    # is this one's when it starts, read before it imports triton)
+    interpret = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if interpret is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = interpret
     results = [queue.get(timeout=600) for _ in range(n_results)]
     for p in procs:
         p.join(timeout=60)

@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 
 # the backend whose kernel files ``python -m losscodegen generate`` writes (the package's generated/)
 DEFAULT = "triton"
+# the templates (in the package's templates/) that every backend's template includes: the file's
+# constants written from its KernelSpec. Each backend lists them among its ``sources``.
+SHARED_TEMPLATES = ("_spec_constants.j2",)
 NAMES = ("auto", "triton", "torch")
 
 

@@ -87,7 +87,7 @@ _PLAIN, _MOE = ModelType(), ModelType(router_aux_loss=True)
 # model_type -> what its forward does. Every type here has a forward that is exactly: base model,
 # slice_logits_to_keep, lm_head (an nn.Linear), the final-logit transform, self.loss_function(logits,
 # labels, ...) and, for mixture-of-experts models with output_router_logits, the router's load-balancing
-# loss, and nothing else (read from transformers 5.24's modeling files; tests/test_integration_models.py
+# loss, and nothing else (read from transformers 5.24's modeling files; tests/integrations/test_integration_models.py
 # checks each against its unpatched forward). *ForConditionalGeneration types: their language model's
 # text path (the base model takes the images).
 _MODEL_TYPES: dict[str, ModelType] = {

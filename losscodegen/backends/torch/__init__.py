@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 
 from ...resources import TEMPLATES
+from .. import SHARED_TEMPLATES
 from . import render as renderer
 
 # The vocabulary columns of a block (with launch.py's BLOCK_R rows a chunk, 256: temporaries of
@@ -75,7 +76,7 @@ def scale_rows(grad: torch.Tensor, upstream: torch.Tensor) -> None:
 
 class Torch:
     name = "torch"
-    sources = (Path(renderer.__file__), TEMPLATES / renderer.TEMPLATE)
+    sources = (Path(renderer.__file__), TEMPLATES / renderer.TEMPLATE, *(TEMPLATES / n for n in SHARED_TEMPLATES))
     exchange = False        # vocab shards' stats go through collectives (no in-kernel exchange)
     render = staticmethod(renderer.render)
     scale_rows = staticmethod(scale_rows)

@@ -15,23 +15,19 @@ import jinja2
 import sympy as sp
 
 from ... import symbols as S
-from ...emit import (FLAG_SLOTS, M_REF, MT_REF, KernelSource, TorchPrinter, check_interface, kernel_spec,
-                     neg_inf_handling, online_exponent, online_groups, printed_bodies, seal, stats_relative, wrap)
-from ...lower import IS_ARGMAX, IS_Y, M, MT, TM, ZM, ZYM, base_of, shift
+from ...emit import (M_REF, MT_REF, KernelSource, TorchPrinter, check_interface, cse_statements, kernel_spec,
+                     online_exponent, online_groups, phases, seal, wrap)
+from ...lower import IS_ARGMAX, IS_Y, M, MT, TM, ZM, base_of, shift
 from ...plan import Plan
 from ...resources import TEMPLATES
 
 TEMPLATE = "head_loss_torch.py.j2"
-X = sp.Symbol("x", real=True)
-LOGIT_SCALE = sp.Symbol("logit_scale", positive=True)
-SOFTCAP = sp.Symbol("softcap", positive=True)
 _PRINT = TorchPrinter()
 
 
 def _statements(exprs: list[sp.Expr], prefix: str) -> tuple[list[str], list[str]]:
-    """Common subexpressions first (``prefix0 = ...``), then the printed results."""
-    temps, reduced = sp.cse(exprs, symbols=sp.numbered_symbols(prefix, real=True), order="canonical")
-    return [f"{s} = {_PRINT.doprint(e)}" for s, e in temps], [_PRINT.doprint(e) for e in reduced]
+    """emit's ``Statements`` printed as torch code."""
+    return cse_statements(_PRINT, exprs, prefix)
 
 
 # what varies along the vocabulary in the reads (the elements, and the elements relative to the maxima)
@@ -85,13 +81,15 @@ def render(plan: Plan, key: str, header: str, codegen: str,
     """The kernel file of a plan. ``normalize``: each loss term's normalisation ("tokens" where not
     given; a "sequence" term arrives as a segment term); metrics are means over the valid rows."""
     lw = plan.lowered
-    transform = LOGIT_SCALE * (SOFTCAP * sp.tanh(X / SOFTCAP) if plan.softcap else X)
-    body, (grad_vocab, grad_topk) = printed_bodies(lw)
+    # the file's contract (emit.kernel_spec), and the plan's expressions printed by phase (emit.phases):
+    # the same for every backend
+    spec = kernel_spec(plan, key, dict(normalize or {}))
+    printed = phases(plan, spec, _PRINT, _statements)
+    body, common = printed.body, printed.context
 
-    online, stats_exprs = [], []
+    online = []
     for i, ((alpha, beta), accs) in enumerate(online_groups(plan).items()):
         exponent = online_exponent(alpha, beta)
-        stats_exprs += [exponent] + [body[a.name] for a in accs]
         rescale = alpha * (M - M_REF) + beta * (MT - MT_REF)
         shifts = []
         for a in accs:
@@ -107,73 +105,16 @@ def render(plan: Plan, key: str, header: str, codegen: str,
             rescale=None if rescale == 0 else _PRINT.doprint(sp.exp(rescale)),
             accs=[(a.name, _PRINT.doprint(body[a.name]) if exponent != 0
                    else _per_element(body[a.name], _PRINT.doprint(body[a.name]))) for a in accs], shifts=dict(shifts)))
-    topk_online = [(a.name, _PRINT.doprint(sp.exp(a.alpha * (S.topk_logit - M)) * body[a.name]))
-                   for a in lw.accumulators if a.online and a.domain == "topk"]
-    exact = [a for a in lw.accumulators if not a.online and a.domain == "vocab"]
-    exact_temps, exact_bodies = _statements([body[a.name] for a in exact], "e")
-    topk_exact = [a for a in lw.accumulators if not a.online and a.domain == "topk"]
-    tk_temps, tk_bodies = _statements([body[a.name] for a in topk_exact], "k")
-    row_temps, row_exprs = _statements([e for _, e in lw.row_values], "r")
-    coef_temps, coef_exprs = _statements([e for _, e in lw.grad_coefs], "c")
-    # (apart: the vocabulary's temporaries live in its loop, the top-k entries' before it)
-    grad_temps, (grad_expr,) = _statements([grad_vocab], "d")
-    topk_grad_temps, (topk_grad_expr,) = _statements([grad_topk], "dk")
 
-    # the file's contract (emit.kernel_spec): what the runtime reads of it, the same for every backend
-    spec = kernel_spec(plan, key, dict(normalize or {}))
-    row_names, seg_means, norm = list(spec.row_values), list(spec.segment_means), spec.normalization
-    segments = []
-    for seg in lw.segments:
-        temps, (value, *grads) = _statements([seg.formula, *seg.dformula], f"{seg.name}_u")
-        segments.append(dict(name=seg.name, temps=temps, value=value, slot=lw.outputs.index(seg.name),
-                             per_sequence=norm[seg.name] == "sequence",
-                             # its divisor: a row term of segment statistics is divided as a row term is
-                             div="div_rows" if seg.rows else "div_seq" if norm[seg.name] == "sequence" else "div",
-                             grads=[(seg_means.index(U.name), g) for U, g in zip(seg.means, grads)],
-                             # a row term of segment statistics: its row values, read row by row
-                             rows=[(p.name, row_names.index(p.name)) for p in seg.rows],
-                             valid=row_names.index(seg.valid) if seg.valid else None))
-    head_exprs = ([a.body for a in lw.accumulators] + [e for _, e in lw.grad_coefs + lw.row_values]
-                  + [lw.grad_vocab, lw.grad_topk])
-
-    neg_inf = dict(stats=neg_inf_handling([body[a.name] for a in lw.accumulators
-                                           if a.online and a.domain == "vocab"], _VOCAB),
-                   exact=neg_inf_handling([body[a.name] for a in exact], _VOCAB),
-                   grad=neg_inf_handling([grad_vocab], _VOCAB),
-                   topk=neg_inf_handling([sp.exp(a.alpha * S.topk_logit) * body[a.name] for a in lw.accumulators
-                                          if a.domain == "topk"] + [grad_topk], S.TOPK_SYMBOLS))
+    row_names = list(spec.row_values)
     ctx = dict(
-        header=header, key=key, codegen=codegen, plan=plan, lw=lw, spec=spec, sigs=spec.sigs,
-        transform=_PRINT.doprint(transform), dtransform=_PRINT.doprint(transform.diff(X)),
-        online=online, topk_online=topk_online,
-        stats_relative=[(e.name, _PRINT.doprint(value)) for e, value in stats_relative(stats_exprs)],
-        exact=[(a.name, _per_element(body[a.name], b)) for a, b in zip(exact, exact_bodies)], exact_temps=exact_temps,
-        topk_exact=list(zip([a.name for a in topk_exact], tk_bodies)), topk_temps=tk_temps,
-        normalizers=[(name, _PRINT.doprint(value)) for n in lw.normalizers
-                     for name, value in ((n.log_acc.name, sp.log(sp.Symbol(n.acc, real=True))),
-                                         (n.symbol.name, n.alpha * M + n.beta * MT + n.log_acc))],
-        row_temps=row_temps, rows=list(zip(row_names, row_exprs)),
-        coef_temps=coef_temps, coefs=list(zip([s.name for s, _ in lw.grad_coefs], coef_exprs)),
-        grad_temps=grad_temps, grad_expr=_per_element(grad_vocab, grad_expr), topk_grad=None if lw.grad_topk == 0 else topk_grad_expr, topk_grad_temps=topk_grad_temps,
-        neg_inf=neg_inf, uses_is_y=lw.grad_vocab.has(IS_Y), uses_is_argmax=lw.grad_vocab.has(IS_ARGMAX),
-        grad_teacher=lw.grad_uses_teacher,
-        # the means (and the count) the gradient launch reads per row for a row term of segment
-        # statistics' direct path
-        grad_means=[(U.name, seg_means.index(U.name)) for seg in lw.segments if seg.rows for U in seg.means],
-        merge=_merge(plan),
-        grad_weights=[(n, f"weight_{n} * grad_scale" if norm[n] == "tokens" else f"weight_{n}")
-                      for n in spec.row_loss_terms],
+        common,
+        header=header, key=key, codegen=codegen, plan=plan, lw=lw, spec=spec, sigs=spec.sigs, online=online,
+        # (each summand a [rows, block] tensor, a row value broadcast)
+        exact=[(name, _per_element(body[name], code)) for name, code in common["exact"]],
+        grad_expr=_per_element(printed.grad_vocab, common["grad_expr"]),
+        grad_teacher=lw.grad_uses_teacher, merge=_merge(plan),
         per_row_loss=" + ".join(f"weight_{n} * v[{row_names.index(n)}]" for n in spec.row_loss_terms) or "0.0",
-        finish=[(n, row_names.index(n), lw.outputs.index(n),
-                 {"tokens": " * value_scale", "mean": " * count_scale", "sum": ""}[norm[n]])
-                for n in lw.outputs if n not in spec.segments],
-        finish_loss=" + ".join(f"weight_{n} * value_{n}" for n in spec.row_loss_terms),
-        flag_slots={name: i for i, name in enumerate(FLAG_SLOTS)},
-        seg_coefs=[c.name for s in lw.segments for c in s.coefs],
-        segments=segments, seg_mean_rows=[row_names.index(u) for u in seg_means],
-        uses_label=any(e.has(S.label) for _, e in lw.row_values),
-        uses_zym=any(e.has(ZYM) for _, e in lw.row_values + lw.grad_coefs),
-        uses_vocab_size=any(e.has(S.vocab_size) for e in head_exprs),
     )
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), keep_trailing_newline=True,
                              trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)

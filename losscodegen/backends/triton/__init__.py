@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ...resources import TEMPLATES
+from .. import SHARED_TEMPLATES
 from . import helpers, tiles
 from . import render as renderer
 from .dispatch import Kernel
@@ -17,7 +18,7 @@ from .dispatch import Kernel
 
 class Triton:
     name = "triton"
-    sources = (Path(renderer.__file__), TEMPLATES / "head_loss.py.j2")
+    sources = (Path(renderer.__file__), TEMPLATES / "head_loss.py.j2", *(TEMPLATES / n for n in SHARED_TEMPLATES))
     exchange = True         # GPUs that map each other's memory exchange stats in-kernel
     render = staticmethod(renderer.render)
     config = staticmethod(tiles.choose)
@@ -25,7 +26,7 @@ class Triton:
     describe_costs = staticmethod(renderer.describe_costs)
 
     def check_device(self, device: torch.device) -> None:
-        # (read at each call: a script may compile for the GPU without one, tests/sm90_compile.py)
+        # (read at each call: a script may compile for the GPU without one, bench/sm90_compile.py)
         if device.type == "cpu" and not helpers.INTERPRETED:
             raise ValueError("the inputs are CPU tensors, which losscodegen's kernels take only in "
                              "Triton's interpreter: set TRITON_INTERPRET=1 in the environment before "

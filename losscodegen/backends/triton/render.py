@@ -15,18 +15,15 @@ import jinja2
 import sympy as sp
 
 from ... import symbols as S
-from ...emit import (FLAG_SLOTS, TINY, ArrayPrinter, KernelSource, Signature, check_interface, kernel_spec,
-                     neg_inf_handling, seal, vanishes_at_neg_inf, wrap)
+from ...emit import (TINY, ArrayPrinter, KernelSource, Signature, check_interface, cse_statements, kernel_spec,
+                     phases, seal, vanishes_at_neg_inf, wrap)
 from ...emit import M_REF as _M_REF, MT_REF as _MT_REF, online_exponent as _online_exponent, \
     online_groups as _group_online, printed_bodies as _printed, stats_relative as _stats_relative
-from ...lower import IS_ARGMAX, IS_Y, M, MT, TM, ZM, ZYM, base_of, shift
+from ...lower import M, MT, TM, ZM, base_of, shift
 from ...plan import Plan, pow2
 from ...resources import TEMPLATES
 
-X = sp.Symbol("x", real=True)
 _LOG2E = sp.Float(1 / math.log(2))
-LOGIT_SCALE = sp.Symbol("logit_scale", positive=True)
-SOFTCAP = sp.Symbol("softcap", positive=True)
 
 
 class TritonPrinter(ArrayPrinter):
@@ -127,9 +124,8 @@ def _cse(exprs: list[sp.Expr], prefix: str) -> tuple[list[tuple[sp.Symbol, sp.Ex
 
 
 def _statements(exprs: list[sp.Expr], prefix: str) -> tuple[list[str], list[str]]:
-    """Common subexpressions first (``prefix0 = ...``), then the printed results."""
-    temps, reduced = _cse(exprs, prefix)
-    return ([f"{s} = {_TL.doprint(e)}" for s, e in temps], [_TL.doprint(e) for e in reduced])
+    """emit's ``Statements`` printed for Triton, the exponentials shared first (``_shared_exps``)."""
+    return cse_statements(_TL, exprs, prefix, prepare=_shared_exps)
 
 
 # What a printed function costs on the special-function unit (SFU: 16 ops a clock a streaming
@@ -259,15 +255,19 @@ def render(plan: Plan, key: str, header: str, codegen: str,
     given; a "sequence" term arrives as a segment term); metrics are means over the valid rows."""
     lw = plan.lowered
     name = f"head_loss_{key}"
-    transform = LOGIT_SCALE * (SOFTCAP * sp.tanh(X / SOFTCAP) if plan.softcap else X)
     # (the later reads see elements relative to their maxima: zm = z - m is -inf where z is)
-    vocab, topk = (*S.ELEMENT_SYMBOLS, ZM, TM), S.TOPK_SYMBOLS
+    vocab = (*S.ELEMENT_SYMBOLS, ZM, TM)
+    # the file's contract (emit.kernel_spec), and the plan's expressions printed by phase (emit.phases):
+    # the same for every backend
+    spec = kernel_spec(plan, key, dict(normalize or {}))
+    printed = phases(plan, spec, _TL, _statements)
+    body, common = printed.body, printed.context
+    row_names, seg_names = list(spec.row_values), list(spec.segments)
+    row_loss_terms, scalars, sigs = list(spec.row_loss_terms), list(spec.scalars), spec.sigs
 
-    body, (grad_vocab, grad_topk) = _printed(lw)
-    online, stats_exprs = [], []
+    online = []
     for i, ((alpha, beta), accs) in enumerate(_group_online(plan).items()):
         exponent = _online_exponent(alpha, beta)
-        stats_exprs += [exponent] + [body[a.name] for a in accs]
         rescale = alpha * (M - _M_REF) + beta * (MT - _MT_REF)
         scale = sp.Symbol(f"s{i}", real=True) if exponent != 0 else sp.S.One
         shifts = []
@@ -284,35 +284,7 @@ def render(plan: Plan, key: str, header: str, codegen: str,
             rescale=None if rescale == 0 else _TL.doprint(sp.exp(rescale)),
             index=i, accs=[(a.name, _TL.doprint(scale * body[a.name])) for a in accs],
             shifts=shifts, shifted=[name for name, _ in shifts]))
-    topk_online = [(a.name, _TL.doprint(sp.exp(a.alpha * (S.topk_logit - M)) * body[a.name]))
-                   for a in lw.accumulators if a.online and a.domain == "topk"]
     exact = [a for a in lw.accumulators if not a.online and a.domain == "vocab"]
-    exact_temps, exact_bodies = _statements([body[a.name] for a in exact], "e")
-    topk_exact = [a for a in lw.accumulators if not a.online and a.domain == "topk"]
-    tk_temps, tk_bodies = _statements([body[a.name] for a in topk_exact], "k")
-    row_temps, row_exprs = _statements([e for _, e in lw.row_values], "r")
-    coef_temps, coef_exprs = _statements([e for _, e in lw.grad_coefs], "c")
-    # (apart: the vocabulary's live in its loop, the top-k entries' after it)
-    grad_temps, (grad_expr,) = _statements([grad_vocab], "d")
-    topk_grad_temps, (topk_grad_expr,) = _statements([grad_topk], "dk")
-
-    # the file's contract (emit.kernel_spec): what the runtime reads of it, the same for every backend
-    spec = kernel_spec(plan, key, dict(normalize or {}))
-    row_names, seg_names, seg_means = list(spec.row_values), list(spec.segments), list(spec.segment_means)
-    row_loss_terms, scalars, norm, sigs = list(spec.row_loss_terms), list(spec.scalars), spec.normalization, spec.sigs
-    seg_fns = []
-    for seg in lw.segments:
-        temps, (value, *grads) = _statements([seg.formula, *seg.dformula], f"{seg.name}_u")
-        seg_fns.append(dict(name=seg.name, temps=temps, value=value, slot=lw.outputs.index(seg.name),
-                            per_sequence=norm[seg.name] == "sequence",
-                            div="div_rows" if seg.rows else "div_seq" if norm[seg.name] == "sequence" else "div",
-                            grads=[(seg_means.index(U.name), g) for U, g in zip(seg.means, grads)],
-                            # a row term of segment statistics: its row values, read row by row
-                            rows=[(p.name, row_names.index(p.name)) for p in seg.rows],
-                            valid=row_names.index(seg.valid) if seg.valid else None))
-    row_segs = list(spec.segment_row_terms)
-    # the means (and the count) the gradient launch reads per row for their direct path
-    grad_means = [(U.name, seg_means.index(U.name)) for seg in lw.segments if seg.rows for U in seg.means]
 
     # Runtime scalars (each loss term's weight, then the runtime parameters) come from one fp32
     # buffer, each loaded where a block first needs it.
@@ -324,69 +296,37 @@ def render(plan: Plan, key: str, header: str, codegen: str,
         used = {s.name for e in exprs for s in e.free_symbols} | {f"weight_{w}" for w in weights}
         return [f"{n} = tl.load(scalars_ptr + {i})" for i, n in enumerate(scalars) if n in used]
     scalar_loads = dict(reads=loads(reads_exprs), rows=loads([e for _, e in lw.row_values], row_loss_terms),
-                        grad=loads(grad_exprs, row_loss_terms + row_segs), finish=loads([], row_loss_terms),
-                        segments=loads(seg_exprs, seg_names))
+                        grad=loads(grad_exprs, row_loss_terms + list(spec.segment_row_terms)),
+                        finish=loads([], row_loss_terms), segments=loads(seg_exprs, seg_names))
 
-    # what each read does for -inf input elements (see emit.neg_inf_handling), and whether it takes
-    # the columns past the row's end as -inf inputs (``pad``: one select an element for the logits,
-    # none for the teacher, where masking costs one for each running max and each tile sum). Only
-    # where that saves two selects or more: measured on the H100 at 8192 x 128256 against masking,
-    # CE (one saved) 3.5% slower, GRPO + entropy + clip (two) 1.1% faster, CE + z + FKL + entropy
-    # (five) 2.5% faster
+    # whether a read takes the columns past the row's end as -inf inputs (``pad``: one select an
+    # element for the logits, none for the teacher, where masking costs one for each running max and
+    # each tile sum), given what it does for -inf input elements (emit.neg_inf_handling). Only where
+    # that saves two selects or more: measured on the H100 at 8192 x 128256 against masking, CE (one
+    # saved) 3.5% slower, GRPO + entropy + clip (two) 1.1% faster, CE + z + FKL + entropy (five) 2.5%
+    # faster
+    neg_inf = common["neg_inf"]
     stats_sums = [sp.exp(_online_exponent(a.alpha, a.beta)) * body[a.name] for a in lw.accumulators
                   if a.online and a.domain == "vocab"]
-    neg_inf = dict(stats=neg_inf_handling([body[a.name] for a in lw.accumulators
-                                           if a.online and a.domain == "vocab"], vocab),
-                   exact=neg_inf_handling([body[a.name] for a in exact], vocab),
-                   grad=neg_inf_handling([grad_vocab], vocab),
-                   topk=neg_inf_handling([sp.exp(a.alpha * S.topk_logit) * body[a.name] for a in lw.accumulators
-                                          if a.domain == "topk"] + [grad_topk], topk))
     masks = dict(stats=len(stats_sums) + 1 + lw.uses_teacher + lw.uses_argmax, exact=len(exact))
     pad = {read: masks[read] - 1 >= 2 and not neg_inf[read]["gone"] and all(
         vanishes_at_neg_inf(e, vocab, floored=neg_inf[read]["floor"]) for e in exprs)
         for read, exprs in (("stats", stats_sums), ("exact", [body[a.name] for a in exact]))}
 
     ctx = dict(
-        header="\n#   ".join([f"{header}\n#\n# cost:", *describe_costs(plan).splitlines()]), spec=spec, sigs=sigs, key=key, codegen=codegen, plan=plan, lw=lw,
-        sweeps={w.name: w for w in plan.sweeps},
-        transform=_TL.doprint(transform), dtransform=_TL.doprint(transform.diff(X)),
-        online=online, topk_online=topk_online,
+        common,
+        header="\n#   ".join([f"{header}\n#\n# cost:", *describe_costs(plan).splitlines()]), spec=spec, sigs=sigs,
+        key=key, codegen=codegen, plan=plan, lw=lw, sweeps={w.name: w for w in plan.sweeps},
+        online=online,
         stats_tile_sums=_tile_sums([acc for group in online for acc in group["accs"]], not pad["stats"]),
-        stats_relative=[(e.name, _TL.doprint(value)) for e, value in _stats_relative(stats_exprs)],
-        exact=list(zip([a.name for a in exact], exact_bodies)), exact_temps=exact_temps,
-        exact_tile_sums=_tile_sums(list(zip([a.name for a in exact], exact_bodies)), not pad["exact"]),
-        topk_exact=list(zip([a.name for a in topk_exact], tk_bodies)), topk_temps=tk_temps,
-        normalizers=[(name, _TL.doprint(value)) for n in lw.normalizers
-                     for name, value in ((n.log_acc.name, sp.log(sp.Symbol(n.acc, real=True))),
-                                         (n.symbol.name, n.alpha * M + n.beta * MT + n.log_acc))],
-        row_temps=row_temps, rows=list(zip(row_names, row_exprs)),
-        rows_p2=pow2(len(row_names)),
-        coef_temps=coef_temps, coefs=list(zip([s.name for s, _ in lw.grad_coefs], coef_exprs)),
-        grad_temps=grad_temps, grad_expr=grad_expr,
-        topk_grad=None if lw.grad_topk == 0 else topk_grad_expr, topk_grad_temps=topk_grad_temps,
-        neg_inf=neg_inf, pad=pad,
-        uses_is_y=lw.grad_vocab.has(IS_Y),
-        uses_is_argmax=lw.grad_vocab.has(IS_ARGMAX),
+        exact_tile_sums=_tile_sums(common["exact"], not pad["exact"]),
+        rows_p2=pow2(len(row_names)), pad=pad,
         columns=[c.name for c in plan.columns], exact_columns=list(plan.exact),
         merge=_merge(plan),
-        row_loss_terms=row_loss_terms, scalars=scalars, scalar_loads=scalar_loads, normalize=norm,
-        grad_weights=[(n, f"weight_{n} * grad_scale" if norm[n] == "tokens" else f"weight_{n}")
-                      for n in row_loss_terms],
-        row_segs=row_segs, grad_means=grad_means,
+        row_loss_terms=row_loss_terms, scalars=scalars, scalar_loads=scalar_loads, normalize=spec.normalization,
+        row_segs=list(spec.segment_row_terms),
         per_row_loss=" + ".join(f"weight_{n} * v{row_names.index(n)}" for n in row_loss_terms) or "0.0",
-        finish=[(n, row_names.index(n), lw.outputs.index(n),
-                 {"tokens": " * value_scale", "mean": " * count_scale", "sum": ""}[norm[n]])
-                for n in lw.outputs if n not in seg_names],
-        finish_loss=" + ".join(f"weight_{n} * value_{n}" for n in row_loss_terms),
-        slots=spec.slots,
-        flag_slots={name: i for i, name in enumerate(FLAG_SLOTS)},
-        seg_coefs=[c.name for s in lw.segments for c in s.coefs],
-        segments=seg_fns, seg_means=seg_means, seg_mean_rows=[row_names.index(u) for u in seg_means],
-        uses_label=any(e.has(S.label) for _, e in lw.row_values),
-        uses_zym=any(e.has(ZYM) for _, e in lw.row_values + lw.grad_coefs),
-        uses_vocab_size=any(e.has(S.vocab_size) for e in [lw.grad_vocab, lw.grad_topk]
-                            + [e for _, e in lw.row_values + lw.grad_coefs]
-                            + [a.body for a in lw.accumulators]),
+        slots=spec.slots, seg_means=list(spec.segment_means),
     )
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), keep_trailing_newline=True,
                              trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)

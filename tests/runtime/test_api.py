@@ -1,0 +1,122 @@
+"""Bad input gets a clear error naming the argument; generated/ is what the generator emits."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import sympy
+import torch
+
+import losscodegen as lcg
+from helpers import make_inputs
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def head():
+    return lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(), metrics=(lcg.Entropy(), lcg.TokenAccuracy()))
+
+
+@pytest.mark.cpu
+def test_bad_inputs_name_the_argument(head):
+    logits, labels, _ = make_inputs(R=6, V=256)
+    bad = labels.clone()
+    bad[0] = 256
+    with pytest.raises(ValueError, match="labels"):
+        head(logits, bad)
+    bad[0] = -3
+    with pytest.raises(ValueError, match="labels"):
+        head(logits, bad)
+    with pytest.raises(ValueError, match="labels"):
+        head(logits, labels[:5])
+    with pytest.raises(TypeError, match="logits"):
+        head(logits.long(), labels)
+    with pytest.raises(TypeError, match="labels"):
+        head(logits, labels.float())
+    with pytest.raises(ValueError, match="labels"):
+        head(logits, None)
+    with pytest.raises(ValueError, match="loss_mask"):
+        head(logits, labels, loss_mask=torch.ones(5, dtype=torch.bool))
+    with pytest.raises(TypeError, match="loss_mask"):
+        head(logits, labels, loss_mask=torch.ones(6))
+    with pytest.raises(ValueError, match="reduction"):
+        head(logits, labels, reduction="max")
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        head(logits, labels, advantagez=torch.ones(6))
+
+
+def test_validate_false_skips_the_value_check():
+    logits, labels, _ = make_inputs(R=6, V=256)
+    checked, unchecked = lcg.HeadLoss(lcg.CrossEntropy()), lcg.HeadLoss(lcg.CrossEntropy(), validate=False)
+    torch.testing.assert_close(unchecked(logits, labels).loss, checked(logits, labels).loss, rtol=0, atol=0)
+    bad = labels.clone()
+    bad[2] = 10_000
+    with pytest.raises(ValueError, match="10000"):
+        checked(logits, bad)
+    unchecked(logits, bad)          # no check: no error, now or at the next call
+    unchecked(logits, labels)
+
+
+def test_bad_heads():
+    with pytest.raises(TypeError, match="calling"):
+        lcg.HeadLoss(lcg.CrossEntropy)
+    with pytest.raises(ValueError, match="metric"):
+        lcg.HeadLoss(lcg.TokenAccuracy())
+    with pytest.raises(ValueError, match="unique"):
+        lcg.HeadLoss(lcg.CrossEntropy(), lcg.CrossEntropy(weight=2.0))
+    with pytest.raises(ValueError, match="softcap"):
+        lcg.HeadLoss(lcg.CrossEntropy(), softcap=0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        lcg.ForwardKL(temperature=0.0)
+
+
+def test_explain_names_reads_gradient_and_file(head):
+    text = head.explain()
+    for needle in ("cross_entropy", "dL/dz_i", "reads of the vocabulary: 1", "bytes per element",
+                   "head_loss_"):
+        assert needle in text
+    assert "exact" in lcg.HeadLoss(lcg.JSD()).explain()
+
+
+# The sympy that wrote generated/: another sympy prints some expressions differently (each file's
+# CODEGEN stamp hashes the version, so at run time they are regenerated, never used stale).
+GENERATED_WITH_SYMPY = "1.14.0"
+
+
+@pytest.mark.skipif(sympy.__version__ != GENERATED_WITH_SYMPY,
+                    reason=f"generated/ was written under sympy {GENERATED_WITH_SYMPY}; its byte-for-byte "
+                           f"check runs under that version only (this is sympy {sympy.__version__})")
+def test_generated_is_up_to_date(tmp_path):
+    subprocess.run([sys.executable, "-m", "losscodegen", "generate", "--out", str(tmp_path)],
+                   check=True, cwd=ROOT, capture_output=True)
+    fresh = {p.name: p.read_bytes() for p in tmp_path.glob("head_loss_*.py")}
+    committed = {p.name: p.read_bytes() for p in (ROOT / "generated").glob("head_loss_*.py")}
+    assert fresh.keys() == committed.keys(), "run `python -m losscodegen generate` and commit generated/"
+    for name in fresh:
+        assert fresh[name] == committed[name], f"generated/{name} is stale"
+
+
+def test_manifest_heads_load_from_generated():
+    head = lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss())
+    assert (ROOT / "generated" / f"head_loss_{head.key}.py").exists()
+    assert Path(head.kernel.__file__).parent == ROOT / "generated"
+
+
+def test_readme_demo_runs_as_a_user_starts_it(tmp_path):
+    """`python -m losscodegen demo` from a plain shell: no TRITON_INTERPRET set, a fresh cache."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["LOSSCODEGEN_CACHE"] = str(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "losscodegen", "demo"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "loss = " in done.stdout and "forward_kl" in done.stdout
+
+
+
+def test_softcap_is_fixed_at_construction():
+    # the kernel is built with or without it: a later assignment could only be silently ignored
+    head = lcg.HeadLoss(lcg.CrossEntropy())
+    with pytest.raises(AttributeError):
+        head.softcap = 30.0

@@ -1,0 +1,148 @@
+"""GRPO and its metrics, and segment terms (GSPO, a declared DPO), against float64 references."""
+import pytest
+import torch
+
+import losscodegen as lcg
+from losscodegen import symbols as S
+from helpers import check_head, make_inputs, policy_inputs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("eps_low,eps_high", [(0.2, 0.2), (0.1, 0.28)])
+@pytest.mark.parametrize("kl_beta", [0.0, 0.04])
+def test_grpo_with_metrics(eps_low, eps_high, kl_beta, dtype):
+    logits, labels, g = make_inputs(R=32, V=500, dtype=dtype)
+    inputs = policy_inputs(logits, labels, g)
+    head = lcg.HeadLoss(lcg.GRPO(eps_low=eps_low, eps_high=eps_high, kl_beta=kl_beta),
+                        metrics=(lcg.Entropy(), lcg.ClipFraction(), lcg.RatioMean(), lcg.KLNewOld(),
+                                 lcg.LogProb()))
+    if kl_beta == 0:
+        inputs.pop("ref_logprobs")
+    out = check_head(head, logits, labels, **inputs)
+    assert 0 < out.metrics["clip_fraction"] < 1  # both regimes are exercised
+
+
+@pytest.mark.cpu
+def test_grpo_zero_gradient_where_clipped():
+    logits, labels, g = make_inputs(R=8, V=256, ignored=())
+    inputs = policy_inputs(logits, labels, g, spread=0.0)
+    inputs["old_logprobs"] = inputs["old_logprobs"] - 1.0  # r = e: clipped above
+    inputs["advantages"] = torch.ones(8)                   # positive advantage: no gradient
+    x = logits.clone().requires_grad_()
+    lcg.HeadLoss(lcg.GRPO())(x, labels, **inputs).loss.backward()
+    assert torch.count_nonzero(x.grad) == 0
+    inputs["advantages"] = -torch.ones(8)                  # negative advantage: unclipped branch
+    x.grad = None
+    lcg.HeadLoss(lcg.GRPO())(x, labels, **inputs).loss.backward()
+    assert torch.count_nonzero(x.grad) > 0
+
+
+def test_clip_fraction_default_eps_without_grpo():
+    logits, labels, g = make_inputs(R=32, V=256)
+    inputs = policy_inputs(logits, labels, g)
+    inputs.pop("ref_logprobs"), inputs.pop("advantages")
+    check_head(lcg.HeadLoss(lcg.CrossEntropy(), metrics=(lcg.ClipFraction(),)), logits, labels, **inputs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_segments", [1, 4, 11])
+def test_gspo_segments(n_segments, dtype):
+    R = 33
+    logits, labels, g = make_inputs(R=R, V=500, dtype=dtype, ignored=(0, 7, 8))
+    inputs = policy_inputs(logits, labels, g, spread=0.002)
+    inputs.pop("ref_logprobs")
+    seg = torch.sort(torch.randint(0, n_segments, (R,), generator=g)).values
+    if n_segments == 11:
+        seg = torch.where(seg == 5, 6, seg)     # an empty segment id in the middle
+        labels[seg == 2] = -100                 # a segment whose rows are all ignored
+    head = lcg.HeadLoss(lcg.GSPO(), lcg.CrossEntropy(weight=0.1), metrics=(lcg.Entropy(),))
+    check_head(head, logits, labels, segment_ids=seg, **inputs)
+    check_head(head, logits, labels, segment_ids=seg, num_segments=n_segments, **inputs)
+    check_head(head, logits, labels, segment_ids=seg, num_segments=n_segments, divisor=5.0, **inputs)
+
+
+@pytest.mark.cpu
+def test_policy_inputs_are_named_when_missing():
+    logits, labels, _ = make_inputs(R=4, V=256)
+    with pytest.raises(ValueError, match="advantages"):
+        lcg.HeadLoss(lcg.GRPO())(logits, labels, old_logprobs=torch.zeros(4))
+    with pytest.raises(ValueError, match="segment_ids"):
+        lcg.HeadLoss(lcg.GSPO())(logits, labels, old_logprobs=torch.zeros(4), advantages=torch.zeros(4))
+    with pytest.raises(ValueError, match="reduction"):
+        lcg.HeadLoss(lcg.GSPO())(logits, labels, old_logprobs=torch.zeros(4),
+                                 advantages=torch.zeros(4), segment_ids=torch.zeros(4, dtype=torch.long),
+                                 reduction="none")
+
+
+_OUT_OF_RANGE = r"segment_ids of valid rows must be in \[0, num_segments=2\)"
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("bad, match", [
+    (dict(segment_ids=torch.tensor([0, -1, 1, 1])), "segment_ids of valid rows must be non-negative; found -1"),
+    (dict(segment_ids=torch.tensor([0, -1, 1, 1]), num_segments=2), "must be non-negative; found -1"),
+    (dict(segment_ids=torch.tensor([0, 3, 1, 1]), num_segments=2), _OUT_OF_RANGE),
+    (dict(segment_ids=torch.tensor([0, 0, 1, 1]), num_segments=-1), "num_segments"),
+])
+def test_bad_segments_are_named(bad, match):
+    logits, labels, _ = make_inputs(R=4, V=256)
+    labels = labels.clamp_min(0)  # every row valid
+    with pytest.raises(ValueError, match=match):
+        lcg.HeadLoss(lcg.GSPO())(logits, labels, old_logprobs=torch.zeros(4), advantages=torch.zeros(4),
+                                 **bad)
+
+
+@pytest.mark.cpu
+def test_ignored_rows_may_carry_any_segment_id():
+    """Padding rows (ignored) often carry -1 or a huge id: neither is checked nor sizes the segments."""
+    logits, labels, g = make_inputs(R=6, V=256, ignored=(1, 4))
+    inputs = policy_inputs(logits, labels, g)
+    del inputs["ref_logprobs"]
+    head = lcg.HeadLoss(lcg.GSPO())
+    seg = torch.tensor([0, -1, 0, 1, 10**9, 1])
+    out = head(logits, labels, segment_ids=seg, **inputs)
+    ref = head(logits, labels, segment_ids=torch.tensor([0, 0, 0, 1, 1, 1]), num_segments=2, **inputs)
+    assert torch.equal(out.loss, ref.loss)
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dpo_pair_loss_declared_with_segments(dtype):
+    """docs/examples.md's DPO: a pair's chosen (sign +1) and rejected (sign -1) responses share a
+    segment; segment_mean(seg_rows * sign * (l - ref)) is the pair's reward margin."""
+    l = S.target_logit - S.lse
+    margin = S.segment_mean(S.token("seg_rows") * S.token("sign") * (l - S.token("ref")))
+    DPO = lcg.declare_term("dpo", S.log(1 + S.exp(-S.param("beta") * margin)))
+    R, beta = 30, 0.5
+    logits, labels, g = make_inputs(R=R, V=500, dtype=dtype, ignored=(0, 10, 20, 23))  # prompts
+    seg = torch.arange(R) // 10                                  # three pairs of 10 rows
+    sign = torch.where(torch.arange(R) % 10 < 5, 1.0, -1.0)     # chosen, then rejected
+    valid = labels != -100
+    seg_rows = torch.zeros(3).index_add_(0, seg, valid.float())[seg]
+    with torch.no_grad():
+        lp = torch.log_softmax(logits.double(), -1).gather(1, labels.clamp_min(0)[:, None])[:, 0]
+    ref = (lp + 0.3 * torch.randn(R, generator=g, dtype=torch.float64)).float()
+
+    x = logits.detach().double().requires_grad_()
+    l_ref = torch.log_softmax(x, -1).gather(1, labels.clamp_min(0)[:, None])[:, 0]
+    per_row = torch.where(valid, sign.double() * (l_ref - ref.double()), 0.0)
+    pair_margin = torch.zeros(3, dtype=torch.float64).index_add(0, seg, per_row)
+    expected = torch.nn.functional.softplus(-beta * pair_margin).mean()
+    expected.backward()
+
+    head = lcg.HeadLoss(DPO(beta=beta))
+    xs = logits.detach().clone().requires_grad_()
+    out = head(xs, labels, segment_ids=seg, num_segments=3, seg_rows=seg_rows, sign=sign, ref=ref)
+    out.loss.backward()
+    assert abs(out.loss.item() - expected.item()) <= 1e-5 * max(1.0, abs(expected.item()))
+    assert abs(out.terms["dpo"].item() - expected.item()) <= 1e-5 * max(1.0, abs(expected.item()))
+    err = (xs.grad.double() - x.grad).abs().max().item()  # bf16: the rounding of the stored gradient
+    assert err <= (1e-5 if dtype == torch.float32 else 8e-3) * x.grad.abs().max().item(), err
+
+
+@pytest.mark.cpu
+def test_segment_ids_must_be_shaped_like_labels():
+    logits, labels, _ = make_inputs(R=6, V=256, shape=(2, 3))
+    with pytest.raises(ValueError, match=r"segment_ids must have shape \(2, 3\)"):
+        lcg.HeadLoss(lcg.GSPO())(logits, labels, old_logprobs=torch.zeros(2, 3), advantages=torch.zeros(2, 3),
+                                 segment_ids=torch.zeros(3, 2, dtype=torch.long))

@@ -1,0 +1,121 @@
+"""Soundness: a head the compiler accepts computes its float64 value and gradient under every plan
+the runtime may choose (split launches, small tiles, vocab-parallel ranks), and a kernel file that
+Triton's compiler would refuse is refused when it is generated, not only on a GPU. Each test here
+is a bug the differential fuzzer (losscodegen/fuzz.py) found."""
+import ast
+import os
+
+import pytest
+import sympy as sp
+import torch
+
+import losscodegen as lcg
+from losscodegen import emit
+from losscodegen import symbols as S
+from losscodegen.fuzz import Plan, check
+from losscodegen.testing import random_inputs, reference
+
+# token-level unlikelihood: a top-k sum that needs the final lse, and no exact read of the vocabulary
+Unlikelihood = lcg.declare_term("unlikelihood", -S.topk_sum(S.log(1 - S.exp(S.topk_logit - S.lse))))
+
+
+@pytest.mark.parametrize("plan", [Plan(tile=(16, 4, True)), Plan(tile=(16, 4, True), reduction="none"),
+                                  Plan(dtype="bfloat16", tile=(32, 4, True))], ids=str)
+def test_token_level_unlikelihood_with_split_launches(plan, device):
+    check(lcg.HeadLoss(Unlikelihood(), lcg.CrossEntropy()), plan, rows=8, vocab=64, seed=1, device=device)
+
+
+@pytest.mark.cpu   # (the fuzzer's gloo ranks)
+def test_token_level_unlikelihood_on_two_gloo_ranks():
+    check(lcg.HeadLoss(Unlikelihood(), lcg.CrossEntropy()),
+          Plan(kind="sharded", world=2, shards=(32, 32)), rows=8, vocab=64, seed=1)
+
+
+def test_a_topk_gradient_kernel_keeps_its_values_in_scope():
+    """The top-k part of the gradient reads nothing that the vocabulary loop computed: Triton's
+    compiler refuses a name used after the loop that defines it (the interpreter does not)."""
+    head = lcg.HeadLoss(Unlikelihood())
+    head.source()   # generation runs emit.check_interface, which refuses a name read out of its scope
+
+
+def test_a_kernel_reading_a_loop_value_after_the_loop_is_refused_at_generation():
+    text = ("def k(V, BLOCK):\n"
+            "    acc = 0.0\n"
+            "    for start in range(0, V, BLOCK):\n"
+            "        d0 = start * 2\n"
+            "        acc += d0\n"
+            "    if V > 0:\n"
+            "        e = acc\n"
+            "    else:\n"
+            "        e = 1.0\n"
+            "    return acc + d0 + e\n")
+    fn = ast.parse(text).body[0]
+    assert emit._read_out_of_scope(fn, {"range"} | {"V", "BLOCK"}) == ["d0 (line 10)"]
+
+
+def test_a_kink_of_a_log_normaliser_and_a_number_builds(device):
+    """S.Max(S.lse, 0): a log-normaliser is a row value, not a number sympy fails to compare."""
+    Hinge = lcg.declare_term("hinge", S.Max(S.lse - S.target_logit, 1) + S.Min(S.lse_at(2), 3))
+    check(lcg.HeadLoss(Hinge()), Plan(tile=(16, 4, False)), rows=6, vocab=40, seed=0, device=device)
+
+
+def test_a_row_coefficient_in_an_exponent_not_linear_in_the_element_is_refused_naming_it():
+    """exp(z**2 / token) inside vsum has no maximum to subtract and overflowed fp32: refused at
+    declare_term, naming the exponential (a linear one, exp(z / token), is read relative to the row
+    maximum: tests/compiler/test_language.py)."""
+    with pytest.raises(ValueError, match=r"exp\(z\*\*2/tok_tau\).*token\('tau'\).*linear in the element"):
+        lcg.declare_term("tempered_lse", S.log(S.vsum(S.exp(S.logit ** 2 / S.token("tau")))))
+    # a number or a param there is a coefficient the kernel shifts by: accepted, and right past 88
+    Tempered = lcg.declare_term("tempered_lse", S.log(S.vsum(S.exp(S.logit / S.param("tau")))))
+    check(lcg.HeadLoss(Tempered(tau=0.02)), Plan(tile=(16, 4, True)), rows=6, vocab=40, seed=0, device=device)
+
+
+@pytest.mark.parametrize("normalize", ["sum", "sequence"])
+def test_a_metric_asked_for_another_normalisation_is_refused(normalize):
+    """A metric is a mean over the valid rows: Entropy(normalize="sum") as a metric was silently a mean."""
+    with pytest.raises(ValueError, match=f"entropy: a metric is a mean.*normalize='{normalize}'"):
+        lcg.HeadLoss(lcg.CrossEntropy(), metrics=(lcg.Entropy(normalize=normalize),))
+
+
+@pytest.mark.parametrize("term", [lambda: lcg.TopKForwardKL(temperature=2.0), lambda: Unlikelihood()],
+                         ids=["topk_forward_kl", "unlikelihood"])
+def test_a_bf16_gradient_at_the_topk_ids_is_rounded_once(term, device):
+    """The dense and the sparse parts of the gradient at a top-k id summed in fp32 and rounded to
+    bf16 once: within one rounding of the float64 gradient (half an ulp; a whole one in Triton's
+    interpreter, whose fp32 -> bf16 conversion truncates). The dense part was rounded to bf16, read
+    back, added to and rounded again: 64 half-ulps off where the two parts nearly cancel."""
+    head = lcg.HeadLoss(term(), lcg.CrossEntropy())
+    logits, labels, kw = random_inputs(head, rows=16, vocab=64, dtype=torch.bfloat16, device=device, seed=4)
+    x = logits.clone().requires_grad_()
+    head(x, labels, **kw).loss.backward()
+    want = reference(head)(logits.cpu(), labels.cpu(), **{k: v.cpu() for k, v in kw.items()})[2]
+    ids = kw["teacher_topk_ids"].cpu()
+    got_k, want_k = x.grad.double().cpu().gather(1, ids), want.gather(1, ids)
+    rounding = 2.0 ** (torch.floor(torch.log2(want_k.abs().clamp_min(1e-30))) - 8)  # half a bf16 ulp
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        rounding = 2 * rounding
+    assert ((got_k - want_k).abs() <= rounding * 1.001).all(), ((got_k - want_k).abs() / rounding).max()
+
+
+def test_parity_of_a_formula_whose_token_simplifies_away(device):
+    """Min(1 + a**2, vsum(softmax)) is 1: the kernel reads no token a (the head accepts none), and
+    the float64 reference, which evaluates the formula as written, still gets values for it."""
+    Flat = lcg.declare_term("flat", S.Min(1 + S.token("a") ** 2, S.vsum(S.softmax)) * S.lse)
+    head = lcg.HeadLoss(lcg.CrossEntropy(), metrics=(Flat(),))
+    assert "a" not in head.kernel.TOKENS
+    check(head, Plan(), rows=4, vocab=40, seed=0, device=device)
+
+
+def test_a_doubly_stopped_gradient_compiles(device):
+    """stop_gradient(stop_gradient(x)): the value x, no gradient (the inner one reached the printer)."""
+    Stopped = lcg.declare_term("stopped", S.stop_gradient(S.stop_gradient(S.vsum(S.softmax * S.logit))) * S.lse)
+    check(lcg.HeadLoss(Stopped()), Plan(), rows=4, vocab=40, seed=0, device=device)
+
+
+def test_a_constant_term_and_a_stopped_constant_metric(device):
+    """Formulas with no row quantity at all: 0.5 summed over rows, and stop_gradient(log(2)) (the
+    reference printed (0.693...).detach(), on a float)."""
+    Half = lcg.declare_term("half", sp.Rational(1, 2))
+    Log2 = lcg.declare_term("log2", S.stop_gradient(S.log(2)))
+    check(lcg.HeadLoss(Half(weight=0.3, normalize="sum"), metrics=(Log2(),)), Plan(), rows=3, vocab=40, seed=0,
+          device=device)
