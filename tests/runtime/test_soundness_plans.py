@@ -59,7 +59,7 @@ def test_a_kink_of_a_log_normaliser_and_a_number_builds(device):
     check(lcg.HeadLoss(Hinge()), Plan(tile=(16, 4, False)), rows=6, vocab=40, seed=0, device=device)
 
 
-def test_a_row_coefficient_in_an_exponent_not_linear_in_the_element_is_refused_naming_it():
+def test_a_row_coefficient_in_an_exponent_not_linear_in_the_element_is_refused_naming_it(device):
     """exp(z**2 / token) inside vsum has no maximum to subtract and overflowed fp32: refused at
     declare_term, naming the exponential (a linear one, exp(z / token), is read relative to the row
     maximum: tests/compiler/test_language.py)."""
