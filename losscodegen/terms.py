@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import inspect
 import math
+import threading
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import sympy as sp
 from sympy.core.relational import Relational
@@ -399,23 +400,17 @@ class _CrossEntropyFactory(TermFactory):
 
 
 # ----- built-in terms ---------------------------------------------------------------------------
-_e = S.param("label_smoothing")
-CrossEntropy = _CrossEntropyFactory(**vars(declare_term(
-    "cross_entropy",
-    (1 - _e) * (S.lse - S.target_logit) + _e * (S.lse - S.vsum(S.logit) / S.vocab_size),
-    defaults={"label_smoothing": 0.0})))
-ZLoss = declare_term("z_loss", S.lse ** 2)
-Entropy = declare_term("entropy", -S.vsum(S.softmax * S.logsoftmax))
-TokenAccuracy = declare_term(
-    "token_accuracy", S.Piecewise((1, sp.Eq(S.argmax, S.label)), (0, True)), metric_only=True)
+# Each group is declared on first use of one of its names (the module's __getattr__), not when the
+# package is imported: their formulas and declare_term's checks are most of this module's import.
+_GROUP_OF: dict[str, Callable[[], tuple[TermFactory, ...]]] = {}   # a built-in's name -> its group
 
-_T = S.param("temperature")
-_p, _logp = S.softmax_at(_T), S.logsoftmax_at(_T)
-_q, _logq = S.teacher_prob_at(_T), S.teacher_logprob_at(_T)
-ForwardKL = declare_term("forward_kl", S.vsum(_q * (_logq - _logp)), defaults={"temperature": 1.0})
-ReverseKL = declare_term("reverse_kl", S.vsum(_p * (_logp - _logq)), defaults={"temperature": 1.0})
-_beta = S.param("beta")
-_logm = S.log(_beta * _p + (1 - _beta) * _q)
+
+def _declares(*names: str) -> Callable:
+    """Registers a group of built-ins: the function declaring them, returning them in this order."""
+    def register(group: Callable[[], tuple[TermFactory, ...]]) -> Callable[[], tuple[TermFactory, ...]]:
+        _GROUP_OF.update(dict.fromkeys(names, group))
+        return group
+    return register
 
 
 @dataclass(frozen=True)
@@ -449,71 +444,116 @@ class _JSDFactory(TermFactory):
         return super().__call__(*positional, **params)
 
 
-JSD = _JSDFactory(**vars(declare_term(
-    "jsd", _beta * S.vsum(_p * (_logp - _logm)) + (1 - _beta) * S.vsum(_q * (_logq - _logm)),
-    defaults={"beta": 0.5, "temperature": 1.0})))
-TopKForwardKL = declare_term(
-    "topk_forward_kl",
-    S.topk_sum(S.exp(S.topk_logprob) * (S.topk_logprob - (S.topk_logit / _T - S.lse_at(_T)))),
-    defaults={"temperature": 1.0})
+@_declares("CrossEntropy", "ZLoss", "Entropy", "TokenAccuracy")
+def _token_terms() -> tuple[TermFactory, ...]:
+    _e = S.param("label_smoothing")
+    CrossEntropy = _CrossEntropyFactory(**vars(declare_term(
+        "cross_entropy",
+        (1 - _e) * (S.lse - S.target_logit) + _e * (S.lse - S.vsum(S.logit) / S.vocab_size),
+        defaults={"label_smoothing": 0.0})))
+    ZLoss = declare_term("z_loss", S.lse ** 2)
+    Entropy = declare_term("entropy", -S.vsum(S.softmax * S.logsoftmax))
+    TokenAccuracy = declare_term(
+        "token_accuracy", S.Piecewise((1, sp.Eq(S.argmax, S.label)), (0, True)), metric_only=True)
+    return CrossEntropy, ZLoss, Entropy, TokenAccuracy
 
-# policy gradient: l = log p_y, r = exp(l - old), A = advantages. Sources: TRL 1.16
-# GRPOTrainer._compute_loss (trl/trainer/grpo_trainer.py), token-level importance sampling.
-_l = S.target_logit - S.lse
-_r = S.exp(_l - S.token("old_logprobs"))
-_A = S.token("advantages")
-_lo, _hi = 1 - S.param("eps_low"), 1 + S.param("eps_high")
-_delta = S.param("delta")
-_d = S.token("ref_logprobs") - _l
-# TRL: per_token_kl = exp(ref - logp) - (ref - logp) - 1, times coef_1 (= r, before delta's clamp)
-# when use_bias_correction_kl (DeepSeek-V3.2): kl_bias_correction=1.0 here, 0.0 leaves it out
-_kl = (S.exp(_d) - _d - 1) * (1 + S.param("kl_bias_correction") * (_r - 1))
-# TRL: coef_2 = clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high); with delta (INTELLECT-2's two-sided
-# clipping) coef_1 = clamp(coef_1, max=delta) (the lower bound 0 here never binds: r > 0; delta=inf
-# binds nowhere either); loss = -min(coef_1 * A, coef_2 * A) + beta * kl
-GRPO = declare_term(
-    "grpo", -S.Min(S.clamp(_r, 0, _delta) * _A, S.clamp(_r, _lo, _hi) * _A) + S.param("kl_beta") * _kl,
-    defaults={"eps_low": 0.2, "eps_high": 0.2, "kl_beta": 0.0, "delta": math.inf, "kl_bias_correction": 0.0})
-# TRL's KL penalty on its own, for the losses that take one beside their policy term (CISPO, SAPO)
-RefKL = declare_term("ref_kl", _kl, defaults={"kl_bias_correction": 0.0})
-# CISPO, MiniMax-M1 (arXiv 2506.13585) eq. 4: the clipped importance weight is detached. TRL's
-# loss_type="cispo": -clamp(coef_1, max=epsilon_high).detach() * A * logp, its epsilon_high being
-# the bound itself (1 + eps_high here; ScaleRL's recommended 5.0 is eps_high=4.0)
-CISPO = declare_term("cispo", -S.stop_gradient(S.Min(_r, 1 + S.param("eps_high"))) * _A * _l,
-                     defaults={"eps_high": 4.0})
-# SAPO (arXiv 2511.20347), TRL's loss_type="sapo": tau = tau_pos if A > 0 else tau_neg,
-# loss = -sigmoid(tau * (coef_1 - 1)) * 4 / tau * A
-_tau = S.Piecewise((S.param("temperature_pos"), _A > 0), (S.param("temperature_neg"), True))
-SAPO = declare_term("sapo", -4 / _tau / (1 + S.exp(-_tau * (_r - 1))) * _A,
-                    defaults={"temperature_pos": 1.0, "temperature_neg": 1.05})
-_R = S.exp(S.segment_mean(_l - S.token("old_logprobs")))
-_As = S.segment_mean(_A)
-GSPO = declare_term(
-    "gspo", -S.Min(_R * _As, S.clamp(_R, _lo, _hi) * _As),
-    defaults={"eps_low": 3e-4, "eps_high": 4e-4})
 
-_eps_from_grpo = {"eps_low": FromTerm("grpo", 0.2), "eps_high": FromTerm("grpo", 0.2)}
-RatioMean = declare_term("ratio_mean", _r, metric_only=True)
-ClipFraction = declare_term(
-    "clip_fraction", S.Piecewise((1, sp.Or(_r < _lo, _r > _hi)), (0, True)),
-    defaults=_eps_from_grpo, metric_only=True)
-# TRL's clip ratios (sign-aware): low counts coef_1 < 1 - epsilon_low where A < 0, high counts
-# coef_1 > 1 + epsilon_high where A > 0, region either; coef_1 after delta's clamp, as TRL has it
-_rd = S.clamp(_r, 0, _delta)
-_clipped_low, _clipped_high = sp.And(_rd < _lo, _A < 0), sp.And(_rd > _hi, _A > 0)
-_from_grpo = {**_eps_from_grpo, "delta": FromTerm("grpo", math.inf)}
-ClipRatioLow = declare_term("clip_ratio_low", S.Piecewise((1, _clipped_low), (0, True)),
-                            defaults=_from_grpo, metric_only=True)
-ClipRatioHigh = declare_term("clip_ratio_high", S.Piecewise((1, _clipped_high), (0, True)),
-                             defaults=_from_grpo, metric_only=True)
-ClipRatioRegion = declare_term("clip_ratio_region", S.Piecewise((1, sp.Or(_clipped_low, _clipped_high)), (0, True)),
-                               defaults=_from_grpo, metric_only=True)
-# TRL's cispo_clip_ratio: coef_1 > epsilon_high where A > 0
-CISPOClipRatio = declare_term("cispo_clip_ratio", S.Piecewise((1, sp.And(_r > _hi, _A > 0)), (0, True)),
-                              defaults={"eps_high": FromTerm("cispo", 4.0)}, metric_only=True)
-KLNewOld = declare_term("kl_new_old", _r - (_l - S.token("old_logprobs")) - 1, metric_only=True)
-LogProb = declare_term("logprob", _l)
+@_declares("ForwardKL", "ReverseKL", "JSD", "TopKForwardKL")
+def _distillation_terms() -> tuple[TermFactory, ...]:
+    _T = S.param("temperature")
+    _p, _logp = S.softmax_at(_T), S.logsoftmax_at(_T)
+    _q, _logq = S.teacher_prob_at(_T), S.teacher_logprob_at(_T)
+    ForwardKL = declare_term("forward_kl", S.vsum(_q * (_logq - _logp)), defaults={"temperature": 1.0})
+    ReverseKL = declare_term("reverse_kl", S.vsum(_p * (_logp - _logq)), defaults={"temperature": 1.0})
+    _beta = S.param("beta")
+    _logm = S.log(_beta * _p + (1 - _beta) * _q)
+    JSD = _JSDFactory(**vars(declare_term(
+        "jsd", _beta * S.vsum(_p * (_logp - _logm)) + (1 - _beta) * S.vsum(_q * (_logq - _logm)),
+        defaults={"beta": 0.5, "temperature": 1.0})))
+    TopKForwardKL = declare_term(
+        "topk_forward_kl",
+        S.topk_sum(S.exp(S.topk_logprob) * (S.topk_logprob - (S.topk_logit / _T - S.lse_at(_T)))),
+        defaults={"temperature": 1.0})
+    return ForwardKL, ReverseKL, JSD, TopKForwardKL
 
-BUILTINS = (CrossEntropy, ZLoss, Entropy, TokenAccuracy, ForwardKL, ReverseKL, JSD, TopKForwardKL,
-            GRPO, RefKL, CISPO, SAPO, GSPO, RatioMean, ClipFraction, ClipRatioLow, ClipRatioHigh,
+
+@_declares("GRPO", "RefKL", "CISPO", "SAPO", "GSPO", "RatioMean", "ClipFraction", "ClipRatioLow",
+           "ClipRatioHigh", "ClipRatioRegion", "CISPOClipRatio", "KLNewOld", "LogProb")
+def _policy_terms() -> tuple[TermFactory, ...]:
+    # policy gradient: l = log p_y, r = exp(l - old), A = advantages. Sources: TRL 1.16
+    # GRPOTrainer._compute_loss (trl/trainer/grpo_trainer.py), token-level importance sampling.
+    _l = S.target_logit - S.lse
+    _r = S.exp(_l - S.token("old_logprobs"))
+    _A = S.token("advantages")
+    _lo, _hi = 1 - S.param("eps_low"), 1 + S.param("eps_high")
+    _delta = S.param("delta")
+    _d = S.token("ref_logprobs") - _l
+    # TRL: per_token_kl = exp(ref - logp) - (ref - logp) - 1, times coef_1 (= r, before delta's clamp)
+    # when use_bias_correction_kl (DeepSeek-V3.2): kl_bias_correction=1.0 here, 0.0 leaves it out
+    _kl = (S.exp(_d) - _d - 1) * (1 + S.param("kl_bias_correction") * (_r - 1))
+    # TRL: coef_2 = clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high); with delta (INTELLECT-2's two-sided
+    # clipping) coef_1 = clamp(coef_1, max=delta) (the lower bound 0 here never binds: r > 0; delta=inf
+    # binds nowhere either); loss = -min(coef_1 * A, coef_2 * A) + beta * kl
+    GRPO = declare_term(
+        "grpo", -S.Min(S.clamp(_r, 0, _delta) * _A, S.clamp(_r, _lo, _hi) * _A) + S.param("kl_beta") * _kl,
+        defaults={"eps_low": 0.2, "eps_high": 0.2, "kl_beta": 0.0, "delta": math.inf, "kl_bias_correction": 0.0})
+    # TRL's KL penalty on its own, for the losses that take one beside their policy term (CISPO, SAPO)
+    RefKL = declare_term("ref_kl", _kl, defaults={"kl_bias_correction": 0.0})
+    # CISPO, MiniMax-M1 (arXiv 2506.13585) eq. 4: the clipped importance weight is detached. TRL's
+    # loss_type="cispo": -clamp(coef_1, max=epsilon_high).detach() * A * logp, its epsilon_high being
+    # the bound itself (1 + eps_high here; ScaleRL's recommended 5.0 is eps_high=4.0)
+    CISPO = declare_term("cispo", -S.stop_gradient(S.Min(_r, 1 + S.param("eps_high"))) * _A * _l,
+                         defaults={"eps_high": 4.0})
+    # SAPO (arXiv 2511.20347), TRL's loss_type="sapo": tau = tau_pos if A > 0 else tau_neg,
+    # loss = -sigmoid(tau * (coef_1 - 1)) * 4 / tau * A
+    _tau = S.Piecewise((S.param("temperature_pos"), _A > 0), (S.param("temperature_neg"), True))
+    SAPO = declare_term("sapo", -4 / _tau / (1 + S.exp(-_tau * (_r - 1))) * _A,
+                        defaults={"temperature_pos": 1.0, "temperature_neg": 1.05})
+    _R = S.exp(S.segment_mean(_l - S.token("old_logprobs")))
+    _As = S.segment_mean(_A)
+    GSPO = declare_term(
+        "gspo", -S.Min(_R * _As, S.clamp(_R, _lo, _hi) * _As),
+        defaults={"eps_low": 3e-4, "eps_high": 4e-4})
+
+    _eps_from_grpo = {"eps_low": FromTerm("grpo", 0.2), "eps_high": FromTerm("grpo", 0.2)}
+    RatioMean = declare_term("ratio_mean", _r, metric_only=True)
+    ClipFraction = declare_term(
+        "clip_fraction", S.Piecewise((1, sp.Or(_r < _lo, _r > _hi)), (0, True)),
+        defaults=_eps_from_grpo, metric_only=True)
+    # TRL's clip ratios (sign-aware): low counts coef_1 < 1 - epsilon_low where A < 0, high counts
+    # coef_1 > 1 + epsilon_high where A > 0, region either; coef_1 after delta's clamp, as TRL has it
+    _rd = S.clamp(_r, 0, _delta)
+    _clipped_low, _clipped_high = sp.And(_rd < _lo, _A < 0), sp.And(_rd > _hi, _A > 0)
+    _from_grpo = {**_eps_from_grpo, "delta": FromTerm("grpo", math.inf)}
+    ClipRatioLow = declare_term("clip_ratio_low", S.Piecewise((1, _clipped_low), (0, True)),
+                                defaults=_from_grpo, metric_only=True)
+    ClipRatioHigh = declare_term("clip_ratio_high", S.Piecewise((1, _clipped_high), (0, True)),
+                                 defaults=_from_grpo, metric_only=True)
+    ClipRatioRegion = declare_term("clip_ratio_region", S.Piecewise((1, sp.Or(_clipped_low, _clipped_high)), (0, True)),
+                                   defaults=_from_grpo, metric_only=True)
+    # TRL's cispo_clip_ratio: coef_1 > epsilon_high where A > 0
+    CISPOClipRatio = declare_term("cispo_clip_ratio", S.Piecewise((1, sp.And(_r > _hi, _A > 0)), (0, True)),
+                                  defaults={"eps_high": FromTerm("cispo", 4.0)}, metric_only=True)
+    KLNewOld = declare_term("kl_new_old", _r - (_l - S.token("old_logprobs")) - 1, metric_only=True)
+    LogProb = declare_term("logprob", _l)
+    return (GRPO, RefKL, CISPO, SAPO, GSPO, RatioMean, ClipFraction, ClipRatioLow, ClipRatioHigh,
             ClipRatioRegion, CISPOClipRatio, KLNewOld, LogProb)
+
+
+BUILTIN_NAMES = tuple(_GROUP_OF)
+_declaring = threading.Lock()
+
+
+def __getattr__(name: str) -> Any:
+    """A built-in term (declared with its group at first use, then a plain global), or BUILTINS:
+    every built-in, in BUILTIN_NAMES' order."""
+    if name == "BUILTINS":
+        return tuple(__getattr__(n) for n in BUILTIN_NAMES)
+    group = _GROUP_OF.get(name)
+    if group is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    with _declaring:
+        if name not in globals():
+            names = [n for n, g in _GROUP_OF.items() if g is group]
+            globals().update(zip(names, group(), strict=True))
+    return globals()[name]
