@@ -237,12 +237,14 @@ class Launcher:
         # (an exact read takes the all-gather: it reads every row again after the exchange anyway)
         self.exchange = None if call.group is None or k.HAS_EXACT or not head.backend.exchange \
             else collectives.exchange(call.group, call.device)
-        sig = Signature(call.V_local, dtype, element_size, call.device, call.reduction, call.group, grad,
-                        call.divisor is not None, call.topk_ids.shape[1] if k.USES_TOPK else 0,
-                        self.exchange is not None)
+        # The layouts' key as a plain tuple, which equals its Signature and hashes alike: a
+        # NamedTuple costs a call host time, so one is made only for a new layout.
+        key = (call.V_local, dtype, element_size, call.device, call.reduction, call.group, grad,
+               call.divisor is not None, call.topk_ids.shape[1] if k.USES_TOPK else 0, self.exchange is not None)
         # (a configuration being measured takes no layout kept from a call before it, nor leaves one)
-        layout = head.layouts.get(sig) if head.tile_override is None else None
+        layout = head.layouts.get(key) if head.tile_override is None else None
         if layout is None:
+            sig = Signature(*key)
             layout = _layout(head, sig)
             if head.tile_override is None:
                 head.layouts[sig] = layout
@@ -326,7 +328,7 @@ def run(head, call, *, grad: bool, inplace: bool) -> tuple[torch.Tensor, torch.T
     reduction="none" the gradient is deferred (``backward``): no buffer."""
     device = call.device
     flags = head.checks.before(device) if head.validate else None
-    width = max(call.x.element_size(), call.teacher.element_size() if call.teacher is not None else 0)
+    width = call.x.element_size() if call.teacher is None else max(call.x.element_size(), call.teacher.element_size())
     launcher = Launcher(head, call, grad=grad, flags=flags, dtype=call.x.dtype, element_size=width)
     grad_buf = None
     if grad and not launcher.layout.deferred:
