@@ -212,9 +212,11 @@ class HeadLoss(torch.nn.Module):
 
     # ---- calls ----------------------------------------------------------------------------------
     def forward(self, logits: torch.Tensor, labels: torch.Tensor | None = None, **inputs: Any) -> HeadOutput:
-        if distributed.is_dtensor(logits):
+        # (a plain tensor is no DTensor, and a head without tensor weights has no learnable one:
+        # the default call skips both look-ups)
+        if type(logits) is not torch.Tensor and distributed.is_dtensor(logits):
             return distributed.forward(self, logits, labels, inputs)
-        learnable = self._learnable_weights()
+        learnable = self._learnable_weights() if self.tensor_scalars else ()
         call = check_call(self, self.kernel, logits, labels, inputs)
         run = autograd.compiled if torch.compiler.is_compiling() else autograd.eager
         return self._output(*run(self, logits, call), call, learnable)

@@ -68,7 +68,7 @@ class Call:
 
 def check_call(head, kernel: ModuleType, logits: Any, labels: Any, inputs: dict[str, Any]) -> Call:
     """Check ``head(logits, labels, **inputs)`` against what the head's kernel reads."""
-    group = inputs.get("process_group")
+    group = inputs.get("process_group") if inputs else None
     if group is not None and isinstance(logits, torch.Tensor) and logits.dim() >= 1 and logits.shape[-1] == 0:
         # a rank with an empty vocab shard still takes part in the shards' width exchange, which
         # then refuses the call on every rank (raising here alone would leave the others waiting)
@@ -152,14 +152,11 @@ def check_rows(head, kernel: ModuleType, shape: tuple[int, ...], V_local: int, d
             rows = check_rowwise(name, inputs.get(name), shape, dev, required=True, needed_by=head.terms_reading)
         tokens.append(rows)
     vectors = tuple(check_vector(name, inputs.get(name), V_local, dev, inputs.get("process_group"),
-                                 head.terms_reading) for name in kernel.VECTORS)
-    return Call(
-        shape=shape, V_local=V_local, device=dev, x=x, labels=labels, mask=mask, teacher=teacher,
-        vectors=vectors,
-        tokens=tuple(tokens), topk_ids=topk_ids, topk_logprobs=topk_logprobs,
-        segment_ids=segment_ids, num_segments=num_segments, divisor=divisor,
-        reduction=reduction, group=inputs.get("process_group"), segment_group=inputs.get("segment_group"),
-        value_divisors=tuple(value_divisors))
+                                 head.terms_reading) for name in kernel.VECTORS) if kernel.VECTORS else ()
+    # (by position, in the fields' order: a dataclass's keywords cost a microsecond a call)
+    return Call(shape, V_local, dev, x, labels, mask, teacher, tuple(tokens), topk_ids, topk_logprobs,
+                segment_ids, num_segments, divisor, reduction, inputs.get("process_group"),
+                inputs.get("segment_group"), tuple(value_divisors), None, vectors)
 
 
 def check_vector(name: str, value: Any, V_local: int, dev: torch.device, group: Any,

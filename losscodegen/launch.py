@@ -163,14 +163,15 @@ def _regions(k: ModuleType, n_rows: int, *, per_row: bool, keep_stats: bool, n_s
             "off_seg_coefs": segs * len(k.SEGMENT_MEANS)}
 
 
-def _offsets(k: ModuleType, n_rows: int, **kw: Any) -> tuple[dict[str, int], int, int]:
-    """The workspace's offsets by region (``Workspace``'s fields), where its zeroed part ends, and its size."""
+def _offsets(k: ModuleType, n_rows: int, **kw: Any) -> tuple[tuple[int, ...], int, int]:
+    """The workspace's offsets, in the order of ``Workspace``'s fields after ``k`` (each call passes
+    them by position: keywords cost a call host time), where its zeroed part ends, and its size."""
     if n_rows >= 1 << 24:
         raise ValueError(f"a call takes fewer than 2**24 rows (its counts are exact fp32), got {n_rows}")
     offsets, at = {}, k.FIXED_SLOTS
     for region, size in _regions(k, n_rows, **kw).items():
         offsets[region], at = at, at + size
-    return offsets, offsets["off_rows"], at
+    return tuple(offsets[name] for name in Workspace.__slots__[3:]), offsets["off_rows"], at
 
 
 def workspace(size: int, device: torch.device) -> torch.Tensor:
@@ -234,14 +235,16 @@ class Launcher:
         self.gathered: torch.Tensor | None = None  # all ranks' packed stats, after a "gather"
         self.n_seg = segments.count(call, head.ignore_index) if k.SEGMENTS else 0
         # (an exact read takes the all-gather: it reads every row again after the exchange anyway)
-        self.exchange = None if k.HAS_EXACT or not head.backend.exchange \
+        self.exchange = None if call.group is None or k.HAS_EXACT or not head.backend.exchange \
             else collectives.exchange(call.group, call.device)
-        sig = LayoutKey(call.V_local, dtype, element_size, call.device, call.reduction, call.group, grad,
-                        call.divisor is not None, call.topk_ids.shape[1] if k.USES_TOPK else 0,
-                        self.exchange is not None)
+        # The layouts' key as a plain tuple, which equals its LayoutKey and hashes alike: a
+        # NamedTuple costs a call host time, so one is made only for a new layout.
+        key = (call.V_local, dtype, element_size, call.device, call.reduction, call.group, grad,
+               call.divisor is not None, call.topk_ids.shape[1] if k.USES_TOPK else 0, self.exchange is not None)
         # (a configuration being measured takes no layout kept from a call before it, nor leaves one)
-        layout = head.layouts.get(sig) if head.tile_override is None else None
+        layout = head.layouts.get(key) if head.tile_override is None else None
         if layout is None:
+            sig = LayoutKey(*key)
             layout = _layout(head, sig)
             if head.tile_override is None:
                 head.layouts[sig] = layout
@@ -255,7 +258,7 @@ class Launcher:
             offsets = layout.offsets[call.rows, self.n_seg] = _offsets(
                 k, call.rows, per_row=call.reduction == "none", keep_stats=len(layout.steps) > 1, n_seg=self.n_seg)
         regions, zeroed, size = offsets
-        self.ws = Workspace(workspace(size, call.device), call.rows, k, **regions)
+        self.ws = Workspace(workspace(size, call.device), call.rows, k, *regions)
         layout.prologue(1, self.ws.t, zeroed, call.labels, call.mask, call.rows, head.ignore_index, k.COUNT)
 
     def run(self, launches: tuple[tuple[Launch, Launchable], ...], x: torch.Tensor, teacher: torch.Tensor | None,
@@ -325,7 +328,7 @@ def run(head, call, *, grad: bool, inplace: bool) -> tuple[torch.Tensor, torch.T
     reduction="none" the gradient is deferred (``backward``): no buffer."""
     device = call.device
     flags = head.checks.before(device) if head.validate else None
-    width = max(call.x.element_size(), call.teacher.element_size() if call.teacher is not None else 0)
+    width = call.x.element_size() if call.teacher is None else max(call.x.element_size(), call.teacher.element_size())
     launcher = Launcher(head, call, grad=grad, flags=flags, dtype=call.x.dtype, element_size=width)
     grad_buf = None
     if grad and not launcher.layout.deferred:
