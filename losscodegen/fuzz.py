@@ -243,14 +243,22 @@ class Plan:
         return f"Plan({', '.join(fields_)})"
 
 
+# a tensor weight or parameter, created on the case's device (``device``, a name of the printed test)
+_TENSOR = "torch.tensor({}, device=device)"
+
+
 @dataclass(frozen=True)
 class Case:
+    """A head's terms, a plan, the inputs' sizes and seed, and the device it runs on: its tensor
+    weights and parameters are created there, as the logits are (a printed test names it)."""
+
     terms: tuple[TermSpec, ...]
     plan: Plan = Plan()
     head_options: str = ""     # e.g. "softcap=20.0"
     rows: int = 12
     vocab: int = 64
     seed: int = 0
+    device: str = "cpu"
 
     def head_code(self) -> list[str]:
         specs = list(enumerate(self.terms))
@@ -262,12 +270,13 @@ class Case:
         return lines + [f"head = lcg.HeadLoss({', '.join(args)})"]
 
     def code(self) -> str:
-        return "\n".join(self.head_code() + [
-            f"check(head, {self.plan.code()}, rows={self.rows}, vocab={self.vocab}, seed={self.seed})"])
+        return "\n".join([f"device = {self.device!r}"] + self.head_code() + [
+            f"check(head, {self.plan.code()}, rows={self.rows}, vocab={self.vocab}, seed={self.seed}, "
+            f"device=device)"])
 
 
 def build_head(case: Case) -> lcg.HeadLoss:
-    namespace: dict[str, Any] = {"lcg": lcg, "S": S, "torch": torch, "math": math}
+    namespace: dict[str, Any] = {"lcg": lcg, "S": S, "torch": torch, "math": math, "device": case.device}
     exec("\n".join(case.head_code()), namespace)
     return namespace["head"]
 
@@ -305,11 +314,11 @@ def _declared(gen: Generator, i: int, metric: bool) -> TermSpec:
     params = []
     code = formula.code()
     if "S.param('c')" in code:
-        params.append(f"c={r.choice(['0.7', '-1.3', 'torch.tensor(0.4)'])}")
+        params.append(f"c={r.choice(['0.7', '-1.3', _TENSOR.format(0.4)])}")
     if "S.param('k')" in code:
         params.append(f"k={r.choice(['1.0', '0.5', '2.0'])}")   # in an exponent: a number (it decides the plan)
     if not metric:
-        weight = r.choice(["1.0", "0.3", "torch.tensor(0.8)"])
+        weight = r.choice(["1.0", "0.3", _TENSOR.format(0.8)])
         params.insert(0, f"weight={weight}")
         if r.random() < 0.15:
             params.append("normalize='sum'")
@@ -318,8 +327,9 @@ def _declared(gen: Generator, i: int, metric: bool) -> TermSpec:
     return TermSpec(", ".join(params), name=f"f{i}", formula=formula, metric=metric)
 
 
-def generate_case(rng: random.Random) -> Case:
-    """A random head (1-3 terms, 0-2 metrics, declared and built in) with the plainest plan."""
+def generate_case(rng: random.Random, device: str = "cpu") -> Case:
+    """A random head (1-3 terms, 0-2 metrics, declared and built in) with the plainest plan, its
+    tensors on ``device``."""
     gen = Generator(rng, teacher=rng.random() < 0.4, topk=rng.random() < 0.3, segments=rng.random() < 0.15)
     specs: list[TermSpec] = []
     for metric, count in ((False, rng.choice([1, 1, 2, 3])), (True, rng.choice([0, 0, 1, 2]))):
@@ -338,7 +348,7 @@ def generate_case(rng: random.Random) -> Case:
         unique.insert(0, _declared(gen, len(unique), False))
     options = rng.choice(["", "", "", "softcap=20.0", "logit_scale=0.5"])
     return Case(tuple(unique), Plan(), options, rows=rng.choice([7, 12]), vocab=rng.choice([40, 64, 61]),
-                seed=rng.randrange(1000))
+                seed=rng.randrange(1000), device=device)
 
 
 def plans(rng: random.Random, case: Case, *, compile_share: float = 0.0, sharded: bool = True,
@@ -695,7 +705,7 @@ def _rank_main(rank: int, world: int, port: int, jobs, results) -> None:
 
 
 # ---- shrinking and printing ---------------------------------------------------------------------------
-def _fails(case: Case, device: str, ranks: dict) -> str | None:
+def _fails(case: Case, ranks: dict) -> str | None:
     """The mismatch's message if ``case`` still fails (a mismatch, or an error other than a refusal
     at declaration or construction: a shrink step that left the language)."""
     try:
@@ -706,7 +716,7 @@ def _fails(case: Case, device: str, ranks: dict) -> str | None:
     except Exception as e:   # the compiler crashed on it
         return f"{type(e).__name__}: {e}"
     try:
-        check(head, case.plan, rows=case.rows, vocab=case.vocab, seed=case.seed, device=device,
+        check(head, case.plan, rows=case.rows, vocab=case.vocab, seed=case.seed, device=case.device,
               ranks=ranks.get(case.plan.world) if case.plan.kind == "sharded" else None)
     except Mismatch as e:
         return str(e)
@@ -762,18 +772,18 @@ def _smaller_cases(case: Case) -> Iterator[Case]:
         yield dataclasses.replace(case, rows=max(case.rows // 2, 3))
 
 
-def shrink(case: Case, *, device: str = "cpu", ranks: dict | None = None, budget: int = 60) -> tuple[Case, str]:
-    """The smallest case found, by greedy steps that keep it failing, and its message (at most
-    ``budget`` checks)."""
+def shrink(case: Case, *, ranks: dict | None = None, budget: int = 60) -> tuple[Case, str]:
+    """The smallest case found, by greedy steps that keep it failing (on the case's device), and its
+    message (at most ``budget`` checks)."""
     ranks = ranks or {}
-    message = _fails(case, device, ranks) or "no longer fails"
+    message = _fails(case, ranks) or "no longer fails"
     tries = 0
     improved = True
     while improved and tries < budget:
         improved = False
         for smaller in _smaller_cases(case):
             tries += 1
-            found = _fails(smaller, device, ranks)
+            found = _fails(smaller, ranks)
             if found is not None and _kind(found) == _kind(message):
                 case, message, improved = smaller, found, True
                 break
@@ -791,8 +801,8 @@ def regression_test(case: Case, message: str, name: str = "") -> str:
             f"    from losscodegen import symbols as S\n    from losscodegen.fuzz import Plan, check\n{body}\n")
 
 
-def _report(case: Case, message: str, counts: "Counts", device: str, ranks: dict, budget: int, out) -> None:
-    small, found = shrink(case, device=device, ranks=ranks, budget=budget)
+def _report(case: Case, message: str, counts: "Counts", ranks: dict, budget: int, out) -> None:
+    small, found = shrink(case, ranks=ranks, budget=budget)
     test = regression_test(small, found if found != "no longer fails" else message)
     counts.mismatches.append(test)
     out(f"MISMATCH: {message.splitlines()[0]}\n{test}")
@@ -838,7 +848,7 @@ def _fuzz(seconds, seed, device, cases, sharded, compile_share, shrink_budget, o
             if time.monotonic() - reported > 60:
                 reported = time.monotonic()
                 out(f"{(reported - start) / 60:.1f} min: {counts}")
-            case = generate_case(rng)
+            case = generate_case(rng, device)
             counts.formulas += sum(t.formula is not None for t in case.terms)
             try:
                 head = build_head(case)
@@ -848,7 +858,7 @@ def _fuzz(seconds, seed, device, cases, sharded, compile_share, shrink_budget, o
                 continue
             except Exception as e:   # the compiler crashed on a head it accepted
                 counts.heads += 1
-                _report(case, f"{type(e).__name__}: {e}", counts, device, ranks, shrink_budget, out)
+                _report(case, f"{type(e).__name__}: {e}", counts, ranks, shrink_budget, out)
                 continue
             counts.heads += 1
             for plan in plans(rng, case, compile_share=compile_share, sharded=sharded,
@@ -868,7 +878,7 @@ def _fuzz(seconds, seed, device, cases, sharded, compile_share, shrink_budget, o
                         ranks.pop(plan.world, None)
                     message = str(e) if isinstance(e, Mismatch) else \
                         f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=-3)}"
-                    _report(planned, message, counts, device, ranks, shrink_budget, out)
+                    _report(planned, message, counts, ranks, shrink_budget, out)
                     break
     finally:
         for r in ranks.values():
