@@ -116,3 +116,18 @@ def test_a_constant_term_and_a_stopped_constant_metric():
     Half = lcg.declare_term("half", sp.Rational(1, 2))
     Log2 = lcg.declare_term("log2", S.stop_gradient(S.log(2)))
     check(lcg.HeadLoss(Half(weight=0.3, normalize="sum"), metrics=(Log2(),)), Plan(), rows=3, vocab=40, seed=0)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("summand", [S.tanh(S.exp(S.topk_logit - S.lse)),
+                                     S.exp(S.topk_logit - S.lse) * (S.topk_logit - S.lse),
+                                     S.log(1 - S.exp(S.topk_logit - S.lse))], ids=str)
+def test_a_topk_sum_of_the_final_lse_that_the_gpu_run_refused_is_generated_on_each_backend(backend, summand):
+    """The fuzzer's H100 run (docs/perf/NVIDIA-H100-80GB-HBM3-fuzz-2026-11-25.txt): these heads,
+    on the torch backend, read ``d0`` after the vocabulary loop that computed it (the generation-time
+    scope check refused them; fixed in the torch backend's top-k block, 6acc534). Generation runs
+    the scope check; the values are the reference's on a split plan."""
+    term = lcg.declare_term("topk_term", S.topk_sum(summand))
+    head = lcg.HeadLoss(term(weight=0.3, normalize="sum"), backend=backend)
+    head.kernel
+    check(head, Plan(tile=(16, 4, True)), rows=3, vocab=40, seed=372)
