@@ -405,12 +405,14 @@ def _inputs(head: lcg.HeadLoss, case: Case, device: str):
     return logits, labels, kw
 
 
-def _reference(head, logits, labels, kw, up=None):
-    """(loss, values, rows, dL/dlogits) in float64; ``up``: upstream gradients (reduction="none"):
-    on the per-row loss and on each term's rows."""
+def _reference(head, logits, labels, kw, up=None, precision: torch.dtype = torch.float64):
+    """(loss, values, rows, dL/dlogits) in float64 (``precision=torch.float32``: plain torch's fp32
+    of the same formulas); ``up``: upstream gradients (reduction="none"): on the per-row loss and
+    on each term's rows."""
     ref = reference(head)
     cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
-    x, out, values, rows = ref.evaluate(logits.cpu(), None if labels is None else labels.cpu(), **cpu)
+    x, out, values, rows = ref.evaluate(logits.cpu(), None if labels is None else labels.cpu(),
+                                        precision=precision, **cpu)
     if kw.get("reduction") == "none":
         total = (out * up["loss"]).sum() + sum((rows[n] * g).sum() for n, g in up["rows"].items())
     else:
@@ -485,7 +487,7 @@ def check(head: lcg.HeadLoss, plan: Plan, *, rows: int = 12, vocab: int = 64, se
             return
     else:
         got = _run_here(head, plan, logits, labels, kw, up)
-    _compare(head, plan, got, want, dtype)
+    _compare(head, plan, got, want, dtype, peer=lambda: _reference(head, logits, labels, kw, up, torch.float32)[3])
 
 
 def _forced(head, plan: Plan, logits: torch.Tensor) -> Any:
@@ -537,7 +539,7 @@ def _backward(head, plan: Plan, x, loss, rows, up) -> None:
     total.backward()
 
 
-def _compare(head, plan: Plan, got, want, dtype) -> None:
+def _compare(head, plan: Plan, got, want, dtype, peer=None) -> None:
     g_loss, g_values, g_rows, g_grad = got
     w_loss, w_values, w_rows, w_grad = want
     where = f"({plan.code()})"
@@ -549,23 +551,44 @@ def _compare(head, plan: Plan, got, want, dtype) -> None:
             for name, value in w_rows.items():
                 compare(f"rows[{name!r}]", g_rows[name], value, dtype, where=where)
         if head.loss_terms:
-            _compare_gradient(g_grad, w_grad, w_loss, dtype, where)
+            _compare_gradient(g_grad, w_grad, w_loss, dtype, where, peer)
     except AssertionError as e:
         raise Mismatch(str(e)) from None
 
 
-def _compare_gradient(got, want, loss, dtype, where: str) -> None:
+# How much worse than plain torch's fp32 evaluation of the same formula a gradient may be, where it
+# is outside the gradient tolerance
+PEER_FACTOR = 4.0
+
+
+def _error(got, want) -> float:
+    return float((got.detach().double().cpu().reshape(want.shape) - want).abs().nan_to_num(float("inf")).max())
+
+
+def _compare_gradient(got, want, loss, dtype, where: str, peer=None) -> None:
     """``testing.compare``'s gradient check, whose bound is relative to the largest |gradient|; a
     gradient that cancels to (nearly) 0 (``c * vsum(softmax)``) is held to fp32 rounding of the
-    loss's own scale instead, which is what its parts carry."""
+    loss's own scale instead, which is what its parts carry.
+
+    A bound relative to the gradient's own size is wrong where the formula's derivative is itself
+    a cancellation: d tanh(u) = 1 - tanh(u)**2 for u = 7 is 3e-6 made of two terms of size 1, and
+    any fp32 evaluation of it carries a relative error of 2**-24 / 3e-6 (5%; torch's autograd in
+    fp32 gives the same digits as ours). So a gradient outside the bound is measured against
+    ``peer()`` (the same formulas in plain torch fp32, autograd): within ``PEER_FACTOR`` times that
+    error it is on par with torch and passes; a gradient worse than torch's is a mismatch."""
     floor = 2.0**-20 * max(1.0, float(loss.abs().max()))
-    if float(want.abs().max()) >= floor:
-        compare("gradient", got, want, dtype, where=where)
-        return
-    err = float((got.detach().double().cpu().reshape(want.shape) - want).abs().nan_to_num(float("inf")).max())
-    if not err <= floor:
-        raise AssertionError(f"gradient {where}: should be 0 (the float64 reference's largest is "
-                             f"{float(want.abs().max()):.3g}), error {err:.3g} > {floor:.3g}")
+    try:
+        if float(want.abs().max()) >= floor:
+            compare("gradient", got, want, dtype, where=where)
+            return
+        err = _error(got, want)
+        if not err <= floor:
+            raise AssertionError(f"gradient {where}: should be 0 (the float64 reference's largest is "
+                                 f"{float(want.abs().max()):.3g}), error {err:.3g} > {floor:.3g}")
+    except AssertionError as e:
+        torch_err = _error(peer(), want) if peer is not None else 0.0
+        if not _error(got, want) <= PEER_FACTOR * torch_err:
+            raise AssertionError(f"{e}; plain torch fp32's error {torch_err:.3g}") from None
 
 
 def _check_linear(head, plan: Plan, logits, labels, kw, up, device, seed) -> None:
@@ -598,10 +621,13 @@ def _check_linear(head, plan: Plan, logits, labels, kw, up, device, seed) -> Non
              torch.float32)
     if head.loss_terms:
         where = f"({plan.code()})"
-        for name, t, ref in (("gradient of hidden", h, G @ weight), ("gradient of weight", w, G.T @ hidden)):
+        peer = lambda: _reference(head, z, labels, kw, up, torch.float32)[3].double()  # noqa: E731
+        for name, t, ref, torch_fp32 in (
+                ("gradient of hidden", h, G @ weight, lambda: peer() @ weight),
+                ("gradient of weight", w, G.T @ hidden, lambda: peer().T @ hidden)):
             grad = (t.grad if t.grad is not None else torch.zeros_like(t)).cpu()
             try:
-                _compare_gradient(grad, ref, want[0], torch.float32, f"{name} {where}")
+                _compare_gradient(grad, ref, want[0], torch.float32, f"{name} {where}", torch_fp32)
             except AssertionError as e:
                 raise Mismatch(str(e)) from None
 

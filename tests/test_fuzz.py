@@ -121,3 +121,19 @@ def test_a_case_for_a_gpu_creates_its_tensor_weights_and_parameters_on_that_gpu(
                     assert any(k.arg == "device" and ast.unparse(k.value) == "device" for k in call.keywords), \
                         ast.unparse(call)
     assert with_tensors >= 5
+
+
+def test_a_gradient_outside_the_bound_passes_only_when_plain_torch_fp32_is_as_far_off():
+    """The tolerance model: a gradient whose formula's derivative cancels (tanh' at a large row
+    value) is as far from float64 in plain torch fp32; on par with that it passes, worse it fails."""
+    want = torch.tensor([[1e-4, -2e-4, 3e-4]], dtype=torch.float64)
+    got = (want * (1 + 1e-2)).float()                    # 1% off: outside 2e-4 of the largest
+    loss = torch.tensor(1.0, dtype=torch.float64)
+    fuzz._compare_gradient(got, want, loss, torch.float32, "", peer=lambda: want * (1 - 1e-2))
+    for peer in (None, lambda: want * (1 + 1e-4)):      # torch fp32 ten times better: ours is a bug
+        try:
+            fuzz._compare_gradient(got, want, loss, torch.float32, "", peer=peer)
+        except AssertionError as e:
+            assert "gradient" in str(e)
+        else:
+            raise AssertionError("a gradient worse than torch's fp32 passed")
