@@ -146,3 +146,17 @@ def test_the_gradient_of_tanh_of_a_large_row_value_keeps_fp32_digits(formula):
     head(x, labels).loss.backward()
     want = reference(head)(logits, labels)[2]
     assert float((x.grad.double() - want).abs().max()) <= 1e-5 * float(want.abs().max())
+
+
+# (found by the fuzzer's new grammar: the Triton kernel's top-k block recomputes the dense gradient
+# at the top-k ids, and read is_argmax (row_max's gradient) and vector inputs that only the
+# vocabulary loop had loaded: the scope check refused the file)
+RowMaxVectorTopK = lcg.declare_term(
+    "rowmax_vector_topk", S.row_max * S.topk_sum(S.exp(S.topk_logit - S.lse))
+    + S.vsum(S.vector("u") * S.softmax * S.logit) * S.topk_sum(S.exp(S.topk_logprob) * S.topk_logit))
+
+
+@pytest.mark.parametrize("plan", [Plan(tile=(16, 4, True)), Plan(reduction="none"),
+                                  Plan(kind="sharded", world=2, shards=(20, 20))], ids=str)
+def test_a_head_reading_row_max_and_a_vector_beside_a_topk_sum(plan):
+    check(lcg.HeadLoss(RowMaxVectorTopK(), backend="triton"), plan, rows=7, vocab=40, seed=3)
