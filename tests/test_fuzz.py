@@ -3,6 +3,7 @@ must match the float64 reference, and a mismatch is shrunk and printed as a test
 import ast
 import random
 
+import pytest
 import sympy as sp
 import torch
 
@@ -137,3 +138,40 @@ def test_a_gradient_outside_the_bound_passes_only_when_plain_torch_fp32_is_as_fa
             assert "gradient" in str(e)
         else:
             raise AssertionError("a gradient worse than torch's fp32 passed")
+
+
+def test_the_generator_writes_each_construct_of_the_language():
+    """Every construct of symbols.py and preference.py enters the grammar (issue 30: a new construct
+    enters the fuzzer's grammar in the same change)."""
+    rng = random.Random(1)
+    codes = "\n".join(fuzz.generate_case(rng).code() for _ in range(400))
+    for construct in ["S.row_max", "S.segment_sum(", "S.segment_count", "S.segment_mean(", "S.vector('u')",
+                      "S.logit - S.vsum(", "S.sqrt(S.vsum(S.logit**2))", "S.topk_sum(", "S.stop_gradient(",
+                      "S.teacher_prob", "S.param('c')", "P.DPO(", "P.CPO(", "P.SimPO(", "P.ORPO(",
+                      "P.ChosenNLL(", "P.KTO(", "P.pair_statistics()", "P.cpo_statistics(",
+                      "P.sequence_statistics()", "use_weighting=True", "layout='pairs'", "layout='sequences'"]:
+        assert construct in codes, construct
+
+
+_T = fuzz.TermSpec
+_NEW_CONSTRUCTS = {
+    "logit_norm": ((_T("lcg.CrossEntropy()"), _T("weight=0.5, tau=0.5", name="f1", formula=fuzz.Node(fuzz._LOGIT_NORM))), ""),
+    "nested_sums": ((_T("weight=1.0", name="f0", formula=fuzz.Node(
+        "S.vsum(S.softmax * S.Abs(S.logit - S.vsum(S.softmax * S.logit)))"
+        " + S.vsum(S.softmax * S.tanh(S.logit * S.vsum(S.logit**2) / 64))")),), ""),
+    "row_max_and_a_vector": ((_T("weight=1.0", name="f0", formula=fuzz.Node(
+        "S.row_max**2 / 10 + S.vsum(S.vector('u') * S.softmax * S.logit)")),), ""),
+    "segment_sums_and_a_row_term_of_them": ((
+        _T("weight=1.0", name="f0", formula=fuzz.Node("S.segment_sum(S.lse - S.target_logit) / S.segment_count")),
+        _T("weight=0.5", name="f1", formula=fuzz.Node("(S.lse - S.target_logit) / S.segment_mean(1 + S.token('a')**2)"))), ""),
+    "dpo_orpo_and_statistics": ((_T("P.DPO(loss_type='sigmoid', beta=0.5, use_weighting=True)"), _T("P.ORPO(beta=0.1)"),
+                                 _T("*P.pair_statistics()")), "pairs"),
+    "kto": ((_T("P.KTO(loss_type='kto', beta=0.5, kl=torch.tensor(0.05, device=device))"),), "sequences"),
+}
+
+
+@pytest.mark.parametrize("name", list(_NEW_CONSTRUCTS))
+def test_each_construct_of_the_grammar_matches_the_reference_on_a_split_launch(name):
+    terms, layout = _NEW_CONSTRUCTS[name]
+    case = fuzz.Case(terms, fuzz.Plan(tile=(16, 4, True), reduction="sum"), rows=12, vocab=40, seed=4, layout=layout)
+    fuzz.check(fuzz.build_head(case), case.plan, rows=case.rows, vocab=case.vocab, seed=case.seed, layout=layout)
