@@ -734,19 +734,26 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
                                                   per_element(a.body.xreplace(lowered_red))))
                for k, a in lw.accs.items()}
     exprs = [e for _, e in row_values] + [e for _, e in coefs]
-    uncombined = len(_prune(list(lw.accs.values()), normalizers, exprs)[0])
+    # (the gradient's per-element expressions read accumulators by name too: a sum inside another's
+    # summand; kept, never combined, and renamed with the rest)
+    grads = [grad_vocab, grad_topk]
+    uncombined = len(_prune(list(lw.accs.values()), normalizers, exprs + grads)[0])
     # never combined: sums read by name (the normalisers', and the weights' own sums that relative
-    # sums shift by), and any a summand reads
+    # sums shift by), and any a summand or the gradient reads
     fixed = ({n.acc for n in normalizers} | {a.name for a in lw.accs.values() if a.online and a.body == 1}
-             | {s.name for a in lw.accs.values() for s in a.body.free_symbols})
+             | {s.name for a in lw.accs.values() for s in a.body.free_symbols}
+             | {s.name for g in grads for s in g.free_symbols})
     accs, exprs = _combine(list(lw.accs.values()), fixed, exprs)
     row_values = [(n, e) for (n, _), e in zip(row_values, exprs)]
     coefs = [(s, e) for (s, _), e in zip(coefs, exprs[len(row_values):])]
-    accumulators, rename = _prune(accs, normalizers, exprs)
+    accumulators, rename = _prune(accs, normalizers, exprs + grads)
     normalizers = tuple(Normalizer(n.symbol, n.alpha, n.beta, rename[n.acc]) for n in normalizers)
     subs = {sp.Symbol(old, real=True): sp.Symbol(new, real=True) for old, new in rename.items()}
     row_values = [(n, e.xreplace(subs)) for n, e in row_values]
     coefs = [(s, e.xreplace(subs)) for s, e in coefs]
+    # (found by the fuzzer: with the sums renumbered after combining, dL/dz_i read the outer sum's
+    # accumulator where its summand's inner sum had been, a wrong gradient)
+    grad_vocab, grad_topk = grad_vocab.xreplace(subs), grad_topk.xreplace(subs)
     free = set().union(*(e.free_symbols for _, e in row_values), *(e.free_symbols for _, e in coefs),
                        grad_vocab.free_symbols, grad_topk.free_symbols,
                        *(a.body.free_symbols for a in accumulators))
