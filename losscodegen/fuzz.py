@@ -905,6 +905,8 @@ def _smaller_cases(case: Case) -> Iterator[Case]:
                                           + case.terms[i + 1:])
     if case.head_options:
         yield dataclasses.replace(case, head_options="")
+    if case.layout:
+        yield dataclasses.replace(case, layout="")
     plan = case.plan
     for simpler in (dict(reduction="mean"), dict(divisor=None), dict(dtype="float32"), dict(tile=None),
                     dict(chunk_rows=None)):
