@@ -38,7 +38,8 @@ from . import preference as P
 from . import symbols as S
 from .testing import TOLERANCES, _reads_rows, compare, random_inputs, reference
 
-__all__ = ["Case", "Plan", "Mismatch", "check", "generate_case", "shrink", "regression_test", "fuzz"]
+__all__ = ["Case", "Plan", "Mismatch", "Skip", "Refused", "check", "refused", "generate_case", "shrink", "regression_test",
+           "fuzz"]
 
 
 # ---- formulas -------------------------------------------------------------------------------------
