@@ -179,3 +179,10 @@ def test_a_sum_inside_another_sums_summand_beside_a_second_normaliser():
     for backend in ("triton", "torch"):
         check(lcg.HeadLoss(lcg.TopKForwardKL(temperature=2.0), inner(weight=0.3), backend=backend),
               Plan(), rows=3, vocab=40, seed=231)
+
+
+def test_a_sum_of_a_function_of_a_vector_past_the_rows_end():
+    # (found by the fuzzer: a read that takes the columns past the row's end as -inf logits loaded
+    # the vector there as 0, and softmax * log(u) was 0 * -inf: the loss was NaN)
+    t = lcg.declare_term("log_prior", S.vsum(S.softmax * S.log(S.vector("u"))))
+    check(lcg.HeadLoss(t(), backend="triton"), Plan(), rows=3, vocab=61, seed=441)
