@@ -151,21 +151,24 @@ def check_rows(head, kernel: ModuleType, shape: tuple[int, ...], V_local: int, d
         else:
             rows = check_rowwise(name, inputs.get(name), shape, dev, required=True, needed_by=head.terms_reading)
         tokens.append(rows)
-    vectors = tuple(check_vector(name, inputs.get(name), V_local, dev, inputs.get("process_group"),
-                                 head.terms_reading) for name in kernel.VECTORS) if kernel.VECTORS else ()
+    # the whole vocabulary's size: under vocab parallelism, from every rank's width (shards of any
+    # width: 61 columns as 31 + 30), so that a wrong vector is refused alike on every rank
+    vectors = ()
+    if kernel.VECTORS:
+        n_vocab = head.shard_columns(inputs.get("process_group"), V_local, dev)[1]
+        vectors = tuple(check_vector(name, inputs.get(name), n_vocab, dev, head.terms_reading)
+                        for name in kernel.VECTORS)
     # (by position, in the fields' order: a dataclass's keywords cost a microsecond a call)
     return Call(shape, V_local, dev, x, labels, mask, teacher, tuple(tokens), topk_ids, topk_logprobs,
                 segment_ids, num_segments, divisor, reduction, inputs.get("process_group"),
                 inputs.get("segment_group"), tuple(value_divisors), None, vectors)
 
 
-def check_vector(name: str, value: Any, V_local: int, dev: torch.device, group: Any,
-                 needed_by) -> torch.Tensor:
-    """A per-class input (``S.vector``): a 1-D float tensor over the whole vocabulary (on a vocab
-    shard too: ``V_local`` times the group's size), fp32 contiguous for the kernel."""
+def check_vector(name: str, value: Any, V: int, dev: torch.device, needed_by) -> torch.Tensor:
+    """A per-class input (``S.vector``): a 1-D float tensor over the whole vocabulary of ``V``
+    classes (on a vocab shard too), fp32 contiguous for the kernel."""
     if value is None:
         raise ValueError(f"{name} is required by {needed_by(name)}")
-    V = V_local if group is None else V_local * torch.distributed.get_world_size(group)
     if not isinstance(value, torch.Tensor) or value.shape != (V,) or not value.is_floating_point():
         raise ValueError(f"{name} must be a float tensor of shape ({V},) (one value per class of the whole "
                          f"vocabulary), got {getattr(value, 'shape', type(value).__name__)}")

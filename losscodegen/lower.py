@@ -314,6 +314,23 @@ def _cancellations(expr: sp.Expr) -> sp.Expr:
                         lambda e: log1p(e.args[0] - 1))
 
 
+def _sech2(expr: sp.Expr) -> sp.Expr:
+    """tanh's derivative ``c - c*tanh(u)**2`` (sympy's) as ``4c exp(-2|u|) / (1 + exp(-2|u|))**2``:
+    at u = 7 it is 3e-6, and ``1 - tanh(u)**2`` in fp32 keeps 5% of it (an ulp of tanh near 1,
+    6e-8, against 3e-6; torch's autograd in fp32 does the same), where the exponential form keeps
+    every digit and never overflows. (For coefficients: nothing differentiates them again.)"""
+    def rewrite(add: sp.Add) -> sp.Expr:
+        if len(add.args) != 2:
+            return add
+        for c, other in (add.args, add.args[::-1]):
+            tanhs = [f for f in sp.Mul.make_args(other) if f.is_Pow and f.exp == 2 and isinstance(f.base, sp.tanh)]
+            if len(tanhs) == 1 and other / tanhs[0] + c == 0:
+                e = sp.exp(-2 * sp.Abs(tanhs[0].base.args[0]))
+                return 4 * c * e / (1 + e) ** 2
+        return add
+    return expr.replace(lambda e: isinstance(e, sp.Add) and e.has(sp.tanh), rewrite)
+
+
 def _only_smooth(expr: sp.Expr, x: sp.Symbol) -> bool:
     """Whether ``x`` appears only in sums, products, powers, exp, log and tanh of ``expr``: no
     condition, Min/Max/Abs or other function reads it."""
@@ -422,8 +439,8 @@ def derive(expr: sp.Expr, x: sp.Symbol) -> sp.Expr:
     torch.abs (0 at 0), ``Max``/``Min`` as torch.maximum/minimum (torch.amax/amin of the stacked
     arguments for more than two: a tie shares the gradient equally), ``clamp`` as torch.clamp (1 on
     the closed interval), ``Piecewise`` as torch.where (the branch its condition picks), ``sign``
-    as torch.sign (0), nothing through ``stop_gradient``. (sympy's own rules differ: Abs'(0) is 1 through Piecewise, and it
-    simplifies Min(Max(r, 1), 1) to the constant 1.)"""
+    as torch.sign (0), nothing through ``stop_gradient``. (sympy's own rules differ: Abs'(0) is 1
+    through Piecewise, and it simplifies Min(Max(r, 1), 1) to the constant 1.)"""
     kinks = tuple(_AS_TORCH)
     d = expr.replace(lambda e: isinstance(e, kinks), lambda e: _AS_TORCH[type(e)](*e.args)).diff(x)
     return d.replace(lambda e: type(e) in _AS_SYMPY, lambda e: _AS_SYMPY[type(e)](*e.args))
@@ -811,25 +828,34 @@ def _relative_to_maxima(lw: _Lowering, normalizers: tuple[Normalizer, ...], lowe
     return per_element(grad_vocab)
 
 
-def _combine_and_prune(lw: _Lowering, normalizers: tuple[Normalizer, ...], row_values, coefs):
+def _combine_and_prune(lw: _Lowering, normalizers: tuple[Normalizer, ...], row_values, coefs, grad_vocab,
+                       grad_topk):
     """Pass 7: sums that are multiples of one another combined (``_combine``), those nothing reads
     dropped and the rest renamed in order (``_prune``). Returns the accumulators, the normalisers,
-    the row values and coefficients renamed, and how many sums there were before combining."""
+    the row values, coefficients and the gradient's two parts renamed, and how many sums there were
+    before combining."""
     exprs = [e for _, e in row_values] + [e for _, e in coefs]
-    uncombined = len(_prune(list(lw.accs.values()), normalizers, exprs)[0])
+    # (the gradient's per-element expressions read accumulators by name too: a sum inside another's
+    # summand; kept, never combined, and renamed with the rest)
+    grads = [grad_vocab, grad_topk]
+    uncombined = len(_prune(list(lw.accs.values()), normalizers, exprs + grads)[0])
     # never combined: sums read by name (the normalisers', and the weights' own sums that relative
-    # sums shift by), and any a summand reads
+    # sums shift by), and any a summand or the gradient reads
     fixed = ({n.acc for n in normalizers} | {a.name for a in lw.accs.values() if a.online and a.body == 1}
-             | {s.name for a in lw.accs.values() for s in a.body.free_symbols})
+             | {s.name for a in lw.accs.values() for s in a.body.free_symbols}
+             | {s.name for g in grads for s in g.free_symbols})
     accs, exprs = _combine(list(lw.accs.values()), fixed, exprs)
     row_values = [(n, e) for (n, _), e in zip(row_values, exprs)]
     coefs = [(s, e) for (s, _), e in zip(coefs, exprs[len(row_values):])]
-    accumulators, rename = _prune(accs, normalizers, exprs)
+    accumulators, rename = _prune(accs, normalizers, exprs + grads)
     normalizers = tuple(Normalizer(n.symbol, n.alpha, n.beta, rename[n.acc]) for n in normalizers)
     subs = {sp.Symbol(old, real=True): sp.Symbol(new, real=True) for old, new in rename.items()}
     row_values = [(n, e.xreplace(subs)) for n, e in row_values]
     coefs = [(s, e.xreplace(subs)) for s, e in coefs]
-    return accumulators, normalizers, row_values, coefs, uncombined
+    # (found by the fuzzer: with the sums renumbered after combining, dL/dz_i read the outer sum's
+    # accumulator where its summand's inner sum had been, a wrong gradient)
+    return accumulators, normalizers, row_values, coefs, grad_vocab.xreplace(subs), grad_topk.xreplace(subs), \
+        uncombined
 
 
 def _inputs(free: set[sp.Symbol]) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -857,11 +883,11 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
     lowered_red, normalizers = _accumulate(lw)
     grad_vocab = grad_vocab.xreplace(lowered_red)
     row_values = [(n, _row_math(e, lowered_red, normalizers)) for n, e in row_values]
-    coefs = [(s, _row_math(e, lowered_red, normalizers)) for s, e in coefs]
+    coefs = [(s, _sech2(_row_math(e, lowered_red, normalizers))) for s, e in coefs]
     grad_vocab, grad_topk = _move_maxima_factors(coefs, grad_vocab, grad_topk)
     grad_vocab = _relative_to_maxima(lw, normalizers, lowered_red, grad_vocab)
-    accumulators, normalizers, row_values, coefs, uncombined = _combine_and_prune(lw, normalizers, row_values,
-                                                                                  coefs)
+    accumulators, normalizers, row_values, coefs, grad_vocab, grad_topk, uncombined = _combine_and_prune(
+        lw, normalizers, row_values, coefs, grad_vocab, grad_topk)
     free = set().union(*(e.free_symbols for _, e in row_values), *(e.free_symbols for _, e in coefs),
                        grad_vocab.free_symbols, grad_topk.free_symbols,
                        *(a.body.free_symbols for a in accumulators))

@@ -115,34 +115,39 @@ def runtime(term: str, name: str, sign: int = 0) -> sp.Symbol:
     return sp.Symbol(f"{RUNTIME_PREFIX}{term}__{name}", **assume)
 
 
-class LSE(sp.Function):
+class _RowValue(sp.Function):
+    """A function of the row (a normaliser, a reduction) whose arguments may all be numbers."""
+
+    @property
+    def is_number(self) -> bool:
+        # a row value, not a constant: with number arguments sympy would take it for one, which it
+        # cannot compare (S.Max(S.lse, 0) raised "The argument 'LSE(1, 0)' is not comparable", and
+        # S.Max(S.vsum(0 * S.logit), 1), found by the fuzzer, "The argument 'vsum(0)' ...")
+        return False
+
+
+class LSE(_RowValue):
     """``LSE(alpha, beta) = log sum_i exp(alpha*z_i + beta*t_i)``: a log-normaliser of the row."""
 
     nargs = 2
     is_real = True
 
-    @property
-    def is_number(self) -> bool:
-        # a row value, not a constant: with number arguments sympy would take it for one, which it
-        # cannot compare (S.Max(S.lse, 0) raised "The argument 'LSE(1, 0)' is not comparable")
-        return False
 
-
-class vsum(sp.Function):
+class vsum(_RowValue):
     """Sum over the vocabulary of an element-level expression."""
 
     nargs = 1
     is_real = True
 
 
-class topk_sum(sp.Function):
+class topk_sum(_RowValue):
     """Sum over the K sparse teacher entries of an expression in ``topk_logit``/``topk_logprob``."""
 
     nargs = 1
     is_real = True
 
 
-class segment_mean(sp.Function):
+class segment_mean(_RowValue):
     """Mean of a row-level expression over the valid rows of the row's segment (``segment_ids``)."""
 
     nargs = 1

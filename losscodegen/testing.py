@@ -108,15 +108,19 @@ class Reference:
         grad = x.grad if x.grad is not None else torch.zeros_like(x)
         return out.detach(), values, grad.reshape(logits.shape)
 
-    def evaluate(self, logits: torch.Tensor, labels: torch.Tensor | None = None, **inputs: Any):
+    def evaluate(self, logits: torch.Tensor, labels: torch.Tensor | None = None, *,
+                 precision: torch.dtype = torch.float64, **inputs: Any):
         """``(x, out, values, rows)`` before any backward: ``x`` the float64 leaf the logits became
         (``[rows, V]``), ``out`` the loss (per row under reduction="none") and ``rows`` each
         non-segment output's per-row values (0 on invalid rows), both in the graph of ``x``, so
-        that a caller can take gradients of its own (upstream gradients on ``out.rows``)."""
+        that a caller can take gradients of its own (upstream gradients on ``out.rows``).
+        ``precision``: the dtype the logits (and teacher logits) are evaluated in; float32 gives
+        what plain torch computes in fp32 for the same formula (the fuzzer's yardstick of a
+        formula's own rounding)."""
         head = self.head
         V = logits.shape[-1]
         shape = logits.shape[:-1]
-        x = logits.detach().double().reshape(-1, V).requires_grad_()
+        x = logits.detach().to(precision).reshape(-1, V).requires_grad_()
         z = x if head.softcap is None else head.softcap * torch.tanh(x / head.softcap)
         z = z * head.logit_scale
         R = z.shape[0]
@@ -134,13 +138,13 @@ class Reference:
         # a row whose logits (or teacher logits) are all -inf has no distribution: its values are NaN
         no_dist = (z == float("-inf")).all(-1)
         if inputs.get("teacher_logits") is not None:
-            ns["t"] = inputs["teacher_logits"].detach().double().reshape(R, V)
+            ns["t"] = inputs["teacher_logits"].detach().to(precision).reshape(R, V)
             no_dist = no_dist | (ns["t"] == float("-inf")).all(-1)
         ns["z_row"], ns["t_row"] = z, ns["t"]
         if inputs.get("teacher_topk_ids") is not None:
             ids = inputs["teacher_topk_ids"].reshape(R, -1)
             ns["z_k"] = z.gather(1, ids)
-            ns["l_k"] = inputs["teacher_topk_logprobs"].double().reshape(R, -1)
+            ns["l_k"] = inputs["teacher_topk_logprobs"].to(precision).reshape(R, -1)
         # a token that a formula names but its kernel does not read (the formula's value does not
         # depend on it: Min(1 + a**2, vsum(softmax)) is 1) takes values of its own: the head accepts
         # no such input

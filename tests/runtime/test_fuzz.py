@@ -5,6 +5,7 @@ import random
 
 import pytest
 import sympy as sp
+import torch
 
 from losscodegen import fuzz
 from losscodegen import symbols as S
@@ -79,3 +80,100 @@ def test_a_wrong_result_is_shrunk_and_printed_as_a_failing_test(monkeypatch):
         pass
     else:
         raise AssertionError(f"the printed test passes:\n{test}")
+
+
+class _RecordTensorDevices(torch.overrides.TorchFunctionMode):
+    """Records the device each ``torch.tensor`` call asks for and makes it on the CPU instead (the
+    device asked for need not exist here)."""
+
+    def __init__(self):
+        super().__init__()
+        self.devices = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.tensor:
+            self.devices.append(str(kwargs.get("device", "cpu (not asked)")))
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+def test_a_case_for_a_gpu_creates_its_tensor_weights_and_parameters_on_that_gpu():
+    """The fuzzer's GPU run built tensor weights on the CPU (``torch.tensor(0.8)``) for CUDA logits:
+    68 of its 74 mismatches were the harness. Each tensor a case's head holds is made on the
+    case's device, and its printed test names that device and runs there."""
+    rng = random.Random(1)
+    with_tensors = 0
+    for _ in range(60):
+        case = fuzz.generate_case(rng, device="cuda:7")
+        with _RecordTensorDevices() as mode:
+            try:
+                fuzz.build_head(case)
+            except (ValueError, TypeError):   # refused at declaration (the fuzzer counts these)
+                continue
+        assert set(mode.devices) <= {"cuda:7"}, (mode.devices, case.code())
+        if mode.devices:
+            with_tensors += 1
+            tree = ast.parse(fuzz.regression_test(case, "a mismatch", name="x"))
+            test = tree.body[0]
+            assert "device = 'cuda:7'" in [ast.unparse(n) for n in test.body]
+            calls = [n for n in ast.walk(test) if isinstance(n, ast.Call)]
+            for call in calls:
+                name = ast.unparse(call.func)
+                if name.startswith("torch.") or name == "check":
+                    assert any(k.arg == "device" and ast.unparse(k.value) == "device" for k in call.keywords), \
+                        ast.unparse(call)
+    assert with_tensors >= 5
+
+
+def test_a_gradient_outside_the_bound_passes_only_when_plain_torch_fp32_is_as_far_off():
+    """The tolerance model: a gradient whose formula's derivative cancels (tanh' at a large row
+    value) is as far from float64 in plain torch fp32; on par with that it passes, worse it fails."""
+    want = torch.tensor([[1e-4, -2e-4, 3e-4]], dtype=torch.float64)
+    got = (want * (1 + 1e-2)).float()                    # 1% off: outside 2e-4 of the largest
+    loss = torch.tensor(1.0, dtype=torch.float64)
+    fuzz._compare_gradient(got, want, loss, torch.float32, "", peer=lambda: want * (1 - 1e-2))
+    for peer in (None, lambda: want * (1 + 1e-4)):      # torch fp32 ten times better: ours is a bug
+        try:
+            fuzz._compare_gradient(got, want, loss, torch.float32, "", peer=peer)
+        except AssertionError as e:
+            assert "gradient" in str(e)
+        else:
+            raise AssertionError("a gradient worse than torch's fp32 passed")
+
+
+def test_the_generator_writes_each_construct_of_the_language():
+    """Every construct of symbols.py and preference.py enters the grammar (issue 30: a new construct
+    enters the fuzzer's grammar in the same change)."""
+    rng = random.Random(1)
+    codes = "\n".join(fuzz.generate_case(rng).code() for _ in range(400))
+    for construct in ["S.row_max", "S.segment_sum(", "S.segment_count", "S.segment_mean(", "S.vector('u')",
+                      "S.logit - S.vsum(", "S.sqrt(S.vsum(S.logit**2))", "S.topk_sum(", "S.stop_gradient(",
+                      "S.teacher_prob", "S.param('c')", "P.DPO(", "P.CPO(", "P.SimPO(", "P.ORPO(",
+                      "P.ChosenNLL(", "P.KTO(", "P.pair_statistics()", "P.cpo_statistics(",
+                      "P.sequence_statistics()", "use_weighting=True", "layout='pairs'", "layout='sequences'"]:
+        assert construct in codes, construct
+
+
+_T = fuzz.TermSpec
+_NEW_CONSTRUCTS = {
+    "logit_norm": ((_T("lcg.CrossEntropy()"), _T("weight=0.5, tau=0.5", name="f1", formula=fuzz.Node(fuzz._LOGIT_NORM))), ""),
+    "nested_sums": ((_T("weight=1.0", name="f0", formula=fuzz.Node(
+        "S.vsum(S.softmax * S.Abs(S.logit - S.vsum(S.softmax * S.logit)))"
+        " + S.vsum(S.softmax * S.tanh(S.logit * S.vsum(S.logit**2) / 64))")),), ""),
+    "row_max_and_a_vector": ((_T("weight=1.0", name="f0", formula=fuzz.Node(
+        "S.row_max**2 / 10 + S.vsum(S.vector('u') * S.softmax * S.logit)")),), ""),
+    "segment_sums_and_a_row_term_of_them": ((
+        _T("weight=1.0", name="f0", formula=fuzz.Node("S.segment_sum(S.lse - S.target_logit) / S.segment_count")),
+        _T("weight=0.5", name="f1", formula=fuzz.Node("(S.lse - S.target_logit) / S.segment_mean(1 + S.token('a')**2)"))), ""),
+    "dpo_orpo_and_statistics": ((_T("P.DPO(loss_type='sigmoid', beta=0.5, use_weighting=True)"), _T("P.ORPO(beta=0.1)"),
+                                 _T("*P.pair_statistics()")), "pairs"),
+    "kto": ((_T("P.KTO(loss_type='kto', beta=0.5, kl=torch.tensor(0.05, device=device))"),), "sequences"),
+}
+
+
+@pytest.mark.parametrize("name", list(_NEW_CONSTRUCTS))
+def test_each_construct_of_the_grammar_matches_the_reference_on_a_split_launch(name):
+    terms, layout = _NEW_CONSTRUCTS[name]
+    case = fuzz.Case(terms, fuzz.Plan(tile=(16, 4, True), reduction="sum"), rows=12, vocab=40, seed=4, layout=layout)
+    fuzz.check(fuzz.build_head(case), case.plan, rows=case.rows, vocab=case.vocab, seed=case.seed, layout=layout)

@@ -119,3 +119,74 @@ def test_a_constant_term_and_a_stopped_constant_metric(device):
     Log2 = lcg.declare_term("log2", S.stop_gradient(S.log(2)))
     check(lcg.HeadLoss(Half(weight=0.3, normalize="sum"), metrics=(Log2(),)), Plan(), rows=3, vocab=40, seed=0,
           device=device)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("summand", [S.tanh(S.exp(S.topk_logit - S.lse)),
+                                     S.exp(S.topk_logit - S.lse) * (S.topk_logit - S.lse),
+                                     S.log(1 - S.exp(S.topk_logit - S.lse))], ids=str)
+def test_a_topk_sum_of_the_final_lse_that_the_gpu_run_refused_is_generated_on_each_backend(backend, summand, device):
+    """The fuzzer's H100 run (docs/perf/NVIDIA-H100-80GB-HBM3-fuzz-2026-11-25.txt): these heads,
+    on the torch backend, read ``d0`` after the vocabulary loop that computed it (the generation-time
+    scope check refused them; fixed in the torch backend's top-k block, 6acc534). Generation runs
+    the scope check; the values are the reference's on a split plan."""
+    term = lcg.declare_term("topk_term", S.topk_sum(summand))
+    head = lcg.HeadLoss(term(weight=0.3, normalize="sum"), backend=backend)
+    head.kernel
+    check(head, Plan(tile=(16, 4, True)), rows=3, vocab=40, seed=372, device=device)
+
+
+@pytest.mark.parametrize("formula", [S.tanh(S.lse), S.exp(S.tanh(S.lse - S.target_logit + 0.5))], ids=str)
+def test_the_gradient_of_tanh_of_a_large_row_value_keeps_fp32_digits(formula, device):
+    """tanh'(u) = 1 - tanh(u)**2 at u = 7 is 3e-6 from two terms of size 1: in fp32 (torch's autograd
+    too) it keeps 5% of its digits, which the fuzzer's H100 run flagged (gradient errors 1.3e-6
+    against a bound of 8.3e-7; one via head.linear). Lowered as 4 exp(-2|u|) / (1 + exp(-2|u|))**2,
+    the gradient is within 1e-5 of the float64 one, relative (torch fp32: 2.6e-2 on the same rows)."""
+    head = lcg.HeadLoss(lcg.declare_term("tanh_row", formula)(), backend="triton")
+    logits = (torch.randn(6, 61, generator=torch.Generator().manual_seed(0)) * 2 + 3).to(device)   # lse ~ 8
+    labels = (torch.arange(6) * 7).to(device)
+    x = logits.clone().requires_grad_()
+    head(x, labels).loss.backward()
+    want = reference(head)(logits, labels)[2]
+    assert float((x.grad.double() - want).abs().max()) <= 1e-5 * float(want.abs().max())
+
+
+# (found by the fuzzer's new grammar: the Triton kernel's top-k block recomputes the dense gradient
+# at the top-k ids, and read is_argmax (row_max's gradient) and vector inputs that only the
+# vocabulary loop had loaded: the scope check refused the file. And on uneven vocab shards, 40
+# columns as 21 + 19, the vector's size was checked against the local width times the ranks: 42 on
+# one rank and 38 on the other, refused on both, differently)
+RowMaxVectorTopK = lcg.declare_term(
+    "rowmax_vector_topk", S.row_max * S.topk_sum(S.exp(S.topk_logit - S.lse))
+    + S.vsum(S.vector("u") * S.softmax * S.logit) * S.topk_sum(S.exp(S.topk_logprob) * S.topk_logit))
+
+
+@pytest.mark.parametrize("plan", [Plan(tile=(16, 4, True)), Plan(reduction="none"),
+                                  Plan(kind="sharded", world=2, shards=(21, 19))], ids=str)
+def test_a_head_reading_row_max_and_a_vector_beside_a_topk_sum(plan, device):
+    if plan.kind == "sharded" and device != "cpu":
+        pytest.skip("vocab-parallel plans run on gloo CPU ranks")
+    check(lcg.HeadLoss(RowMaxVectorTopK(), backend="triton"), plan, rows=7, vocab=40, seed=3, device=device)
+
+
+def test_a_max_of_a_sum_that_simplifies_to_a_number_is_declared(device):
+    # (found by the fuzzer: vsum(0) took itself for a number, which sympy's Max cannot compare)
+    t = lcg.declare_term("max_of_zero_sum", S.Max(S.vsum(S.logit - S.logit), S.lse - S.target_logit))
+    check(lcg.HeadLoss(t()), Plan(), rows=5, vocab=40, seed=0, device=device)
+
+
+def test_a_sum_inside_another_sums_summand_beside_a_second_normaliser(device):
+    # (found by the fuzzer: TopKForwardKL(temperature=2) adds sums that are combined, and the
+    # accumulators renumbered after it; the gradient's summand kept the old name of the inner sum,
+    # and read the outer one's: a gradient error of 0.17 at every column, on both backends)
+    inner = lcg.declare_term("abs_deviation", S.vsum(S.softmax * S.Abs(S.logit - S.vsum(S.softmax**2))))
+    for backend in ("triton", "torch"):
+        check(lcg.HeadLoss(lcg.TopKForwardKL(temperature=2.0), inner(weight=0.3), backend=backend),
+              Plan(), rows=3, vocab=40, seed=231, device=device)
+
+
+def test_a_sum_of_a_function_of_a_vector_past_the_rows_end(device):
+    # (found by the fuzzer: a read that takes the columns past the row's end as -inf logits loaded
+    # the vector there as 0, and softmax * log(u) was 0 * -inf: the loss was NaN)
+    t = lcg.declare_term("log_prior", S.vsum(S.softmax * S.log(S.vector("u"))))
+    check(lcg.HeadLoss(t(), backend="triton"), Plan(), rows=3, vocab=61, seed=441, device=device)

@@ -309,8 +309,10 @@ def render(plan: Plan, key: str, header: str, codegen: str,
     stats_sums = [sp.exp(_online_exponent(a.alpha, a.beta)) * body[a.name] for a in lw.accumulators
                   if a.online and a.domain == "vocab"]
     masks = dict(stats=len(stats_sums) + 1 + lw.uses_teacher + lw.uses_argmax, exact=len(exact))
+    # (not where a sum reads a vector: its entries past the row's end load as 0, where a summand
+    # need not vanish, softmax * log(u) is 0 * -inf; found by the fuzzer)
     pad = {read: masks[read] - 1 >= 2 and not neg_inf[read]["gone"] and all(
-        vanishes_at_neg_inf(e, vocab, floored=neg_inf[read]["floor"]) for e in exprs)
+        vanishes_at_neg_inf(e, vocab, floored=neg_inf[read]["floor"]) and not S.vectors_in(e) for e in exprs)
         for read, exprs in (("stats", stats_sums), ("exact", [body[a.name] for a in exact]))}
 
     ctx = dict(
