@@ -49,7 +49,7 @@ from triton.language.extra import libdevice
 
 KEY = "4b44cfbdd10c9539"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "22340ed47b3a"
+CODEGEN = "d740cc72aec9"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_fraction', 'ratio_mean', 'kl_new_old']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -489,4 +489,4 @@ def head_loss_4b44cfbdd10c9539(
             tl.store(ws_ptr + 4, value_kl_new_old)
             tl.store(ws_ptr + 5, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "927287b1b0e00777dd59934ce0d827d435ab4a910bc797c710c8362e1ba12366"
+TEXT_HASH = "082aa0d5a49e8f1e6adce2c36608480c064701b9cc46433b97405284cff2535f"

@@ -43,7 +43,7 @@ from triton.language.extra import libdevice
 
 KEY = "d4ac32833fba1c40"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "22340ed47b3a"
+CODEGEN = "d740cc72aec9"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['topk_forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -463,4 +463,4 @@ def head_loss_d4ac32833fba1c40(
             tl.store(ws_ptr + 0, value_topk_forward_kl)
             tl.store(ws_ptr + 1, weight_topk_forward_kl * value_topk_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "01585c75798dda3da35ae00b893cf7c7f3857a2273e84290ca9dc8cdd4ff855d"
+TEXT_HASH = "6f7a60156e71adfe69d1999a1b4f26cb0b869a9afb5e80bf2e303d30b09c1a61"

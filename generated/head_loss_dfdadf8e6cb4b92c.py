@@ -40,7 +40,7 @@ from triton.language.extra import libdevice
 
 KEY = "dfdadf8e6cb4b92c"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "22340ed47b3a"
+CODEGEN = "d740cc72aec9"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -423,4 +423,4 @@ def head_loss_dfdadf8e6cb4b92c(
             tl.store(ws_ptr + 0, value_cross_entropy)
             tl.store(ws_ptr + 1, weight_cross_entropy * value_cross_entropy)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "cb4b130f04d8e76d4042159bd48d4b74c705156712908f945e7c5ec37ed56f39"
+TEXT_HASH = "f5f1425d8e39ab66be96728296aba9b7e9d214fec25fb085750d389f59105e38"
