@@ -76,8 +76,11 @@ _ROW_LEAVES = [("S.lse", False), ("S.target_logit", False), ("(S.target_logit - 
                ("S.lse_at(2)", False), ("S.lse_at(0.5)", False), ("S.token('a')", False),
                ("S.param('c')", False), ("0.5", True), ("2", True), ("(S.lse - S.target_logit + 0.5)", True),
                ("S.exp(S.target_logit - S.lse)", True), ("(1 + S.token('a')**2)", True),
-               ("S.row_max", False), ("(S.row_max - S.target_logit)", False), ("S.exp(S.row_max - S.lse)", True)]
-_TEACHER_ROW_LEAVES = [("S.teacher_lse", False), ("S.teacher_lse_at(2)", False)]
+               ("S.row_max", False), ("(S.row_max - S.target_logit)", False), ("S.exp(S.row_max - S.lse)", True),
+               # temperatures known at run time: a tensor parameter, a per-row one (> 0 either way)
+               ("S.lse_at(S.param('T'))", False), ("S.lse_at(1 + S.token('a')**2)", False)]
+_TEACHER_ROW_LEAVES = [("S.teacher_lse", False), ("S.teacher_lse_at(2)", False),
+                       ("S.teacher_lse_at(S.param('T'))", False)]
 _ELEM_LEAVES = [("S.logit", False), ("S.logsoftmax", False), ("S.softmax", True),
                 ("S.logsoftmax_at(2)", False), ("S.token('a')", False), ("S.param('c')", False),
                 ("S.lse", False), ("0.5", True), ("S.vector('u')", True)]
@@ -85,8 +88,10 @@ _TEACHER_ELEM_LEAVES = [("S.teacher_logit", False), ("S.teacher_logprob", False)
                         ("S.teacher_prob_at(2)", True)]
 # the weights of an online vocabulary sum: exp(alpha z + beta t) up to a row factor
 _WEIGHTS = ["S.softmax", "S.softmax_at(2)", "S.softmax_at(0.5)", "S.exp(S.logit - S.lse_at(1))",
-            "S.exp(S.param('k') * S.logit - S.lse)", "S.exp(S.logit - S.row_max)", "S.vector('u') * S.softmax"]
-_TEACHER_WEIGHTS = ["S.teacher_prob", "S.teacher_prob_at(2)", "S.exp(S.logit / 2 + S.teacher_logit / 2 - S.lse)"]
+            "S.exp(S.param('k') * S.logit - S.lse)", "S.exp(S.logit - S.row_max)", "S.vector('u') * S.softmax",
+            "S.softmax_at(S.param('T'))", "S.softmax_at(1 + S.token('a')**2)", "S.exp(S.logit / S.param('T'))"]
+_TEACHER_WEIGHTS = ["S.teacher_prob", "S.teacher_prob_at(2)", "S.exp(S.logit / 2 + S.teacher_logit / 2 - S.lse)",
+                    "S.teacher_prob_at(S.param('T'))"]
 _TOPK_LEAVES = [("S.topk_logit", False), ("S.topk_logprob", False), ("(S.topk_logit - S.lse)", False),
                 ("S.exp(S.topk_logprob)", True), ("S.exp(S.topk_logit - S.lse)", True),
                 ("S.token('a')", False)]
@@ -358,7 +363,9 @@ def _builtin(gen: Generator, table, metric: bool) -> TermSpec | None:
             ("segments" in needs and not gen.segments):
         return None
     r = gen.rng
-    code = code.format(ls=r.choice([0.0, 0.1]), w=r.choice([0.5, 1.0]), T=r.choice([1.0, 2.0, 0.7]),
+    # a tensor temperature (read relative to the row maxima) for the KLs; JSD refuses one
+    temperatures = [1.0, 2.0, 0.7] + ([_TENSOR.format(1.5)] if "JSD" not in code else [])
+    code = code.format(ls=r.choice([0.0, 0.1]), w=r.choice([0.5, 1.0]), T=r.choice(temperatures),
                        b=r.choice([0.3, 0.5]), kb=r.choice([0.0, 0.04]))
     return TermSpec(code, metric=metric)
 
@@ -393,6 +400,8 @@ def _declared(gen: Generator, i: int, metric: bool) -> TermSpec:
         params.append(f"tau={r.choice(['0.04', '0.5'])}")   # in an exponent: a number
     if "S.param('c')" in code:
         params.append(f"c={r.choice(['0.7', '-1.3', _TENSOR.format(0.4)])}")
+    if "S.param('T')" in code:   # a temperature: a number, or a tensor known at run time
+        params.append(f"T={r.choice(['0.8', _TENSOR.format(0.8), _TENSOR.format(2.5)])}")
     if "S.param('k')" in code:
         params.append(f"k={r.choice(['1.0', '0.5', '2.0'])}")   # in an exponent: a number (it decides the plan)
     if not metric:

@@ -151,7 +151,9 @@ def test_the_generator_writes_each_construct_of_the_language():
                       "S.logit - S.vsum(", "S.sqrt(S.vsum(S.logit**2))", "S.topk_sum(", "S.stop_gradient(",
                       "S.teacher_prob", "S.param('c')", "P.DPO(", "P.CPO(", "P.SimPO(", "P.ORPO(",
                       "P.ChosenNLL(", "P.KTO(", "P.pair_statistics()", "P.cpo_statistics(",
-                      "P.sequence_statistics()", "use_weighting=True", "layout='pairs'", "layout='sequences'"]:
+                      "P.sequence_statistics()", "use_weighting=True", "layout='pairs'", "layout='sequences'",
+                      "S.lse_at(S.param('T'))", "S.softmax_at(1 + S.token('a')**2)", "T=torch.tensor(",
+                      "temperature=torch.tensor("]:
         assert construct in codes, construct
 
 
@@ -169,6 +171,9 @@ _NEW_CONSTRUCTS = {
     "dpo_orpo_and_statistics": ((_T("P.DPO(loss_type='sigmoid', beta=0.5, use_weighting=True)"), _T("P.ORPO(beta=0.1)"),
                                  _T("*P.pair_statistics()")), "pairs"),
     "kto": ((_T("P.KTO(loss_type='kto', beta=0.5, kl=torch.tensor(0.05, device=device))"),), "sequences"),
+    "run_time_temperatures": ((_T("lcg.ForwardKL(temperature=torch.tensor(1.5, device=device))"), _T(
+        "weight=0.5, T=torch.tensor(2.5, device=device)", name="f1", formula=fuzz.Node(
+            "S.lse_at(S.param('T')) + S.vsum(S.softmax_at(1 + S.token('a')**2) * S.logit)"))), ""),
 }
 
 
