@@ -102,7 +102,8 @@ def pytest_collection_modifyitems(config, items):
     them only in Triton's interpreter (chosen above, before triton is imported, only where there is
     no GPU): skipped where there is a GPU, unless marked ``gpu`` too; CI runs them. Every other test
     takes its tensors to ``device`` (or DEVICE), or spawns gloo ranks (helpers.run_ranks); the
-    integration tests (tests/integrations/) are all ``cpu``."""
+    integration tests (tests/integrations/) are all ``cpu``. And the ``backend`` fixture's cases
+    take turns (``_one_backend_a_case``), unless --all-backends."""
     if not config.getoption("--all-backends"):
         dropped = set(_one_backend_a_case(items))
         if dropped:

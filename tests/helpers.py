@@ -44,36 +44,36 @@ def topk_inputs(R, V, K, g):
     return dict(teacher_topk_ids=ids, teacher_topk_logprobs=torch.log_softmax(torch.randn(R, K, generator=g), -1))
 
 
-def _on_backend(worker, *args) -> None:
-    # a spawned rank: the parent test's backend (conftest's ``backend`` fixture), if it chose one
-    if os.environ.get("LOSSCODEGEN_TEST_BACKEND"):
+def _on_backend(worker, env: dict, *args) -> None:
+    # a rank: the parent test's environment when it started the rank (a rank forks from a server
+    # started earlier), with its backend (conftest's ``backend`` fixture), if it chose one
+    os.environ.clear()
+    os.environ.update(env)
+    if env.get("LOSSCODEGEN_TEST_BACKEND"):
         from conftest import use_backend
-        use_backend(os.environ["LOSSCODEGEN_TEST_BACKEND"])
+        use_backend(env["LOSSCODEGEN_TEST_BACKEND"])
     worker(*args)
 
 
+# Ranks fork from one server process that imported torch and losscodegen once, not each a fresh
+# interpreter importing them again (seconds a rank). It never imports triton: a rank does, after
+# taking its environment.
+_RANKS = mp.get_context("forkserver")
+_RANKS.set_forkserver_preload(["torch", "torch.distributed", "losscodegen", "losscodegen.testing", "helpers"])
+
+
 def run_ranks(worker, world: int, n_results: int) -> list:
-    """``worker(rank, world, port, queue)`` in ``world`` spawned processes (gloo over a free local
-    port); the ``n_results`` items they put on the queue."""
+    """``worker(rank, world, port, queue)`` in ``world`` processes (gloo over a free local port); the
+    ``n_results`` items they put on the queue. The ranks hold CPU tensors, which the Triton backend
+    takes only in Triton's interpreter: they run in it even where this process compiles for a GPU."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_on_backend, args=(worker, r, world, port, queue)) for r in range(world)]
-    # gloo ranks hold CPU tensors, which the Triton backend takes only in Triton's interpreter: the
-    # ranks start with it even where this process compiles for a GPU (a spawned rank's environment
-    # is this one's when it starts, read before it imports triton)
-    interpret = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        for p in procs:
-            p.start()
-    finally:
-        if interpret is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = interpret
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    queue = _RANKS.Queue()
+    procs = [_RANKS.Process(target=_on_backend, args=(worker, env, r, world, port, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
     results = [queue.get(timeout=600) for _ in range(n_results)]
     for p in procs:
         p.join(timeout=60)
