@@ -43,7 +43,7 @@ from triton.language.extra import libdevice
 
 KEY = "61bded9c9d8c364d"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "d740cc72aec9"
+CODEGEN = "93c12f021968"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['reverse_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -470,4 +470,4 @@ def head_loss_61bded9c9d8c364d(
             tl.store(ws_ptr + 0, value_reverse_kl)
             tl.store(ws_ptr + 1, weight_reverse_kl * value_reverse_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "7c7bc05a33d0114ddad5eaf92b54625c1d834555ee4f3b648beca3e65540eef0"
+TEXT_HASH = "512202ee500cd5717618f12dfb16a33bf6896f4ac8bdc109491bef8e0b64e9b5"

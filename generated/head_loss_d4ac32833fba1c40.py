@@ -43,7 +43,7 @@ from triton.language.extra import libdevice
 
 KEY = "d4ac32833fba1c40"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "d740cc72aec9"
+CODEGEN = "93c12f021968"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['topk_forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -463,4 +463,4 @@ def head_loss_d4ac32833fba1c40(
             tl.store(ws_ptr + 0, value_topk_forward_kl)
             tl.store(ws_ptr + 1, weight_topk_forward_kl * value_topk_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "6f7a60156e71adfe69d1999a1b4f26cb0b869a9afb5e80bf2e303d30b09c1a61"
+TEXT_HASH = "c99eba2f928bb96f4b285ac5b11791ddae0ba518cdb59a151c4c4407172d5e5b"

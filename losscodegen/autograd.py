@@ -150,6 +150,7 @@ _OP_ARGS: tuple[tuple[str, str, Callable[..., Any]], ...] = (
     ("loss_mask", "Tensor?", lambda head, x, call: call.mask),
     ("teacher", "Tensor?", lambda head, x, call: call.teacher),
     ("tokens", "Tensor[]", lambda head, x, call: list(call.tokens)),
+    ("vectors", "Tensor[]", lambda head, x, call: list(call.vectors)),
     ("topk_ids", "Tensor?", lambda head, x, call: call.topk_ids),
     ("topk_logprobs", "Tensor?", lambda head, x, call: call.topk_logprobs),
     ("segment_ids", "Tensor?", lambda head, x, call: call.segment_ids),
@@ -200,7 +201,7 @@ def _head_op(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torc
                 rows_view(logits, logits.shape[-1]), a["labels"], a["loss_mask"], a["teacher"],
                 tuple(a["tokens"]), a["topk_ids"], a["topk_logprobs"], a["segment_ids"], a["num_segments"],
                 a["divisor"], a["reduction"], collectives.resolve(a["process_group"]),
-                collectives.resolve(a["segment_group"]))
+                collectives.resolve(a["segment_group"]), (), None, tuple(a["vectors"]))
     # Inductor may reuse the logits' memory once the op has read them: the gradient gets its own.
     loss, values, grad_buf, launcher = launch.run(head, call, grad=a["grad"], inplace=False)
     if call.reduction == "none":
@@ -228,11 +229,11 @@ def _setup_context(ctx, inputs, output):
     a = dict(zip(_OP_NAMES, inputs))
     logits = a["logits"]
     ctx.shape, ctx.dtype, ctx.device = list(logits.shape), logits.dtype, logits.device
-    ctx.n_tokens = len(a["tokens"])
+    ctx.n_lists = {name: len(a[name]) for name, kind, _ in _OP_ARGS if kind == "Tensor[]"}
     # (reduction="none": the deferred gradient launch reads the logits and the other inputs again,
     # so they are saved)
     deferred = a["reduction"] == "none" and a["grad"]
-    reread = [a[name] for name in _REREAD] + list(a["tokens"]) if deferred else []
+    reread = [a[name] for name in _REREAD] + list(a["tokens"]) + list(a["vectors"]) if deferred else []
     ctx.save_for_backward(output[3], logits if deferred else None, *reread)
     ctx.mark_non_differentiable(output[1], output[3])
 
@@ -244,7 +245,7 @@ def _backward(ctx, grad_loss, _grad_values, grad_rows, _grad_handle):
     handle, logits, *reread = ctx.saved_tensors
     grad = torch.ops.losscodegen.head_grad(handle, grad_loss, grad_rows, logits, reread, ctx.shape, ctx.dtype,
                                            ctx.device)
-    return tuple(grad if name == "logits" else [None] * ctx.n_tokens if kind == "Tensor[]" else None
+    return tuple(grad if name == "logits" else [None] * ctx.n_lists[name] if kind == "Tensor[]" else None
                  for name, kind, _ in _OP_ARGS)
 
 
@@ -262,7 +263,8 @@ def _head_grad_op(handle: torch.Tensor, grad_loss: torch.Tensor, grad_rows: torc
         call.x = rows_view(logits, logits.shape[-1])
         (call.labels, call.mask, call.teacher, call.topk_ids, call.topk_logprobs, call.segment_ids,
          call.divisor) = reread[:len(_REREAD)]
-        call.tokens = tuple(reread[len(_REREAD):])
+        n = len(_REREAD) + len(call.tokens)
+        call.tokens, call.vectors = tuple(reread[len(_REREAD):n]), tuple(reread[n:])
         head.restore_scalars(call)
         grad = launch.backward(kept, grad_loss, terms, inplace=False)
     else:

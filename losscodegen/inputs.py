@@ -63,7 +63,7 @@ class Call:
         user changed in place since the forward fails there with torch's "modified by an inplace
         operation" error instead of giving a gradient of other values."""
         return (self.x, self.teacher, self.labels, self.mask, *self.tokens, self.topk_ids, self.topk_logprobs,
-                self.segment_ids, self.divisor)
+                self.segment_ids, self.divisor, *self.vectors)
 
 
 def check_call(head, kernel: ModuleType, logits: Any, labels: Any, inputs: dict[str, Any]) -> Call:

@@ -133,25 +133,30 @@ class LSE(_RowValue):
     is_real = True
 
 
-class vsum(_RowValue):
+class _SumOf(_RowValue):
+    """A sum (or mean) over a row's elements or rows: of 0, it is 0 (``vsum(z - z)``), which the
+    lowering would otherwise take for a sum sharing another's gradient coefficient by a ratio 0/0."""
+
+    nargs = 1
+    is_real = True
+
+    @classmethod
+    def eval(cls, x):
+        if x == 0:
+            return sp.S.Zero
+        return None
+
+
+class vsum(_SumOf):
     """Sum over the vocabulary of an element-level expression."""
 
-    nargs = 1
-    is_real = True
 
-
-class topk_sum(_RowValue):
+class topk_sum(_SumOf):
     """Sum over the K sparse teacher entries of an expression in ``topk_logit``/``topk_logprob``."""
 
-    nargs = 1
-    is_real = True
 
-
-class segment_mean(_RowValue):
+class segment_mean(_SumOf):
     """Mean of a row-level expression over the valid rows of the row's segment (``segment_ids``)."""
-
-    nargs = 1
-    is_real = True
 
 
 # The number of valid rows of a segment, in a segment term outside ``segment_mean`` (F's own

@@ -190,3 +190,17 @@ def test_a_sum_of_a_function_of_a_vector_past_the_rows_end(device):
     # the vector there as 0, and softmax * log(u) was 0 * -inf: the loss was NaN)
     t = lcg.declare_term("log_prior", S.vsum(S.softmax * S.log(S.vector("u"))))
     check(lcg.HeadLoss(t(), backend="triton"), Plan(), rows=3, vocab=61, seed=441, device=device)
+
+
+def test_a_sum_of_zero_beside_a_sum_at_a_temperature(device):
+    # (found by the H100 fuzz run: vsum(z - z) is vsum(0), which the lowering grouped with the other
+    # sum by a ratio 0/0: a NaN coefficient the printer refused; a sum of 0 is now 0)
+    t = lcg.declare_term("zero_sum", S.vsum(S.softmax_at(2)) + S.vsum(S.logit - S.logit) + S.lse)
+    check(lcg.HeadLoss(t()), Plan(), rows=3, vocab=64, seed=231, device=device)
+
+
+def test_a_class_prior_under_torch_compile(device):
+    # (found by the H100 fuzz run: the compiled op had no argument for S.vector inputs, and its
+    # launch indexed past the empty tuple)
+    t = lcg.declare_term("prior_sum", S.vsum(S.vector("u")) + S.vsum(S.vector("u") * S.softmax))
+    check(lcg.HeadLoss(t(weight=0.3)), Plan(kind="compile"), rows=3, vocab=64, seed=232, device=device)
