@@ -268,12 +268,19 @@ def _check_levels(name: str, formula: sp.Expr) -> None:
         if inner.has(*reductions):
             raise ValueError(f"{name}: nested reductions are not supported beyond a vsum(...) of the first "
                              f"read inside another vsum(...): {red}")
-    outside = formula.replace(lambda e: isinstance(e, (S.vsum, S.topk_sum)), lambda e: sp.S.Zero)
+    # (each sum as a symbol, not 0: log(vsum(...)) would be zoo, which a Max beside it cannot compare)
+    outside = formula.replace(lambda e: isinstance(e, (S.vsum, S.topk_sum)), lambda e: sp.Dummy(real=True))
     vectors = tuple(S.vectors_in(formula))
     for sym, where in ((S.ELEMENT_SYMBOLS + vectors, "vsum(...)"), (S.TOPK_SYMBOLS, "topk_sum(...)")):
         if outside.has(*sym):
+            # (sympy folds a Piecewise inside a sum out of it where the sum sits in a condition:
+            # Piecewise((a, vsum(Piecewise((p, u > 0), (q, True))) > 0), ...) becomes ITE(u > 0, ...))
+            hoisted = " (sympy moved a condition on an element out of its sum, as it does where the sum is " \
+                "compared in a Piecewise condition: give the sum's condition as a factor, e.g. " \
+                "S.Heaviside(u) * p + (1 - S.Heaviside(u)) * q, or compare a separate term's value)" \
+                if formula.has(sp.ITE) else ""
             raise ValueError(f"{name}: element symbols {[str(s) for s in sym]} may only appear "
-                             f"inside {where}: {formula}")
+                             f"inside {where}: {formula}{hoisted}")
     for red, other, where in ((S.vsum, S.TOPK_SYMBOLS, "topk_sum(...)"),
                               (S.topk_sum, S.ELEMENT_SYMBOLS + vectors, "vsum(...)")):
         for r in formula.atoms(red):

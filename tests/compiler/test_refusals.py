@@ -152,3 +152,18 @@ def test_new_functions_compile_for_sm90(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     kernels = done.stdout.splitlines()
     assert any("EXACT" in k for k in kernels) and any(k.startswith("segments_") for k in kernels), done.stdout
+
+
+def test_a_maximum_of_a_row_value_and_the_log_of_a_sum_is_declared():
+    # (found by the fuzzer: the level check replaced each sum by 0, and Max(lse_at(2), log(0)) raised
+    # sympy's "The argument 'zoo' is not comparable")
+    lcg.declare_term("max_log_sum", S.Max(S.lse_at(2), S.log(S.vsum(S.softmax**2))))
+
+
+def test_a_condition_on_an_element_that_sympy_moves_out_of_its_sum_is_refused_naming_it():
+    # (found by the fuzzer: sympy rewrote vsum(Piecewise((p, u > 0), (q, True))) > 0 inside a Piecewise
+    # condition as ITE(u > 0, ...), a condition on the vector outside any sum; the level check saw no
+    # element symbol there, and the kernel read u after the vocabulary loop)
+    with pytest.raises(ValueError, match=r"vec_u.*moved a condition on an element out of its sum"):
+        lcg.declare_term("hoisted", S.Piecewise(
+            (S.lse, S.vsum(S.Piecewise((S.softmax, S.vector("u") > 0), (0.5, True))) > 0), (S.vsum(S.softmax), True)))
