@@ -171,7 +171,8 @@ def check_vector(name: str, value: Any, V: int, dev: torch.device, needed_by) ->
         raise ValueError(f"{name} is required by {needed_by(name)}")
     if not isinstance(value, torch.Tensor) or value.shape != (V,) or not value.is_floating_point():
         raise ValueError(f"{name} must be a float tensor of shape ({V},) (one value per class of the whole "
-                         f"vocabulary), got {getattr(value, 'shape', type(value).__name__)}")
+                         f"vocabulary), got " + (f"{value.dtype} of shape {tuple(value.shape)}"
+                                                  if isinstance(value, torch.Tensor) else type(value).__name__))
     if value.device != dev:
         raise ValueError(f"{name} must be on {dev}, got {value.device}")
     if value.requires_grad:

@@ -338,3 +338,9 @@ def test_metric_rows_are_detached_and_term_rows_differentiable_eager_and_compile
         assert ce.requires_grad and not entropy.requires_grad and not accuracy.requires_grad
         want = F.cross_entropy(logits.double(), labels, reduction="none")
         torch.testing.assert_close(ce.detach().double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_an_integer_class_prior_is_refused_naming_its_dtype():
+    prior_term = lcg.declare_term("prior_ce", S.lse - S.target_logit - S.vsum(S.vector("prior") * S.logsoftmax))
+    with pytest.raises(ValueError, match=r"prior must be a float tensor of shape \(40,\).*got torch.int64 of shape \(40,\)"):
+        lcg.HeadLoss(prior_term())(torch.randn(3, 40), torch.tensor([1, 2, 3]), prior=torch.arange(40))
