@@ -26,7 +26,8 @@ HEADS = {
 
 
 @pytest.mark.parametrize("name", list(HEADS))
-def test_parity_at_4096_x_128256_bf16(name):
+def test_parity_at_4096_x_128256_bf16(name, backend):
+    # (``backend``: conftest's fixture, each backend in turn; --all-backends runs every head on both)
     head = HEADS[name]()
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(R, V, generator=g) * 2).bfloat16().cuda()
