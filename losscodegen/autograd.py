@@ -80,7 +80,7 @@ class _RowsFunction(torch.autograd.Function):
         ctx.launcher, ctx.shape, ctx.inplace = launcher, logits.shape, head.inplace_backward
         ctx.set_materialize_grads(False)
         out += [values, rows]
-        return (loss, *[rows[n] for n in head.kernel.ROW_LOSS_TERMS])
+        return (loss, *[rows[n] for n in head.kernel.SPEC.row_loss_terms])
 
     @staticmethod
     def backward(ctx, grad_loss, *grad_rows):
@@ -103,9 +103,9 @@ _apply = super(torch.autograd.Function, _HeadFunction).apply
 def row_outputs(head, launcher: launch.Launcher, call: Call) -> dict[str, torch.Tensor]:
     """``out.rows`` of a reduction="none" call: each term's and metric's per-row values, labels'
     shape, detached views of the workspace (tensors of their own to autograd: in-place ops work)."""
-    k = head.kernel
+    spec = head.kernel.SPEC
     rows = launcher.ws.rows(call)
-    return {n: rows[k.ROW_VALUES.index(n)].detach() for n in k.OUTPUTS}
+    return {n: rows[spec.row_values.index(n)].detach() for n in spec.outputs}
 
 
 def eager(head, logits: torch.Tensor, call: Call) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
@@ -115,7 +115,7 @@ def eager(head, logits: torch.Tensor, call: Call) -> tuple[torch.Tensor, torch.T
         side: list = []
         if per_row:
             loss, *term_rows = _RowsFunction.apply(logits, head, call, side)
-            return loss, side[0], {**side[1], **dict(zip(head.kernel.ROW_LOSS_TERMS, term_rows))}
+            return loss, side[0], {**side[1], **dict(zip(head.kernel.SPEC.row_loss_terms, term_rows))}
         if torch._C._are_functorch_transforms_active():
             loss = _HeadFunction.apply(logits, head, call, side)
         else:
@@ -176,10 +176,10 @@ def compiled(head, logits: torch.Tensor, call: Call) -> tuple[torch.Tensor, torc
     loss, values, rows, _ = torch.ops.losscodegen.head(*op_args(head, logits, call))
     if call.reduction != "none":
         return loss, values, {}
-    k = head.kernel
+    spec = head.kernel.SPEC
     # a term's rows are differentiable, a metric's detached, as in eager (``row_outputs``)
-    return loss, values, {n: rows[k.ROW_VALUES.index(n)] if n in k.ROW_LOSS_TERMS else
-                          rows[k.ROW_VALUES.index(n)].detach() for n in k.OUTPUTS}
+    return loss, values, {n: rows[spec.row_values.index(n)] if n in spec.row_loss_terms else
+                          rows[spec.row_values.index(n)].detach() for n in spec.outputs}
 
 
 # The ops are defined with a schema and a plain kernel, not with ``torch.library.custom_op``, whose
@@ -216,12 +216,12 @@ def _head_op(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torc
 
 def _head_fake(*args: Any):
     a = dict(zip(_OP_NAMES, args))
-    k, logits = head_of(a["head_id"]).kernel, a["logits"]
+    spec, logits = head_of(a["head_id"]).kernel.SPEC, a["logits"]
     per_row = a["reduction"] == "none"
     loss_shape = logits.shape[:-1] if per_row else ()
-    rows_shape = (len(k.ROW_VALUES), *logits.shape[:-1]) if per_row else (0,)
+    rows_shape = (len(spec.row_values), *logits.shape[:-1]) if per_row else (0,)
     return (logits.new_empty(loss_shape, dtype=torch.float32),
-            logits.new_empty((len(k.OUTPUTS),), dtype=torch.float32),
+            logits.new_empty((len(spec.outputs),), dtype=torch.float32),
             logits.new_empty(rows_shape, dtype=torch.float32), torch.empty(1, dtype=torch.int64))
 
 
@@ -255,8 +255,8 @@ def _head_grad_op(handle: torch.Tensor, grad_loss: torch.Tensor, grad_rows: torc
                   dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     head, kept = _take(handle)
     if isinstance(kept, launch.Launcher):    # reduction="none": the deferred gradient launch
-        k = head.kernel
-        terms = [None if grad_rows is None else grad_rows[k.ROW_VALUES.index(n)] for n in k.ROW_LOSS_TERMS]
+        spec = head.kernel.SPEC
+        terms = [None if grad_rows is None else grad_rows[spec.row_values.index(n)] for n in spec.row_loss_terms]
         # (the saved inputs, which autograd kept and checked: one changed in place since the forward
         # failed its version check before this op ran)
         call = kept.call

@@ -189,18 +189,18 @@ def _local_inputs(head, layout: _Layout, rows_local: tuple[int, ...], labels: An
                   inputs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """Every input but the logits (and ``teacher_logits``) made local, and the groups the local call
     takes from the mesh."""
-    k = head.kernel
+    spec = head.kernel.SPEC
     labels = _local("labels", labels, layout, layout.placements, rows_local)
     local = dict(inputs)
-    for name in (*_ROW_INPUTS, *k.TOKENS):
+    for name in (*_ROW_INPUTS, *spec.tokens):
         if local.get(name) is not None:
             local[name] = _local(name, local[name], layout, layout.placements, rows_local)
     if is_dtensor(local.get("divisor")):
         local["divisor"] = local["divisor"].full_tensor()
     local["process_group"] = layout.vocab_group
-    if k.SEGMENTS and layout.rows:
+    if spec.segments and layout.rows:
         if len(layout.rows) > 1:
-            raise ValueError(f"losscodegen: segment terms {k.SEGMENTS} with rows sharded over mesh dimensions "
+            raise ValueError(f"losscodegen: segment terms {spec.segments} with rows sharded over mesh dimensions "
                              f"{layout.rows}: a head sums segments over one group (shard the rows over one)")
         local["segment_group"] = layout.row_groups[0]
     return labels, local
@@ -220,7 +220,7 @@ def _rows_divisor(head, layout: _Layout, labels: Any, local: dict[str, Any], lik
     if reduction == "none":
         return      # (no divisor in the rows; token terms' values are combined as means)
     tokens = [t.name for t in head.loss_terms if kernel_normalize(t) == "tokens"]
-    segments = [n for n in tokens if n in head.kernel.SEGMENTS]
+    segments = [n for n in tokens if n in head.kernel.SPEC.segments]
     if len(segments) == len(tokens):
         return   # (a segment mean's default divisor is its segments' count, global already)
     if segments:
@@ -242,7 +242,7 @@ def _globalise(head, out, layout: _Layout, labels: Any, local: dict[str, Any], l
     reduction = local.get("reduction", "mean")
     per_row = reduction == "none"
     if layout.rows:
-        segment = set(head.kernel.SEGMENTS)
+        segment = set(head.kernel.SPEC.segments)
         counted = per_row and local.get("divisor") is None   # token terms are local means then
         names = [t.name for t in head.loss_terms]
         count = _valid_rows(head, labels, local.get("loss_mask"), like)

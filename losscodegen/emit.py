@@ -13,7 +13,7 @@ import ast
 import builtins
 import hashlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
 import sympy as sp
@@ -396,16 +396,23 @@ class Phases:
       ``stats_relative`` (the first read's elements relative to the running maxima), ``topk_online``
       (the top-k entries' online summands), ``exact_temps``/``exact`` (the exact read's summands),
       ``topk_temps``/``topk_exact`` (the exact sums of the top-k entries), ``normalizers``, and
-      ``neg_inf`` (each read's handling of -inf inputs, ``neg_inf_handling``);
+      ``neg_inf`` (each read's handling of -inf inputs, ``neg_inf_handling``; ``floor_topk``: the
+      top-k entries' -inf as FLOOR, ``uses_ninf``: a later read compares inputs with -inf);
     - the rows: ``row_temps``/``rows`` (each row value), ``finish``/``finish_loss`` (each output's
-      reduction over the rows and its normalisation), ``grad_weights``;
+      reduction over the rows and its normalisation: ``uses_value_scale`` where an output is
+      divided as tokens are, ``uses_count_scale`` by the valid rows), ``grad_weights``;
     - the gradient: ``coef_temps``/``coefs`` (its per-row coefficients), ``grad_temps``/``grad_expr``
       (over the vocabulary), ``topk_grad_temps``/``topk_grad`` (None without a top-k part),
       ``grad_means`` (the segment means a row term of segment statistics' direct path reads);
     - the segments: ``segments`` (each segment term's value and gradients in the means),
-      ``seg_coefs``, ``seg_mean_rows``;
+      ``seg_coefs``, ``seg_mean_rows``, and the divisors they use (``uses_div``: the segments',
+      ``uses_div_seq``: the sequences');
     - and what the template declares only where read: ``uses_label``, ``uses_zym``,
-      ``uses_vocab_size``, ``uses_is_y``, ``uses_is_argmax``, ``flag_slots``.
+      ``uses_vocab_size``, ``uses_is_y``, ``uses_is_argmax``, ``uses_argmax`` (the first read keeps
+      the argmax), ``grad_uses_teacher`` (the gradient read loads the teacher), ``uses_vocab_start``
+      (an index placed in the vocab shard), ``flag_slots``.
+
+    With the ``KernelSpec``, this is all a template reads: nothing of the ``Plan`` or ``Lowered``.
 
     ``body``, ``grad_vocab`` and ``grad_topk`` are the sympy expressions printed (``printed_bodies``),
     for what a backend prints itself (its first read's layout)."""
@@ -483,6 +490,13 @@ def phases(plan: Plan, spec: KernelSpec, printer: ArrayPrinter, statements: Stat
         uses_zym=any(e.has(ZYM) for _, e in lw.row_values + lw.grad_coefs),
         uses_vocab_size=any(e.has(S.vocab_size) for e in head_exprs),
         uses_is_y=lw.grad_vocab.has(IS_Y), uses_is_argmax=lw.grad_vocab.has(IS_ARGMAX),
+        uses_argmax=lw.uses_argmax, grad_uses_teacher=lw.grad_uses_teacher,
+        # a label, the argmax, a top-k id or a vector's entry placed in this vocab shard
+        uses_vocab_start=lw.uses_labels or lw.uses_argmax or lw.uses_topk or bool(lw.vectors),
+        floor_topk=neg_inf["topk"]["floor"] or neg_inf["topk"]["gone"],
+        uses_ninf=neg_inf["exact"]["gone"] or neg_inf["grad"]["gone"],
+        uses_value_scale="tokens" in norm.values(), uses_count_scale="mean" in norm.values(),
+        uses_div=any(s["div"] == "div" for s in segments), uses_div_seq=any(s["per_sequence"] for s in segments),
         flag_slots={name: i for i, name in enumerate(FLAG_SLOTS)},
     )
     return Phases(body, grad_vocab, grad_topk, context)
@@ -578,28 +592,81 @@ def signatures(plan: Plan, key: str, reads_scalars: bool, per_sequence: tuple[st
     return out
 
 
-@dataclass(frozen=True)
-class KernelSpec:
-    """What the runtime needs of a head's kernel file, derived from its plan once, here, for every
-    backend: each renderer takes the file's contract from it, and its template writes it as the
-    file's constants (``OUTPUTS``, ``ROW_VALUES``, ``COLUMNS``, ``SCALARS``, ``ARGS``...), which the
-    runtime reads by name. Two backends' files of one head agree on all of it by construction."""
+def _recorded(constant: str, *, only_with: str = "") -> Any:
+    """A field of ``FileSpec``: written as the module constant ``constant``; ``only_with``: the field
+    whose value decides whether the file writes it at all (the segment kernel's interface)."""
+    return field(metadata={"constant": constant, "only_with": only_with})
 
-    outputs: tuple[str, ...]          # the terms, then the metrics
-    row_values: tuple[str, ...]       # per-row values: row terms, metrics, segment terms' row quantities
-    columns: tuple[str, ...]          # the first read's packed per-row stats
-    exact: tuple[str, ...]            # the exact read's sums
-    row_loss_terms: tuple[str, ...]   # loss terms reduced over rows (the others are segment terms)
-    segments: tuple[str, ...]         # segment terms
-    segment_means: tuple[str, ...]    # the row values whose per-segment sums they read, in order
-    segment_row_terms: tuple[str, ...]  # the segment terms that are row terms of segment statistics
-    tokens: tuple[str, ...]           # per-row inputs (S.token), each passed as tok_<name>_ptr
-    vectors: tuple[str, ...]          # per-class [V] inputs (S.vector), each passed as vec_<name>_ptr
-    normalize: tuple[tuple[str, str], ...]  # each output's normalisation: tokens, sequence, sum or mean
-    scalars: tuple[str, ...]          # the fp32 runtime scalars: each loss term's weight, then parameters
-    head_scalars: tuple[str, ...]     # those the head's kernel reads
-    segment_scalars: tuple[str, ...]  # those the segment kernel reads
-    signatures: tuple[Signature, ...]  # the head's kernel, then the segment kernel if any
+
+def _names(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(n, str) for n in value):
+        raise TypeError(f"a list of names, not {value!r}")
+    return tuple(value)
+
+
+def _flag(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"True or False, not {value!r}")
+    return value
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"a string, not {value!r}")
+    return value
+
+
+def _pairs(value: Any) -> tuple[tuple[str, str], ...]:
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise TypeError(f"a dict of names, not {value!r}")
+    return tuple(value.items())
+
+
+def _state(value: Any) -> tuple[str, int, int]:
+    if not (isinstance(value, tuple) and len(value) == 3 and isinstance(value[0], str)
+            and all(isinstance(n, int) for n in value[1:])):
+        raise TypeError(f"(streams, running sums, exact sums), not {value!r}")
+    return value
+
+
+# how a constant's value is read back into its field, by the field's type
+_READERS: dict[str, Callable[[Any], Any]] = {
+    "str": _text, "bool": _flag, "tuple[str, ...]": _names, "tuple[tuple[str, str], ...]": _pairs,
+    "tuple[str, int, int]": _state}
+
+
+@dataclass(frozen=True)
+class FileSpec:
+    """What the runtime reads of a head's kernel file, whatever its backend: each field one constant
+    of the file (named in the field's ``constant``), which both backends' templates write
+    (``templates/_spec_constants.j2``, from a ``KernelSpec``), and which ``load`` reads back into
+    this, the module's ``SPEC`` (``FileSpec.read``). The runtime reads these fields, never a
+    constant by its name."""
+
+    key: str = _recorded("KEY")                         # the head's key: its kernels are head_loss_<key>, segments_<key>
+    outputs: tuple[str, ...] = _recorded("OUTPUTS")     # the terms, then the metrics
+    row_values: tuple[str, ...] = _recorded("ROW_VALUES")  # row terms, metrics, segment terms' row quantities
+    columns: tuple[str, ...] = _recorded("COLUMNS")     # the first read's packed per-row stats
+    exact: tuple[str, ...] = _recorded("EXACT")         # the exact read's sums
+    tokens: tuple[str, ...] = _recorded("TOKENS")       # per-row inputs (S.token), each passed as tok_<name>_ptr
+    vectors: tuple[str, ...] = _recorded("VECTORS")     # per-class [V] inputs (S.vector), each passed as vec_<name>_ptr
+    uses_labels: bool = _recorded("USES_LABELS")        # which inputs its kernels read
+    uses_teacher: bool = _recorded("USES_TEACHER")
+    uses_topk: bool = _recorded("USES_TOPK")
+    row_loss_terms: tuple[str, ...] = _recorded("ROW_LOSS_TERMS")  # loss terms reduced over rows (the others are segment terms)
+    normalize: tuple[tuple[str, str], ...] = _recorded("NORMALIZE")  # each output's: tokens, sequence, sum or mean
+    scalars: tuple[str, ...] = _recorded("SCALARS")     # the fp32 runtime scalars: each loss term's weight, then parameters
+    segments: tuple[str, ...] = _recorded("SEGMENTS")   # segment terms
+    segment_means: tuple[str, ...] = _recorded("SEGMENT_MEANS")  # the row values whose per-segment sums they read, in order
+    segment_row_terms: tuple[str, ...] = _recorded("SEGMENT_ROW_TERMS")  # the segment terms that are row terms of segment statistics
+    state: tuple[str, int, int] = _recorded("STATE")    # what decides the tile: Plan.state
+    # each kernel's interface (emit.signatures): each launch's arguments, the fixed ones, the constexprs
+    args: tuple[str, ...] = _recorded("ARGS")
+    fixed: tuple[str, ...] = _recorded("FIXED")
+    constexprs: tuple[str, ...] = _recorded("CONSTEXPRS")
+    segment_args: tuple[str, ...] = _recorded("SEGMENT_ARGS", only_with="segments")
+    segment_fixed: tuple[str, ...] = _recorded("SEGMENT_FIXED", only_with="segments")
+    segment_constexprs: tuple[str, ...] = _recorded("SEGMENT_CONSTEXPRS", only_with="segments")
 
     @property
     def normalization(self) -> dict[str, str]:
@@ -612,16 +679,67 @@ class KernelSpec:
         return bool(self.exact)
 
     @property
-    def sigs(self) -> dict[str, Signature]:
-        """``emit.signatures``' form: by kernel kind (``head_loss``, ``segments``)."""
-        return dict(zip(("head_loss", "segments"), self.signatures))
-
-    @property
     def slots(self) -> dict[str, int]:
         """The workspace's fixed slots after each output's value: the loss, the valid-row count, the
         finished-row count; ``fixed``: where the regions given per call start."""
         n = len(self.outputs)
         return dict(loss=n, count=n + 1, done=n + 2, fixed=n + 3)
+
+    @classmethod
+    def read(cls, module: Any) -> FileSpec:
+        """The contract a kernel module's constants record. A constant missing (or written where its
+        ``only_with`` field is empty), of the wrong type, or disagreeing with what the others imply
+        (``DERIVED_CONSTANTS``) is a ValueError naming it."""
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            const, only_with = f.metadata["constant"], f.metadata["only_with"]
+            written = not only_with or bool(values[only_with])
+            if not written:
+                if hasattr(module, const):
+                    raise ValueError(f"the constant {const} is written, with no {only_with.upper()}")
+                values[f.name] = ()
+                continue
+            if not hasattr(module, const):
+                raise ValueError(f"no constant {const} (FileSpec.{f.name}): the file is not one this "
+                                 "version of losscodegen writes")
+            try:
+                values[f.name] = _READERS[f.type](getattr(module, const))
+            except TypeError as e:
+                raise ValueError(f"the constant {const} (FileSpec.{f.name}) is not {e}") from None
+        spec = cls(**values)
+        for const, derive in DERIVED_CONSTANTS.items():
+            if getattr(module, const, None) != derive(spec):
+                raise ValueError(f"the constant {const} is {getattr(module, const, 'missing')!r}, where "
+                                 f"the file's other constants make it {derive(spec)!r}")
+        return spec
+
+
+# The constants a file writes that follow from its FileSpec's fields: checked when it is read.
+DERIVED_CONSTANTS: dict[str, Callable[[FileSpec], Any]] = {
+    "HAS_EXACT": lambda s: s.has_exact, "LOSS": lambda s: s.slots["loss"], "COUNT": lambda s: s.slots["count"],
+    "DONE": lambda s: s.slots["done"], "FIXED_SLOTS": lambda s: s.slots["fixed"]}
+
+
+@dataclass(frozen=True)
+class KernelSpec(FileSpec):
+    """A head's kernel file's contract (``FileSpec``, what it records), derived from its plan once,
+    here, for every backend, with what the renderers alone read: each renderer takes the file's
+    contract from it, and its template writes the ``FileSpec`` part as the file's constants. Two
+    backends' files of one head agree on all of it by construction."""
+
+    head_scalars: tuple[str, ...] = ()     # the scalars the head's kernel reads
+    segment_scalars: tuple[str, ...] = ()  # those the segment kernel reads
+    signatures: tuple[Signature, ...] = ()  # the head's kernel, then the segment kernel if any
+
+    @property
+    def sigs(self) -> dict[str, Signature]:
+        """``emit.signatures``' form: by kernel kind (``head_loss``, ``segments``)."""
+        return dict(zip(("head_loss", "segments"), self.signatures))
+
+    @property
+    def recorded(self) -> FileSpec:
+        """What the file records of it: what ``FileSpec.read`` gives back from the file."""
+        return FileSpec(**{f.name: getattr(self, f.name) for f in fields(FileSpec)})
 
 
 def kernel_spec(plan: Plan, key: str, normalize: dict[str, str] | None = None) -> KernelSpec:
@@ -646,12 +764,17 @@ def kernel_spec(plan: Plan, key: str, normalize: dict[str, str] | None = None) -
                          | {f"weight_{t}" for t in row_loss_terms + segment_row_terms})
     sigs = signatures(plan, key, bool(head_scalars), tuple(n for n in segments if norm[n] == "sequence"),
                       bool(row_loss_terms))
+    head_sig, seg_sig = sigs["head_loss"], sigs.get("segments", Signature("", (), (), ()))
     return KernelSpec(
-        outputs=tuple(lw.outputs), row_values=tuple(n for n, _ in lw.row_values),
-        columns=tuple(c.name for c in plan.columns), exact=tuple(plan.exact), row_loss_terms=row_loss_terms,
+        key=key, outputs=tuple(lw.outputs), row_values=tuple(n for n, _ in lw.row_values),
+        columns=tuple(c.name for c in plan.columns), exact=tuple(plan.exact), tokens=tuple(lw.tokens),
+        vectors=tuple(lw.vectors), uses_labels=lw.uses_labels, uses_teacher=lw.uses_teacher,
+        uses_topk=lw.uses_topk, row_loss_terms=row_loss_terms, normalize=tuple(norm.items()), scalars=scalars,
         segments=segments, segment_means=tuple(U.name for seg in lw.segments for U in seg.means),
-        segment_row_terms=segment_row_terms, tokens=tuple(lw.tokens), vectors=tuple(lw.vectors),
-        normalize=tuple(norm.items()), scalars=scalars, head_scalars=head_scalars,
+        segment_row_terms=segment_row_terms, state=plan.state,
+        args=head_sig.args, fixed=head_sig.fixed, constexprs=head_sig.constexprs,
+        segment_args=seg_sig.args, segment_fixed=seg_sig.fixed, segment_constexprs=seg_sig.constexprs,
+        head_scalars=head_scalars,
         segment_scalars=tuple(n for n in scalars if n in names(seg_exprs) | {f"weight_{t}" for t in segments}),
         signatures=tuple(sigs.values()))
 

@@ -217,7 +217,7 @@ class HeadLoss(torch.nn.Module):
         if type(logits) is not torch.Tensor and distributed.is_dtensor(logits):
             return distributed.forward(self, logits, labels, inputs)
         learnable = self._learnable_weights() if self.tensor_scalars else ()
-        call = check_call(self, self.kernel, logits, labels, inputs)
+        call = check_call(self, self.kernel.SPEC, logits, labels, inputs)
         run = autograd.compiled if torch.compiler.is_compiling() else autograd.eager
         return self._output(*run(self, logits, call), call, learnable)
 
@@ -274,8 +274,8 @@ class HeadLoss(torch.nn.Module):
                  deferred: bool = False) -> tuple[Launch, ...]:
         """The plan's launches; ``deferred``: the gradient as a launch of its own, last, after a
         forward that keeps the stats it needs (reduction="none": backward runs it)."""
-        k = self.kernel
-        seq = launch_sequence(has_exact=k.HAS_EXACT, segments=bool(k.SEGMENTS), sharded=sharded,
+        spec = self.kernel.SPEC
+        seq = launch_sequence(has_exact=spec.has_exact, segments=bool(spec.segments), sharded=sharded,
                               grad=grad and not deferred, split=split, exchange=exchange)
         if grad and deferred:
             seq = (*seq[:-1], dataclasses.replace(seq[-1], store_stats=True), Launch(grad=True))
@@ -287,7 +287,7 @@ class HeadLoss(torch.nn.Module):
         (``refresh_scalars``), so that a schedule updating one in place needs no new head."""
         entry = self._scalar_buffers.get(device)
         if entry is None:
-            names = self.kernel.SCALARS
+            names = self.kernel.SPEC.scalars
             missing = [n for n in names if n not in self.scalars]
             if missing:
                 raise TypeError(f"the kernel reads scalars {missing} that the head does not hold")

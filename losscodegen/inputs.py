@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Any, Callable
 
 import torch
 
 from . import segments
+from .emit import FileSpec
 from .symbols import STANDARD_INPUTS  # (declared with the formula language: no token takes these names)
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -66,8 +66,8 @@ class Call:
                 self.segment_ids, self.divisor, *self.vectors)
 
 
-def check_call(head, kernel: ModuleType, logits: Any, labels: Any, inputs: dict[str, Any]) -> Call:
-    """Check ``head(logits, labels, **inputs)`` against what the head's kernel reads."""
+def check_call(head, spec: FileSpec, logits: Any, labels: Any, inputs: dict[str, Any]) -> Call:
+    """Check ``head(logits, labels, **inputs)`` against what the head's kernel reads (its file's ``spec``)."""
     group = inputs.get("process_group") if inputs else None
     if group is not None and isinstance(logits, torch.Tensor) and logits.dim() >= 1 and logits.shape[-1] == 0:
         # a rank with an empty vocab shard still takes part in the shards' width exchange, which
@@ -84,7 +84,7 @@ def check_call(head, kernel: ModuleType, logits: Any, labels: Any, inputs: dict[
                              f"shape {tuple(logits.shape)}, strides {logits.stride()}: expanded or "
                              "overlapping); pass .contiguous() logits or inplace_backward=False")
     teacher = None
-    if kernel.USES_TEACHER:
+    if spec.uses_teacher:
         teacher = inputs.get("teacher_logits")
         if teacher is None:
             raise ValueError("teacher_logits is required by " + head.terms_reading("teacher_logits"))
@@ -95,35 +95,35 @@ def check_call(head, kernel: ModuleType, logits: Any, labels: Any, inputs: dict[
             raise TypeError(f"teacher_logits must be a float tensor on {x.device}, got "
                             f"{teacher.dtype} on {teacher.device}")
         teacher = rows_view(teacher, x.shape[1])
-    return check_rows(head, kernel, shape, x.shape[1], x.device, labels, inputs, x=x, teacher=teacher)
+    return check_rows(head, spec, shape, x.shape[1], x.device, labels, inputs, x=x, teacher=teacher)
 
 
-def check_rows(head, kernel: ModuleType, shape: tuple[int, ...], V_local: int, dev: torch.device,
+def check_rows(head, spec: FileSpec, shape: tuple[int, ...], V_local: int, dev: torch.device,
                labels: Any, inputs: dict[str, Any], *, x: torch.Tensor | None = None,
                teacher: torch.Tensor | None = None) -> Call:
     """Every input but the logits and the teacher's: the per-row ones shaped like ``shape``."""
     head.backend.check_device(dev)
-    unknown = [k for k in inputs if k not in _ACCEPTED and k not in kernel.VECTORS
-               and (k not in kernel.TOKENS or k in head.class_weight_tokens)] \
+    unknown = [k for k in inputs if k not in _ACCEPTED and k not in spec.vectors
+               and (k not in spec.tokens or k in head.class_weight_tokens)] \
         if inputs else ()
     if unknown:
         raise TypeError(f"HeadLoss got unexpected keyword argument(s) {sorted(unknown)}")
     reduction = inputs.get("reduction", "mean")
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    if kernel.SEGMENTS and reduction == "none":
-        raise ValueError(f"reduction='none' has no per-row value for segment terms {kernel.SEGMENTS}")
-    if kernel.SEGMENT_ROW_TERMS and inputs.get("segment_group") is not None:
-        raise ValueError(f"segment_group: {kernel.SEGMENT_ROW_TERMS} read(s) segment statistics per row, "
+    if spec.segments and reduction == "none":
+        raise ValueError(f"reduction='none' has no per-row value for segment terms {spec.segments}")
+    if spec.segment_row_terms and inputs.get("segment_group") is not None:
+        raise ValueError(f"segment_group: {spec.segment_row_terms} read(s) segment statistics per row, "
                          "whose gradient through the means needs every rank's rows: not supported "
                          "sequence-parallel yet (gather the segment's rows on one rank)")
-    labels = check_rowwise("labels", labels, shape, dev, integer=True, required=kernel.USES_LABELS,
+    labels = check_rowwise("labels", labels, shape, dev, integer=True, required=spec.uses_labels,
                            needed_by=head.terms_reading)
     topk_ids = topk_logprobs = None
-    if kernel.USES_TOPK:
+    if spec.uses_topk:
         topk_ids, topk_logprobs = check_topk(inputs, shape, dev, head.terms_reading)
     segment_ids, num_segments = None, None
-    if kernel.SEGMENTS:
+    if spec.segments:
         if inputs.get("segment_ids") is None:
             raise ValueError("segment_ids is required by " + head.terms_reading("segment_ids"))
         segment_ids = check_rowwise("segment_ids", inputs["segment_ids"], shape, dev, integer=True)
@@ -133,8 +133,8 @@ def check_rows(head, kernel: ModuleType, shape: tuple[int, ...], V_local: int, d
             raise ValueError(f"num_segments must be a non-negative int, got {num_segments!r}")
         if num_segments is not None:
             segments.check_count(num_segments)
-        elif inputs.get("segment_group") is None and not any(kernel.NORMALIZE[n] == "sequence"
-                                                             for n in kernel.SEGMENTS):
+        elif inputs.get("segment_group") is None and not any(spec.normalization[n] == "sequence"
+                                                           for n in spec.segments):
             # Ids of any size (global sample indices) where they only group rows: compacted on the
             # device, no host sync, at most one segment a row. (A normalize="sequence" term divides
             # by the number of ids, and a segment_group's ranks must agree on them: those count
@@ -143,21 +143,21 @@ def check_rows(head, kernel: ModuleType, shape: tuple[int, ...], V_local: int, d
     mask = check_rowwise("loss_mask", inputs.get("loss_mask"), shape, dev, boolean=True)
     divisor = check_divisor(inputs.get("divisor"), reduction, dev)
     tokens, value_divisors = [], []
-    for name in kernel.TOKENS:
+    for name in spec.tokens:
         if name in head.class_weight_tokens:
             rows, value_divisor = class_weight_rows(head, name, labels, mask, V_local, divisor, reduction, inputs)
             if value_divisor is not None:
-                value_divisors.append((kernel.OUTPUTS.index(head.class_weight_tokens[name][0]), value_divisor))
+                value_divisors.append((spec.outputs.index(head.class_weight_tokens[name][0]), value_divisor))
         else:
             rows = check_rowwise(name, inputs.get(name), shape, dev, required=True, needed_by=head.terms_reading)
         tokens.append(rows)
     # the whole vocabulary's size: under vocab parallelism, from every rank's width (shards of any
     # width: 61 columns as 31 + 30), so that a wrong vector is refused alike on every rank
     vectors = ()
-    if kernel.VECTORS:
+    if spec.vectors:
         n_vocab = head.shard_columns(inputs.get("process_group"), V_local, dev)[1]
         vectors = tuple(check_vector(name, inputs.get(name), n_vocab, dev, head.terms_reading)
-                        for name in kernel.VECTORS)
+                        for name in spec.vectors)
     # (by position, in the fields' order: a dataclass's keywords cost a microsecond a call)
     return Call(shape, V_local, dev, x, labels, mask, teacher, tuple(tokens), topk_ids, topk_logprobs,
                 segment_ids, num_segments, divisor, reduction, inputs.get("process_group"),

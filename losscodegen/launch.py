@@ -11,13 +11,13 @@ compiled kernel) is worked out once per signature and kept by the head.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from types import ModuleType
 from typing import Any, Callable, NamedTuple
 
 import torch
 
 from . import collectives, segments
 from .backends import Launchable
+from .emit import FileSpec
 from .plan import Launch, pow2
 
 _BLOCK_R = 256      # rows a tile when the last program reduces the rows' values
@@ -66,7 +66,7 @@ _LAUNCH_VALUES = {
 }
 
 
-def binder(k: ModuleType, names: tuple[str, ...]) -> Callable[..., tuple]:
+def binder(spec: FileSpec, names: tuple[str, ...]) -> Callable[..., tuple]:
     """A function of ``_BIND_PARAMS`` that returns the arguments ``names`` (a kernel's ARGS) in
     their order: compiled once per kernel, so that a launch looks nothing up by name. A name the
     launcher does not know how to pass fails here, at a head's first call, naming it."""
@@ -76,12 +76,12 @@ def binder(k: ModuleType, names: tuple[str, ...]) -> Callable[..., tuple]:
             exprs.append(_LAUNCH_VALUES[name])
         elif name.startswith("off_") and name in Workspace.__slots__:
             exprs.append(f"ws.{name}")
-        elif name.startswith("tok_") and name.endswith("_ptr") and name[4:-4] in k.TOKENS:
-            exprs.append(f"call.tokens[{k.TOKENS.index(name[4:-4])}]")
-        elif name.startswith("vec_") and name.endswith("_ptr") and name[4:-4] in k.VECTORS:
-            exprs.append(f"call.vectors[{k.VECTORS.index(name[4:-4])}]")
+        elif name.startswith("tok_") and name.endswith("_ptr") and name[4:-4] in spec.tokens:
+            exprs.append(f"call.tokens[{spec.tokens.index(name[4:-4])}]")
+        elif name.startswith("vec_") and name.endswith("_ptr") and name[4:-4] in spec.vectors:
+            exprs.append(f"call.vectors[{spec.vectors.index(name[4:-4])}]")
         else:
-            raise TypeError(f"{k.__name__} takes an argument {name!r} that launch.py does not know how to pass")
+            raise TypeError(f"head_loss_{spec.key} takes an argument {name!r} that launch.py does not know how to pass")
     namespace: dict[str, Any] = {}
     exec(f"def bind({_BIND_PARAMS}):\n    return ({', '.join(exprs)},)\n", namespace)
     return namespace["bind"]
@@ -110,6 +110,7 @@ class _Layout:
 
 def _layout(head, sig: LayoutKey) -> _Layout:
     k, backend = head.kernel, head.backend
+    spec = k.SPEC
     world = collectives.group_info(sig.group)[0]
     sharded = sig.group is not None
     config = backend.config(head, k, sig.V_local, sig.dtype, sig.device, sharded=sharded)
@@ -119,7 +120,7 @@ def _layout(head, sig: LayoutKey) -> _Layout:
     launches = head.launches(sharded=sharded, grad=sig.grad, split=config.split, exchange=sig.exchange,
                              deferred=deferred)
     cut = next((i + 1 for i, launch in enumerate(launches) if launch.then == "segments"), len(launches))
-    name = f"head_loss_{k.KEY}"
+    name = f"head_loss_{spec.key}"
     options = config.launch(sig.V_local, sig.element_size)
     vocab_start, n_vocab = head.shard_columns(sig.group, sig.V_local, sig.device)   # (shards of any width)
     fixed = dict(world=world, logit_scale=head.logit_scale, softcap=float(head.softcap or 1.0), V=sig.V_local,
@@ -130,46 +131,46 @@ def _layout(head, sig: LayoutKey) -> _Layout:
     kernels = []
     for launch in launches:
         phases = {f.name.upper(): getattr(launch, f.name) for f in fields(Launch) if f.name != "then"}
-        kernels.append(backend.kernel(getattr(k, name), by_name(fixed, k.FIXED, name),
-                                      dict(zip(k.CONSTEXPRS, by_name({**constexprs, **phases}, k.CONSTEXPRS, name))),
+        kernels.append(backend.kernel(getattr(k, name), by_name(fixed, spec.fixed, name),
+                                      dict(zip(spec.constexprs, by_name({**constexprs, **phases}, spec.constexprs, name))),
                                       options))
     segment_kernel = None
-    if k.SEGMENTS:
-        seg_name = f"segments_{k.KEY}"
-        seg_fixed = by_name(fixed, k.SEGMENT_FIXED, seg_name)
+    if spec.segments:
+        seg_name = f"segments_{spec.key}"
+        seg_fixed = by_name(fixed, spec.segment_fixed, seg_name)
 
         def segment_kernel(block: int) -> Launchable:
-            values = by_name(dict(SUM=sig.reduction == "sum", BLOCK_S=block), k.SEGMENT_CONSTEXPRS, seg_name)
-            return backend.kernel(getattr(k, seg_name), seg_fixed, dict(zip(k.SEGMENT_CONSTEXPRS, values)), {})
+            values = by_name(dict(SUM=sig.reduction == "sum", BLOCK_S=block), spec.segment_constexprs, seg_name)
+            return backend.kernel(getattr(k, seg_name), seg_fixed, dict(zip(spec.segment_constexprs, values)), {})
     # The valid rows are counted when a row output is divided by them: a metric always, a term
     # normalised by tokens when the call gives no divisor (segment terms count their own rows; a
     # row term of segment statistics is a row term).
-    norms = {k.NORMALIZE[n] for n in k.OUTPUTS if n not in k.SEGMENTS or n in k.SEGMENT_ROW_TERMS}
+    norms = {spec.normalization[n] for n in spec.outputs if n not in spec.segments or n in spec.segment_row_terms}
     count = "mean" in norms or ("tokens" in norms and not sig.divisor and sig.reduction != "sum")
     return _Layout(world, n_vocab, tuple(zip(launches, kernels)), cut, deferred, count,
-                   backend.prologue(count), binder(k, k.ARGS),
-                   binder(k, k.SEGMENT_ARGS) if k.SEGMENTS else None, segment_kernel)
+                   backend.prologue(count), binder(spec, spec.args),
+                   binder(spec, spec.segment_args) if spec.segments else None, segment_kernel)
 
 
 # The workspace after the kernel's fixed slots, region by region in this order (fp32 each); the
 # prologue zeroes the fixed slots and the segment sums (what the kernel adds into), every other
 # region is written before it is read.
-def _regions(k: ModuleType, n_rows: int, *, per_row: bool, keep_stats: bool, n_seg: int) -> dict[str, int]:
-    segs = max(n_seg, 1) if k.SEGMENTS else 0
-    return {"off_seg_sums": segs * (len(k.SEGMENT_MEANS) + 1),
-            "off_rows": n_rows * len(k.ROW_VALUES), "off_loss_rows": n_rows if per_row else 0,
-            "off_stats": n_rows * len(k.COLUMNS) if keep_stats else 0,
-            "off_exact": n_rows * len(k.EXACT) if keep_stats else 0,
-            "off_seg_coefs": segs * len(k.SEGMENT_MEANS)}
+def _regions(spec: FileSpec, n_rows: int, *, per_row: bool, keep_stats: bool, n_seg: int) -> dict[str, int]:
+    segs = max(n_seg, 1) if spec.segments else 0
+    return {"off_seg_sums": segs * (len(spec.segment_means) + 1),
+            "off_rows": n_rows * len(spec.row_values), "off_loss_rows": n_rows if per_row else 0,
+            "off_stats": n_rows * len(spec.columns) if keep_stats else 0,
+            "off_exact": n_rows * len(spec.exact) if keep_stats else 0,
+            "off_seg_coefs": segs * len(spec.segment_means)}
 
 
-def _offsets(k: ModuleType, n_rows: int, **kw: Any) -> tuple[tuple[int, ...], int, int]:
-    """The workspace's offsets, in the order of ``Workspace``'s fields after ``k`` (each call passes
+def _offsets(spec: FileSpec, n_rows: int, **kw: Any) -> tuple[tuple[int, ...], int, int]:
+    """The workspace's offsets, in the order of ``Workspace``'s fields after ``spec`` (each call passes
     them by position: keywords cost a call host time), where its zeroed part ends, and its size."""
     if n_rows >= 1 << 24:
         raise ValueError(f"a call takes fewer than 2**24 rows (its counts are exact fp32), got {n_rows}")
-    offsets, at = {}, k.FIXED_SLOTS
-    for region, size in _regions(k, n_rows, **kw).items():
+    offsets, at = {}, spec.slots["fixed"]
+    for region, size in _regions(spec, n_rows, **kw).items():
         offsets[region], at = at, at + size
     return tuple(offsets[name] for name in Workspace.__slots__[3:]), offsets["off_rows"], at
 
@@ -188,7 +189,7 @@ class Workspace:
 
     t: torch.Tensor
     n_rows: int
-    k: ModuleType
+    spec: FileSpec
     off_seg_sums: int
     off_rows: int
     off_loss_rows: int
@@ -197,7 +198,7 @@ class Workspace:
     off_seg_coefs: int
 
     def values(self) -> torch.Tensor:
-        return self.t.narrow(0, 0, len(self.k.OUTPUTS))
+        return self.t.narrow(0, 0, len(self.spec.outputs))
 
     def loss(self, call) -> torch.Tensor:
         # Detached: to autograd a tensor of its own, not a view of the workspace. An autograd
@@ -205,23 +206,23 @@ class Workspace:
         # scales the loss with ``loss *= ...``); ``detach`` costs no device work.
         if call.reduction == "none":
             return self.t[self.off_loss_rows:self.off_loss_rows + self.n_rows].view(call.shape).detach()
-        return self.t.select(0, self.k.LOSS).detach()
+        return self.t.select(0, self.spec.slots["loss"]).detach()
 
     def stats(self, start: int, stop: int) -> torch.Tensor:
-        width = len(self.k.COLUMNS)
+        width = len(self.spec.columns)
         return self.t[self.off_stats + start * width:self.off_stats + stop * width]
 
     def exact(self, start: int, stop: int) -> torch.Tensor:
-        width = len(self.k.EXACT)
+        width = len(self.spec.exact)
         return self.t[self.off_exact + start * width:self.off_exact + stop * width]
 
     def rows(self, call) -> torch.Tensor:
         """Every row value (ROW_VALUES: the terms' and metrics' per-row values), ``[n, *rows]``."""
-        n = len(self.k.ROW_VALUES)
+        n = len(self.spec.row_values)
         return self.t.narrow(0, self.off_rows, n * self.n_rows).view(n, *call.shape)
 
     def seg_sums(self, n_seg: int) -> torch.Tensor:
-        return self.t[self.off_seg_sums:self.off_seg_sums + max(n_seg, 1) * (len(self.k.SEGMENT_MEANS) + 1)]
+        return self.t[self.off_seg_sums:self.off_seg_sums + max(n_seg, 1) * (len(self.spec.segment_means) + 1)]
 
 
 class Launcher:
@@ -230,17 +231,17 @@ class Launcher:
     def __init__(self, head, call, *, grad: bool, flags: torch.Tensor | None, dtype: torch.dtype,
                  element_size: int):
         """``dtype``: the logits'; ``element_size``: the widest of the logits and the teacher's."""
-        k = self.k = head.kernel
+        spec = self.spec = head.kernel.SPEC
         self.head, self.call, self.flags = head, call, flags
         self.gathered: torch.Tensor | None = None  # all ranks' packed stats, after a "gather"
-        self.n_seg = segments.count(call, head.ignore_index) if k.SEGMENTS else 0
+        self.n_seg = segments.count(call, head.ignore_index) if spec.segments else 0
         # (an exact read takes the all-gather: it reads every row again after the exchange anyway)
-        self.exchange = None if call.group is None or k.HAS_EXACT or not head.backend.exchange \
+        self.exchange = None if call.group is None or spec.has_exact or not head.backend.exchange \
             else collectives.exchange(call.group, call.device)
         # The layouts' key as a plain tuple, which equals its LayoutKey and hashes alike: a
         # NamedTuple costs a call host time, so one is made only for a new layout.
         key = (call.V_local, dtype, element_size, call.device, call.reduction, call.group, grad,
-               call.divisor is not None, call.topk_ids.shape[1] if k.USES_TOPK else 0, self.exchange is not None)
+               call.divisor is not None, call.topk_ids.shape[1] if spec.uses_topk else 0, self.exchange is not None)
         # (a configuration being measured takes no layout kept from a call before it, nor leaves one)
         layout = head.layouts.get(key) if head.tile_override is None else None
         if layout is None:
@@ -256,10 +257,10 @@ class Launcher:
             if len(layout.offsets) >= _MAX_OFFSETS:   # (row counts that change every step)
                 layout.offsets.clear()
             offsets = layout.offsets[call.rows, self.n_seg] = _offsets(
-                k, call.rows, per_row=call.reduction == "none", keep_stats=len(layout.steps) > 1, n_seg=self.n_seg)
+                spec, call.rows, per_row=call.reduction == "none", keep_stats=len(layout.steps) > 1, n_seg=self.n_seg)
         regions, zeroed, size = offsets
-        self.ws = Workspace(workspace(size, call.device), call.rows, k, *regions)
-        layout.prologue(1, self.ws.t, zeroed, call.labels, call.mask, call.rows, head.ignore_index, k.COUNT)
+        self.ws = Workspace(workspace(size, call.device), call.rows, spec, *regions)
+        layout.prologue(1, self.ws.t, zeroed, call.labels, call.mask, call.rows, head.ignore_index, spec.slots["count"])
 
     def run(self, launches: tuple[tuple[Launch, Launchable], ...], x: torch.Tensor, teacher: torch.Tensor | None,
             grad: torch.Tensor | None, row_offset: int = 0, up_loss: torch.Tensor | None = None,
@@ -272,7 +273,7 @@ class Launcher:
             self._launch(launch, kernel, x, teacher, grad, row_offset, up_loss, up_rows)
             if launch.then == "gather":
                 n = x.shape[0]
-                gathered = torch.empty(self.layout.world * n * len(self.k.COLUMNS), device=x.device)
+                gathered = torch.empty(self.layout.world * n * len(self.spec.columns), device=x.device)
                 collectives.gather(gathered, self.ws.stats(row_offset, row_offset + n), self.call.group)
                 self.gathered = gathered
             elif launch.then == "sum_exact":
@@ -306,7 +307,7 @@ class Launcher:
     def segments(self) -> None:
         """The segment step, between the passes: the segment kernel (after summing the segments
         over ``segment_group``)."""
-        if self.k.SEGMENTS:
+        if self.spec.segments:
             layout, block = self.layout, min(pow2(self.n_seg), 1024)
             kernel = layout.segment_kernels.get(block)
             if kernel is None:
@@ -317,7 +318,7 @@ class Launcher:
     def _launch(self, launch: Launch, kernel: Launchable, x, teacher, grad, row_offset: int, up_loss, up_rows) -> None:
         gathered, peers, epoch = (self.gathered if launch.merge else None), None, 0
         if launch.exchange:
-            gathered, peers, epoch = self.exchange.next(x.shape[0], len(self.k.COLUMNS))
+            gathered, peers, epoch = self.exchange.next(x.shape[0], len(self.spec.columns))
         kernel(x.shape[0], *self.layout.bind(x, teacher, grad, self.call, self.ws, self.n_seg, gathered, peers,
                                              epoch, self.flags, row_offset, up_loss, up_rows))
 

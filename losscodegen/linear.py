@@ -175,7 +175,7 @@ class _LinearFunction(torch.autograd.Function):
         fused.head.keep_scalars(fused.call)
         rows = row_outputs(fused.head, launcher, fused.call)
         side.append(rows)
-        return (loss, values, *[rows[n] for n in fused.head.kernel.ROW_LOSS_TERMS])
+        return (loss, values, *[rows[n] for n in fused.head.kernel.SPEC.row_loss_terms])
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_values, *grad_rows):
@@ -219,7 +219,7 @@ def _run(head, hidden, weight, labels, bias, teacher_hidden, teacher_weight, tea
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
         side: list = []
         loss, values, *term_rows = _LinearFunction.apply(hidden, weight, bias, fused, side)
-        rows = {**side[0], **dict(zip(head.kernel.ROW_LOSS_TERMS, term_rows))} if per_row else {}
+        rows = {**side[0], **dict(zip(head.kernel.SPEC.row_loss_terms, term_rows))} if per_row else {}
         return loss, values, rows, fused.call
     loss, values, _, launcher = fused.run(grad=None)
     return loss, values, row_outputs(head, launcher, fused.call) if per_row else {}, fused.call
@@ -248,7 +248,7 @@ def _as_linear(hidden: Any, weight: Any, bias: Any) -> tuple[Any, Any, Any]:
 
 def _check(head, hidden, weight, labels, bias, teacher_hidden, teacher_weight, teacher_bias, chunk_rows,
            inputs) -> _Fused:
-    k = head.kernel
+    spec = head.kernel.SPEC
     if "teacher_logits" in inputs:
         raise TypeError("head.linear takes the teacher as teacher_hidden= and teacher_weight= "
                         "(teacher logits are made a chunk at a time), not teacher_logits=")
@@ -256,7 +256,7 @@ def _check(head, hidden, weight, labels, bias, teacher_hidden, teacher_weight, t
     w = _check_weight("weight", weight, h)
     b = _check_bias("bias", bias, w)
     th = tw = tb = None
-    if k.USES_TEACHER:
+    if spec.uses_teacher:
         if teacher_hidden is None or teacher_weight is None:
             raise ValueError("teacher_hidden and teacher_weight are required by "
                              + head.terms_reading("teacher_logits"))
@@ -272,7 +272,7 @@ def _check(head, hidden, weight, labels, bias, teacher_hidden, teacher_weight, t
         tb = None if tb is None else tb.detach()
     elif teacher_hidden is not None or teacher_weight is not None:
         raise ValueError("teacher_hidden/teacher_weight given, but no term of this head reads a teacher")
-    call = check_rows(head, k, shape, w.shape[0], h.device, labels, inputs)
+    call = check_rows(head, spec, shape, w.shape[0], h.device, labels, inputs)
     per_row = w.shape[0] * (h.element_size() + (th.element_size() if th is not None else 0))
     return _Fused(head, call, h, w, b, th, tw, tb,
                   _chunk_rows(head, chunk_rows, call.rows, per_row, h.device, call.group is not None))

@@ -11,7 +11,9 @@ searched in order:
    nowhere else is generated at first use.
 
 A file in 1 or 2 written by another code generator is never used: the kernel is generated into the
-cache, with one warning naming the stale file. Every kernel file ends with the hash of its text
+cache, with one warning naming the stale file. A loaded module's constants are read once into its
+``SPEC`` (``emit.FileSpec``), what the runtime reads of it: a file lacking one is an error naming
+it. Every kernel file ends with the hash of its text
 (``TEXT_HASH``, ``emit.seal``): a cache file that does not match it is generated again, with one
 warning naming it; in folders 1 and 2 a mismatch is an error naming the file.
 """
@@ -33,7 +35,7 @@ from typing import Callable
 import sympy as sp
 
 from . import backends
-from .emit import intact
+from .emit import FileSpec, intact
 from .resources import GENERATED
 
 _PACKAGE = Path(__file__).resolve().parent
@@ -174,5 +176,11 @@ def load(key: str, generate: Callable[[], str], backend: backends.Backend | None
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # (a jit decorator may read the source through it: triton.jit does)
     spec.loader.exec_module(module)
+    try:
+        # the file's contract, read once: the runtime reads its fields, never a constant by name
+        module.SPEC = FileSpec.read(module)
+    except ValueError as e:
+        raise RuntimeError(f"losscodegen: {path} is no kernel file this version reads: {e}. Regenerate it "
+                           "(`python -m losscodegen generate`), or delete it from the cache.") from None
     _modules[backend.name, key] = module
     return module

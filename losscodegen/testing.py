@@ -152,7 +152,7 @@ class Reference:
             if sym.name.startswith(S.TOKEN_PREFIX):
                 ns[sym.name] = torch.linspace(-1.5, 1.5, R, dtype=torch.float64, device=z.device)[:, None]
         for name, value in inputs.items():
-            if isinstance(value, torch.Tensor) and name in head.kernel.VECTORS:   # [V], along each row
+            if isinstance(value, torch.Tensor) and name in head.kernel.SPEC.vectors:   # [V], along each row
                 ns[S.VECTOR_PREFIX + name] = value.double().reshape(1, V)
             elif isinstance(value, torch.Tensor) and name not in STANDARD_INPUTS:
                 ns[S.TOKEN_PREFIX + name] = value.double().reshape(R, 1)
@@ -252,33 +252,33 @@ def random_inputs(head: HeadLoss, rows: int = 24, vocab: int = 500, dtype: torch
     """``(logits, labels, inputs)`` for everything the head reads: ignored rows, a loss_mask,
     teacher logits, per-row tokens (a ``*logprobs`` token near the logits' own log-probability),
     top-k ids and log-probs, segments. ``given`` inputs are used as they are."""
-    k = head.kernel
+    spec = head.kernel.SPEC
     g = torch.Generator(device=device).manual_seed(seed)
 
     def randn(*shape, dtype=torch.float32):
         return torch.randn(*shape, generator=g, device=device, dtype=dtype)
     logits = (randn(rows, vocab) * 2).to(dtype)
     labels = given.pop("labels", None)
-    if labels is None and k.USES_LABELS:
+    if labels is None and spec.uses_labels:
         labels = torch.randint(0, vocab, (rows,), generator=g, device=device)
         labels[torch.rand(rows, generator=g, device=device) < 0.15] = head.ignore_index
     inputs = {"loss_mask": torch.rand(rows, generator=g, device=device) > 0.1}
-    if k.USES_TEACHER:
+    if spec.uses_teacher:
         inputs["teacher_logits"] = (randn(rows, vocab) * 2 + 0.5 * logits.float()).to(dtype)
-    if k.USES_TOPK:
+    if spec.uses_topk:
         K = min(8, vocab)
         inputs["teacher_topk_ids"] = torch.rand(rows, vocab, generator=g, device=device).argsort(-1)[:, :K]
         inputs["teacher_topk_logprobs"] = torch.log_softmax(randn(rows, K + 2), -1)[:, :K]
     target = (labels if labels is not None else torch.zeros(rows, dtype=torch.long, device=device))
     logp = torch.log_softmax(logits.double(), -1).gather(1, target.clamp(0, vocab - 1)[:, None])[:, 0]
-    for name in k.TOKENS:
+    for name in spec.tokens:
         if name in head.class_weight_tokens:    # (the head's own: its class weights at the labels)
             continue
         noise = randn(rows, dtype=torch.float64)
         inputs[name] = (logp + 0.2 * noise if name.endswith("logprobs") else noise).float()
-    for name in k.VECTORS:
+    for name in spec.vectors:
         inputs[name] = torch.rand(vocab, generator=g, device=device) + 0.5
-    if k.SEGMENTS:
+    if spec.segments:
         n_seg = max(rows // 6, 1)
         inputs["segment_ids"] = torch.sort(torch.randint(0, n_seg, (rows,), generator=g, device=device)).values
         inputs["num_segments"] = n_seg

@@ -18,9 +18,9 @@ def _head():
 def _template_with(tmp_path, old: str, new: str):
     """A copy of the templates folder (the Triton template and those it includes), ``old`` replaced."""
     folder = shutil.copytree(render.TEMPLATES, tmp_path / "templates")
-    text = (folder / "head_loss.py.j2").read_text()
-    assert old in text
-    (folder / "head_loss.py.j2").write_text(text.replace(old, new))
+    holding = [path for path in (folder / name for name in (render.TEMPLATE, *render.PHASES)) if old in path.read_text()]
+    assert len(holding) == 1
+    holding[0].write_text(holding[0].read_text().replace(old, new))
     return folder
 
 
@@ -67,11 +67,60 @@ def test_a_template_writing_its_own_signature_fails_at_generation(tmp_path, monk
 
 
 def test_an_argument_the_launcher_cannot_pass_is_named():
-    k = _head().kernel
+    spec = _head().kernel.SPEC
     with pytest.raises(TypeError, match="'w_ptr' that launch.py does not know how to pass"):
-        launch.binder(k, k.ARGS + ("w_ptr",))
-    bind = launch.binder(k, ("n_rows", "off_stats", "tok_advantages_ptr"))
+        launch.binder(spec, spec.args + ("w_ptr",))
+    bind = launch.binder(spec, ("n_rows", "off_stats", "tok_advantages_ptr"))
     call = type("Call", (), {"rows": 7, "tokens": ("a", "b", "c")})()
     ws = type("Ws", (), {"off_stats": 42})()
-    position = k.TOKENS.index("advantages")
+    position = spec.tokens.index("advantages")
     assert bind(None, None, None, call, ws, 0, None, None, 0, None, 0, None, None) == (7, 42, call.tokens[position])
+
+
+_HEADS = [lambda **kw: lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(), lcg.ForwardKL(),
+                                    metrics=(lcg.Entropy(), lcg.TokenAccuracy()), **kw),
+          lambda **kw: lcg.HeadLoss(lcg.GSPO(), metrics=(lcg.Entropy(),), **kw),
+          lambda **kw: lcg.HeadLoss(lcg.TopKForwardKL(), lcg.CrossEntropy(), **kw)]
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_templates_read_the_spec_and_the_printed_phases_only(backend, monkeypatch):
+    """A template's context holds the file's KernelSpec and the plan printed by phase (emit.phases,
+    the renderer's own layout), nothing of the Plan or the Lowered head (issue 31)."""
+    import jinja2
+    from losscodegen.lower import Lowered
+    from losscodegen.plan import Plan
+    contexts = []
+    render_template = jinja2.Template.render
+
+    def recording(self, *args, **kwargs):
+        contexts.append(dict(*args, **kwargs))
+        return render_template(self, *args, **kwargs)
+    monkeypatch.setattr(jinja2.Template, "render", recording)
+
+    def values(v):
+        yield v
+        if isinstance(v, dict):
+            v = list(v.values())
+        if isinstance(v, (list, tuple)):
+            for item in v:
+                yield from values(item)
+    for make in _HEADS:
+        make().source(lcg.backends.get(backend))
+    assert contexts
+    for context in contexts:
+        assert isinstance(context["spec"], emit.KernelSpec)
+        assert not [v for v in values(context) if isinstance(v, (Plan, Lowered))]
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_a_loaded_file_records_its_spec(backend, tmp_path, monkeypatch):
+    """load reads a kernel file's constants back into its SPEC (emit.FileSpec): the KernelSpec the
+    file was rendered from, as both backends' templates write it."""
+    monkeypatch.setenv("LOSSCODEGEN_CACHE", str(tmp_path))
+    monkeypatch.setattr(load, "_modules", {})
+    for make in _HEADS:
+        head = make(backend=backend)
+        spec = emit.kernel_spec(head.plan(), head.key, {t.name: lcg.terms.kernel_normalize(t)
+                                                        for t in head.loss_terms})
+        assert head.kernel.SPEC == spec.recorded

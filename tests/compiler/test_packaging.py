@@ -157,6 +157,10 @@ def test_the_wheel_carries_templates_and_kernels(tmp_path):
     names = set(zipfile.ZipFile(next(tmp_path.glob("losscodegen-*.whl"))).namelist())
     kernels = {f"losscodegen/generated/{p.name}" for p in (ROOT / "generated").glob("head_loss_*.py")}
     assert kernels and kernels <= names
+    # every template, those a template includes (templates/triton/: the Triton file's phases) too
+    templates = {f"losscodegen/templates/{p.relative_to(ROOT / 'templates').as_posix()}"
+                 for p in (ROOT / "templates").rglob("*.j2")}
+    assert "losscodegen/templates/triton/_grad.j2" in templates and templates <= names
     assert {"losscodegen/templates/head_loss.py.j2", "losscodegen/generated/manifest",
             "losscodegen/backends/triton/tiles.json", "losscodegen/py.typed", "losscodegen/integrations/transformers.py",
             "losscodegen/integrations/trl.py", "losscodegen/templates/head_loss_torch.py.j2",

@@ -259,7 +259,7 @@ def test_a_few_small_ops_and_none_without_class_weights(kw):
                        ("weighted", lcg.HeadLoss(lcg.CrossEntropy(class_weight=w)))):
         head.kernel
         with TorchOps() as mode:
-            lcg_inputs.check_call(head, head.kernel, z, y, dict(kw))
+            lcg_inputs.check_call(head, head.kernel.SPEC, z, y, dict(kw))
         counts[name] = mode.ops
     assert counts["plain"] == [], counts["plain"]
     assert len(counts["weighted"]) <= 8, counts["weighted"]

@@ -28,14 +28,14 @@ def test_tile_bytes_and_small_vocabularies():
     assert config.launch(128256, 4) == dict(BLOCK_V=8192, num_warps=16)      # same bytes, fp32
     assert config.launch(3000, 2) == dict(BLOCK_V=4096, num_warps=4)         # shrunk with its warps
     head = lcg.HeadLoss(lcg.JSD())
-    assert {c.split for c in tune.candidates(head.kernel, 128256)} == {False, True}
-    assert max(c.block_v for c in tune.candidates(head.kernel, 5000)) == 8192
+    assert {c.split for c in tune.candidates(head.kernel.SPEC, 128256)} == {False, True}
+    assert max(c.block_v for c in tune.candidates(head.kernel.SPEC, 5000)) == 8192
 
 
 def test_the_rule_follows_the_plan_state_and_is_not_in_the_kernel():
     ce, fkl = lcg.HeadLoss(lcg.CrossEntropy()), lcg.HeadLoss(lcg.ForwardKL())
-    assert tiles.rule(ce.kernel.STATE) == tiles.Config(32768, 32)
-    assert tiles.rule(fkl.kernel.STATE) == tiles.Config(4096, 8)
+    assert tiles.rule(ce.kernel.SPEC.state) == tiles.Config(32768, 32)
+    assert tiles.rule(fkl.kernel.SPEC.state) == tiles.Config(4096, 8)
     assert not hasattr(ce.kernel, "TILE")       # the runtime's choice, not hashed into the kernel
     assert tiles.choose(ce, ce.kernel, 128256, torch.bfloat16, torch.device("cpu")) == tiles.Config(32768, 32)
 
@@ -44,8 +44,8 @@ def test_a_vocab_parallel_call_takes_the_sharded_tile_of_its_streams():
     ce, jsd = lcg.HeadLoss(lcg.CrossEntropy()), lcg.HeadLoss(lcg.JSD())
     for head in (ce, jsd):
         config = tiles.choose(head, head.kernel, 32064, torch.bfloat16, torch.device("cpu"), sharded=True)
-        assert config == tiles.Config(*tiles.SHARDED[head.kernel.STATE[0]])
-    assert tiles.SHARDED[ce.kernel.STATE[0]] != tiles.SHARDED[jsd.kernel.STATE[0]]    # "x" and "xt"
+        assert config == tiles.Config(*tiles.SHARDED[head.kernel.SPEC.state[0]])
+    assert tiles.SHARDED[ce.kernel.SPEC.state[0]] != tiles.SHARDED[jsd.kernel.SPEC.state[0]]    # "x" and "xt"
 
 
 def test_measurements_are_kept_beside_the_kernel_cache(tmp_path, monkeypatch):

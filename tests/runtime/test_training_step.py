@@ -62,7 +62,7 @@ def test_the_compile_op_is_registered_consistently(name, reduction):
     gradient handle differs from call to call by design.) The arguments come from the op's one
     declaration (autograd.op_args), as the compiled path's do."""
     head, logits, labels, inputs = _case(name)
-    call = check_call(head, head.kernel, logits, labels, dict(inputs, reduction=reduction))
+    call = check_call(head, head.kernel.SPEC, logits, labels, dict(inputs, reduction=reduction))
     args = autograd.op_args(head, logits.requires_grad_(), call)
     results = torch.library.opcheck(torch.ops.losscodegen.head.default, tuple(args),
                                     test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))

@@ -109,11 +109,11 @@ def render(plan: Plan, key: str, header: str, codegen: str,
     row_names = list(spec.row_values)
     ctx = dict(
         common,
-        header=header, key=key, codegen=codegen, plan=plan, lw=lw, spec=spec, sigs=spec.sigs, online=online,
+        header=header, key=key, codegen=codegen, spec=spec, sigs=spec.sigs, online=online,
         # (each summand a [rows, block] tensor, a row value broadcast)
         exact=[(name, _per_element(body[name], code)) for name, code in common["exact"]],
         grad_expr=_per_element(printed.grad_vocab, common["grad_expr"]),
-        grad_teacher=lw.grad_uses_teacher, merge=_merge(plan),
+        merge=_merge(plan),
         per_row_loss=" + ".join(f"weight_{n} * v[{row_names.index(n)}]" for n in spec.row_loss_terms) or "0.0",
     )
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), keep_trailing_newline=True,

@@ -18,7 +18,8 @@ from .dispatch import Kernel
 
 class Triton:
     name = "triton"
-    sources = (Path(renderer.__file__), TEMPLATES / "head_loss.py.j2", *(TEMPLATES / n for n in SHARED_TEMPLATES))
+    sources = (Path(renderer.__file__), TEMPLATES / renderer.TEMPLATE, *(TEMPLATES / n for n in renderer.PHASES),
+               *(TEMPLATES / n for n in SHARED_TEMPLATES))
     exchange = True         # GPUs that map each other's memory exchange stats in-kernel
     render = staticmethod(renderer.render)
     config = staticmethod(tiles.choose)

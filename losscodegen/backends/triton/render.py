@@ -1,8 +1,11 @@
 """The Triton backend's renderer: a plan printed as Triton code (``TritonPrinter``), laid out by the
-Jinja2 template ``templates/head_loss.py.j2``.
+Jinja2 template ``templates/head_loss.py.j2``, which includes one file a phase of the kernels
+(``templates/triton/``: the row, its inputs, the stats read, the merge, the exact read, the row
+values, the gradient, an ignored row, the finish, the segment kernel), each read top to bottom.
 
-Every decision is made here in Python; the template only places the printed statements into loops,
-loads and stores. What any backend shares (the kernel interface, the header, the file's seal) is in
+Every decision is made here in Python (and in ``emit.phases``); the templates only place the printed
+statements into loops, loads and stores. They read the file's ``KernelSpec`` and the printed phases,
+nothing of the ``Plan``. What any backend shares (the kernel interface, the header, the file's seal) is in
 ``losscodegen/emit.py``.
 """
 from __future__ import annotations
@@ -24,6 +27,12 @@ from ...plan import Plan, pow2
 from ...resources import TEMPLATES
 
 _LOG2E = sp.Float(1 / math.log(2))
+TEMPLATE = "head_loss.py.j2"
+# the files it includes, one a phase of the kernels (templates/triton/, in the order they appear),
+# and their macros
+PHASES = tuple(f"triton/_{name}.j2" for name in (
+    "macros", "functions", "row", "inputs", "stats", "merge", "exact", "rows", "grad", "ignored", "finish",
+    "segments"))
 
 
 class TritonPrinter(ArrayPrinter):
@@ -318,22 +327,17 @@ def render(plan: Plan, key: str, header: str, codegen: str,
     ctx = dict(
         common,
         header="\n#   ".join([f"{header}\n#\n# cost:", *describe_costs(plan).splitlines()]), spec=spec, sigs=sigs,
-        key=key, codegen=codegen, plan=plan, lw=lw, sweeps={w.name: w for w in plan.sweeps},
+        key=key, codegen=codegen, sweeps={w.name: w for w in plan.sweeps},
         online=online,
         stats_tile_sums=_tile_sums([acc for group in online for acc in group["accs"]], not pad["stats"]),
         exact_tile_sums=_tile_sums(common["exact"], not pad["exact"]),
-        rows_p2=pow2(len(row_names)), pad=pad,
-        columns=[c.name for c in plan.columns], exact_columns=list(plan.exact),
-        merge=_merge(plan),
-        row_loss_terms=row_loss_terms, scalars=scalars, scalar_loads=scalar_loads, normalize=spec.normalization,
-        row_segs=list(spec.segment_row_terms),
+        rows_p2=pow2(len(row_names)), pad=pad, merge=_merge(plan), scalar_loads=scalar_loads,
         per_row_loss=" + ".join(f"weight_{n} * v{row_names.index(n)}" for n in row_loss_terms) or "0.0",
-        slots=spec.slots, seg_means=list(spec.segment_means),
     )
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), keep_trailing_newline=True,
                              trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
     env.filters["tuple_lines"] = lambda names: wrap([f"{n!r}, " for n in names], "    ")
     env.filters["parameters"] = _parameters
-    text = env.get_template("head_loss.py.j2").render(**ctx)
+    text = env.get_template(TEMPLATE).render(**ctx)
     check_interface(text, sigs)
     return KernelSource(name, key, seal(text))

@@ -1,7 +1,7 @@
 """Launch configurations: ``(BLOCK_V, num_warps, split)`` for a call. The runtime's choice, not the
 compiler's: a generated kernel takes its tile as constexprs, and nothing here is hashed into it.
 
-The best tile depends on what a program keeps and loads per element (the kernel's ``STATE``: the
+The best tile depends on what a program keeps and loads per element (its file's ``SPEC.state``: the
 streams of the first read, its running sums, the sums of an exact read), on the vocabulary a rank
 holds and on the width of the logits; ``split`` runs a call's reads as separate launches (stats,
 exact, rows and gradient) when that is faster than one launch holding them all. Where a
@@ -30,6 +30,7 @@ from types import ModuleType
 import torch
 
 from ... import load
+from ...emit import FileSpec
 from ...plan import pow2
 
 
@@ -51,8 +52,8 @@ class Config:
         return dict(BLOCK_V=block, num_warps=max(4, self.num_warps * block // block_v))
 
 
-def key(device: torch.device, k: ModuleType, V: int, element_size: int) -> str:
-    streams, online, exact = k.STATE
+def key(device: torch.device, spec: FileSpec, V: int, element_size: int) -> str:
+    streams, online, exact = spec.state
     bucket = max(pow2(V), 4096)
     return f"{torch.cuda.get_device_name(device)}|{streams}/{online}/{exact}|{bucket}|{element_size}"
 
@@ -106,9 +107,9 @@ def choose(head, k: ModuleType, V: int, dtype: torch.dtype, device: torch.device
     if head.tile_override is not None:
         return head.tile_override
     if sharded:
-        return Config(*SHARDED[k.STATE[0]])
+        return Config(*SHARDED[k.SPEC.state[0]])
     if device.type == "cuda":
-        found = TABLE.get(key(device, k, V, dtype.itemsize))
+        found = TABLE.get(key(device, k.SPEC, V, dtype.itemsize))
         if found is not None:
             return found
-    return rule(k.STATE)
+    return rule(k.SPEC.state)

@@ -6,23 +6,23 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
 from . import tiles
+from ...emit import FileSpec
 from ...head import HeadLoss
 from ...testing import random_inputs
 
 CANDIDATES = ((4096, 8), (8192, 8), (8192, 16), (16384, 16), (16384, 32), (32768, 32))
 
 
-def candidates(k: ModuleType, V: int) -> list[tiles.Config]:
+def candidates(spec: FileSpec, V: int) -> list[tiles.Config]:
     """The configurations worth timing for a vocabulary of V: tiles no wider than it needs, each
     also split into a launch a read where the head has an exact read."""
     top = max(tiles.pow2(V), CANDIDATES[0][0])
     return [tiles.Config(b, w, split) for b, w in CANDIDATES if b <= top
-            for split in ((False, True) if k.HAS_EXACT else (False,))]
+            for split in ((False, True) if spec.has_exact else (False,))]
 
 
 def measure(head: HeadLoss, V: int, dtype: torch.dtype, device: torch.device, rows: int = 2048,
@@ -40,7 +40,7 @@ def measure(head: HeadLoss, V: int, dtype: torch.dtype, device: torch.device, ro
     times = {}
     side = torch.cuda.Stream(device)
     try:
-        for config in candidates(head.kernel, V):
+        for config in candidates(head.kernel.SPEC, V):
             head.tile_override = config         # (layouts made meanwhile are not kept)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
@@ -76,7 +76,7 @@ def tune(heads: list[HeadLoss], vocabs: list[int], device: torch.device, rows: i
     groups: dict[str, list[tuple[HeadLoss, int]]] = {}
     for head in heads:
         for V in vocabs:
-            groups.setdefault(tiles.key(device, head.kernel, V, 2), []).append((head, V))
+            groups.setdefault(tiles.key(device, head.kernel.SPEC, V, 2), []).append((head, V))
     found: dict[str, tiles.Config] = {}
     for name, members in groups.items():
         worst: dict[tiles.Config, float] = {}
