@@ -92,6 +92,9 @@ class ArrayPrinter(PythonCodePrinter):
     def _print_Abs(self, expr: sp.Abs) -> str:
         return self._call("abs", expr.args[0])
 
+    def _print_Once(self, expr) -> str:
+        return f"({self._print(expr.args[0])})"   # (emit.Once: row values combined first)
+
     def _print_sign(self, expr: sp.sign) -> str:
         a = self._print(expr.args[0])
         return f"{self.module}.where({a} > 0, 1.0, {self.module}.where({a} < 0, -1.0, 0.0))"
@@ -228,13 +231,15 @@ def _exp_terms(s: sp.Expr, elements: tuple[sp.Symbol, ...]) -> list[tuple[sp.Exp
 def mixtures_in_log_space(expr: sp.Expr, elements: tuple[sp.Symbol, ...]) -> sp.Expr:
     """``expr`` with each log of a mixture of two exponentials, ``log(c1 exp(a1) + c2 exp(a2))``
     (JSD's ``log(beta p + (1 - beta) q)``), taken from the larger exponent: ``h + log(c_h + c_l u)``
-    with ``h = max(a1, a2)`` and ``u = exp(-|a1 - a2|)``, as torch's logsumexp does. The log of the
-    sum itself errs by the rounding of both exponentials, an ulp of 1 in ``log(p / M)`` where the
-    gradient ``beta p (log(p / M) - KL)`` cancels to a few percent of it; from the larger exponent,
-    ``a1 - h`` is exactly 0. ``exp(a1)`` and ``exp(a2)`` elsewhere in ``expr`` become ``exp(h)`` and
-    ``exp(h) u``: two exponentials for the pair, as before, and one more for ``u``. Applied after
-    no_underflow_nan (whose plus TINY marks the logs of sums of exponentials), and plus TINY
-    still, where ``c_h`` is 0 (beta = 0) and ``u`` underflows."""
+    with ``h = a1 if a1 >= a2 else a2`` and ``u = exp(-|a1 - a2|)``, as torch's logsumexp does. The
+    log of the sum itself errs by the rounding of both exponentials, an ulp of 1 in ``log(p / M)``
+    where the gradient ``beta p (log(p / M) - KL)`` cancels to a few percent of it; from the larger
+    exponent, ``a1 - h`` is exactly 0. ``h`` and the coefficients are picked by the one comparison
+    (a max would be a second one). Where both ``exp(a1)`` and ``exp(a2)`` are in ``expr`` outside
+    the log they become ``exp(h)`` and ``exp(h) u``: two exponentials for the pair, as before, and
+    one more for ``u``; where only one is, it stays itself (one exponential either way, and neither
+    a select nor a product). Applied after no_underflow_nan (whose plus TINY marks the logs of sums
+    of exponentials), and plus TINY still, where ``c_h`` is 0 (beta = 0) and ``u`` underflows."""
     for log in sorted(expr.atoms(sp.log), key=sp.default_sort_key):
         if TINY not in sp.Add.make_args(log.args[0]):   # (not a sum of exponentials: no_underflow_nan)
             continue
@@ -242,11 +247,17 @@ def mixtures_in_log_space(expr: sp.Expr, elements: tuple[sp.Symbol, ...]) -> sp.
         if terms is None or len(terms) != 2:
             continue
         (c1, a1), (c2, a2) = terms
-        first = sp.Ge(a1, a2)
-        h, u = sp.Max(a1, a2), sp.exp(-sp.Abs(a1 - a2))
+        # (all from the one difference: a1 >= a2 where a1 - a2 >= 0, as fp32 rounds too)
+        first = sp.Ge(a1 - a2, 0)
         pick = lambda x, y: sp.Piecewise((x, first), (y, True))  # noqa: E731
+        h, u = pick(a1, a2), sp.exp(-sp.Abs(a1 - a2))
         expr = expr.xreplace({log: h + sp.log(pick(c1, c2) + pick(c2, c1) * u + TINY)})
-        expr = expr.xreplace({sp.exp(a1): sp.exp(h) * pick(1, u), sp.exp(a2): sp.exp(h) * pick(u, 1)})
+        for a, b in ((a1, a2), (a2, a1)):   # a - h, a log-ratio (log(p / M)): min(a - b, 0), one op
+            ratio = {*sp.Add.make_args(a), -h}
+            expr = expr.replace(lambda n: isinstance(n, sp.Add) and ratio <= set(n.args),
+                                lambda n: sp.Add(*(set(n.args) - ratio)) + sp.Min(a - b, 0))
+        if expr.has(sp.exp(a1)) and expr.has(sp.exp(a2)):
+            expr = expr.xreplace({sp.exp(a1): sp.exp(h) * pick(1, u), sp.exp(a2): sp.exp(h) * pick(u, 1)})
     return expr
 
 
@@ -276,6 +287,8 @@ def _finite_at_neg_inf(expr: sp.Expr, elements: tuple[sp.Symbol, ...], *, floore
         return all(_finite_at_neg_inf(v, elements, floored=floored) for v, _ in expr.args)
     if isinstance(expr, sp.exp) and isinstance(expr.args[0], sp.Max):
         return all(_finite_at_neg_inf(sp.exp(a), elements, floored=floored) for a in expr.args[0].args)
+    if isinstance(expr, sp.exp) and isinstance(expr.args[0], sp.Piecewise):
+        return all(_finite_at_neg_inf(sp.exp(a), elements, floored=floored) for a, _ in expr.args[0].args)
     if isinstance(expr, sp.exp) and (-expr.args[0]).func is sp.Abs:   # in [0, 1] unless NaN
         return _finite_at_neg_inf(-expr.args[0], elements, floored=floored)
     if isinstance(expr, sp.exp):
@@ -378,13 +391,109 @@ SOFTCAP = sp.Symbol("softcap", positive=True)
 Statements = Callable[[list[sp.Expr], str], tuple[list[str], list[str]]]
 
 
-def cse_statements(printer: ArrayPrinter, exprs: list[sp.Expr], prefix: str,
-                   prepare: Callable[[list[sp.Expr]], list[sp.Expr]] | None = None) -> tuple[list[str], list[str]]:
-    """``Statements`` with ``printer``: sympy's common subexpressions (``prefix0``, ...) of ``exprs``
-    (after ``prepare``, a backend's rewrite that lets more of them be shared), then the results."""
+def _elementwise(s: sp.Symbol) -> bool:
+    """Whether a symbol of the printed formulas is a value per element (a tile in a read's loop):
+    the elements, relative ones and indicators among them, and the per-class vectors."""
+    return s in _ELEMENTWISE or s.name.startswith(S.VECTOR_PREFIX)
+
+
+_ELEMENTWISE = frozenset((*S.ELEMENT_SYMBOLS, *S.TOPK_SYMBOLS, ZM, TM, IS_Y, IS_ARGMAX, X))
+
+
+class Once(sp.Function):
+    """Row values combined before they meet an element: ``a*b*x`` is computed left to right, so
+    where the element sorts first (``d0*g0*beta``) the row values are multiplied into the element
+    one at a time, an operation an element each; ``Once(g0*beta)*d0`` is their product, printed in
+    parentheses, computed once a tile."""
+    nargs = 1
+
+
+def _reuse_negations(temps: list[tuple[sp.Symbol, sp.Expr]],
+                     exprs: list[sp.Expr]) -> tuple[list[tuple[sp.Symbol, sp.Expr]], list[sp.Expr]]:
+    """``temps`` and ``exprs`` with each sum that holds a temporary's terms, or their negations,
+    written with the temporary. sympy's cse shares the terms of sums as they stand, so ``d1 = L - t``
+    leaves ``-L + d0 + t`` (an ``|a1 - a2|`` whose sympy sign is the other) as two operations
+    where ``d0 - d1`` is one."""
+    known: list[tuple[sp.Symbol, set[sp.Expr]]] = []
+
+    def shorter(node: sp.Add) -> sp.Expr:
+        args = set(node.args)
+        for s, terms in known:
+            for sign in (1, -1):
+                part = {sign * a for a in terms}
+                if part <= args:
+                    return sp.Add(*(args - part)) + sign * s
+        return node
+
+    def rewrite(e: sp.Expr) -> sp.Expr:
+        return e.replace(lambda n: isinstance(n, sp.Add), shorter)
+    out = []
+    for s, e in temps:
+        out.append((s, rewrite(e)))
+        if isinstance(e, sp.Add):
+            known.append((s, set(e.args)))
+    return out, [rewrite(e) for e in exprs]
+
+
+def _arranged(e: sp.Expr, elementwise: Callable[[sp.Expr], bool]) -> sp.Expr:
+    """``e`` arranged for fewer operations an element, each an identity: a factor that is an element
+    value common to every term of a sum taken out where a term's remaining product holds a row
+    value (``d5*g0*beta*X + d5*g1`` is ``d5*(Once(g0*beta)*X + g1)``, a multiply-add and a multiply
+    instead of three multiplies and a multiply-add), and the row values among a sum's or a
+    product's operands combined first (``Once``)."""
+    def arrange(node: sp.Expr) -> sp.Expr:
+        if isinstance(node, sp.Add):
+            node = _factored(node, elementwise)
+        if not isinstance(node, (sp.Add, sp.Mul)):
+            return node
+        # (a product's sign is no operand: -g0*x is (-g0)*x, a row value negated)
+        row = [a for a in node.args if not elementwise(a) and not (node.is_Mul and a == -1)]
+        if len(row) >= 2 and any(elementwise(a) for a in node.args):
+            return node.func(Once(node.func(*row)), *[a for a in node.args if a not in row])
+        return node
+    return e.replace(lambda n: isinstance(n, (sp.Add, sp.Mul)), arrange)
+
+
+def _factored(node: sp.Add, elementwise: Callable[[sp.Expr], bool]) -> sp.Expr:
+    """A sum with the element values common to all its terms taken out, where a term's remaining
+    product holds a row value (which then meets the sum as one multiply-add), else the sum."""
+    terms = [sp.Mul.make_args(t) for t in node.args]
+    common = [f for f in terms[0] if elementwise(f) and all(f in t for t in terms[1:])]
+    if not common:
+        return node
+    rests = [sp.Mul(*[f for f in t if f not in common]) for t in terms]
+    if not any(isinstance(r, sp.Mul) and any(not elementwise(f) for f in r.args) for r in rests):
+        return node
+    return sp.Mul(*common, sp.Add(*rests))
+
+
+def cse_arranged(exprs: list[sp.Expr], prefix: str,
+                 prepare: Callable[[list[sp.Expr]], list[sp.Expr]] | None = None
+                 ) -> tuple[list[tuple[sp.Symbol, sp.Expr, bool]], list[sp.Expr]]:
+    """sympy's common subexpressions (``prefix0``, ...) of ``exprs`` (after ``prepare``, a backend's
+    rewrite that lets more of them be shared), the negations of sums shared too
+    (``_reuse_negations``), each arranged for fewer operations an element (``_arranged``):
+    ``[(temporary, its value, whether it is a value per element)]`` and ``exprs`` written with them."""
     temps, reduced = sp.cse(prepare(exprs) if prepare else exprs, symbols=sp.numbered_symbols(prefix, real=True),
                             order="canonical")
-    return [f"{s} = {printer.doprint(e)}" for s, e in temps], [printer.doprint(e) for e in reduced]
+    temps, reduced = _reuse_negations(temps, reduced)
+    per_element: set[sp.Symbol] = set()
+
+    def elementwise(e: sp.Expr) -> bool:
+        return any(_elementwise(s) or s in per_element for s in e.free_symbols)
+    arranged = []
+    for s, e in temps:
+        arranged.append((s, _arranged(e, elementwise), elementwise(e)))
+        if elementwise(e):
+            per_element.add(s)
+    return arranged, [_arranged(e, elementwise) for e in reduced]
+
+
+def cse_statements(printer: ArrayPrinter, exprs: list[sp.Expr], prefix: str,
+                   prepare: Callable[[list[sp.Expr]], list[sp.Expr]] | None = None) -> tuple[list[str], list[str]]:
+    """``Statements`` with ``printer``: ``cse_arranged``'s temporaries, then the results."""
+    temps, reduced = cse_arranged(exprs, prefix, prepare)
+    return [f"{s} = {printer.doprint(e)}" for s, e, _ in temps], [printer.doprint(e) for e in reduced]
 
 
 @dataclass(frozen=True)

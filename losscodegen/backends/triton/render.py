@@ -18,8 +18,8 @@ import jinja2
 import sympy as sp
 
 from ... import symbols as S
-from ...emit import (TINY, ArrayPrinter, KernelSource, Signature, check_interface, cse_statements, kernel_spec,
-                     phases, seal, vanishes_at_neg_inf, wrap)
+from ...emit import (TINY, ArrayPrinter, KernelSource, Once, Signature, check_interface, cse_arranged, cse_statements,
+                     kernel_spec, phases, seal, vanishes_at_neg_inf, wrap)
 from ...emit import M_REF as _M_REF, MT_REF as _MT_REF, online_exponent as _online_exponent, \
     online_groups as _group_online, printed_bodies as _printed, stats_relative as _stats_relative
 from ...lower import M, MT, TM, ZM, base_of, shift
@@ -73,6 +73,21 @@ class TritonPrinter(ArrayPrinter):
         # where the saturating 2/(1 + exp(-2u)) - 1 keeps only an absolute error)
         return f"_tanh({self._print(expr.args[0])})"
 
+    def _extremum(self, fn: str, args) -> str:
+        # the GPU's min or max, one instruction where a compare and a select are two (NaN from
+        # either operand, as torch.minimum and the reference); a number last (not a constexpr first)
+        first, *rest = sorted(args, key=lambda a: bool(a.is_number))
+        out = self._print(first)
+        for a in rest:
+            out = f"tl.{fn}({out}, {self._print(a)}, propagate_nan=tl.PropagateNan.ALL)"
+        return out
+
+    def _print_Min(self, expr: sp.Min) -> str:
+        return self._extremum("minimum", expr.args)
+
+    def _print_Max(self, expr: sp.Max) -> str:
+        return self._extremum("maximum", expr.args)
+
     def _print_Pow(self, expr: sp.Pow, rational: bool = False) -> str:
         base, e = expr.args
         if e.is_Integer and int(e) < 0:
@@ -81,9 +96,15 @@ class TritonPrinter(ArrayPrinter):
 
     def _print_Add(self, expr: sp.Add, order=None) -> str:
         # TINY last: Triton's interpreter makes TINY + x, a constexpr first, passed straight into a
-        # call (_log(TINY + x)), a constexpr holding a tensor, which tl.log refuses
+        # call (_log(TINY + x)), a constexpr holding a tensor, which tl.log refuses. Added to a
+        # product of the sum (a*b + (c*d + TINY)): two multiply-adds, where the sum and then TINY
+        # is a multiply, a multiply-add and an add
         if TINY in expr.args:
-            return f"{self._print(expr - TINY)} + TINY"
+            rest = expr - TINY
+            products = [a for a in sp.Add.make_args(rest) if a.is_Mul]
+            if len(products) >= 2:
+                return f"{self._print(rest - products[-1])} + ({self._print(products[-1])} + TINY)"
+            return f"{self._print(rest)} + TINY"
         return super()._print_Add(expr, order)
 
     def _print_Mul(self, expr: sp.Mul) -> str:
@@ -127,11 +148,6 @@ def _shared_exps(exprs: list[sp.Expr]) -> list[sp.Expr]:
     return [e.replace(sp.exp, factor) for e in exprs]
 
 
-def _cse(exprs: list[sp.Expr], prefix: str) -> tuple[list[tuple[sp.Symbol, sp.Expr]], list[sp.Expr]]:
-    """The common subexpressions (``prefix0``, ...) of ``exprs``, and ``exprs`` written with them."""
-    return sp.cse(_shared_exps(exprs), symbols=sp.numbered_symbols(prefix, real=True), order="canonical")
-
-
 def _statements(exprs: list[sp.Expr], prefix: str) -> tuple[list[str], list[str]]:
     """emit's ``Statements`` printed for Triton, the exponentials shared first (``_shared_exps``)."""
     return cse_statements(_TL, exprs, prefix, prepare=_shared_exps)
@@ -148,6 +164,7 @@ def _ops(exprs: list[sp.Expr]) -> tuple[int, int]:
     """(SFU ops, other arithmetic ops: add, multiply, compare, select) to evaluate ``exprs`` once."""
     sfu = other = 0
     for e in exprs:
+        e = e.replace(lambda n: isinstance(n, Once), lambda n: sp.Dummy(real=True))   # once a tile
         # a rational coefficient (z/2) is a multiply, which count_ops would call a DIV
         e = e.xreplace({r: sp.Float(r) for r in e.atoms(sp.Rational) if not r.is_Integer})
         for op, n in sp.count_ops(e, visual=True).as_coefficients_dict().items():
@@ -169,8 +186,9 @@ def element_costs(plan: Plan) -> dict[str, tuple[int, int]]:
     exact = [body[a.name] for a in lw.accumulators if not a.online and a.domain == "vocab"]
     for read, exprs in (("exact", exact), ("gradient", [grad_vocab])):
         if any(e != 0 for e in exprs):
-            temps, reduced = _cse(exprs, "c")
-            costs[read] = _ops([e for _, e in temps] + list(reduced))
+            # (what the loop computes: its temporaries of element values, the row values in them once)
+            temps, reduced = cse_arranged(exprs, "c", prepare=_shared_exps)
+            costs[read] = _ops([e for _, e, per_element in temps if per_element] + list(reduced))
     return costs
 
 
