@@ -342,6 +342,11 @@ def render(plan: Plan, key: str, header: str, codegen: str,
         vanishes_at_neg_inf(e, vocab, floored=neg_inf[read]["floor"]) and not S.vectors_in(e) for e in exprs)
         for read, exprs in (("stats", stats_sums), ("exact", [body[a.name] for a in exact]))}
 
+    # a read whose expressions read the logits (and the teacher's) only relative to their maxima
+    # floors zm = z - m rather than z, so that logit_scale*x - m is one multiply-add an element
+    relative_floor = {read: neg_inf[read]["floor"] and not any(e.has(*S.ELEMENT_SYMBOLS) for e in exprs)
+                      for read, exprs in (("exact", [body[a.name] for a in exact]), ("grad", [printed.grad_vocab]))}
+
     ctx = dict(
         common,
         header="\n#   ".join([f"{header}\n#\n# cost:", *describe_costs(plan).splitlines()]), spec=spec, sigs=sigs,
@@ -349,7 +354,7 @@ def render(plan: Plan, key: str, header: str, codegen: str,
         online=online,
         stats_tile_sums=_tile_sums([acc for group in online for acc in group["accs"]], not pad["stats"]),
         exact_tile_sums=_tile_sums(common["exact"], not pad["exact"]),
-        rows_p2=pow2(len(row_names)), pad=pad, merge=_merge(plan), scalar_loads=scalar_loads,
+        rows_p2=pow2(len(row_names)), pad=pad, relative_floor=relative_floor, merge=_merge(plan), scalar_loads=scalar_loads,
         per_row_loss=" + ".join(f"weight_{n} * v{row_names.index(n)}" for n in row_loss_terms) or "0.0",
     )
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), keep_trailing_newline=True,
