@@ -600,6 +600,7 @@ class KernelSpec:
     head_scalars: tuple[str, ...]     # those the head's kernel reads
     segment_scalars: tuple[str, ...]  # those the segment kernel reads
     signatures: tuple[Signature, ...]  # the head's kernel, then the segment kernel if any
+    segment_sorted: tuple[str, ...] = ()  # the segment means that are sorted sums (S.segment_sorted)
 
     @property
     def normalization(self) -> dict[str, str]:
@@ -653,7 +654,8 @@ def kernel_spec(plan: Plan, key: str, normalize: dict[str, str] | None = None) -
         segment_row_terms=segment_row_terms, tokens=tuple(lw.tokens), vectors=tuple(lw.vectors),
         normalize=tuple(norm.items()), scalars=scalars, head_scalars=head_scalars,
         segment_scalars=tuple(n for n in scalars if n in names(seg_exprs) | {f"weight_{t}" for t in segments}),
-        signatures=tuple(sigs.values()))
+        signatures=tuple(sigs.values()),
+        segment_sorted=tuple(U.name for seg in lw.segments for U in seg.sorted))
 
 
 def check_interface(text: str, sigs: dict[str, Signature]) -> None:

@@ -3,6 +3,8 @@ adds them to its segment's sums) and the gradient launch, one program of the gen
 kernel turns the sums into each segment term's value and, per segment, dL/du for the gradient."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from . import collectives
@@ -58,7 +60,39 @@ def count(call, ignore_index: int) -> int:
 def run(call, ws, n_seg: int, kernel: Launchable, args: tuple) -> None:
     """The segment kernel (the head's ``segments_<key>`` as its backend launches it, from the
     launcher's layout) with ``args``, its SEGMENT_ARGS, after summing the segments over
-    ``segment_group``."""
+    ``segment_group``; around it, the sorted sums' order statistics (``sort``)."""
     if call.segment_group is not None:
         collectives.all_reduce(ws.seg_sums(n_seg), call.segment_group)
+    take_back = sort(ws, n_seg)
     kernel(1, *args)
+    take_back()
+
+
+def sort(ws, n_seg: int) -> Callable[[], None]:
+    """The segment step's order statistics (S.segment_sorted), on the device, no host sync: each
+    sorted column of the sums (a segment_sum of a row quantity) sorted over the non-empty segments,
+    its k-th smallest written at the k-th non-empty segment, where the segment kernel reads it. The
+    function returned, run after the kernel, moves the kernel's dL/d(k-th smallest) of each column
+    to the segment that sum came from (sort's gradient), where the gradient launch reads it. Every
+    rank of a vocab-parallel or segment group holds the same sums, so sorts them alike."""
+    k = ws.k
+    columns = [k.SEGMENT_MEANS.index(name) for name in getattr(k, "SEGMENT_SORTED", ())]
+    if not columns or n_seg == 0:
+        return lambda: None
+    width = len(k.SEGMENT_MEANS)
+    sums = ws.seg_sums(n_seg).view(-1, width + 1)[:n_seg]
+    nonempty = sums[:, 0] != 0                       # (a NaN count, a bad row's, keeps its segment)
+    position = (torch.cumsum(nonempty, 0) - 1).clamp_min(0)   # a non-empty segment's rank among them
+    sources = []
+    for j in columns:
+        # empty segments after every non-empty one; each non-empty one reads the sum of its rank
+        values, order = torch.sort(torch.where(nonempty, sums[:, j + 1], torch.inf), stable=True)
+        sums[:, j + 1] = values[position]
+        sources.append((j, order[position]))
+
+    def take_back() -> None:
+        coefs = ws.t[ws.off_seg_coefs:ws.off_seg_coefs + n_seg * width].view(n_seg, width)
+        for j, source in sources:
+            # (an empty segment's coefficient is 0: it adds nothing to the segment it points at)
+            coefs[:, j] = torch.zeros_like(coefs[:, j]).index_add_(0, source, coefs[:, j])
+    return take_back

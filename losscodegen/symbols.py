@@ -8,7 +8,8 @@ Three levels of quantities (see docs/architecture.md):
   ``token(name)`` inputs, and the log-normalisers ``lse_at(T)`` / ``teacher_lse_at(T)``;
 * reductions -- ``vsum(element expr)`` over the vocabulary, ``topk_sum(expr)`` over the K teacher
   entries, and ``segment_mean(row expr)`` over the valid rows of a segment (``segment_sum(row expr)``:
-  its sum, ``segment_count`` times the mean).
+  its sum, ``segment_count`` times the mean); ``segment_sorted(row expr)``: the segments' sums of it,
+  sorted over the call's segments (an order statistic: TRL's DPO ``aot``).
 
 A term is a sympy expression at row level. Nothing here knows how it is computed.
 """
@@ -26,7 +27,7 @@ __all__ = [
     "lse", "teacher_lse", "lse_at", "teacher_lse_at",
     "softmax", "logsoftmax", "softmax_at", "logsoftmax_at",
     "teacher_prob", "teacher_logprob", "teacher_prob_at", "teacher_logprob_at",
-    "vsum", "topk_sum", "segment_mean", "segment_sum", "segment_count", "token", "vector", "param", "LSE",
+    "vsum", "topk_sum", "segment_mean", "segment_sum", "segment_count", "segment_sorted", "token", "vector", "param", "LSE",
     "stop_gradient", "clamp",
 ]
 
@@ -163,6 +164,16 @@ class segment_mean(_SumOf):
 # level): the segment kernel's per-segment row count, a variable it names ``count``
 # (templates/head_loss.py.j2), which this symbol prints as; testing.py's reference fills it too.
 segment_count = _real("count")
+
+
+class segment_sorted(segment_mean):
+    """An order statistic over the segments: at the k-th non-empty segment (in id order), the k-th
+    smallest of the non-empty segments' ``segment_sum(expr)`` (``torch.sort(sums).values[k]``). Its
+    gradient is sort's: dL/d(the k-th smallest) goes to the segment whose sum it is. Two of them in
+    one formula pair the k-th smallest of each: TRL's DPO ``aot`` compares the sorted log-ratios of
+    the policy with the sorted ones of the reference. A segment statistic (a kind of
+    ``segment_mean``, checked as one): it belongs to a segment term, whose value per segment the
+    segment kernel computes after the segment step has sorted the sums on the device."""
 
 
 def segment_sum(expr: sp.Expr) -> sp.Expr:

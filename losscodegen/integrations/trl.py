@@ -566,9 +566,7 @@ def _empty_sequences(trainer: str, what: str) -> ValueError:
 def unfused_dpo_options(args: Any, model: Any = None) -> list[str]:
     """The options of a ``DPOConfig`` (and model) that ``DPOTrainer`` cannot fuse, each with why."""
     loss_types = [args.loss_type] if isinstance(args.loss_type, str) else list(args.loss_type)
-    out = [f"loss_type={t!r} (fused: {', '.join(P.DPO_LOSS_TYPES)}; 'aot' and 'aot_unpaired' sort the batch: "
-           "docs/adding-a-loss.md, 'Order statistics over rows')"
-           for t in loss_types if t not in P.DPO_LOSS_TYPES]
+    out = [f"loss_type={t!r} (fused: {', '.join(P.DPO_LOSS_TYPES)})" for t in loss_types if t not in P.DPO_LOSS_TYPES]
     if args.ld_alpha is not None:
         out.append(f"ld_alpha={args.ld_alpha} (LD-DPO weighs the tokens past the shorter response's length)")
     return out + (_router_loss(args, model) if model is not None else [])
