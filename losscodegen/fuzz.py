@@ -113,9 +113,12 @@ _SEGMENT_TERMS = ["-S.Min(S.exp(S.segment_mean(S.target_logit - S.lse - S.token(
                   "S.exp(S.segment_mean(S.target_logit - S.lse)) * S.segment_mean(S.lse)",
                   "-S.segment_sum(S.token('a') * (S.target_logit - S.lse)) / 8",
                   "S.segment_sum(S.lse - S.target_logit) / S.segment_count",
-                  "S.segment_mean(S.token('a')) * S.segment_count"]
+                  "S.segment_mean(S.token('a')) * S.segment_count",
+                  # order statistics over the segments (DPO's aot: sorted log-ratios against sorted ones)
+                  "-S.log(1 + S.exp(S.segment_sorted(S.token('old_logprobs')) - S.segment_sorted(S.target_logit - S.lse)))"]
 # segment terms around a random row formula {0}: sums and means of it
-_SEGMENT_OF_ROW = ["S.segment_sum({0}) / 4", "S.segment_mean({0})**2", "S.segment_count * S.tanh(S.segment_mean({0}))"]
+_SEGMENT_OF_ROW = ["S.segment_sum({0}) / 4", "S.segment_mean({0})**2", "S.segment_count * S.tanh(S.segment_mean({0}))",
+                   "S.tanh(S.segment_sorted({0}) / 8) * S.segment_mean(S.token('a'))"]
 # row terms that read their segment's statistics (GSPO-token-like) around a random row formula {0}
 _ROW_OF_SEGMENT = ["{0} * S.stop_gradient(S.exp(S.segment_mean(S.target_logit - S.lse - S.token('old_logprobs'))))"
                    " / S.segment_count",
@@ -345,7 +348,7 @@ def _preference(gen: Generator, layout: str) -> list[TermSpec]:
     if dpo in ("sigmoid", "hinge", "ipo") and r.random() < 0.5:
         options += f", f_divergence_type={r.choice(['forward_kl', 'js_divergence', 'alpha_divergence'])!r}"
         options += ", f_alpha_divergence_coef=0.5" if "alpha" in options else ""
-    if r.random() < 0.2:
+    if r.random() < 0.2 and not dpo.startswith("aot"):   # (aot sorts the pairs: TRL refuses WPO with it)
         options += ", use_weighting=True"   # WPO: a vocabulary sum inside the segment sums
     losses, statistics = (_PAIR_LOSSES, _PAIR_STATISTICS) if layout == "pairs" else (_SEQUENCE_LOSSES, _SEQUENCE_STATISTICS)
     picked = list(dict.fromkeys(r.choice(losses) for _ in range(r.choice([1, 1, 2]))))

@@ -2,8 +2,8 @@
 
 The reference evaluates the head's declared formulas directly in float64 torch: each formula is
 printed by the torch printer, with ``lse_at(T)`` as a logsumexp, ``vsum`` a sum over the
-vocabulary, ``topk_sum`` a gather and a sum, ``segment_mean`` a mean over a segment's valid rows (``segment_sorted`` the sorted sums, torch.sort);
-the terms are reduced as the head's contract says (divisor, weights, metrics), and the gradient is
+vocabulary, ``topk_sum`` a gather and a sum, ``segment_mean`` a mean over a segment's valid rows
+(``segment_sorted``: their sums, torch.sort's); the terms are reduced as the head's contract says (divisor, weights, metrics), and the gradient is
 taken by ``torch.autograd``. Nothing of the compiler takes part (no lowering, planning, emitted
 code or sympy derivative), so it checks all of them.
 """
@@ -233,7 +233,7 @@ def _segment_term(formula, ns, valid, seg, divisor, reduction, sequence) -> torc
         u = torch.as_tensor(_evaluate(mean.args[0], ns), dtype=torch.float64).expand(seg.shape[0], 1)[:, 0]
         per_seg = torch.stack([u[(seg == s) & valid].mean() for s in ids]) if ids else u.new_zeros(0)
         if isinstance(mean, S.segment_sorted):   # the segments' sums, the k-th smallest at the k-th segment
-            per_seg = torch.sort(per_seg * ns[S.segment_count.name]).values
+            per_seg = torch.sort(per_seg * ns[S.segment_count.name], stable=True).values
         means[mean] = sp.Symbol(f"segment_mean_{k}", real=True)
         ns[means[mean].name] = per_seg
     total = torch.as_tensor(_evaluate(formula.xreplace(means), ns), dtype=torch.float64).sum()
