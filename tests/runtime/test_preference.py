@@ -418,3 +418,21 @@ def test_no_valid_row_gives_zero_and_a_zero_gradient():
     out = head(x, labels, **P.pair_inputs(head, labels, ref_chosen_logps=torch.zeros(B), ref_rejected_logps=torch.zeros(B)))
     out.loss.backward()
     assert out.loss.item() == 0.0 and torch.equal(x.grad, torch.zeros_like(x))
+
+
+def test_the_aot_term_written_as_docs_say_is_trls_aot():
+    """docs/adding-a-loss.md's AOT, declared with S.segment_sorted, against TRL's aot (and so
+    P.DPO(loss_type='aot')): value and gradient."""
+    from losscodegen import symbols as S
+    logits, input_ids, mask = _batch(seed=16)
+    labels = _shifted(input_ids, mask)
+    ref = torch.randn(2 * B, generator=torch.Generator().manual_seed(17), dtype=torch.float64) - 9
+    ref_loss, ref_grad = _trl_dpo(logits, input_ids, mask, ref[:B], ref[B:], loss_type="aot", beta=0.3)
+    chosen, ref_rows = S.token("chosen"), S.token("ref_logprobs")
+    sign = 2 * chosen - 1
+    delta = S.segment_sorted(sign * (S.target_logit - S.lse)) - S.segment_sorted(sign * ref_rows)
+    AOT = lcg.declare_term("aot", -P.logsigmoid(S.param("beta") * delta), defaults={"beta": 0.1})
+    head = lcg.HeadLoss(AOT(beta=0.3))
+    out, grad = _ours(head, logits, labels, **P.pair_inputs(head, labels, ref_chosen_logps=ref[:B].float(),
+                                                             ref_rejected_logps=ref[B:].float()))
+    _compare(out, grad, ref_loss, ref_grad)
