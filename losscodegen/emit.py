@@ -601,6 +601,13 @@ class KernelSpec:
     segment_scalars: tuple[str, ...]  # those the segment kernel reads
     signatures: tuple[Signature, ...]  # the head's kernel, then the segment kernel if any
     segment_sorted: tuple[str, ...] = ()  # the segment means that are sorted sums (S.segment_sorted)
+    segment_quantiles: tuple[tuple[str, float], ...] = ()  # those that are batch quantiles (S.row_quantile), with q
+
+    @property
+    def segment_raw(self) -> tuple[str, ...]:
+        """The segment statistics the segment step writes as they are read (sorted sums, quantiles),
+        not as sums that the count divides."""
+        return self.segment_sorted + tuple(name for name, _ in self.segment_quantiles)
 
     @property
     def normalization(self) -> dict[str, str]:
@@ -655,7 +662,8 @@ def kernel_spec(plan: Plan, key: str, normalize: dict[str, str] | None = None) -
         normalize=tuple(norm.items()), scalars=scalars, head_scalars=head_scalars,
         segment_scalars=tuple(n for n in scalars if n in names(seg_exprs) | {f"weight_{t}" for t in segments}),
         signatures=tuple(sigs.values()),
-        segment_sorted=tuple(U.name for seg in lw.segments for U in seg.sorted))
+        segment_sorted=tuple(U.name for seg in lw.segments for U in seg.sorted),
+        segment_quantiles=tuple((U.name, q) for seg in lw.segments for U, q in seg.quantiles))
 
 
 def check_interface(text: str, sigs: dict[str, Signature]) -> None:

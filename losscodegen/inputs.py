@@ -123,7 +123,11 @@ def check_rows(head, kernel: ModuleType, shape: tuple[int, ...], V_local: int, d
     if kernel.USES_TOPK:
         topk_ids, topk_logprobs = check_topk(inputs, shape, dev, head.terms_reading)
     segment_ids, num_segments = None, None
-    if kernel.SEGMENTS:
+    if kernel.SEGMENTS and inputs.get("segment_ids") is None \
+            and set(kernel.SEGMENT_MEANS) <= {n for n, _ in getattr(kernel, "SEGMENT_QUANTILES", ())}:
+        # batch quantiles (S.row_quantile) alone: every row in one segment, whose slot holds them
+        segment_ids, num_segments = torch.zeros(math.prod(shape), dtype=torch.int64, device=dev), 1
+    elif kernel.SEGMENTS:
         if inputs.get("segment_ids") is None:
             raise ValueError("segment_ids is required by " + head.terms_reading("segment_ids"))
         segment_ids = check_rowwise("segment_ids", inputs["segment_ids"], shape, dev, integer=True)

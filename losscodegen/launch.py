@@ -312,7 +312,8 @@ class Launcher:
             if kernel is None:
                 kernel = layout.segment_kernels[block] = layout.segment_kernel(block)
             segments.run(self.call, self.ws, self.n_seg, kernel, layout.bind_segments(
-                None, None, None, self.call, self.ws, self.n_seg, None, None, 0, self.flags, 0, None, None))
+                None, None, None, self.call, self.ws, self.n_seg, None, None, 0, self.flags, 0, None, None),
+                self.head.ignore_index)
 
     def _launch(self, launch: Launch, kernel: Launchable, x, teacher, grad, row_offset: int, up_loss, up_rows) -> None:
         gathered, peers, epoch = (self.gathered if launch.merge else None), None, 0

@@ -48,24 +48,53 @@ def count(call, ignore_index: int) -> int:
     if call.num_segments is not None:
         return call.num_segments
     seg = call.segment_ids
-    valid = call.labels != ignore_index if call.labels is not None else torch.ones_like(seg, dtype=torch.bool)
-    if call.mask is not None:
-        valid = valid & call.mask
+    valid = _valid(call, ignore_index)
     top = torch.where(valid, seg, -1).max() if seg.numel() else torch.full((), -1, device=seg.device)
     if call.segment_group is not None:
         collectives.all_reduce(top, call.segment_group, "max")
     return check_count(int(top.item()) + 1)
 
 
-def run(call, ws, n_seg: int, kernel: Launchable, args: tuple) -> None:
+def _valid(call, ignore_index: int) -> torch.Tensor:
+    """The call's valid rows, flat: a label that is not ``ignore_index`` (all rows where the head
+    reads no labels), and ``loss_mask``."""
+    valid = call.labels != ignore_index if call.labels is not None \
+        else torch.ones(call.rows, dtype=torch.bool, device=call.device)
+    return valid if call.mask is None else valid & call.mask
+
+
+def run(call, ws, n_seg: int, kernel: Launchable, args: tuple, ignore_index: int) -> None:
     """The segment kernel (the head's ``segments_<key>`` as its backend launches it, from the
     launcher's layout) with ``args``, its SEGMENT_ARGS, after summing the segments over
-    ``segment_group``; around it, the sorted sums' order statistics (``sort``)."""
+    ``segment_group``; around it, the order statistics (``quantiles``, ``sort``)."""
     if call.segment_group is not None:
         collectives.all_reduce(ws.seg_sums(n_seg), call.segment_group)
+    quantiles(call, ws, n_seg, ignore_index)
     take_back = sort(ws, n_seg)
     kernel(1, *args)
     take_back()
+
+
+def quantiles(call, ws, n_seg: int, ignore_index: int) -> None:
+    """The batch quantiles (S.row_quantile), on the device, no host sync: each over the valid rows'
+    values of its row quantity (the first read's, after the vocab shards' merge: the same on every
+    rank), ``torch.quantile``'s linear interpolation, written in every segment's column, where the
+    segment kernel and the gradient launch read it."""
+    k = ws.k
+    if not getattr(k, "SEGMENT_QUANTILES", ()):
+        return
+    width = len(k.SEGMENT_MEANS)
+    sums = ws.seg_sums(n_seg).view(-1, width + 1)
+    valid = _valid(call, ignore_index)
+    n = valid.sum()
+    rank = (n - 1).clamp_min(0).double()
+    rows = ws.t.narrow(0, ws.off_rows, len(k.ROW_VALUES) * call.rows).view(len(k.ROW_VALUES), call.rows)
+    for name, q in k.SEGMENT_QUANTILES:
+        ordered = torch.sort(torch.where(valid, rows[k.ROW_VALUES.index(name)], torch.inf)).values
+        at = rank * q
+        below, above = ordered[at.floor().long()], ordered[at.ceil().long()]
+        value = torch.lerp(below, above, (at - at.floor()).float())
+        sums[:, 1 + k.SEGMENT_MEANS.index(name)] = torch.where(n > 0, value, 0.0)
 
 
 def sort(ws, n_seg: int) -> Callable[[], None]:

@@ -328,7 +328,7 @@ def render(plan: Plan, key: str, header: str, codegen: str,
         row_loss_terms=row_loss_terms, scalars=scalars, scalar_loads=scalar_loads, normalize=spec.normalization,
         row_segs=list(spec.segment_row_terms),
         per_row_loss=" + ".join(f"weight_{n} * v{row_names.index(n)}" for n in row_loss_terms) or "0.0",
-        slots=spec.slots, seg_means=list(spec.segment_means), seg_sorted=list(spec.segment_sorted),
+        slots=spec.slots, seg_means=list(spec.segment_means), seg_raw=list(spec.segment_raw),
     )
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), keep_trailing_newline=True,
                              trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
