@@ -544,7 +544,8 @@ def signatures(plan: Plan, key: str, reads_scalars: bool, per_sequence: tuple[st
     """The interface of each kernel of a head's file, in signature order. ``reads_scalars``: whether
     the head's kernel reads runtime scalars (the segment kernel always does: its terms' weights);
     ``per_sequence``: the segment terms normalised by sequence (which take no divisor); ``row_terms``:
-    whether the head has loss terms reduced over rows (which take per-row upstream gradients)."""
+    whether the head has loss terms reduced over rows (which take per-row upstream gradients, on the
+    loss and on their rows; a row term of segment statistics takes the one on the loss)."""
     lw = plan.lowered
     segments = [seg.name for seg in lw.segments]
     args = ["x_ptr", "x_stride", "grad_ptr", "grad_stride", "y_ptr", "mask_ptr"]
@@ -558,7 +559,8 @@ def signatures(plan: Plan, key: str, reads_scalars: bool, per_sequence: tuple[st
         args += ["seg_ptr", "n_seg", "off_seg_sums", "off_seg_coefs"]
     args += ["ws_ptr", "off_rows", "off_loss_rows", "off_stats", *(["off_exact"] if plan.exact else []),
              "gathered_ptr", "peers_ptr", "epoch", "div_ptr", "flag_ptr",
-             *(["up_loss_ptr", "up_rows_ptr"] if row_terms else []), "row_offset", "n_rows"]
+             *(["up_loss_ptr"] if row_terms or any(seg.rows for seg in lw.segments) else []),
+             *(["up_rows_ptr"] if row_terms else []), "row_offset", "n_rows"]
     fixed = ["world", *(["scalars_ptr"] if reads_scalars else []), "logit_scale", "softcap", "V", "vocab_start",
              "n_vocab", "ignore_index"]
     constexprs = ["SUM", "PER_ROW", "STATS", "EXCHANGE", "MERGE", "EXACT", "STORE_STATS", "ROWS", "GRAD",
@@ -571,10 +573,12 @@ def signatures(plan: Plan, key: str, reads_scalars: bool, per_sequence: tuple[st
         by_rows = any(seg.rows for seg in lw.segments)   # row terms of segment statistics
         seg_args = ("ws_ptr", "off_seg_sums", "off_seg_coefs", "n_seg",
                     *(("div_ptr",) if set(segments) - set(per_sequence) else ()),
-                    *(("seg_ptr", "off_rows", "n_rows") if by_rows else ()))
+                    *(("seg_ptr", "off_rows", "off_loss_rows", "n_rows") if by_rows else ()))
+        # (PER_ROW: reduction="none", where a row term of batch quantiles adds its rows to the per-row loss)
         out["segments"] = Signature(f"segments_{key}", seg_args, ("scalars_ptr",),
-                                    ("SUM", "BLOCK_S"), ("n_seg", "off_seg_sums", "off_seg_coefs",
-                                                         *(("off_rows", "n_rows") if by_rows else ())))
+                                    ("SUM", *(("PER_ROW",) if by_rows else ()), "BLOCK_S"),
+                                    ("n_seg", "off_seg_sums", "off_seg_coefs",
+                                     *(("off_rows", "off_loss_rows", "n_rows") if by_rows else ())))
     return out
 
 

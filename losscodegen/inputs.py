@@ -23,6 +23,13 @@ _POLICY_TOKENS = ("advantages", "old_logprobs", "ref_logprobs")
 _ACCEPTED = frozenset(STANDARD_INPUTS + _POLICY_TOKENS)
 
 
+def _quantile_rows_only(kernel: Any) -> bool:
+    """Whether every segment term is a row term that reads batch quantiles alone (S.row_quantile):
+    detached, so that each row's value and gradient are its own, as reduction="none" gives them."""
+    quantiles = {name for name, _ in getattr(kernel, "SEGMENT_QUANTILES", ())}
+    return set(kernel.SEGMENTS) <= set(kernel.SEGMENT_ROW_TERMS) and set(kernel.SEGMENT_MEANS) <= quantiles
+
+
 @dataclass(slots=True)
 class Call:
     """One call's inputs, checked: per-row tensors flat over the rows; the logits (and the teacher's)
@@ -111,7 +118,7 @@ def check_rows(head, kernel: ModuleType, shape: tuple[int, ...], V_local: int, d
     reduction = inputs.get("reduction", "mean")
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    if kernel.SEGMENTS and reduction == "none":
+    if kernel.SEGMENTS and reduction == "none" and not _quantile_rows_only(kernel):
         raise ValueError(f"reduction='none' has no per-row value for segment terms {kernel.SEGMENTS}")
     if kernel.SEGMENT_ROW_TERMS and inputs.get("segment_group") is not None:
         raise ValueError(f"segment_group: {kernel.SEGMENT_ROW_TERMS} read(s) segment statistics per row, "

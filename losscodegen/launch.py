@@ -139,7 +139,8 @@ def _layout(head, sig: LayoutKey) -> _Layout:
         seg_fixed = by_name(fixed, k.SEGMENT_FIXED, seg_name)
 
         def segment_kernel(block: int) -> Launchable:
-            values = by_name(dict(SUM=sig.reduction == "sum", BLOCK_S=block), k.SEGMENT_CONSTEXPRS, seg_name)
+            values = by_name(dict(SUM=sig.reduction == "sum", PER_ROW=sig.reduction == "none", BLOCK_S=block),
+                             k.SEGMENT_CONSTEXPRS, seg_name)
             return backend.kernel(getattr(k, seg_name), seg_fixed, dict(zip(k.SEGMENT_CONSTEXPRS, values)), {})
     # The valid rows are counted when a row output is divided by them: a metric always, a term
     # normalised by tokens when the call gives no divisor (segment terms count their own rows; a

@@ -37,24 +37,9 @@ def _case(seed=0):
 
 
 def _trl_loss(logits, labels, inputs, reduction="mean"):
-    """TRL 1.16's GRPO per-token loss with top_entropy_quantile (GRPOTrainer._compute_loss's lines,
-    TRL's own get_high_entropy_mask), float64, summed over the valid tokens (divided by them: "mean")."""
-    valid = labels != -100
-    p = torch.softmax(logits, -1)
-    entropies = -(p * torch.log_softmax(logits, -1)).sum(-1)
-    fake = SimpleNamespace(accelerator=SimpleNamespace(pad_across_processes=lambda x, **_: x, gather=lambda x: x))
-    # (the entropies in fp32, as TRL has them: in float64 a token whose entropy is the quantile itself,
-    # rounded to fp32 for torch.quantile, can fall below its own rounded value and out of the mask)
-    entropy_mask = trl.GRPOTrainer.get_high_entropy_mask(fake, entropies.detach().float()[None], valid[None], 1 - Q)[0]
-    logps = torch.log_softmax(logits, -1).gather(-1, labels.clamp_min(0)[:, None])[:, 0]
-    coef_1 = torch.exp(logps - inputs["old_logprobs"].double())
-    coef_2 = torch.clamp(coef_1, 1 - EPS, 1 + EPS)
-    A = inputs["advantages"].double()
-    per_token_loss = -torch.min(coef_1 * A, coef_2 * A) * entropy_mask
-    ref = inputs["ref_logprobs"].double()
-    per_token_loss = per_token_loss + KL_BETA * (torch.exp(ref - logps) - (ref - logps) - 1)
-    total = (per_token_loss * valid).sum()
-    return total / valid.sum() if reduction == "mean" else total
+    """TRL's loss of ``_per_token``: summed over the valid tokens, divided by them under "mean"."""
+    total = _per_token(logits, labels, inputs).sum()
+    return total / (labels != -100).sum() if reduction == "mean" else total
 
 
 def _head():
@@ -134,3 +119,49 @@ def test_row_quantile_checks_its_arguments():
     alone = lcg.declare_term("t", S.row_quantile(S.lse, 0.5) ** 2)
     with pytest.raises(ValueError, match="t: row_quantile.*a row-level constant of the batch"):
         lcg.HeadLoss(alone()).explain()
+
+
+def test_grpo_top_entropy_quantile_per_row_matches_trl():
+    """reduction="none": each token's loss (TRL's per_token_loss, 0 on ignored rows) and the gradient
+    of a weighted sum of them, through the deferred gradient launch."""
+    logits, labels, inputs = _case(4)
+    up = torch.rand(R, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    x64 = logits.clone().requires_grad_()
+    want_rows = _per_token(x64, labels, inputs)
+    (want_rows * up).sum().backward()
+    x = logits.float().requires_grad_()
+    out = _head()(x, labels, reduction="none", **inputs)
+    scale = max(1.0, want_rows.abs().max().item())
+    assert (out.loss.double() - want_rows.detach()).abs().max().item() <= 2e-5 * scale
+    assert (out.loss[labels == -100] == 0).all()
+    (out.loss * up.float()).sum().backward()
+    assert (x.grad.double() - x64.grad).abs().max().item() <= 1e-4 * x64.grad.abs().max().item()
+    # through head.linear: logits = hidden @ weight.T, in chunks
+    g = torch.Generator().manual_seed(6)
+    hidden, weight = torch.randn(R, H, generator=g, dtype=torch.float64), torch.randn(V, H, generator=g, dtype=torch.float64)
+    h64 = hidden.clone().requires_grad_()
+    want_rows = _per_token(h64 @ weight.T, labels, inputs)
+    (want_rows * up).sum().backward()
+    h = hidden.float().requires_grad_()
+    out = _head().linear(h, weight.float(), labels, reduction="none", chunk_rows=16, **inputs)
+    assert (out.loss.double() - want_rows.detach()).abs().max().item() <= 2e-5 * max(1.0, want_rows.abs().max().item())
+    (out.loss * up.float()).sum().backward()
+    assert (h.grad.double() - h64.grad).abs().max().item() <= 1e-4 * h64.grad.abs().max().item()
+
+
+def _per_token(logits, labels, inputs):
+    """TRL 1.16's GRPO per-token loss with top_entropy_quantile, [R], 0 on ignored rows: the lines of
+    GRPOTrainer._compute_loss, with TRL's own get_high_entropy_mask, float64. (The entropies in fp32,
+    as TRL has them: in float64 a token whose entropy is the quantile itself, rounded to fp32 for
+    torch.quantile, can fall below its own rounded value and out of the mask.)"""
+    valid = labels != -100
+    p = torch.softmax(logits, -1)
+    entropies = -(p * torch.log_softmax(logits, -1)).sum(-1)
+    fake = SimpleNamespace(accelerator=SimpleNamespace(pad_across_processes=lambda x, **_: x, gather=lambda x: x))
+    entropy_mask = trl.GRPOTrainer.get_high_entropy_mask(fake, entropies.detach().float()[None], valid[None], 1 - Q)[0]
+    logps = torch.log_softmax(logits, -1).gather(-1, labels.clamp_min(0)[:, None])[:, 0]
+    coef_1 = torch.exp(logps - inputs["old_logprobs"].double())
+    A = inputs["advantages"].double()
+    loss = -torch.min(coef_1 * A, torch.clamp(coef_1, 1 - EPS, 1 + EPS) * A) * entropy_mask
+    ref = inputs["ref_logprobs"].double()
+    return (loss + KL_BETA * (torch.exp(ref - logps) - (ref - logps) - 1)) * valid
