@@ -123,7 +123,10 @@ _SEGMENT_OF_ROW = ["S.segment_sum({0}) / 4", "S.segment_mean({0})**2", "S.segmen
 _ROW_OF_SEGMENT = ["{0} * S.stop_gradient(S.exp(S.segment_mean(S.target_logit - S.lse - S.token('old_logprobs'))))"
                    " / S.segment_count",
                    "{0} / S.segment_mean(1 + S.token('a')**2)",
-                   "{0} * (S.segment_sum(S.lse - S.target_logit) / S.segment_count - S.target_logit)"]
+                   "{0} * (S.segment_sum(S.lse - S.target_logit) / S.segment_count - S.target_logit)",
+                   # batch quantiles (TRL's top_entropy_quantile): a mask of the rows, and a value
+                   "{0} * S.Piecewise((1, S.token('a') >= S.row_quantile(S.token('a'), 0.7)), (0, True))",
+                   "{0} * S.row_quantile(S.lse - S.target_logit, 0.5)"]
 
 
 class Generator:
