@@ -112,8 +112,9 @@ class TermFactory:
         if normalize not in NORMALIZE:
             raise ValueError(f"{self.name}: normalize must be one of {NORMALIZE}, got {normalize!r}")
         if normalize != "tokens" and self.formula.has(S.segment_mean):
-            raise ValueError(f"{self.name}: a term of segment means is normalised per segment already; "
-                             f"normalize={normalize!r} is for row terms")
+            raise ValueError(f"{self.name}: a term of segment means (or batch quantiles) is normalised per "
+                             f"segment already, or, reading row quantities beside them, divided as a row term "
+                             f"(by divisor= or the valid rows); normalize={normalize!r} is for row terms")
         if class_weight is not None:
             self._check_class_weight(class_weight, normalize)
         values = {**self.defaults, **params}
