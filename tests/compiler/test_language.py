@@ -383,9 +383,9 @@ def test_no_segments_with_a_valid_row_is_refused_and_writes_only_the_segment_reg
     head = lcg.HeadLoss(SeqSpread(), lcg.CrossEntropy())
     seen = []
 
-    def run(call, ws, n_seg, kernel, args, _run=segments.run):
+    def run(call, ws, n_seg, kernel, args, ignore_index, _run=segments.run):
         before = ws.t.clone()
-        _run(call, ws, n_seg, kernel, args)
+        _run(call, ws, n_seg, kernel, args, ignore_index)
         seen.append((ws, before, ws.t.clone()))
     monkeypatch.setattr(segments, "run", run)
     z, y = torch.randn(4, 10), torch.tensor([1, -100, 3, 4])
