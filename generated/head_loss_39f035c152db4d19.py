@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "39f035c152db4d19"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "93c12f021968"
+CODEGEN = "7bac32baf580"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_fraction']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -75,6 +75,12 @@ SCALARS = ['weight_grpo', 'p_grpo__eps_high', 'p_grpo__eps_low', 'p_grpo__kl_bet
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = []
 SEGMENT_MEANS = []
+# those that are sorted sums (S.segment_sorted): the segment step sorts their columns of the sums over
+# the segments before the segment kernel, and takes their coefficients back to the segments after it
+SEGMENT_SORTED = []
+# those that are quantiles over the valid rows (S.row_quantile), each with its q: the segment step
+# writes the quantile of the rows' values into every segment's column before the segment kernel
+SEGMENT_QUANTILES = []
 # the row terms among them that read segment statistics (GSPO-token): evaluated row by row by the
 # segment kernel once the means are known
 SEGMENT_ROW_TERMS = []
@@ -354,7 +360,7 @@ def head_loss_39f035c152db4d19(
             r3 = r1 + tok_old_logprobs
             r4 = r2*tl.exp2(1.4426950408889634 * (-r3))
             r5 = _expm1(-r0 - r3)
-            v0 = tl.where(finite_row, p_grpo__kl_beta*_expm1mx(r0 + r1 + tok_ref_logprobs) - tl.where(r4*tok_advantages < tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(r4 > 1.0 - p_grpo__eps_low, r4, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(r4 > 1.0 - p_grpo__eps_low, r4, 1.0 - p_grpo__eps_low)), r4*tok_advantages, tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(r4 > 1.0 - p_grpo__eps_low, r4, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(r4 > 1.0 - p_grpo__eps_low, r4, 1.0 - p_grpo__eps_low))), float("nan"))  # grpo
+            v0 = tl.where(finite_row, p_grpo__kl_beta*_expm1mx(r0 + r1 + tok_ref_logprobs) - tl.minimum(r4*tok_advantages, tok_advantages*tl.minimum(p_grpo__eps_high + 1.0, tl.maximum(r4, 1.0 - p_grpo__eps_low, propagate_nan=tl.PropagateNan.ALL), propagate_nan=tl.PropagateNan.ALL), propagate_nan=tl.PropagateNan.ALL), float("nan"))  # grpo
             tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
             v1 = tl.where(finite_row, -acc1*r2 + r0, float("nan"))  # entropy
             tl.store(ws_ptr + off_rows + 1 * n_rows + grow, v1)
@@ -390,7 +396,7 @@ def head_loss_39f035c152db4d19(
             c2 = tl.exp2(1.4426950408889634 * (-(c0 + tok_old_logprobs)))
             c3 = c1*c2
             c4 = c3*tok_advantages
-            c5 = tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(c3 > 1.0 - p_grpo__eps_low, c3, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(c3 > 1.0 - p_grpo__eps_low, c3, 1.0 - p_grpo__eps_low))
+            c5 = tok_advantages*tl.minimum(p_grpo__eps_high + 1.0, tl.maximum(c3, 1.0 - p_grpo__eps_low, propagate_nan=tl.PropagateNan.ALL), propagate_nan=tl.PropagateNan.ALL)
             c6 = _rcp(tl.where((c4 == c5), 1.0, 0.0) + 1.0)
             c7 = -c1*c2 + 1.0
             c8 = c4*tl.where(((c7 <= p_grpo__eps_low) & (c7 >= -p_grpo__eps_high)), 1.0, 0.0)*tl.where((c4 >= c5), c6, 0.0) + c4*tl.where((c4 <= c5), c6, 0.0) + p_grpo__kl_beta*_expm1(c0 + tok_ref_logprobs + _log(acc0))
@@ -414,6 +420,7 @@ def head_loss_39f035c152db4d19(
                 is_y = tl.where(cols == y_local, 1.0, 0.0)
 
                 zm = z - m
+
                 dz = g0*tl.exp2(1.4426950408889634 * zm + 1.4426950408889634 * (-L_N0)) + g1*is_y
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
@@ -479,4 +486,4 @@ def head_loss_39f035c152db4d19(
             tl.store(ws_ptr + 2, value_clip_fraction)
             tl.store(ws_ptr + 3, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "f08ae9a0267c0f26ef2aaef3f212f08d47763d1f852d04781771094216d689d0"
+TEXT_HASH = "c905286af3b74c245706ce164c2a31bc8c29955886afffb80afdbef755f91c0b"

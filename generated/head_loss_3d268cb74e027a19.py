@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "3d268cb74e027a19"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "93c12f021968"
+CODEGEN = "7bac32baf580"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['gspo', 'entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -75,6 +75,12 @@ SCALARS = ['weight_gspo', 'p_gspo__eps_high', 'p_gspo__eps_low']
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = ['gspo']
 SEGMENT_MEANS = ['U0_gspo', 'U1_gspo']
+# those that are sorted sums (S.segment_sorted): the segment step sorts their columns of the sums over
+# the segments before the segment kernel, and takes their coefficients back to the segments after it
+SEGMENT_SORTED = []
+# those that are quantiles over the valid rows (S.row_quantile), each with its q: the segment step
+# writes the quantile of the rows' values into every segment's column before the segment kernel
+SEGMENT_QUANTILES = []
 # the row terms among them that read segment statistics (GSPO-token): evaluated row by row by the
 # segment kernel once the means are known
 SEGMENT_ROW_TERMS = []
@@ -417,6 +423,7 @@ def head_loss_3d268cb74e027a19(
                 is_y = tl.where(cols == y_local, 1.0, 0.0)
 
                 zm = z - m
+
                 dz = g0*tl.exp2(1.4426950408889634 * zm + 1.4426950408889634 * (-L_N0)) + g1*is_y
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
@@ -528,12 +535,12 @@ def segments_3d268cb74e027a19(
         gspo_u1 = U1_gspo*gspo_u0
         gspo_u2 = 1.0 - p_gspo__eps_low
         gspo_u3 = p_gspo__eps_high + 1.0
-        gspo_u4 = tl.where(gspo_u3 < tl.where(gspo_u0 > gspo_u2, gspo_u0, gspo_u2), gspo_u3, tl.where(gspo_u0 > gspo_u2, gspo_u0, gspo_u2))
+        gspo_u4 = tl.minimum(gspo_u3, tl.maximum(gspo_u0, gspo_u2, propagate_nan=tl.PropagateNan.ALL), propagate_nan=tl.PropagateNan.ALL)
         gspo_u5 = U1_gspo*gspo_u4
         gspo_u6 = _rcp(tl.where((gspo_u1 == gspo_u5), 1.0, 0.0) + 1.0)
         gspo_u7 = tl.where((gspo_u1 <= gspo_u5), gspo_u6, 0.0)
         gspo_u8 = tl.where((gspo_u1 >= gspo_u5), gspo_u6, 0.0)
-        gspo += tl.sum(tl.where(nonempty, -tl.where(gspo_u1 < gspo_u5, gspo_u1, gspo_u5), 0.0), 0)
+        gspo += tl.sum(tl.where(nonempty, -tl.minimum(gspo_u1, gspo_u5, propagate_nan=tl.PropagateNan.ALL), 0.0), 0)
         # each row's dL/du_j: weight/divisor * dF/dU_j / count of its segment
         tl.store(coef_ptr + idx * 2 + 0,
                  tl.where(nonempty, (-gspo_u1*gspo_u7 - gspo_u1*gspo_u8*tl.where(((gspo_u0 >= gspo_u2) & (gspo_u0 <= gspo_u3)), 1.0, 0.0)) * inv_count * w_gspo, 0.0), mask=in_seg)
@@ -544,4 +551,4 @@ def segments_3d268cb74e027a19(
     loss += weight_gspo * (gspo / div)
     tl.store(ws_ptr + 2, loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "8e171ac96261d8557a9965d73d1c796005fa3ddb574f2ae57e79634595d74ffc"
+TEXT_HASH = "4af69bd54957a885b4eded8d5e85f1d641b6e6046f9d38ee684953c2aad37248"

@@ -49,7 +49,7 @@ from triton.language.extra import libdevice
 
 KEY = "4b44cfbdd10c9539"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "93c12f021968"
+CODEGEN = "7bac32baf580"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_fraction', 'ratio_mean', 'kl_new_old']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -79,6 +79,12 @@ SCALARS = ['weight_grpo', 'p_grpo__eps_high', 'p_grpo__eps_low']
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = []
 SEGMENT_MEANS = []
+# those that are sorted sums (S.segment_sorted): the segment step sorts their columns of the sums over
+# the segments before the segment kernel, and takes their coefficients back to the segments after it
+SEGMENT_SORTED = []
+# those that are quantiles over the valid rows (S.row_quantile), each with its q: the segment step
+# writes the quantile of the rows' values into every segment's column before the segment kernel
+SEGMENT_QUANTILES = []
 # the row terms among them that read segment statistics (GSPO-token): evaluated row by row by the
 # segment kernel once the means are known
 SEGMENT_ROW_TERMS = []
@@ -356,7 +362,7 @@ def head_loss_4b44cfbdd10c9539(
             r3 = _log(acc0)
             r4 = _expm1(-r1 - r3)
             r5 = tok_old_logprobs - zym
-            v0 = tl.where(finite_row, -tl.where(r2*tok_advantages < tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(r2 > 1.0 - p_grpo__eps_low, r2, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(r2 > 1.0 - p_grpo__eps_low, r2, 1.0 - p_grpo__eps_low)), r2*tok_advantages, tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(r2 > 1.0 - p_grpo__eps_low, r2, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(r2 > 1.0 - p_grpo__eps_low, r2, 1.0 - p_grpo__eps_low))), float("nan"))  # grpo
+            v0 = tl.where(finite_row, -tl.minimum(r2*tok_advantages, tok_advantages*tl.minimum(p_grpo__eps_high + 1.0, tl.maximum(r2, 1.0 - p_grpo__eps_low, propagate_nan=tl.PropagateNan.ALL), propagate_nan=tl.PropagateNan.ALL), propagate_nan=tl.PropagateNan.ALL), float("nan"))  # grpo
             tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
             v1 = tl.where(finite_row, -acc1*r0 + r3, float("nan"))  # entropy
             tl.store(ws_ptr + off_rows + 1 * n_rows + grow, v1)
@@ -394,7 +400,7 @@ def head_loss_4b44cfbdd10c9539(
             c1 = tl.exp2(1.4426950408889634 * (-m - tok_old_logprobs + z_y))
             c2 = c0*c1
             c3 = c2*tok_advantages
-            c4 = tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(c2 > 1.0 - p_grpo__eps_low, c2, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(c2 > 1.0 - p_grpo__eps_low, c2, 1.0 - p_grpo__eps_low))
+            c4 = tok_advantages*tl.minimum(p_grpo__eps_high + 1.0, tl.maximum(c2, 1.0 - p_grpo__eps_low, propagate_nan=tl.PropagateNan.ALL), propagate_nan=tl.PropagateNan.ALL)
             c5 = _rcp(tl.where((c3 == c4), 1.0, 0.0) + 1.0)
             c6 = -c0*c1 + 1.0
             c7 = c3*tl.where(((c6 <= p_grpo__eps_low) & (c6 >= -p_grpo__eps_high)), 1.0, 0.0)*tl.where((c3 >= c4), c5, 0.0) + c3*tl.where((c3 <= c4), c5, 0.0)
@@ -418,6 +424,7 @@ def head_loss_4b44cfbdd10c9539(
                 is_y = tl.where(cols == y_local, 1.0, 0.0)
 
                 zm = z - m
+
                 dz = g0*tl.exp2(1.4426950408889634 * zm + 1.4426950408889634 * (-L_N0)) + g1*is_y
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
@@ -489,4 +496,4 @@ def head_loss_4b44cfbdd10c9539(
             tl.store(ws_ptr + 4, value_kl_new_old)
             tl.store(ws_ptr + 5, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "d6093f9804fcf4a7413ee0f2393a2c6a1cc1540add17d8c80a8fadf26c9b06f7"
+TEXT_HASH = "e15c5d4b2698d4b05a2123e5e250bbf3cab0173c9d0f66071ec8e52f155bffa4"

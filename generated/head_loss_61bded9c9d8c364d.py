@@ -43,7 +43,7 @@ from triton.language.extra import libdevice
 
 KEY = "61bded9c9d8c364d"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "93c12f021968"
+CODEGEN = "7bac32baf580"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['reverse_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -73,6 +73,12 @@ SCALARS = ['weight_reverse_kl']
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = []
 SEGMENT_MEANS = []
+# those that are sorted sums (S.segment_sorted): the segment step sorts their columns of the sums over
+# the segments before the segment kernel, and takes their coefficients back to the segments after it
+SEGMENT_SORTED = []
+# those that are quantiles over the valid rows (S.row_quantile), each with its q: the segment step
+# writes the quantile of the rows' values into every segment's column before the segment kernel
+SEGMENT_QUANTILES = []
 # the row terms among them that read segment statistics (GSPO-token): evaluated row by row by the
 # segment kernel once the means are known
 SEGMENT_ROW_TERMS = []
@@ -405,12 +411,11 @@ def head_loss_61bded9c9d8c364d(
                 x = x_tile.to(tl.float32)
                 z = _logits(x, logit_scale, softcap)
                 t = t_tile.to(tl.float32)
-                # -inf as FLOOR (a NaN stays NaN): its probability is still 0, and 0 * FLOOR is 0 where 0 * -inf is NaN
-                z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
-                t = tl.maximum(t, FLOOR, propagate_nan=tl.PropagateNan.ALL)
 
-                zm = z - m
-                tm = t - m_t
+                # -inf as FLOOR relative to the max (a NaN stays NaN): 0 * FLOOR is 0, and z - m one multiply-add
+                zm = tl.maximum(z - m, FLOOR, propagate_nan=tl.PropagateNan.ALL)
+                tm = tl.maximum(t - m_t, FLOOR, propagate_nan=tl.PropagateNan.ALL)
+
                 d0 = L_N0 - zm
                 d1 = tl.exp2(1.4426950408889634 * (-d0))
                 dz = d1*g1 + g0*(d1*(L_N1 - d0 - tm) + d1)
@@ -470,4 +475,4 @@ def head_loss_61bded9c9d8c364d(
             tl.store(ws_ptr + 0, value_reverse_kl)
             tl.store(ws_ptr + 1, weight_reverse_kl * value_reverse_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "512202ee500cd5717618f12dfb16a33bf6896f4ac8bdc109491bef8e0b64e9b5"
+TEXT_HASH = "3024b6af59ccbf1a93386dee1c9942837c916f2e7ffe7641de131f90338d21c4"

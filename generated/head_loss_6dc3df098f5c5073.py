@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "6dc3df098f5c5073"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "93c12f021968"
+CODEGEN = "7bac32baf580"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cispo', 'entropy', 'cispo_clip_ratio']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -75,6 +75,12 @@ SCALARS = ['weight_cispo', 'p_cispo__eps_high']
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = []
 SEGMENT_MEANS = []
+# those that are sorted sums (S.segment_sorted): the segment step sorts their columns of the sums over
+# the segments before the segment kernel, and takes their coefficients back to the segments after it
+SEGMENT_SORTED = []
+# those that are quantiles over the valid rows (S.row_quantile), each with its q: the segment step
+# writes the quantile of the rows' values into every segment's column before the segment kernel
+SEGMENT_QUANTILES = []
 # the row terms among them that read segment statistics (GSPO-token): evaluated row by row by the
 # segment kernel once the means are known
 SEGMENT_ROW_TERMS = []
@@ -348,7 +354,7 @@ def head_loss_6dc3df098f5c5073(
             r1 = m - z_y
             r2 = r0 + r1
             r3 = _rcp(acc0)
-            v0 = tl.where(finite_row, r2*tok_advantages*tl.where(p_cispo__eps_high + 1.0 < r3*tl.exp2(1.4426950408889634 * (-(r1 + tok_old_logprobs))), p_cispo__eps_high + 1.0, r3*tl.exp2(1.4426950408889634 * (-(r1 + tok_old_logprobs)))), float("nan"))  # cispo
+            v0 = tl.where(finite_row, r2*tok_advantages*tl.minimum(p_cispo__eps_high + 1.0, r3*tl.exp2(1.4426950408889634 * (-(r1 + tok_old_logprobs))), propagate_nan=tl.PropagateNan.ALL), float("nan"))  # cispo
             tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
             v1 = tl.where(finite_row, -acc1*r3 + r0, float("nan"))  # entropy
             tl.store(ws_ptr + off_rows + 1 * n_rows + grow, v1)
@@ -377,7 +383,7 @@ def head_loss_6dc3df098f5c5073(
                     w_cispo += tl.load(up_rows_ptr + 0 * n_rows + grow)
             else:
                 w_cispo = weight_cispo * grad_scale
-            c0 = tok_advantages*w_cispo*tl.where(p_cispo__eps_high + 1.0 < tl.exp2(1.4426950408889634 * (-m - tok_old_logprobs + z_y))*_rcp(acc0), p_cispo__eps_high + 1.0, tl.exp2(1.4426950408889634 * (-m - tok_old_logprobs + z_y))*_rcp(acc0))
+            c0 = tok_advantages*w_cispo*tl.minimum(p_cispo__eps_high + 1.0, tl.exp2(1.4426950408889634 * (-m - tok_old_logprobs + z_y))*_rcp(acc0), propagate_nan=tl.PropagateNan.ALL)
             g0 = tl.where(finite_row, c0, float("nan"))
             g1 = tl.where(finite_row, -c0, float("nan"))
             # (a row of -inf read as FLOOR would look uniform: its gradient is NaN, as its values are)
@@ -398,6 +404,7 @@ def head_loss_6dc3df098f5c5073(
                 is_y = tl.where(cols == y_local, 1.0, 0.0)
 
                 zm = z - m
+
                 dz = g0*tl.exp2(1.4426950408889634 * zm + 1.4426950408889634 * (-L_N0)) + g1*is_y
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
@@ -463,4 +470,4 @@ def head_loss_6dc3df098f5c5073(
             tl.store(ws_ptr + 2, value_cispo_clip_ratio)
             tl.store(ws_ptr + 3, weight_cispo * value_cispo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "e93ccc2932a43eeb9c48270798a08367d267704c84279ffeb1e2593a01545b16"
+TEXT_HASH = "75f27431a8d0f5362b34951092e89478b0ea3e5a008b10f8de8fd5a78c2b8470"

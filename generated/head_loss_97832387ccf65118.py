@@ -39,8 +39,8 @@
 #   per vocabulary element, from the printed formulas (SFU: exp2, lg2, rcp, 16 a clock a
 #   multiprocessor on Hopper; other: add, multiply, compare, select, 128 a clock):
 #     stats read: 3 SFU + 9 other
-#     gradient read: 3 SFU + 17 other
-#     in all: 6 SFU + 26 other
+#     gradient read: 3 SFU + 15 other
+#     in all: 6 SFU + 24 other
 import os
 
 import triton
@@ -49,7 +49,7 @@ from triton.language.extra import libdevice
 
 KEY = "97832387ccf65118"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "93c12f021968"
+CODEGEN = "7bac32baf580"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -79,6 +79,12 @@ SCALARS = ['weight_cross_entropy', 'weight_forward_kl']
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = []
 SEGMENT_MEANS = []
+# those that are sorted sums (S.segment_sorted): the segment step sorts their columns of the sums over
+# the segments before the segment kernel, and takes their coefficients back to the segments after it
+SEGMENT_SORTED = []
+# those that are quantiles over the valid rows (S.row_quantile), each with its q: the segment step
+# writes the quantile of the rows' values into every segment's column before the segment kernel
+SEGMENT_QUANTILES = []
 # the row terms among them that read segment statistics (GSPO-token): evaluated row by row by the
 # segment kernel once the means are known
 SEGMENT_ROW_TERMS = []
@@ -446,7 +452,8 @@ def head_loss_97832387ccf65118(
 
                 zm = z - m
                 tm = t - m_t
-                dz = -0.5*g0*tl.exp2(1.4426950408889634 * ((0.5)*tm) + 1.4426950408889634 * (-L_N1)) + g1*tl.exp2(1.4426950408889634 * zm + 1.4426950408889634 * (-L_N0)) + (0.5)*g2*tl.exp2(1.4426950408889634 * ((0.5)*zm) + 1.4426950408889634 * (-L_N2)) + g3*is_y
+
+                dz = g1*tl.exp2(1.4426950408889634 * zm + 1.4426950408889634 * (-L_N0)) + g3*is_y + tl.exp2(1.4426950408889634 * ((0.5)*tm) + 1.4426950408889634 * (-L_N1))*(-0.5*g0) + tl.exp2(1.4426950408889634 * ((0.5)*zm) + 1.4426950408889634 * (-L_N2))*((0.5)*g2)
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
     else:
@@ -507,4 +514,4 @@ def head_loss_97832387ccf65118(
             tl.store(ws_ptr + 1, value_forward_kl)
             tl.store(ws_ptr + 2, weight_cross_entropy * value_cross_entropy + weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "b10d15ab3b2e3f420b40141a2a2cf9ae5eec3888c446c280d1b006f52607b041"
+TEXT_HASH = "717e5ac2ac0527e9fade156cef849e6c8c71e1dc4335a17f5786b76368a651bc"

@@ -35,8 +35,8 @@
 #   multiprocessor on Hopper; other: add, multiply, compare, select, 128 a clock):
 #     stats read: 2 SFU + 4 other
 #     exact read: 3 SFU + 18 other
-#     gradient read: 3 SFU + 29 other
-#     in all: 8 SFU + 51 other
+#     gradient read: 3 SFU + 21 other
+#     in all: 8 SFU + 43 other
 import os
 
 import triton
@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "b035e884472ee995"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "93c12f021968"
+CODEGEN = "7bac32baf580"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['jsd']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -75,6 +75,12 @@ SCALARS = ['weight_jsd', 'p_jsd__beta']
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = []
 SEGMENT_MEANS = []
+# those that are sorted sums (S.segment_sorted): the segment step sorts their columns of the sums over
+# the segments before the segment kernel, and takes their coefficients back to the segments after it
+SEGMENT_SORTED = []
+# those that are quantiles over the valid rows (S.row_quantile), each with its q: the segment step
+# writes the quantile of the rows' values into every segment's column before the segment kernel
+SEGMENT_QUANTILES = []
 # the row terms among them that read segment statistics (GSPO-token): evaluated row by row by the
 # segment kernel once the means are known
 SEGMENT_ROW_TERMS = []
@@ -364,17 +370,16 @@ def head_loss_b035e884472ee995(
                                  other=0.0)
                 z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
                 t = t_tile.to(tl.float32)
-                # -inf as FLOOR (a NaN stays NaN): its probability is still 0, and 0 * FLOOR is 0 where 0 * -inf is NaN
-                z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
-                t = tl.maximum(t, FLOOR, propagate_nan=tl.PropagateNan.ALL)
 
-                zm = z - m
-                tm = t - m_t
+                # -inf as FLOOR relative to the max (a NaN stays NaN): 0 * FLOOR is 0, and z - m one multiply-add
+                zm = tl.maximum(z - m, FLOOR, propagate_nan=tl.PropagateNan.ALL)
+                tm = tl.maximum(t - m_t, FLOOR, propagate_nan=tl.PropagateNan.ALL)
+
                 e0 = L_N0 - zm
                 e1 = tl.exp2(1.4426950408889634 * (-e0))
                 e2 = L_N1 - tm
                 e3 = tl.exp2(1.4426950408889634 * (-e2))
-                e4 = _log(e1*p_jsd__beta + e3*(1.0 - p_jsd__beta) + TINY)
+                e4 = _log(e1*p_jsd__beta + (e3*(1.0 - p_jsd__beta) + TINY))
                 part0 = tl.sum(tl.join(tl.where(in_row, e1*(-e0 - e4), 0.0), tl.where(in_row, e3*(-e2 - e4), 0.0)), 0)
                 acc1_tile, acc3_tile = tl.split(part0)
                 acc1 += acc1_tile
@@ -441,20 +446,17 @@ def head_loss_b035e884472ee995(
                 x = x_tile.to(tl.float32)
                 z = _logits(x, logit_scale, softcap)
                 t = t_tile.to(tl.float32)
-                # -inf as FLOOR (a NaN stays NaN): its probability is still 0, and 0 * FLOOR is 0 where 0 * -inf is NaN
-                z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
-                t = tl.maximum(t, FLOOR, propagate_nan=tl.PropagateNan.ALL)
 
-                zm = z - m
-                tm = t - m_t
+                # -inf as FLOOR relative to the max (a NaN stays NaN): 0 * FLOOR is 0, and z - m one multiply-add
+                zm = tl.maximum(z - m, FLOOR, propagate_nan=tl.PropagateNan.ALL)
+                tm = tl.maximum(t - m_t, FLOOR, propagate_nan=tl.PropagateNan.ALL)
+
                 d0 = L_N0 - zm
-                d1 = L_N1 - tm
-                d2 = tl.where(-d0 > -d1, -d0, -d1)
-                d3 = (d0 <= d1)
-                d4 = tl.exp2(1.4426950408889634 * (-tl.abs(-L_N1 + d0 + tm)))
-                d5 = tl.where(d3, 1.0, d4)*tl.exp2(1.4426950408889634 * d2)
-                d6 = 1.0 - p_jsd__beta
-                dz = d5*g0*p_jsd__beta*(-d0 - d2 - _log(d4*tl.where(d3, d6, p_jsd__beta) + tl.where(d3, p_jsd__beta, d6) + TINY)) + d5*g1
+                d1 = tl.exp2(1.4426950408889634 * (-d0))
+                d2 = -L_N1 + d0 + tm
+                d3 = (d2 <= 0.0)
+                d4 = 1.0 - p_jsd__beta
+                dz = d1*(g1 + (-_log(tl.where(d3, d4, p_jsd__beta)*tl.exp2(1.4426950408889634 * (-tl.abs(d2))) + tl.where(d3, p_jsd__beta, d4) + TINY) + tl.minimum(-d2, 0.0, propagate_nan=tl.PropagateNan.ALL))*(g0*p_jsd__beta))
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
     else:
@@ -511,4 +513,4 @@ def head_loss_b035e884472ee995(
             tl.store(ws_ptr + 0, value_jsd)
             tl.store(ws_ptr + 1, weight_jsd * value_jsd)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "28bb2e5d5a8fe926e13a108658754e318af797315b1a8fe820f58ec870287060"
+TEXT_HASH = "d8766ecfafc2ded2abf9c296b022049c30dc3e38e33c0fc0c3ebf4e13385ece4"

@@ -49,7 +49,7 @@ from triton.language.extra import libdevice
 
 KEY = "b50bef4a7e9d9783"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "93c12f021968"
+CODEGEN = "7bac32baf580"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_ratio_low', 'clip_ratio_high', 'clip_ratio_region']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -79,6 +79,12 @@ SCALARS = ['weight_grpo', 'p_grpo__eps_high', 'p_grpo__eps_low', 'p_grpo__kl_bet
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = []
 SEGMENT_MEANS = []
+# those that are sorted sums (S.segment_sorted): the segment step sorts their columns of the sums over
+# the segments before the segment kernel, and takes their coefficients back to the segments after it
+SEGMENT_SORTED = []
+# those that are quantiles over the valid rows (S.row_quantile), each with its q: the segment step
+# writes the quantile of the rows' values into every segment's column before the segment kernel
+SEGMENT_QUANTILES = []
 # the row terms among them that read segment statistics (GSPO-token): evaluated row by row by the
 # segment kernel once the means are known
 SEGMENT_ROW_TERMS = []
@@ -361,7 +367,7 @@ def head_loss_b50bef4a7e9d9783(
             r5 = r4*tl.exp2(1.4426950408889634 * (-r2))
             r6 = ((tok_advantages < 0.0) & (p_grpo__eps_low < -r3))
             r7 = ((tok_advantages > 0.0) & (p_grpo__eps_high < r3))
-            v0 = tl.where(finite_row, p_grpo__kl_beta*(p_grpo__kl_bias_correction*r3 + 1.0)*_expm1mx(r0 + r1 + tok_ref_logprobs) - tl.where(r5*tok_advantages < tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(r5 > 1.0 - p_grpo__eps_low, r5, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(r5 > 1.0 - p_grpo__eps_low, r5, 1.0 - p_grpo__eps_low)), r5*tok_advantages, tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(r5 > 1.0 - p_grpo__eps_low, r5, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(r5 > 1.0 - p_grpo__eps_low, r5, 1.0 - p_grpo__eps_low))), float("nan"))  # grpo
+            v0 = tl.where(finite_row, p_grpo__kl_beta*(p_grpo__kl_bias_correction*r3 + 1.0)*_expm1mx(r0 + r1 + tok_ref_logprobs) - tl.minimum(r5*tok_advantages, tok_advantages*tl.minimum(p_grpo__eps_high + 1.0, tl.maximum(r5, 1.0 - p_grpo__eps_low, propagate_nan=tl.PropagateNan.ALL), propagate_nan=tl.PropagateNan.ALL), propagate_nan=tl.PropagateNan.ALL), float("nan"))  # grpo
             tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
             v1 = tl.where(finite_row, -acc1*r4 + r0, float("nan"))  # entropy
             tl.store(ws_ptr + off_rows + 1 * n_rows + grow, v1)
@@ -405,7 +411,7 @@ def head_loss_b50bef4a7e9d9783(
             c5 = tl.exp2(1.4426950408889634 * (-c4))
             c6 = c3*c5
             c7 = c6*tok_advantages
-            c8 = tok_advantages*tl.where(p_grpo__eps_high + 1.0 < tl.where(c6 > 1.0 - p_grpo__eps_low, c6, 1.0 - p_grpo__eps_low), p_grpo__eps_high + 1.0, tl.where(c6 > 1.0 - p_grpo__eps_low, c6, 1.0 - p_grpo__eps_low))
+            c8 = tok_advantages*tl.minimum(p_grpo__eps_high + 1.0, tl.maximum(c6, 1.0 - p_grpo__eps_low, propagate_nan=tl.PropagateNan.ALL), propagate_nan=tl.PropagateNan.ALL)
             c9 = _rcp(tl.where((c7 == c8), 1.0, 0.0) + 1.0)
             c10 = -c3*c5 + 1.0
             c11 = -c6*p_grpo__kl_beta*p_grpo__kl_bias_correction*_expm1mx(c2) + c7*tl.where(((c10 <= p_grpo__eps_low) & (c10 >= -p_grpo__eps_high)), 1.0, 0.0)*tl.where((c7 >= c8), c9, 0.0) + c7*tl.where((c7 <= c8), c9, 0.0) + p_grpo__kl_beta*(p_grpo__kl_bias_correction*_expm1(-c0 - c4) + 1.0)*_expm1(c2)
@@ -429,6 +435,7 @@ def head_loss_b50bef4a7e9d9783(
                 is_y = tl.where(cols == y_local, 1.0, 0.0)
 
                 zm = z - m
+
                 dz = g0*tl.exp2(1.4426950408889634 * zm + 1.4426950408889634 * (-L_N0)) + g1*is_y
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
@@ -500,4 +507,4 @@ def head_loss_b50bef4a7e9d9783(
             tl.store(ws_ptr + 4, value_clip_ratio_region)
             tl.store(ws_ptr + 5, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "3c642436b4cd9da2a611cac123e3ea2a21f7f2c56aa3eab50718986ff02d89c3"
+TEXT_HASH = "21c8b75337786cb3884574b78d588522fbc7bf1e422e11f7914ca93ac36b3478"

@@ -43,7 +43,7 @@ from triton.language.extra import libdevice
 
 KEY = "d4ac32833fba1c40"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "93c12f021968"
+CODEGEN = "7bac32baf580"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['topk_forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -73,6 +73,12 @@ SCALARS = ['weight_topk_forward_kl']
 # segment terms, and the row values whose per-segment sums they read (packed in this order)
 SEGMENTS = []
 SEGMENT_MEANS = []
+# those that are sorted sums (S.segment_sorted): the segment step sorts their columns of the sums over
+# the segments before the segment kernel, and takes their coefficients back to the segments after it
+SEGMENT_SORTED = []
+# those that are quantiles over the valid rows (S.row_quantile), each with its q: the segment step
+# writes the quantile of the rows' values into every segment's column before the segment kernel
+SEGMENT_QUANTILES = []
 # the row terms among them that read segment statistics (GSPO-token): evaluated row by row by the
 # segment kernel once the means are known
 SEGMENT_ROW_TERMS = []
@@ -395,6 +401,7 @@ def head_loss_d4ac32833fba1c40(
                 z = _logits(x, logit_scale, softcap)
 
                 zm = z - m
+
                 dz = g1*tl.exp2(1.4426950408889634 * zm + 1.4426950408889634 * (-L_N0))
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
@@ -406,6 +413,7 @@ def head_loss_d4ac32833fba1c40(
             z = _logits(x, logit_scale, softcap)
 
             zm = z - m
+
             dz = g1*tl.exp2(1.4426950408889634 * zm + 1.4426950408889634 * (-L_N0))
             dz_k = (dz + (-g0*tl.exp2(1.4426950408889634 * l_k))) * _dlogits(x, logit_scale, softcap)
             tl.store(grad_row + topk_ids, dz_k.to(grad_ptr.dtype.element_ty), mask=in_k)
@@ -463,4 +471,4 @@ def head_loss_d4ac32833fba1c40(
             tl.store(ws_ptr + 0, value_topk_forward_kl)
             tl.store(ws_ptr + 1, weight_topk_forward_kl * value_topk_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "c99eba2f928bb96f4b285ac5b11791ddae0ba518cdb59a151c4c4407172d5e5b"
+TEXT_HASH = "8ea0e89518aaf16cb510231fc91deb4641f4f456ea3ed5db82ef699705ec0992"

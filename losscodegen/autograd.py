@@ -102,10 +102,12 @@ _apply = super(torch.autograd.Function, _HeadFunction).apply
 
 def row_outputs(head, launcher: launch.Launcher, call: Call) -> dict[str, torch.Tensor]:
     """``out.rows`` of a reduction="none" call: each term's and metric's per-row values, labels'
-    shape, detached views of the workspace (tensors of their own to autograd: in-place ops work)."""
+    shape, detached views of the workspace (tensors of their own to autograd: in-place ops work). A row
+    term of batch quantiles (S.row_quantile), evaluated row by row by the segment kernel, has its rows
+    in the per-row loss only."""
     spec = head.kernel.SPEC
     rows = launcher.ws.rows(call)
-    return {n: rows[spec.row_values.index(n)].detach() for n in spec.outputs}
+    return {n: rows[spec.row_values.index(n)].detach() for n in spec.outputs if n in spec.row_values}
 
 
 def eager(head, logits: torch.Tensor, call: Call) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:

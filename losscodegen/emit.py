@@ -667,7 +667,8 @@ def signatures(plan: Plan, key: str, reads_scalars: bool, per_sequence: tuple[st
     """The interface of each kernel of a head's file, in signature order. ``reads_scalars``: whether
     the head's kernel reads runtime scalars (the segment kernel always does: its terms' weights);
     ``per_sequence``: the segment terms normalised by sequence (which take no divisor); ``row_terms``:
-    whether the head has loss terms reduced over rows (which take per-row upstream gradients)."""
+    whether the head has loss terms reduced over rows (which take per-row upstream gradients, on the
+    loss and on their rows; a row term of segment statistics takes the one on the loss)."""
     lw = plan.lowered
     segments = [seg.name for seg in lw.segments]
     args = ["x_ptr", "x_stride", "grad_ptr", "grad_stride", "y_ptr", "mask_ptr"]
@@ -681,7 +682,8 @@ def signatures(plan: Plan, key: str, reads_scalars: bool, per_sequence: tuple[st
         args += ["seg_ptr", "n_seg", "off_seg_sums", "off_seg_coefs"]
     args += ["ws_ptr", "off_rows", "off_loss_rows", "off_stats", *(["off_exact"] if plan.exact else []),
              "gathered_ptr", "peers_ptr", "epoch", "div_ptr", "flag_ptr",
-             *(["up_loss_ptr", "up_rows_ptr"] if row_terms else []), "row_offset", "n_rows"]
+             *(["up_loss_ptr"] if row_terms or any(seg.rows for seg in lw.segments) else []),
+             *(["up_rows_ptr"] if row_terms else []), "row_offset", "n_rows"]
     fixed = ["world", *(["scalars_ptr"] if reads_scalars else []), "logit_scale", "softcap", "V", "vocab_start",
              "n_vocab", "ignore_index"]
     constexprs = ["SUM", "PER_ROW", "STATS", "EXCHANGE", "MERGE", "EXACT", "STORE_STATS", "ROWS", "GRAD",
@@ -694,10 +696,12 @@ def signatures(plan: Plan, key: str, reads_scalars: bool, per_sequence: tuple[st
         by_rows = any(seg.rows for seg in lw.segments)   # row terms of segment statistics
         seg_args = ("ws_ptr", "off_seg_sums", "off_seg_coefs", "n_seg",
                     *(("div_ptr",) if set(segments) - set(per_sequence) else ()),
-                    *(("seg_ptr", "off_rows", "n_rows") if by_rows else ()))
+                    *(("seg_ptr", "off_rows", "off_loss_rows", "n_rows") if by_rows else ()))
+        # (PER_ROW: reduction="none", where a row term of batch quantiles adds its rows to the per-row loss)
         out["segments"] = Signature(f"segments_{key}", seg_args, ("scalars_ptr",),
-                                    ("SUM", "BLOCK_S"), ("n_seg", "off_seg_sums", "off_seg_coefs",
-                                                         *(("off_rows", "n_rows") if by_rows else ())))
+                                    ("SUM", *(("PER_ROW",) if by_rows else ()), "BLOCK_S"),
+                                    ("n_seg", "off_seg_sums", "off_seg_coefs",
+                                     *(("off_rows", "off_loss_rows", "n_rows") if by_rows else ())))
     return out
 
 
@@ -738,10 +742,17 @@ def _state(value: Any) -> tuple[str, int, int]:
     return value
 
 
+def _quantiles(value: Any) -> tuple[tuple[str, float], ...]:
+    if not isinstance(value, (list, tuple)) or not all(
+            isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], float) for p in value):
+        raise TypeError(f"a list of (name, q) pairs, not {value!r}")
+    return tuple(value)
+
+
 # how a constant's value is read back into its field, by the field's type
 _READERS: dict[str, Callable[[Any], Any]] = {
     "str": _text, "bool": _flag, "tuple[str, ...]": _names, "tuple[tuple[str, str], ...]": _pairs,
-    "tuple[str, int, int]": _state}
+    "tuple[str, int, int]": _state, "tuple[tuple[str, float], ...]": _quantiles}
 
 
 @dataclass(frozen=True)
@@ -768,6 +779,9 @@ class FileSpec:
     segments: tuple[str, ...] = _recorded("SEGMENTS")   # segment terms
     segment_means: tuple[str, ...] = _recorded("SEGMENT_MEANS")  # the row values whose per-segment sums they read, in order
     segment_row_terms: tuple[str, ...] = _recorded("SEGMENT_ROW_TERMS")  # the segment terms that are row terms of segment statistics
+    segment_sorted: tuple[str, ...] = _recorded("SEGMENT_SORTED")  # the segment means that are sorted sums (S.segment_sorted)
+    # those that are batch quantiles (S.row_quantile), each with its q
+    segment_quantiles: tuple[tuple[str, float], ...] = _recorded("SEGMENT_QUANTILES")
     state: tuple[str, int, int] = _recorded("STATE")    # what decides the tile: Plan.state
     # each kernel's interface (emit.signatures): each launch's arguments, the fixed ones, the constexprs
     args: tuple[str, ...] = _recorded("ARGS")
@@ -793,6 +807,12 @@ class FileSpec:
         finished-row count; ``fixed``: where the regions given per call start."""
         n = len(self.outputs)
         return dict(loss=n, count=n + 1, done=n + 2, fixed=n + 3)
+
+    @property
+    def segment_raw(self) -> tuple[str, ...]:
+        """The segment statistics the segment step writes as they are read (sorted sums, quantiles),
+        not as sums that the count divides."""
+        return self.segment_sorted + tuple(name for name, _ in self.segment_quantiles)
 
     @classmethod
     def read(cls, module: Any) -> FileSpec:
@@ -885,7 +905,9 @@ def kernel_spec(plan: Plan, key: str, normalize: dict[str, str] | None = None) -
         segment_args=seg_sig.args, segment_fixed=seg_sig.fixed, segment_constexprs=seg_sig.constexprs,
         head_scalars=head_scalars,
         segment_scalars=tuple(n for n in scalars if n in names(seg_exprs) | {f"weight_{t}" for t in segments}),
-        signatures=tuple(sigs.values()))
+        signatures=tuple(sigs.values()),
+        segment_sorted=tuple(U.name for seg in lw.segments for U in seg.sorted),
+        segment_quantiles=tuple((U.name, q) for seg in lw.segments for U, q in seg.quantiles))
 
 
 def check_interface(text: str, sigs: dict[str, Signature]) -> None:

@@ -113,14 +113,20 @@ _SEGMENT_TERMS = ["-S.Min(S.exp(S.segment_mean(S.target_logit - S.lse - S.token(
                   "S.exp(S.segment_mean(S.target_logit - S.lse)) * S.segment_mean(S.lse)",
                   "-S.segment_sum(S.token('a') * (S.target_logit - S.lse)) / 8",
                   "S.segment_sum(S.lse - S.target_logit) / S.segment_count",
-                  "S.segment_mean(S.token('a')) * S.segment_count"]
+                  "S.segment_mean(S.token('a')) * S.segment_count",
+                  # order statistics over the segments (DPO's aot: sorted log-ratios against sorted ones)
+                  "-S.log(1 + S.exp(S.segment_sorted(S.token('old_logprobs')) - S.segment_sorted(S.target_logit - S.lse)))"]
 # segment terms around a random row formula {0}: sums and means of it
-_SEGMENT_OF_ROW = ["S.segment_sum({0}) / 4", "S.segment_mean({0})**2", "S.segment_count * S.tanh(S.segment_mean({0}))"]
+_SEGMENT_OF_ROW = ["S.segment_sum({0}) / 4", "S.segment_mean({0})**2", "S.segment_count * S.tanh(S.segment_mean({0}))",
+                   "S.tanh(S.segment_sorted({0}) / 8) * S.segment_mean(S.token('a'))"]
 # row terms that read their segment's statistics (GSPO-token-like) around a random row formula {0}
 _ROW_OF_SEGMENT = ["{0} * S.stop_gradient(S.exp(S.segment_mean(S.target_logit - S.lse - S.token('old_logprobs'))))"
                    " / S.segment_count",
                    "{0} / S.segment_mean(1 + S.token('a')**2)",
-                   "{0} * (S.segment_sum(S.lse - S.target_logit) / S.segment_count - S.target_logit)"]
+                   "{0} * (S.segment_sum(S.lse - S.target_logit) / S.segment_count - S.target_logit)",
+                   # batch quantiles (TRL's top_entropy_quantile): a mask of the rows, and a value
+                   "{0} * S.Piecewise((1, S.token('a') >= S.row_quantile(S.token('a'), 0.7)), (0, True))",
+                   "{0} * S.row_quantile(S.lse - S.target_logit, 0.5)"]
 
 
 class Generator:
@@ -345,7 +351,7 @@ def _preference(gen: Generator, layout: str) -> list[TermSpec]:
     if dpo in ("sigmoid", "hinge", "ipo") and r.random() < 0.5:
         options += f", f_divergence_type={r.choice(['forward_kl', 'js_divergence', 'alpha_divergence'])!r}"
         options += ", f_alpha_divergence_coef=0.5" if "alpha" in options else ""
-    if r.random() < 0.2:
+    if r.random() < 0.2 and not dpo.startswith("aot"):   # (aot sorts the pairs: TRL refuses WPO with it)
         options += ", use_weighting=True"   # WPO: a vocabulary sum inside the segment sums
     losses, statistics = (_PAIR_LOSSES, _PAIR_STATISTICS) if layout == "pairs" else (_SEQUENCE_LOSSES, _SEQUENCE_STATISTICS)
     picked = list(dict.fromkeys(r.choice(losses) for _ in range(r.choice([1, 1, 2]))))
@@ -493,7 +499,7 @@ def _dtype(name: str) -> torch.dtype:
 def _inputs(head: lcg.HeadLoss, case: Case, device: str):
     plan = case.plan
     logits, labels, kw = random_inputs(head, case.rows, case.vocab, _dtype(plan.dtype), device, case.seed)
-    if case.layout and head.kernel.SEGMENTS:
+    if case.layout and head.kernel.SPEC.segments:
         kw.update(_preference_inputs(head, case.layout, labels, kw))
     if plan.reduction != "mean":
         kw["reduction"] = plan.reduction
@@ -558,7 +564,7 @@ def _screen(head, logits, labels, kw, up, want, dtype) -> None:
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             return t
         return t.detach().double().cpu() * (1 + 4 * 2.0**-24 * torch.randn(t.shape, generator=g, dtype=torch.float64))
-    kw2 = {k: (jiggle(v) if k in ("teacher_logits",) or k in head.kernel.TOKENS else v) for k, v in kw.items()}
+    kw2 = {k: (jiggle(v) if k in ("teacher_logits",) or k in head.kernel.SPEC.tokens else v) for k, v in kw.items()}
     other = _reference(head, jiggle(logits), labels, kw2, up)
     rtol, atol, gtol = TOLERANCES[dtype]
     tight = (rtol / 8, atol / 8, gtol / 8)
@@ -1021,7 +1027,7 @@ def _fuzz(seconds, seed, device, cases, sharded, compile_share, shrink_budget, o
                 continue
             counts.heads += 1
             for plan in plans(rng, case, compile_share=compile_share, sharded=sharded,
-                              segments=bool(head.kernel.SEGMENTS)):
+                              segments=bool(head.kernel.SPEC.segments)):
                 if plan.kind == "sharded" and plan.world not in ranks:
                     ranks[plan.world] = Ranks(plan.world)
                 planned = dataclasses.replace(case, plan=plan)

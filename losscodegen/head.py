@@ -350,7 +350,9 @@ class HeadLoss(torch.nn.Module):
             "labels": lambda f: f.has(S.target_logit, S.label),
             "teacher_logits": lambda f: f.has(S.teacher_logit) or any(a.args[1] != 0 for a in f.atoms(S.LSE)),
             "teacher_topk_ids": lambda f: f.has(S.topk_sum),
-            "segment_ids": lambda f: f.has(S.segment_mean)}.get(
+            # (a batch quantile alone reads no segments: the call makes them one)
+            "segment_ids": lambda f: f.has(S.segment_count) or any(
+                not isinstance(m, S.row_quantile) for m in f.atoms(S.segment_mean))}.get(
                 input_name, lambda f: f.has(S.token(input_name)) or f.has(S.vector(input_name)))
         return ", ".join(n for n, f, _ in self._bound if reads(f))
 

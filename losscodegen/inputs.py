@@ -23,6 +23,13 @@ _POLICY_TOKENS = ("advantages", "old_logprobs", "ref_logprobs")
 _ACCEPTED = frozenset(STANDARD_INPUTS + _POLICY_TOKENS)
 
 
+def _quantile_rows_only(spec: FileSpec) -> bool:
+    """Whether every segment term is a row term that reads batch quantiles alone (S.row_quantile):
+    detached, so that each row's value and gradient are its own, as reduction="none" gives them."""
+    quantiles = {name for name, _ in spec.segment_quantiles}
+    return set(spec.segments) <= set(spec.segment_row_terms) and set(spec.segment_means) <= quantiles
+
+
 @dataclass(slots=True)
 class Call:
     """One call's inputs, checked: per-row tensors flat over the rows; the logits (and the teacher's)
@@ -111,7 +118,7 @@ def check_rows(head, spec: FileSpec, shape: tuple[int, ...], V_local: int, dev: 
     reduction = inputs.get("reduction", "mean")
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    if spec.segments and reduction == "none":
+    if spec.segments and reduction == "none" and not _quantile_rows_only(spec):
         raise ValueError(f"reduction='none' has no per-row value for segment terms {spec.segments}")
     if spec.segment_row_terms and inputs.get("segment_group") is not None:
         raise ValueError(f"segment_group: {spec.segment_row_terms} read(s) segment statistics per row, "
@@ -123,7 +130,11 @@ def check_rows(head, spec: FileSpec, shape: tuple[int, ...], V_local: int, dev: 
     if spec.uses_topk:
         topk_ids, topk_logprobs = check_topk(inputs, shape, dev, head.terms_reading)
     segment_ids, num_segments = None, None
-    if spec.segments:
+    if spec.segments and inputs.get("segment_ids") is None \
+            and set(spec.segment_means) <= {n for n, _ in spec.segment_quantiles}:
+        # batch quantiles (S.row_quantile) alone: every row in one segment, whose slot holds them
+        segment_ids, num_segments = torch.zeros(math.prod(shape), dtype=torch.int64, device=dev), 1
+    elif spec.segments:
         if inputs.get("segment_ids") is None:
             raise ValueError("segment_ids is required by " + head.terms_reading("segment_ids"))
         segment_ids = check_rowwise("segment_ids", inputs["segment_ids"], shape, dev, integer=True)

@@ -140,7 +140,8 @@ def _layout(head, sig: LayoutKey) -> _Layout:
         seg_fixed = by_name(fixed, spec.segment_fixed, seg_name)
 
         def segment_kernel(block: int) -> Launchable:
-            values = by_name(dict(SUM=sig.reduction == "sum", BLOCK_S=block), spec.segment_constexprs, seg_name)
+            values = by_name(dict(SUM=sig.reduction == "sum", PER_ROW=sig.reduction == "none", BLOCK_S=block),
+                             spec.segment_constexprs, seg_name)
             return backend.kernel(getattr(k, seg_name), seg_fixed, dict(zip(spec.segment_constexprs, values)), {})
     # The valid rows are counted when a row output is divided by them: a metric always, a term
     # normalised by tokens when the call gives no divisor (segment terms count their own rows; a
@@ -313,7 +314,8 @@ class Launcher:
             if kernel is None:
                 kernel = layout.segment_kernels[block] = layout.segment_kernel(block)
             segments.run(self.call, self.ws, self.n_seg, kernel, layout.bind_segments(
-                None, None, None, self.call, self.ws, self.n_seg, None, None, 0, self.flags, 0, None, None))
+                None, None, None, self.call, self.ws, self.n_seg, None, None, 0, self.flags, 0, None, None),
+                self.head.ignore_index)
 
     def _launch(self, launch: Launch, kernel: Launchable, x, teacher, grad, row_offset: int, up_loss, up_rows) -> None:
         gathered, peers, epoch = (self.gathered if launch.merge else None), None, 0

@@ -98,6 +98,13 @@ class SegmentTerm:
     coefs: tuple[sp.Symbol, ...]       # per-row dL/du_j fed back to the gradient launch
     rows: tuple[sp.Symbol, ...] = ()   # P_k, each held by the row value of its name
     valid: str = ""                    # the row value that is 1 on a valid row
+    # the U_j that are sorted segment sums (segment_sorted): the segment step sorts their sums over the
+    # segments before the segment kernel, which reads them as sums, and takes dF/dU_j back to the
+    # segment each came from (sort's gradient)
+    sorted: tuple[sp.Symbol, ...] = ()
+    # the U_j that are batch quantiles (row_quantile), each with its q: the segment step writes the
+    # quantile over the valid rows in every segment's slot; detached (dF/dU_j is 0)
+    quantiles: tuple[tuple[sp.Symbol, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -134,6 +141,12 @@ class Lowered:
             kind = "row term of segment statistics (row by row, in the segment kernel)" if seg.rows \
                 else "segment term"
             lines.append(f"  {kind} {seg.name} = {seg.formula}")
+            if seg.sorted:
+                lines.append(f"    sorted over the segments (the segment step, torch.sort on the device): "
+                             f"{', '.join(U.name for U in seg.sorted)}")
+            if seg.quantiles:
+                lines.append(f"    quantiles over the valid rows (the segment step, torch.sort on the device; "
+                             f"detached): {', '.join(f'{U.name} (q={q})' for U, q in seg.quantiles)}")
         lines.append("normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima):")
         lines += [f"  {n.symbol} = {n.value}" for n in self.normalizers]
         count = f"accumulators ({len(self.accumulators)}"
@@ -667,22 +680,38 @@ def _abstract_terms(lw: _Lowering, terms: tuple[tuple[str, sp.Expr, bool], ...])
         if formula.has(S.segment_mean):
             if is_metric:
                 raise ValueError(f"{name}: a segment term cannot be a metric")
+            # each statistic (a segment_mean, a segment_sorted: a sorted sum, a row_quantile) by its node
             means: dict[sp.Expr, sp.Symbol] = {}
+            # (sympy may write one row quantity two ways, -a*(b - c) and a*(c - b): one statistic,
+            # computed as first written)
+            seen: dict[sp.Expr, sp.Expr] = {}
 
-            def mean(u, _means=means, _name=name):
-                _means.setdefault(u, sp.Symbol(f"U{len(_means)}_{_name}", real=True))
-                return _means[u]
-            F = lw.abstract(formula.replace(S.segment_mean, mean))
+            def stat(node, _means=means, _seen=seen, _name=name):
+                node = _seen.setdefault(node.func(sp.expand(node.args[0]), *node.args[1:]), node)
+                _means.setdefault(node, sp.Symbol(f"U{len(_means)}_{_name}", real=True))
+                return _means[node]
+            F = lw.abstract(formula.replace(lambda e: isinstance(e, S.segment_mean), stat))
+            ordered = tuple(U for node, U in means.items() if isinstance(node, S.segment_sorted))
+            quantiles = tuple((U, float(node.args[1])) for node, U in means.items() if isinstance(node, S.row_quantile))
             coefs = tuple(sp.Symbol(f"{U.name}_coef", real=True) for U in means.values())
-            for (u, U), c in zip(means.items(), coefs):
-                row_u = lw.abstract(u)
+            for (node, U), c in zip(means.items(), coefs):
+                row_u = lw.abstract(node.args[0])
                 row_values.append((U.name, row_u))
-                loss += c * row_u
+                if not isinstance(node, S.row_quantile):   # (a quantile is detached: no path through it)
+                    loss += c * row_u
             w = sp.Symbol(f"w_{name}", real=True)
             weights.append(w)  # (a segment term's is folded into its coefs at run time)
             atoms = sorted({s for s in F.free_symbols if not s.name.startswith(S.RUNTIME_PREFIX)}
                            - set(means.values()) - set(S.SEGMENT_SYMBOLS), key=str)
             P = {a: sp.Symbol(f"P{k}_{name}", real=True) for k, a in enumerate(atoms)}
+            if P and ordered:
+                raise ValueError(f"{name}: segment_sorted(...) belongs to a segment term (a formula of "
+                                 f"segment statistics alone), not to a row term that reads row quantities "
+                                 f"{sorted(map(str, P))} beside it")
+            if quantiles and not P:
+                raise ValueError(f"{name}: row_quantile(...) is a row-level constant of the batch, for a row "
+                                 f"term that reads it beside row quantities (a mask of the rows); a formula of "
+                                 f"batch and segment statistics alone has no rows to mask")
             if P:
                 # a row term of segment statistics (GSPO-token): its direct path is a row term's,
                 # with the means read per row in the gradient launch; the path through the means
@@ -691,8 +720,9 @@ def _abstract_terms(lw: _Lowering, terms: tuple[tuple[str, sp.Expr, bool], ...])
                 loss += w * F
             segments.append(SegmentTerm(
                 name, tuple(means.values()), _without_stop_gradient(F.xreplace(P)),
-                tuple(_without_stop_gradient(derive(F, U).xreplace(P)) for U in means.values()), coefs,
-                tuple(P.values()), f"V_{name}" if P else ""))
+                tuple(sp.S.Zero if U in dict(quantiles) else _without_stop_gradient(derive(F, U).xreplace(P))
+                      for U in means.values()), coefs,
+                tuple(P.values()), f"V_{name}" if P else "", ordered, quantiles))
             continue
         f = _cancellations(lw.abstract(formula))
         row_values.append((name, f))

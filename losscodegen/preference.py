@@ -108,14 +108,24 @@ def _dpo_formula(loss_type: str, cs: sp.Expr, rs: sp.Expr) -> sp.Expr:
         "discopop": lambda: (-logsigmoid(d) * (1 - sigmoid(d / S.param("discopop_tau")))
                              + S.exp(-d) * sigmoid(d / S.param("discopop_tau"))),
         "sigmoid_norm": lambda: -logsigmoid(_beta * (_per_token(cs, _n_chosen) - _per_token(rs, _n_rejected))),
+        # AOT (arXiv 2406.05882): the pairs' log-ratios sorted over the batch, the k-th smallest of one
+        # against the k-th smallest of the other (S.segment_sorted: the segment step sorts them)
+        "aot": lambda: _smoothed(S.segment_sorted((2 * CHOSEN - 1) * _l) - S.segment_sorted((2 * CHOSEN - 1) * REF)),
+        "aot_unpaired": lambda: _smoothed(S.segment_sorted(CHOSEN * (_l - REF))
+                                          - S.segment_sorted((1 - CHOSEN) * (_l - REF))),
     }
     return forms[loss_type]()
 
 
-# TRL's loss types that are per-pair formulas (plus "sft", ChosenNLL); "aot" and "aot_unpaired" sort
-# the batch's log-ratios, which no per-pair formula computes
+def _smoothed(delta: sp.Expr) -> sp.Expr:
+    """TRL's label-smoothed sigmoid loss of ``beta * delta`` (aot's)."""
+    return -logsigmoid(_beta * delta) * (1 - _eps) - logsigmoid(-_beta * delta) * _eps
+
+
+# TRL's loss types: per-pair formulas (plus "sft", ChosenNLL), and "aot"/"aot_unpaired", formulas of
+# the batch's sorted log-ratios (S.segment_sorted)
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard",
-                  "apo_zero", "apo_down", "discopop", "sigmoid_norm", "sft")
+                  "apo_zero", "apo_down", "discopop", "sigmoid_norm", "aot", "aot_unpaired", "sft")
 _BATCH_SORTED = ("aot", "aot_unpaired")
 
 
@@ -138,13 +148,12 @@ def DPO(*, loss_type: str = "sigmoid", beta: Any = 0.1, label_smoothing: Any = 0
     """TRL's DPO loss of ``loss_type`` (its ``DPOConfig`` options of the same names), named
     ``dpo_<loss_type>``: per pair, averaged over the pairs. Reads ``pair_inputs``' tokens. Give
     several (with their ``loss_weights`` as ``weight=``) in one head for TRL's list of loss types.
-    ``use_weighting``: WPO's detached pair weight (``_wpo_weight``)."""
-    if loss_type in _BATCH_SORTED:
-        raise ValueError(f"loss_type={loss_type!r} sorts the log-ratios over the batch, which is no "
-                         "per-pair formula: take each token's log-probability from "
-                         "lcg.HeadLoss(lcg.LogProb())(logits, labels, reduction='none'), sum each sequence "
-                         "and apply TRL's formula to the sorted log-ratios in torch (docs/adding-a-loss.md, "
-                         "'Order statistics over rows'), or use loss_type='sigmoid'")
+    ``use_weighting``: WPO's detached pair weight (``_wpo_weight``). ``aot`` and ``aot_unpaired`` read
+    the log-ratios sorted over the batch's pairs (as TRL's, not ``f_divergence_type``'s scores; TRL
+    refuses ``use_weighting`` with them, and so do they)."""
+    if loss_type in _BATCH_SORTED and use_weighting:
+        raise ValueError(f"loss_type={loss_type!r} sorts the pairs' log-ratios, which WPO's pair weight "
+                         "(use_weighting=True) does not follow: TRL refuses the two together too")
     if loss_type not in DPO_LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
     if loss_type == "sft":

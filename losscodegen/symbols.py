@@ -8,7 +8,9 @@ Three levels of quantities (see docs/architecture.md):
   ``token(name)`` inputs, and the log-normalisers ``lse_at(T)`` / ``teacher_lse_at(T)``;
 * reductions -- ``vsum(element expr)`` over the vocabulary, ``topk_sum(expr)`` over the K teacher
   entries, and ``segment_mean(row expr)`` over the valid rows of a segment (``segment_sum(row expr)``:
-  its sum, ``segment_count`` times the mean).
+  its sum, ``segment_count`` times the mean); ``segment_sorted(row expr)``: the segments' sums of it,
+  sorted over the call's segments (an order statistic: TRL's DPO ``aot``); ``row_quantile(row expr, q)``:
+  a quantile of it over the call's valid rows (TRL's GRPO ``top_entropy_quantile``).
 
 A term is a sympy expression at row level. Nothing here knows how it is computed.
 """
@@ -26,7 +28,7 @@ __all__ = [
     "lse", "teacher_lse", "lse_at", "teacher_lse_at",
     "softmax", "logsoftmax", "softmax_at", "logsoftmax_at",
     "teacher_prob", "teacher_logprob", "teacher_prob_at", "teacher_logprob_at",
-    "vsum", "topk_sum", "segment_mean", "segment_sum", "segment_count", "token", "vector", "param", "LSE",
+    "vsum", "topk_sum", "segment_mean", "segment_sum", "segment_count", "segment_sorted", "row_quantile", "token", "vector", "param", "LSE",
     "stop_gradient", "clamp",
 ]
 
@@ -163,6 +165,33 @@ class segment_mean(_SumOf):
 # level): the segment kernel's per-segment row count, a variable it names ``count``
 # (templates/head_loss.py.j2), which this symbol prints as; testing.py's reference fills it too.
 segment_count = _real("count")
+
+
+class segment_sorted(segment_mean):
+    """An order statistic over the segments: at the k-th non-empty segment (in id order), the k-th
+    smallest of the non-empty segments' ``segment_sum(expr)`` (``torch.sort(sums).values[k]``). Its
+    gradient is sort's: dL/d(the k-th smallest) goes to the segment whose sum it is. Two of them in
+    one formula pair the k-th smallest of each: TRL's DPO ``aot`` compares the sorted log-ratios of
+    the policy with the sorted ones of the reference. A segment statistic (a kind of
+    ``segment_mean``, checked as one): it belongs to a segment term, whose value per segment the
+    segment kernel computes after the segment step has sorted the sums on the device."""
+
+
+class row_quantile(segment_mean):
+    """``row_quantile(u, q)``: the ``q``-quantile (0 <= q <= 1, a number) of the row quantity ``u``
+    over the call's valid rows, ``torch.quantile(u[valid], q)`` (linear interpolation), detached: a
+    row-level constant of the batch with no gradient (TRL's GRPO ``top_entropy_quantile`` masks the
+    loss where ``entropy >= row_quantile(entropy, 1 - q)``). A batch statistic: the rows' ``u`` come
+    from the first read, the segment step takes the quantile on the device, and the row terms that
+    read it are evaluated row by row once it is known (as row terms of segment statistics are)."""
+
+    nargs = 2
+
+    @classmethod
+    def eval(cls, x, q):
+        if not (q.is_number and 0 <= q <= 1):
+            raise ValueError(f"row_quantile(u, q): q must be a number in [0, 1], got {q}")
+        return None
 
 
 def segment_sum(expr: sp.Expr) -> sp.Expr:

@@ -112,8 +112,9 @@ class TermFactory:
         if normalize not in NORMALIZE:
             raise ValueError(f"{self.name}: normalize must be one of {NORMALIZE}, got {normalize!r}")
         if normalize != "tokens" and self.formula.has(S.segment_mean):
-            raise ValueError(f"{self.name}: a term of segment means is normalised per segment already; "
-                             f"normalize={normalize!r} is for row terms")
+            raise ValueError(f"{self.name}: a term of segment means (or batch quantiles) is normalised per "
+                             f"segment already, or, reading row quantities beside them, divided as a row term "
+                             f"(by divisor= or the valid rows); normalize={normalize!r} is for row terms")
         if class_weight is not None:
             self._check_class_weight(class_weight, normalize)
         values = {**self.defaults, **params}
@@ -406,6 +407,25 @@ class _CrossEntropyFactory(TermFactory):
                                 **params)
 
 
+class _GRPOFactory(TermFactory):
+    """GRPO: ``top_entropy_quantile=q`` < 1 is TRL's high-entropy token mask (Wang et al., arXiv
+    2506.01939): the policy term only where the token's entropy is at or above the ``1 - q`` quantile
+    of the valid tokens' entropies (``S.row_quantile``, detached), the KL penalty everywhere."""
+
+    def __call__(self, *positional: Any, top_entropy_quantile: float = 1.0, **options: Any) -> Term:
+        if isinstance(top_entropy_quantile, bool) or not isinstance(top_entropy_quantile, (int, float)) \
+                or not 0 <= top_entropy_quantile <= 1:
+            raise ValueError(f"{self.name}: top_entropy_quantile must be a number in [0, 1] (TRL's: the share "
+                             f"of the highest-entropy tokens kept), got {top_entropy_quantile!r}")
+        if top_entropy_quantile == 1:
+            return super().__call__(*positional, **options)
+        entropy = -S.vsum(S.softmax * S.logsoftmax)
+        high = S.Piecewise((1, entropy >= S.row_quantile(entropy, 1 - float(top_entropy_quantile))), (0, True))
+        kl = self.formula - self.formula.xreplace({S.param("kl_beta"): 0})
+        masked = declare_term(self.name, high * (self.formula - kl) + kl, defaults=self.defaults)
+        return masked(*positional, **options)
+
+
 # ----- built-in terms ---------------------------------------------------------------------------
 # Each group is declared on first use of one of its names (the module's __getattr__), not when the
 # package is imported: their formulas and declare_term's checks are most of this module's import.
@@ -501,9 +521,9 @@ def _policy_terms() -> tuple[TermFactory, ...]:
     # TRL: coef_2 = clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high); with delta (INTELLECT-2's two-sided
     # clipping) coef_1 = clamp(coef_1, max=delta) (the lower bound 0 here never binds: r > 0; delta=inf
     # binds nowhere either); loss = -min(coef_1 * A, coef_2 * A) + beta * kl
-    GRPO = declare_term(
+    GRPO = _GRPOFactory(**vars(declare_term(
         "grpo", -S.Min(S.clamp(_r, 0, _delta) * _A, S.clamp(_r, _lo, _hi) * _A) + S.param("kl_beta") * _kl,
-        defaults={"eps_low": 0.2, "eps_high": 0.2, "kl_beta": 0.0, "delta": math.inf, "kl_bias_correction": 0.0})
+        defaults={"eps_low": 0.2, "eps_high": 0.2, "kl_beta": 0.0, "delta": math.inf, "kl_bias_correction": 0.0})))
     # TRL's KL penalty on its own, for the losses that take one beside their policy term (CISPO, SAPO)
     RefKL = declare_term("ref_kl", _kl, defaults={"kl_bias_correction": 0.0})
     # CISPO, MiniMax-M1 (arXiv 2506.13585) eq. 4: the clipped importance weight is detached. TRL's

@@ -2,7 +2,8 @@
 
 The reference evaluates the head's declared formulas directly in float64 torch: each formula is
 printed by the torch printer, with ``lse_at(T)`` as a logsumexp, ``vsum`` a sum over the
-vocabulary, ``topk_sum`` a gather and a sum, ``segment_mean`` a mean over a segment's valid rows;
+vocabulary, ``topk_sum`` a gather and a sum, ``segment_mean`` a mean over a segment's valid rows
+(``segment_sorted``: their sums, torch.sort's; ``row_quantile``: torch.quantile over the valid rows);
 the terms are reduced as the head's contract says (divisor, weights, metrics), and the gradient is
 taken by ``torch.autograd``. Nothing of the compiler takes part (no lowering, planning, emitted
 code or sympy derivative), so it checks all of them.
@@ -175,7 +176,9 @@ class Reference:
             weight = 0.0 if is_metric else ns[f"weight_{name}"]
             if formula.has(S.segment_mean) and _reads_rows(formula):
                 # a row term of segment statistics: each row's formula with its segment's means
-                per_row = _evaluate(_row_means(formula, ns, valid, inputs["segment_ids"].reshape(-1)), ns)
+                seg = inputs.get("segment_ids")    # (none for batch quantiles alone: one segment)
+                seg = torch.zeros(R, dtype=torch.long) if seg is None else seg.reshape(-1)
+                per_row = _evaluate(_row_means(formula, ns, valid, seg), ns)
                 per_row = torch.where(valid, torch.as_tensor(per_row, dtype=torch.float64).expand(R, 1)[:, 0], 0.0)
                 div = 1.0 if reduction == "sum" else float(divisor) if divisor is not None else n_valid
                 value = per_row.sum() / div
@@ -214,7 +217,11 @@ def _row_means(formula, ns, valid, seg) -> sp.Expr:
     means = {}
     for k, mean in enumerate(formula.atoms(S.segment_mean)):
         u = torch.as_tensor(_evaluate(mean.args[0], ns), dtype=torch.float64).expand(seg.shape[0], 1)[:, 0]
-        per_row = sum((torch.where(seg == s, u[sel[s]].mean(), 0.0) for s in ids), u.new_zeros(seg.shape[0]))
+        if isinstance(mean, S.row_quantile):   # the batch's, detached (torch.quantile, TRL's mask)
+            per_row = (torch.quantile(u[valid].detach(), float(mean.args[1])) if valid.any() else u.new_zeros(())) \
+                .expand(seg.shape[0])
+        else:
+            per_row = sum((torch.where(seg == s, u[sel[s]].mean(), 0.0) for s in ids), u.new_zeros(seg.shape[0]))
         means[mean] = sp.Symbol(f"segment_mean_{k}", real=True)
         ns[means[mean].name] = per_row[:, None]
     return formula.xreplace(means)
@@ -232,6 +239,8 @@ def _segment_term(formula, ns, valid, seg, divisor, reduction, sequence) -> torc
     for k, mean in enumerate(formula.atoms(S.segment_mean)):
         u = torch.as_tensor(_evaluate(mean.args[0], ns), dtype=torch.float64).expand(seg.shape[0], 1)[:, 0]
         per_seg = torch.stack([u[(seg == s) & valid].mean() for s in ids]) if ids else u.new_zeros(0)
+        if isinstance(mean, S.segment_sorted):   # the segments' sums, the k-th smallest at the k-th segment
+            per_seg = torch.sort(per_seg * ns[S.segment_count.name], stable=True).values
         means[mean] = sp.Symbol(f"segment_mean_{k}", real=True)
         ns[means[mean].name] = per_seg
     total = torch.as_tensor(_evaluate(formula.xreplace(means), ns), dtype=torch.float64).sum()

@@ -73,9 +73,16 @@ def unfused_options(args: Any, model: Any = None) -> list[str]:
         out.append(f"importance_sampling_level={args.importance_sampling_level!r} "
                    f"(fused: {', '.join(FUSED_IMPORTANCE_SAMPLING_LEVELS)})")
     if args.top_entropy_quantile < 1.0:
-        out.append(f"top_entropy_quantile={args.top_entropy_quantile} (a quantile of the current pass's "
-                   "entropies masks the loss; as two head calls: docs/adding-a-loss.md, 'Order statistics "
-                   "over rows')")
+        # (fused at the token level: the mask multiplies a token's policy loss, S.row_quantile)
+        if args.importance_sampling_level == "sequence" or args.loss_type == "vespo" \
+                or args.off_policy_mask_threshold is not None:
+            out.append(f"top_entropy_quantile={args.top_entropy_quantile} with a sequence-level loss "
+                       "(importance_sampling_level='sequence', vespo or an off-policy mask: the token mask inside a "
+                       "sequence's term); fused at importance_sampling_level='token'")
+        if args.entropy_coef != 0.0 or args.use_adaptive_entropy:
+            out.append(f"top_entropy_quantile={args.top_entropy_quantile} with the entropy bonus (TRL divides "
+                       "the bonus by the number of masked tokens, which the head knows only after the quantile); "
+                       "fused without entropy_coef")
     if args.off_policy_mask_threshold is not None and args.importance_sampling_level == "token" \
             and args.loss_type in _CLIPPED:
         out.append(f"off_policy_mask_threshold={args.off_policy_mask_threshold} with loss_type={args.loss_type!r} at "
@@ -133,7 +140,7 @@ def _log_gamma(log_w: Any, k: Any, lam: Any, exp: Any) -> Any:
 
 def _head(*, loss_type: str, sequence: bool, old_given: bool, off_policy: bool, sampling_given: bool,
           beta: bool, bias_corrected: bool, entropy: bool, params: dict[str, float],
-          softcap: float | None, logit_scale: float) -> lcg.HeadLoss:
+          softcap: float | None, logit_scale: float, top_entropy_quantile: float = 1.0) -> lcg.HeadLoss:
     """TRL's per-token objective from terms.py's declarations of its losses (``GRPO``, ``CISPO``, ``SAPO``,
     ``RefKL``, the clip ratios, ``Entropy``), put at TRL's level and weighted by per-token inputs. The term
     ``trl_policy`` is the policy loss plus the KL penalty, ``trl_entropy_bonus`` the entropy bonus (weights:
@@ -196,6 +203,11 @@ def _head(*, loss_type: str, sequence: bool, old_given: bool, off_policy: bool, 
             close = sp.true if params["off_policy_threshold"] >= 0 else sp.false
         keep = sp.Or(_SEQ(_A) >= 0, close)
         policy = policy if keep == sp.true else S.Piecewise((1, keep), (0, True)) * policy
+    if top_entropy_quantile < 1.0:
+        # TRL's get_high_entropy_mask: the policy loss only where a token's entropy is at or above the
+        # (1 - top_entropy_quantile) quantile of the micro-batch's completion tokens' (detached)
+        H = T.Entropy.formula
+        policy = S.Piecewise((1, H >= S.row_quantile(H, 1.0 - top_entropy_quantile)), (0, True)) * policy
     if beta:   # TRL's per_token_kl, times coef_1 (the sequence's under GSPO) with use_bias_correction_kl
         kl = _of_ratio(T.RefKL, kl_bias_correction=int(bias_corrected))
         policy += _summed(kl, w_kl, sequence=sequence, segments=segments)
@@ -302,6 +314,10 @@ class GRPOTrainer(trl.GRPOTrainer):
             _refuse(unfused_options(config))
         super().__init__(*args, **kwargs)
         _refuse(unfused_options(self.args, self.model))
+        if self.top_entropy_quantile < 1.0 and self.accelerator.num_processes > 1:
+            # (TRL's quantile is over every process's tokens; the head's over its call's rows)
+            _refuse([f"top_entropy_quantile={self.top_entropy_quantile} on {self.accelerator.num_processes} "
+                     "processes (TRL gathers every process's entropies for the quantile); fused on one"])
         target = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         add_fused_objective(target, self.args.cast_lm_head_to_fp32)
         self._lcg_heads: dict[tuple[bool, bool], tuple[lcg.HeadLoss, frozenset[str]]] = {}
@@ -339,9 +355,10 @@ class GRPOTrainer(trl.GRPOTrainer):
                          old_given=old_given, off_policy=self.off_policy_mask_threshold is not None,
                          sampling_given=sampling_given, beta=self.beta != 0.0,
                          bias_corrected=bool(self.args.use_bias_correction_kl), entropy=self._entropy_bonus_enabled,
-                         params=self._lcg_params(), softcap=softcap, logit_scale=scale)
+                         params=self._lcg_params(), softcap=softcap, logit_scale=scale,
+                         top_entropy_quantile=self.top_entropy_quantile)
             # (advantages and old/ref log-probs: any head takes them; other tokens: those its kernel reads)
-            reads = frozenset(("advantages", "old_logprobs", "ref_logprobs", *head.kernel.TOKENS))
+            reads = frozenset(("advantages", "old_logprobs", "ref_logprobs", *head.kernel.SPEC.tokens))
             entry = self._lcg_heads[(old_given, sampling_given)] = (head, reads)
         return entry
 
@@ -566,9 +583,7 @@ def _empty_sequences(trainer: str, what: str) -> ValueError:
 def unfused_dpo_options(args: Any, model: Any = None) -> list[str]:
     """The options of a ``DPOConfig`` (and model) that ``DPOTrainer`` cannot fuse, each with why."""
     loss_types = [args.loss_type] if isinstance(args.loss_type, str) else list(args.loss_type)
-    out = [f"loss_type={t!r} (fused: {', '.join(P.DPO_LOSS_TYPES)}; 'aot' and 'aot_unpaired' sort the batch: "
-           "docs/adding-a-loss.md, 'Order statistics over rows')"
-           for t in loss_types if t not in P.DPO_LOSS_TYPES]
+    out = [f"loss_type={t!r} (fused: {', '.join(P.DPO_LOSS_TYPES)})" for t in loss_types if t not in P.DPO_LOSS_TYPES]
     if args.ld_alpha is not None:
         out.append(f"ld_alpha={args.ld_alpha} (LD-DPO weighs the tokens past the shorter response's length)")
     return out + (_router_loss(args, model) if model is not None else [])

@@ -383,9 +383,9 @@ def test_no_segments_with_a_valid_row_is_refused_and_writes_only_the_segment_reg
     head = lcg.HeadLoss(SeqSpread(), lcg.CrossEntropy())
     seen = []
 
-    def run(call, ws, n_seg, kernel, args, _run=segments.run):
+    def run(call, ws, n_seg, kernel, args, ignore_index, _run=segments.run):
         before = ws.t.clone()
-        _run(call, ws, n_seg, kernel, args)
+        _run(call, ws, n_seg, kernel, args, ignore_index)
         seen.append((ws, before, ws.t.clone()))
     monkeypatch.setattr(segments, "run", run)
     z, y = torch.randn(4, 10), torch.tensor([1, -100, 3, 4])
@@ -455,49 +455,15 @@ def test_a_vector_input_is_checked_and_stays_inside_vsum():
         lcg.declare_term("x", S.vsum(S.vector("labels") * S.logit))
 
 
-def test_a_quantile_over_rows_written_as_two_calls_matches_trls_top_entropy_quantile():
-    """TRL's GRPO top_entropy_quantile (a quantile of the batch's entropies masks the policy loss) is
-    an order statistic over rows, no formula: docs/adding-a-loss.md's two calls (the entropies without
-    gradient, the quantile in torch, the loss with loss_mask= and divisor=) against TRL's own
-    get_high_entropy_mask on float64 entropies and TRL's bnpo loss in float64."""
-    trl = pytest.importorskip("trl")
-    from types import SimpleNamespace
-    g = torch.Generator().manual_seed(6)
-    z = torch.randn(3, 8, 40, generator=g, dtype=torch.float64) * 2
-    y = torch.randint(0, 40, (3, 8), generator=g)
-    mask = torch.ones(3, 8, dtype=torch.bool)
-    mask[0, 6:], mask[2, 5:] = False, False
-    A = torch.randn(3, 1, generator=g, dtype=torch.float64).expand(3, 8).contiguous()
-    old = torch.log_softmax(z, -1).gather(-1, y[..., None])[..., 0] + 0.3 * torch.randn(3, 8, generator=g, dtype=torch.float64)
-    q = 0.4                                                      # TRL's top_entropy_quantile
-    labels = y.masked_fill(~mask, -100)
-
-    x = z.float().requires_grad_()
-    with torch.no_grad():
-        entropy = lcg.HeadLoss(lcg.Entropy())(x, labels, reduction="none").loss
-    valid = labels != -100
-    high = (entropy >= torch.quantile(entropy[valid], 1 - q)) & valid
-    out = lcg.HeadLoss(lcg.GRPO())(x, labels, loss_mask=high, divisor=valid.sum(), advantages=A.float(),
-                                   old_logprobs=old.float())
-    out.loss.backward()
-
-    z64 = z.clone().requires_grad_()
-    logp = torch.log_softmax(z64, -1)
-    fake = SimpleNamespace(accelerator=SimpleNamespace(pad_across_processes=lambda t, dim, pad_index: t,
-                                                       gather=lambda t: t))
-    trl_mask = trl.GRPOTrainer.get_high_entropy_mask(fake, -(logp.exp() * logp).sum(-1).detach(), mask.long(), 1 - q)
-    assert torch.equal(high, trl_mask) and 0 < trl_mask.sum() < mask.sum()
-    r = torch.exp(logp.gather(-1, y[..., None])[..., 0] - old)
-    per_token = -torch.min(r * A, torch.clamp(r, 0.8, 1.2) * A) * trl_mask
-    ref = (per_token * mask).sum() / mask.sum().clamp(min=1.0)   # TRL's loss_type="bnpo"
-    ref.backward()
-    lcg.testing.compare("loss", out.loss, ref.detach(), torch.float32)
-    lcg.testing.compare("gradient", x.grad, z64.grad, torch.float32)
-
-
-def test_the_trl_trainer_refuses_top_entropy_quantile_saying_what_to_write(tmp_path):
+def test_the_trl_trainer_fuses_top_entropy_quantile_at_the_token_level(tmp_path):
+    """lcg.GRPO(top_entropy_quantile=q) is TRL's mask (tests/runtime/test_quantile.py): the trainer fuses
+    it at the token level, and refuses it, saying why, where the mask would sit inside a sequence's term."""
     trl = pytest.importorskip("trl")
     from losscodegen.integrations import trl as lcg_trl
-    refused = lcg_trl.unfused_options(trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[],
-                                                         top_entropy_quantile=0.2))
-    assert any("top_entropy_quantile=0.2" in r and "'Order statistics over rows'" in r for r in refused), refused
+
+    def refused(**options):
+        return lcg_trl.unfused_options(trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False,
+                                                      report_to=[], top_entropy_quantile=0.2, **options))
+    assert refused() == []
+    assert any("top_entropy_quantile=0.2 with a sequence-level loss" in r and "importance_sampling_level='token'" in r
+               for r in refused(importance_sampling_level="sequence"))

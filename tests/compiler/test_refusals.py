@@ -167,3 +167,14 @@ def test_a_condition_on_an_element_that_sympy_moves_out_of_its_sum_is_refused_na
     with pytest.raises(ValueError, match=r"vec_u.*moved a condition on an element out of its sum"):
         lcg.declare_term("hoisted", S.Piecewise(
             (S.lse, S.vsum(S.Piecewise((S.softmax, S.vector("u") > 0), (0.5, True))) > 0), (S.vsum(S.softmax), True)))
+
+
+def test_an_order_statistic_where_it_has_no_meaning_is_refused_naming_it():
+    """S.segment_sorted is a segment statistic: refused inside a row term that reads row quantities
+    beside it (the k-th smallest of the segments' sums has no row), at the wrong level, nested."""
+    with pytest.raises(ValueError, match=r"t: segment_sorted\(\.\.\.\) belongs to a segment term"):
+        lcg.HeadLoss(lcg.declare_term("t", _l * S.segment_sorted(_l))()).explain()   # (lowered at first use)
+    with pytest.raises(ValueError, match="a segment term cannot be a metric"):
+        lcg.HeadLoss(metrics=(lcg.declare_term("t", S.segment_sorted(_l))(),)).explain()
+    _refused(S.segment_sorted(S.logit), "inside vsum")
+    _refused(S.segment_mean(S.segment_sorted(_l)), "nested reductions")

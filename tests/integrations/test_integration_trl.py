@@ -143,6 +143,11 @@ CASES = {
     "off-policy mask, vLLM sampling log-probs, sapo": dict(loss_type="sapo", off_policy_mask_threshold=0.1,
                                                            _batch=dict(GSPO_BATCH, sampling=True)),
     "off-policy mask, vespo": dict(loss_type="vespo", off_policy_mask_threshold=0.14, _batch=GSPO_BATCH),
+    # TRL's high-entropy token mask (S.row_quantile of the entropies): the policy loss of the top q tokens
+    "top_entropy_quantile": dict(loss_type="dapo", top_entropy_quantile=0.5),
+    "top_entropy_quantile, grpo, beta": dict(loss_type="grpo", top_entropy_quantile=0.2, beta=0.04),
+    "top_entropy_quantile, cispo, temperature": dict(loss_type="cispo", epsilon_high=1.2, top_entropy_quantile=0.4,
+                                                     temperature=0.7),
     "off-policy mask, old_per_token_logps=None, GSPO": dict(loss_type="grpo", importance_sampling_level="sequence",
                                                             off_policy_mask_threshold=0.05, num_iterations=1),
 }
@@ -209,7 +214,9 @@ def _assert_same_step(trainer, ref_trainer, inputs, grad_atol=1e-6):
 @pytest.mark.parametrize("option, values", [
     ("loss_type", dict(loss_type="ppo")),      # (not one of TRL's: its _compute_loss would raise later)
     ("importance_sampling_level", dict(loss_type="grpo", importance_sampling_level="sequence_token")),
-    ("top_entropy_quantile", dict(top_entropy_quantile=0.5)),
+    ("top_entropy_quantile=0.5 with a sequence-level loss",
+     dict(top_entropy_quantile=0.5, importance_sampling_level="sequence")),
+    ("top_entropy_quantile=0.5 with the entropy bonus", dict(top_entropy_quantile=0.5, entropy_coef=0.01)),
     ("off_policy_mask_threshold", dict(off_policy_mask_threshold=0.5)),   # (dapo at the token level)
 ])
 def test_unfused_options_are_refused_at_construction(option, values):

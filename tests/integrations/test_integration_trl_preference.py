@@ -103,6 +103,8 @@ CASES = {
     "robust with label smoothing, js divergence": dict(loss_type=["robust"], label_smoothing=0.2,
                                                        f_divergence_type="js_divergence"),
     "apo_zero + sft, loss_weights": dict(loss_type=["apo_zero", "sft"], loss_weights=[1.0, 0.3]),
+    "aot + aot_unpaired (the batch's sorted log-ratios), label smoothing": dict(
+        loss_type=["aot", "aot_unpaired"], loss_weights=[1.0, 0.5], label_smoothing=0.1),
 }
 
 
@@ -139,8 +141,7 @@ def test_dpo_trainer_builds_no_logits():
     assert wide and all(len(s) == 2 for s in wide), {s for s in wide if len(s) != 2}
 
 
-@pytest.mark.parametrize("options,named", [(dict(loss_type=["aot"]), "loss_type='aot'"),
-                                           (dict(ld_alpha=0.5), "ld_alpha=0.5")])
+@pytest.mark.parametrize("options,named", [(dict(ld_alpha=0.5), "ld_alpha=0.5")])
 def test_options_it_cannot_fuse_are_refused_naming_them(options, named):
     policy, ref = _models()
     with pytest.raises(ValueError, match=f"losscodegen's DPOTrainer cannot fuse {named}"):

@@ -153,7 +153,7 @@ def test_the_generator_writes_each_construct_of_the_language():
                       "P.ChosenNLL(", "P.KTO(", "P.pair_statistics()", "P.cpo_statistics(",
                       "P.sequence_statistics()", "use_weighting=True", "layout='pairs'", "layout='sequences'",
                       "S.lse_at(S.param('T'))", "S.softmax_at(1 + S.token('a')**2)", "T=torch.tensor(",
-                      "temperature=torch.tensor("]:
+                      "temperature=torch.tensor(", "S.segment_sorted(", "S.row_quantile("]:
         assert construct in codes, construct
 
 
@@ -170,6 +170,12 @@ _NEW_CONSTRUCTS = {
         _T("weight=0.5", name="f1", formula=fuzz.Node("(S.lse - S.target_logit) / S.segment_mean(1 + S.token('a')**2)"))), ""),
     "dpo_orpo_and_statistics": ((_T("P.DPO(loss_type='sigmoid', beta=0.5, use_weighting=True)"), _T("P.ORPO(beta=0.1)"),
                                  _T("*P.pair_statistics()")), "pairs"),
+    "sorted_segment_sums": ((_T("weight=1.0", name="f0", formula=fuzz.Node(
+        "-S.log(1 + S.exp(S.segment_sorted(S.token('old_logprobs')) - S.segment_sorted(S.target_logit - S.lse)))")),
+        _T("P.DPO(loss_type='aot_unpaired', beta=0.5, label_smoothing=0.1)")), "pairs"),
+    "batch_quantiles": ((_T("lcg.CrossEntropy()"), _T("weight=0.5", name="f1", formula=fuzz.Node(
+        "(S.lse - S.target_logit) * S.Piecewise((1, S.token('a') >= S.row_quantile(S.token('a'), 0.7)), (0, True))"
+        " + S.row_quantile(S.lse - S.target_logit, 0.5) * S.target_logit / 8"))), ""),
     "kto": ((_T("P.KTO(loss_type='kto', beta=0.5, kl=torch.tensor(0.05, device=device))"),), "sequences"),
     "run_time_temperatures": ((_T("lcg.ForwardKL(temperature=torch.tensor(1.5, device=device))"), _T(
         "weight=0.5, T=torch.tensor(2.5, device=device)", name="f1", formula=fuzz.Node(

@@ -109,6 +109,8 @@ _DPO_CASES = [
     ("sigmoid", {"f_divergence_type": "forward_kl"}), ("sigmoid", {"f_divergence_type": "js_divergence"}),
     ("hinge", {"f_divergence_type": "alpha_divergence", "f_alpha_divergence_coef": 0.5}),
     ("sigmoid", {"use_weighting": True}), ("ipo", {"use_weighting": True}),
+    # the batch's sorted log-ratios (S.segment_sorted); TRL's aot reads no f-divergence scores
+    ("aot", {"label_smoothing": 0.1}), ("aot_unpaired", {}), ("aot", {"f_divergence_type": "forward_kl"}),
 ]
 
 
@@ -365,11 +367,9 @@ def test_every_trl_loss_type_vocab_parallel_matches_trl():
         assert err <= (1e-4 if name == "trl" else 1e-5) * scale, (name, err, scale)
 
 
-def test_dpo_refuses_batch_sorted_loss_types_saying_what_to_write():
-    for loss_type in ("aot", "aot_unpaired"):
-        with pytest.raises(ValueError, match=f"loss_type='{loss_type}' sorts the log-ratios over the batch.*"
-                                             "lcg.LogProb.*reduction='none'.*sorted log-ratios.*loss_type='sigmoid'"):
-            P.DPO(loss_type=loss_type)
+def test_dpo_refuses_what_trl_refuses():
+    with pytest.raises(ValueError, match="loss_type='aot' sorts the pairs' log-ratios.*use_weighting=True"):
+        P.DPO(loss_type="aot", use_weighting=True)
     with pytest.raises(ValueError, match="label_smoothing must be in"):
         P.DPO(loss_type="exo_pair")
     with pytest.raises(ValueError, match="loss_type must be one of"):
@@ -377,47 +377,24 @@ def test_dpo_refuses_batch_sorted_loss_types_saying_what_to_write():
 
 
 @pytest.mark.parametrize("loss_type", ["aot", "aot_unpaired"])
-def test_batch_sorted_loss_types_written_as_docs_say_match_trl(loss_type):
-    """aot sorts the batch's log-ratios (no per-pair formula): docs/adding-a-loss.md's recipe, each
-    token's log-probability from LogProb under reduction="none", given to TRL's own _compute_loss in
-    place of its fused head's, against TRL on the float64 logits (value and gradient)."""
-    logits, input_ids, mask = _batch(seed=13)
+def test_batch_sorted_loss_types_match_the_float64_reference(loss_type):
+    """aot's sorted log-ratios against the float64 reference (testing.py sorts with torch.sort, the
+    gradient by autograd through it), fp32 and bf16, ignored rows, several pairs with ties broken
+    alike; and a segment with no valid row, which is not sorted with the others."""
+    head = lcg.HeadLoss(P.DPO(loss_type=loss_type, beta=0.7, label_smoothing=0.1))
+    lcg.testing.assert_parity(head, rows=40, vocab=64)
+    logits, input_ids, mask = _batch(seed=15)
     labels = _shifted(input_ids, mask)
-    g = torch.Generator().manual_seed(14)
-    with torch.no_grad():
-        ref = _token_logps(logits[:, :-1], labels).sum(-1) + torch.randn(2 * B, generator=g, dtype=torch.float64)
-    options = dict(loss_type=loss_type, beta=0.5, label_smoothing=0.1)
-    ref_loss, ref_grad = _trl_dpo(logits, input_ids, mask, ref[:B], ref[B:], **options)
-
-    x = logits[:, :-1].detach().float().requires_grad_()
-    logps = lcg.HeadLoss(lcg.LogProb())(x, labels, reduction="none").loss
-
-    class _Ours(_FusedModel):
-        def __call__(self, *, labels, **_):
-            out = super().__call__(labels=labels)
-            out.log_probs = logps.double()
-            return out
-    fake_logits = torch.cat([x.detach().double(), logits[:, -1:]], 1)
-    fake = SimpleNamespace(
-        model=SimpleNamespace(training=True), accelerator=_accelerator(), aux_loss_enabled=False, ld_alpha=None,
-        precompute_ref_logps=True, f_divergence_type="reverse_kl", f_alpha_divergence_coef=1.0, loss_types=[loss_type],
-        loss_weights=[1.0], beta=0.5, label_smoothing=0.1, args=SimpleNamespace(discopop_tau=0.05), use_weighting=False,
-        _metrics=defaultdict(lambda: defaultdict(list)), _total_train_tokens=0, _tp_size=1)
-    inputs = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), completion_mask=mask,
-                  ref_chosen_logps=ref[:B], ref_rejected_logps=ref[B:])
-    loss = trl.DPOTrainer._compute_loss(fake, _Ours(fake_logits), inputs, return_outputs=False)
-    loss.backward()
-    grad = torch.zeros_like(logits)
-    grad[:, :-1] = x.grad.double()
-    _compare(SimpleNamespace(loss=loss.detach()), grad, ref_loss, ref_grad)
+    labels[1] = labels[B + 1] = -100    # pair 1: no valid row
+    inputs = P.pair_inputs(head, labels, ref_chosen_logps=torch.randn(B), ref_rejected_logps=torch.randn(B))
+    lcg.testing.assert_parity(head, rows=labels.numel(), vocab=V, labels=labels.reshape(-1),
+                              **{k: (v.reshape(-1) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()})
 
 
-def test_the_trl_trainer_refuses_aot_saying_what_to_write(tmp_path):
+def test_the_trl_trainer_fuses_aot(tmp_path):
     from losscodegen.integrations import trl as lcg_trl
-    refused = lcg_trl.unfused_dpo_options(trl.DPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[],
-                                                         loss_type=["sigmoid", "aot_unpaired"]))
-    assert len(refused) == 1 and "loss_type='aot_unpaired'" in refused[0] \
-        and "'Order statistics over rows'" in refused[0], refused
+    assert lcg_trl.unfused_dpo_options(trl.DPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[],
+                                                     loss_type=["sigmoid", "aot_unpaired"])) == []
 
 
 def test_pair_inputs_checks_its_arguments():
@@ -441,3 +418,21 @@ def test_no_valid_row_gives_zero_and_a_zero_gradient():
     out = head(x, labels, **P.pair_inputs(head, labels, ref_chosen_logps=torch.zeros(B), ref_rejected_logps=torch.zeros(B)))
     out.loss.backward()
     assert out.loss.item() == 0.0 and torch.equal(x.grad, torch.zeros_like(x))
+
+
+def test_the_aot_term_written_as_docs_say_is_trls_aot():
+    """docs/adding-a-loss.md's AOT, declared with S.segment_sorted, against TRL's aot (and so
+    P.DPO(loss_type='aot')): value and gradient."""
+    from losscodegen import symbols as S
+    logits, input_ids, mask = _batch(seed=16)
+    labels = _shifted(input_ids, mask)
+    ref = torch.randn(2 * B, generator=torch.Generator().manual_seed(17), dtype=torch.float64) - 9
+    ref_loss, ref_grad = _trl_dpo(logits, input_ids, mask, ref[:B], ref[B:], loss_type="aot", beta=0.3)
+    chosen, ref_rows = S.token("chosen"), S.token("ref_logprobs")
+    sign = 2 * chosen - 1
+    delta = S.segment_sorted(sign * (S.target_logit - S.lse)) - S.segment_sorted(sign * ref_rows)
+    AOT = lcg.declare_term("aot", -P.logsigmoid(S.param("beta") * delta), defaults={"beta": 0.1})
+    head = lcg.HeadLoss(AOT(beta=0.3))
+    out, grad = _ours(head, logits, labels, **P.pair_inputs(head, labels, ref_chosen_logps=ref[:B].float(),
+                                                             ref_rejected_logps=ref[B:].float()))
+    _compare(out, grad, ref_loss, ref_grad)
