@@ -916,6 +916,9 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
     coefs = [(s, _sech2(_row_math(e, lowered_red, normalizers))) for s, e in coefs]
     grad_vocab, grad_topk = _move_maxima_factors(coefs, grad_vocab, grad_topk)
     grad_vocab = _relative_to_maxima(lw, normalizers, lowered_red, grad_vocab)
+    # (the top-k entries are read as they are, z_k, not relative: only the maxima a run-time
+    # temperature's rewrite put in their summand become the kernel's m and m_t)
+    grad_topk = grad_topk.xreplace({S.row_max: M, _TEACHER_MAX: MT})
     accumulators, normalizers, row_values, coefs, grad_vocab, grad_topk, uncombined = _combine_and_prune(
         lw, normalizers, row_values, coefs, grad_vocab, grad_topk)
     free = set().union(*(e.free_symbols for _, e in row_values), *(e.free_symbols for _, e in coefs),

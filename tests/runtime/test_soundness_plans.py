@@ -204,3 +204,13 @@ def test_a_class_prior_under_torch_compile(device):
     # launch indexed past the empty tuple)
     t = lcg.declare_term("prior_sum", S.vsum(S.vector("u")) + S.vsum(S.vector("u") * S.softmax))
     check(lcg.HeadLoss(t(weight=0.3)), Plan(kind="compile"), rows=3, vocab=64, seed=232, device=device)
+
+
+def test_a_top_k_sum_beside_a_run_time_temperature(device):
+    # (found by the fuzzer: a run-time temperature elsewhere in the formula rewrites every sum
+    # relative to the row maxima, the top-k sum too; its gradient at the top-k entries kept the
+    # row_max symbol, which no kernel defines: the head failed to generate, "reads ['z_max']")
+    t = lcg.declare_term("topk_min", S.Min(S.topk_sum(S.exp(S.topk_logprob) * S.exp(S.topk_logit - S.lse)),
+                                           S.lse_at(S.param("T"))) * S.lse_at(1 + S.token("a") ** 2))
+    for backend in ("triton", "torch"):
+        check(lcg.HeadLoss(t(T=0.8), backend=backend), Plan(), rows=6, vocab=64, seed=249, device=device)
