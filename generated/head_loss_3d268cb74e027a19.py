@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "3d268cb74e027a19"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "7bac32baf580"
+CODEGEN = "795967119fd7"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['gspo', 'entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -551,4 +551,4 @@ def segments_3d268cb74e027a19(
     loss += weight_gspo * (gspo / div)
     tl.store(ws_ptr + 2, loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "4af69bd54957a885b4eded8d5e85f1d641b6e6046f9d38ee684953c2aad37248"
+TEXT_HASH = "717d88a87dda121e1318f4329ce3aea190332b3bdd5e2e602aa05d711cff1e3c"
