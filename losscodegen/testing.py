@@ -146,12 +146,14 @@ class Reference:
             ids = inputs["teacher_topk_ids"].reshape(R, -1)
             ns["z_k"] = z.gather(1, ids)
             ns["l_k"] = inputs["teacher_topk_logprobs"].to(precision).reshape(R, -1)
-        # a token that a formula names but its kernel does not read (the formula's value does not
-        # depend on it: Min(1 + a**2, vsum(softmax)) is 1) takes values of its own: the head accepts
-        # no such input
+        # a token or a vector that a formula names but its kernel does not read (the formula's value
+        # does not depend on it: Min(1 + a**2, vsum(softmax)) is 1, vsum(u - stop_gradient(u)) is 0)
+        # takes values of its own: the head accepts no such input
         for sym in set().union(*(f.free_symbols for _, f, _ in head._bound)):
             if sym.name.startswith(S.TOKEN_PREFIX):
                 ns[sym.name] = torch.linspace(-1.5, 1.5, R, dtype=torch.float64, device=z.device)[:, None]
+            elif sym.name.startswith(S.VECTOR_PREFIX):
+                ns[sym.name] = torch.linspace(0.5, 1.5, V, dtype=torch.float64, device=z.device)[None, :]
         for name, value in inputs.items():
             if isinstance(value, torch.Tensor) and name in head.kernel.SPEC.vectors:   # [V], along each row
                 ns[S.VECTOR_PREFIX + name] = value.double().reshape(1, V)

@@ -214,3 +214,12 @@ def test_a_top_k_sum_beside_a_run_time_temperature(device):
                                            S.lse_at(S.param("T"))) * S.lse_at(1 + S.token("a") ** 2))
     for backend in ("triton", "torch"):
         check(lcg.HeadLoss(t(T=0.8), backend=backend), Plan(), rows=6, vocab=64, seed=249, device=device)
+
+
+def test_a_vector_whose_sum_cancels(device):
+    # (found by the H200 fuzz run: vsum(u - stop_gradient(u)) is 0, so the kernel reads no u and the
+    # head takes none, but the float64 reference evaluated the formula as written, without u)
+    t = lcg.declare_term("cancelled", S.vsum(S.vector("u") - S.stop_gradient(S.vector("u"))) + S.lse)
+    head = lcg.HeadLoss(t(weight=0.3, normalize="sum"))
+    assert head.kernel.SPEC.vectors == ()
+    check(head, Plan(), rows=3, vocab=64, seed=878, device=device)
