@@ -907,6 +907,18 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
     passes, in order: each term over placeholders of its sums, the gradient by the chain rule, the
     placeholders as accumulators, the row math in them, the maxima's factors moved to the elements,
     the later reads relative to the maxima, the sums combined and pruned."""
+    try:
+        return _lower(terms)
+    except RecursionError:
+        # sympy's Piecewise evaluation can call itself without end on a derivative of nested
+        # Max/Min whose conditions compare sums (Max(Max(lse_at(T), p_y), vsum(logsoftmax))):
+        # refused, saying so, not a crash deep inside sympy
+        raise ValueError(f"terms {[name for name, _, _ in terms]}: sympy could not simplify the derivative of "
+                         "their Max/Min nesting (a recursion without end in its Piecewise); write the nested "
+                         "Max/Min as one Max/Min of all its arguments, or split the term") from None
+
+
+def _lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
     lw = _Lowering()
     row_values, segments, weights, loss = _abstract_terms(lw, terms)
     coefs, grad_vocab, grad_topk = _derive_gradient(lw, loss)

@@ -223,3 +223,20 @@ def test_a_vector_whose_sum_cancels(device):
     head = lcg.HeadLoss(t(weight=0.3, normalize="sum"))
     assert head.kernel.SPEC.vectors == ()
     check(head, Plan(), rows=3, vocab=64, seed=878, device=device)
+
+
+def test_a_recursion_inside_sympy_is_a_refusal(device):
+    # (found by the H200 fuzz run: sympy's Piecewise evaluation recursed without end on the
+    # derivative of this nesting; a RecursionError from deep inside sympy is now a ValueError that
+    # names the terms and says what to write)
+    t = lcg.declare_term("nested_max", S.Max(S.Max(S.lse_at(S.param("T")), S.exp(S.target_logit - S.lse)),
+                                             S.vsum(S.logsoftmax)))
+    with pytest.raises(ValueError, match="nested_max.*Max/Min"):
+        lcg.HeadLoss(t(T=0.8)).kernel
+
+
+def test_a_min_with_a_constant_exponential(device):
+    # (found by the H200 fuzz run: the Triton printer's shared exponentials turned exp(tanh(2)), a
+    # number, into a function sympy's Min cannot compare: the head failed to generate)
+    t = lcg.declare_term("min_const", S.Min(S.lse, S.exp(S.tanh(2))))
+    check(lcg.HeadLoss(t(weight=0.3, normalize="sum")), Plan(), rows=3, vocab=40, seed=96, device=device)

@@ -139,6 +139,10 @@ def _shared_exps(exprs: list[sp.Expr]) -> list[sp.Expr]:
             args.setdefault(sp.expand(x.args[0]), x.args[0])
 
     def factor(a: sp.Expr) -> sp.Expr:
+        if a.is_number:
+            # (a constant stays exp: Min and Max compare their numeric arguments, and sympy cannot
+            # compare a function it does not know; nothing per element to share in it anyway)
+            return sp.exp(a)
         key = sp.expand(a)
         for b in args:
             rest = sp.expand(key - b)
