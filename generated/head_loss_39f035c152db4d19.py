@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "39f035c152db4d19"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "83aafcc4c2f6"
+CODEGEN = "28821c357372"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_fraction']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -486,4 +486,4 @@ def head_loss_39f035c152db4d19(
             tl.store(ws_ptr + 2, value_clip_fraction)
             tl.store(ws_ptr + 3, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "963c1c1d0b7c42cec9130a7a3c0d3fa6c5b1fb784e910e052d7b1362be190fb1"
+TEXT_HASH = "312dbfe77e600bfffcaef195285b41edafc49e496acf92c17bb175a7de34b5f6"

@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "3d268cb74e027a19"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "83aafcc4c2f6"
+CODEGEN = "28821c357372"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['gspo', 'entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -551,4 +551,4 @@ def segments_3d268cb74e027a19(
     loss += weight_gspo * (gspo / div)
     tl.store(ws_ptr + 2, loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "573d13136d060c440c9c82e27d5a4d2354bc5004e07cfc0efc9ba5b8b785cb3c"
+TEXT_HASH = "784e2e8686ab9f3a65a79fd9ca0eb7f29326bda194f4f7c30f68967a4f47baac"

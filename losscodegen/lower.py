@@ -492,10 +492,15 @@ def _combine(accs: list[Accumulator], fixed: set[str], exprs: list[sp.Expr]):
                 continue
             if da == 0 or db == 0:
                 return None
-            r = sp.simplify(db / da)
-            if k is None:
-                k = r
-            elif sp.simplify(r - k) != 0:
+            try:
+                r = sp.simplify(db / da)
+                if k is None:
+                    k = r
+                elif sp.simplify(r - k) != 0:
+                    return None
+            except (ValueError, TypeError):
+                # (sympy's simplify can fail on a condition it cannot compare, 'zoo is not comparable':
+                # combining two sums only saves an accumulator, so they stay apart)
                 return None
         return k if k is not None and known(k) else None
 

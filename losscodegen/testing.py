@@ -141,6 +141,10 @@ class Reference:
         if inputs.get("teacher_logits") is not None:
             ns["t"] = inputs["teacher_logits"].detach().to(precision).reshape(R, V)
             no_dist = no_dist | (ns["t"] == float("-inf")).all(-1)
+        elif any(f.has(S.teacher_logit) for _, f, _ in head._bound):
+            # teacher logits a formula names but its kernel does not read (vsum(teacher_prob_at(T))
+            # is 1): values of their own, as for a token or a vector below; the head takes none
+            ns["t"] = torch.linspace(-1.0, 1.0, V, dtype=precision, device=z.device).expand(R, V)
         ns["z_row"], ns["t_row"] = z, ns["t"]
         if inputs.get("teacher_topk_ids") is not None:
             ids = inputs["teacher_topk_ids"].reshape(R, -1)

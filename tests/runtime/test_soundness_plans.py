@@ -240,3 +240,23 @@ def test_a_min_with_a_constant_exponential(device):
     # number, into a function sympy's Min cannot compare: the head failed to generate)
     t = lcg.declare_term("min_const", S.Min(S.lse, S.exp(S.tanh(2))))
     check(lcg.HeadLoss(t(weight=0.3, normalize="sum")), Plan(), rows=3, vocab=40, seed=96, device=device)
+
+
+def test_teacher_probabilities_that_sum_to_one_at_a_tensor_temperature(device):
+    # (found by the CPU fuzz run: vsum(teacher_prob_at(T)) is 1, so the kernel reads no teacher and
+    # the head takes none, but the float64 reference evaluated the formula as written, without one)
+    t = lcg.declare_term("teacher_total", S.vsum(S.teacher_prob_at(S.param("T"))) + S.lse)
+    head = lcg.HeadLoss(t(weight=0.3, T=torch.tensor(2.5, device=device)))
+    assert not head.kernel.SPEC.uses_teacher
+    check(head, Plan(), rows=3, vocab=61, seed=135, device=device)
+
+
+def test_sums_that_sympy_cannot_compare_stay_apart(device):
+    # (found by the CPU fuzz run: combining two sums asked sympy's simplify for their ratio, which
+    # raised "zoo is not comparable" on the condition of this Piecewise: the head failed to build)
+    t = lcg.declare_term("cond", S.Piecewise(
+        (S.vsum(S.vector("u") * S.softmax * S.logsoftmax),
+         (S.vsum(S.softmax_at(2) * S.Max(S.lse, 0.5)) / (S.lse - S.target_logit + 0.5)) > 0),
+        (S.stop_gradient(S.vsum(S.softmax_at(1 + S.token("a") ** 2) * S.logsoftmax_at(2))), True)))
+    check(lcg.HeadLoss(lcg.declare_term("lse2", S.lse_at(2))(weight=0.8), metrics=(t(),)), Plan(),
+          rows=7, vocab=40, seed=462, device=device)
