@@ -338,10 +338,19 @@ def _sech2(expr: sp.Expr) -> sp.Expr:
         for c, other in (add.args, add.args[::-1]):
             tanhs = [f for f in sp.Mul.make_args(other) if f.is_Pow and f.exp == 2 and isinstance(f.base, sp.tanh)]
             if len(tanhs) == 1 and other / tanhs[0] + c == 0:
-                e = sp.exp(-2 * sp.Abs(tanhs[0].base.args[0]))
+                e = sp.exp(-2 * _abs_of_real(tanhs[0].base.args[0]))
                 return 4 * c * e / (1 + e) ** 2
         return add
     return expr.replace(lambda e: isinstance(e, sp.Add) and e.has(sp.tanh), rewrite)
+
+
+def _abs_of_real(u: sp.Expr) -> sp.Expr:
+    """``|u|`` of a value the kernel computes (real): sympy, not knowing that ``log(acc)`` is real,
+    writes ``Abs(exp(v))`` as ``exp(re(v))`` and expands ``re(tanh(...))`` into sinh, cosh and arg,
+    which no backend prints (found by the fuzzer: ``exp(tanh(exp(tanh(lse))))``). Each exponential
+    stands in as a positive symbol while sympy takes the absolute value."""
+    positive = {x: sp.Dummy(positive=True) for x in u.atoms(sp.exp)}
+    return sp.Abs(u.xreplace(positive)).xreplace({d: x for x, d in positive.items()})
 
 
 def _only_smooth(expr: sp.Expr, x: sp.Symbol) -> bool:
