@@ -77,7 +77,7 @@ def _ce_row_on_chip(x_ptr, x_stride, grad_ptr, grad_stride, y_ptr, n_valid_ptr, 
         y = tl.load(y_ptr + row)
         grad_row = grad_ptr + row * grad_stride
         # every member reads the same label, so all agree to skip the barrier of an ignored row
-        if y != -100:
+        if y != -100:   # (IGNORE: a literal, a global would have to be a constexpr)
             # The statistics from the registers, as the generated kernels compute them: the max
             # subtracted, exp2 with log2(e) folded; padding columns are -inf (their exponential is 0).
             z = tl.where(in_row, x.to(tl.float32), float("-inf"))
@@ -121,7 +121,10 @@ def _ce_row_on_chip(x_ptr, x_stride, grad_ptr, grad_stride, y_ptr, n_valid_ptr, 
                 if owns_y:
                     z_y = tl.sum(tl.where(cols == y, z, 0.0), 0)
                     tl.store(loss_rows_ptr + row, big_m + log_s - z_y)
-                # dL/dz = (softmax - onehot) / n_valid, from the same registers (no second read)
+                # dL/dz = (softmax - onehot) / n_valid, from the same registers (no second read). The
+                # exponential is recomputed from z, as the generated gradient read does (2 exp2 an
+                # element in all, like the default call): the comparison is about HBM reads. Keeping
+                # the stats' exponentials instead would save one exp2 an element, in fp32 registers.
                 p = tl.exp2(1.4426950408889634 * (z - big_m) - 1.4426950408889634 * log_s)
                 dz = grad_scale * p - tl.where(cols == y, grad_scale, 0.0)
                 tl.store(grad_row + cols, dz.to(grad_ptr.dtype.element_ty), mask=in_row, cache_modifier=".cs")
@@ -403,8 +406,10 @@ def main(quick: bool, out_path: str | None) -> None:
         torch.cuda.empty_cache()
 
         # Timing. The default call: forward + backward with the gradient written, exactly as
-        # bench/ab.py times it (x.grad = None, head(x, y).loss.backward(); the head computes the
-        # gradient in its forward launch and backward hands it over). The prototype: ce_row_on_chip
+        # bench/ab.py times it (x.grad = None, head(x, y).loss.backward(); the head writes the
+        # gradient in its forward launch, and backward rescales rows only where the upstream gradient
+        # is not 1: docs/architecture.md, Autograd). do_bench zeroes a buffer the size of L2 before
+        # each call, outside the timed events, for both. The prototype: ce_row_on_chip
         # (its doc says what it includes). Interleaved over rounds, the min of the medians.
         x, y = inputs(R, V, device="cuda")
         x.requires_grad_()
