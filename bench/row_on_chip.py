@@ -344,12 +344,15 @@ def self_test() -> None:
     sys.exit(1 if failed else 0)
 
 
-def configs(V: int, quick: bool) -> list[Config]:
+def configs(V: int, quick: bool, slices: list[tuple[int, int, int | None]] | None = None) -> list[Config]:
     """A few configs a vocabulary, 16-32 columns a thread (one program's slice in 32-64 registers as
     fp32): the whole row where it may fit (V <= 65536: one program per row, and persistent with
     prefetch), then rows split into slices of 32768 columns (32 warps, one program a multiprocessor),
     16384 (16 warps capped at 64 registers: two a multiprocessor, each hiding the other's load) and
-    8192 (8 warps, 64 registers: four), with and without prefetch (--quick: fewer)."""
+    8192 (8 warps, 64 registers: four), with and without prefetch (--quick: fewer). ``slices``
+    (--slices): (columns, warps, register cap) of the split configs to try instead, without prefetch."""
+    if slices:
+        return [Config.for_slice(V, sl, warps, maxnreg=cap) for sl, warps, cap in slices if sl < V]
     out = []
     if V <= 65536:
         out.append(Config.for_slice(V, triton.next_power_of_2(V), 32, persistent=False))
@@ -377,11 +380,13 @@ def host_enqueue_ms(fn, n: int = 20) -> float:
     return sorted(times)[n // 2]
 
 
-def main(quick: bool, out_path: str | None) -> None:
+def main(quick: bool, out_path: str | None, shapes: list[tuple[int, int]] | None = None,
+         slices: list[tuple[int, int, int | None]] | None = None) -> None:
     import losscodegen as lcg
     assert torch.cuda.is_available(), "the benchmark needs a CUDA GPU (the self-test runs on the CPU)"
-    shapes = [(8192, 32000), (8192, 128256)] if quick else [(8192, 32000), (8192, 65536), (8192, 128256),
-                                                            (4096, 262144)]
+    if not shapes:
+        shapes = [(8192, 32000), (8192, 128256)] if quick else [(8192, 32000), (8192, 65536), (8192, 128256),
+                                                                (4096, 262144)]
     rounds, rep = (2, 100) if quick else (3, 200)
     records = []
 
@@ -404,7 +409,7 @@ def main(quick: bool, out_path: str | None) -> None:
         e = errors(out.loss.detach(), x.grad, x.detach(), y)
         emit(dict(kind="check", shape=f"{Rc}x{V}", impl="losscodegen", config="default", **e))
         ok = []
-        for cfg in configs(V, quick):
+        for cfg in configs(V, quick, slices):
             try:
                 res = resident_programs(cfg, x)
                 loss, grad, err = ce_row_on_chip(x.detach(), y, cfg)
@@ -476,8 +481,14 @@ if __name__ == "__main__":
     p.add_argument("--quick", action="store_true", help="two shapes, fewer configs and rounds")
     p.add_argument("--self-test", action="store_true", help="the math on the CPU (TRITON_INTERPRET=1)")
     p.add_argument("--out", help="also write every record as JSON lines here")
+    p.add_argument("--shapes", help="rows x columns to run, e.g. 8192x65536,8192x128256")
+    p.add_argument("--slices", help="split configs to try, columns:warps:register cap (0: none), "
+                                    "e.g. 8192:4:64,4096:4:64")
     a = p.parse_args()
     if a.self_test:
         self_test()
     else:
-        main(a.quick, a.out)
+        main(a.quick, a.out,
+             [tuple(int(n) for n in s.split("x")) for s in a.shapes.split(",")] if a.shapes else None,
+             [(sl, w, cap or None) for sl, w, cap in (tuple(int(n) for n in s.split(":"))
+                                                       for s in a.slices.split(","))] if a.slices else None)
