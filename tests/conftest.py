@@ -42,14 +42,14 @@ BACKENDS = ("triton", "torch")
 def pytest_addoption(parser):
     parser.addoption("--all-backends", action="store_true",
                      help="run each case of a test that takes the backend fixture on every backend (by default "
-                          "each case runs on one, the backends taking turns; a test of one case runs on each)")
+                          "each case runs on one, the backends taking turns, as do the tests of one case)")
 
 
 @pytest.fixture(params=BACKENDS)
 def backend(request, monkeypatch):
     """A test run with each backend: heads it builds with the default backend="auto" get it. Its
-    cases take turns (the first on Triton, the next on torch...), each on one backend, unless the
-    test has one case or pytest runs with --all-backends (``_one_backend_a_case``); the fuzzer
+    cases take turns (the first on Triton, the next on torch...), each on one backend, as do the tests
+    of one case, unless pytest runs with --all-backends (``_one_backend_a_case``); the fuzzer
     (tests/runtime/test_fuzz.py) runs each random head on both."""
     from losscodegen import backends
     monkeypatch.setattr(backends, "resolve", backends.resolve)   # (undone after the test)
@@ -68,7 +68,10 @@ def _nan_workspace(monkeypatch):
 
 def _one_backend_a_case(items) -> list:
     """The items that take the ``backend`` fixture and are not run: of a test with several cases,
-    each case's items but the one on BACKENDS[k % 2], k its place among the test's cases."""
+    each case's items but the one on BACKENDS[k % 2], k its place among the test's cases; of a test
+    with one case, the items but the one on BACKENDS[t % 2], t its place among such tests (the suite
+    ran every one-case test on both, a third of its time for the few bugs only one backend has:
+    ``--all-backends``, which the GPU runs use, and the fuzzer's slice still run both)."""
     cases: dict[tuple, dict[tuple, list]] = {}
     for item in items:
         spec = getattr(item, "callspec", None)
@@ -78,11 +81,13 @@ def _one_backend_a_case(items) -> list:
         case = tuple(sorted((name, id(value)) for name, value in spec.params.items() if name != "backend"))
         cases.setdefault((item.path, item.originalname), {}).setdefault(case, []).append(item)
     dropped = []
+    one_case = 0
     for by_case in cases.values():
-        if len(by_case) > 1:
-            for k, case_items in enumerate(by_case.values()):
-                kept = [i for i in case_items if i.callspec.params["backend"] == BACKENDS[k % len(BACKENDS)]]
-                dropped += [i for i in case_items if kept and i not in kept]
+        turns = range(len(by_case)) if len(by_case) > 1 else [one_case]
+        one_case += len(by_case) == 1
+        for k, case_items in zip(turns, by_case.values()):
+            kept = [i for i in case_items if i.callspec.params["backend"] == BACKENDS[k % len(BACKENDS)]]
+            dropped += [i for i in case_items if kept and i not in kept]
     return dropped
 
 

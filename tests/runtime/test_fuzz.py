@@ -188,3 +188,20 @@ def test_each_construct_of_the_grammar_matches_the_reference_on_a_split_launch(n
     terms, layout = _NEW_CONSTRUCTS[name]
     case = fuzz.Case(terms, fuzz.Plan(tile=(16, 4, True), reduction="sum"), rows=12, vocab=40, seed=4, layout=layout)
     fuzz.check(fuzz.build_head(case), case.plan, rows=case.rows, vocab=case.vocab, seed=case.seed, layout=layout)
+
+
+def test_a_formula_sympy_itself_cannot_build_is_no_mismatch():
+    """Found by the H200 fuzz run: sympy's Piecewise raises ``KeyError: 'pop from an empty set'``
+    building a condition that compares another Piecewise, inside the formula's own text, before
+    losscodegen sees it; the fuzzer reported it as the compiler's crash. Such a case is left out
+    (counted), and a shrink step that writes one does not count as still failing."""
+    text = ("S.Piecewise((S.row_max, S.Piecewise((S.lse, S.lse > 0), (S.token('a'), True)) > 0), "
+            "(S.vsum(S.softmax * S.vector('u')), True))")
+    with pytest.raises(KeyError):
+        eval(text, {"S": S})
+    term = fuzz.TermSpec("weight=0.3", name="f0", formula=fuzz.Node(text))
+    case = fuzz.Case((term,), rows=7, vocab=64, seed=887)
+    assert not fuzz.sympy_builds(case)
+    assert fuzz._fails(case, {}) is None
+    plain = fuzz.Case((fuzz.TermSpec("weight=0.3", name="f0", formula=fuzz.Node("S.lse - S.target_logit")),))
+    assert fuzz.sympy_builds(plain)
