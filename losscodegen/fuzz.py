@@ -17,6 +17,7 @@ arithmetic and is skipped (counted as ``skipped``).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -24,6 +25,8 @@ import pickle
 import queue as queue_mod
 import random
 import socket
+import sys
+import threading
 import time
 import traceback
 import warnings
@@ -1007,16 +1010,38 @@ class Counts:
 
 
 def fuzz(*, seconds: float = 60.0, seed: int = 0, device: str = "cpu", cases: int | None = None,
-         sharded: bool = True, compile_share: float = 0.02, shrink_budget: int = 60, out=print) -> Counts:
+         sharded: bool = True, compile_share: float = 0.02, shrink_budget: int = 60, stall_seconds: float = 300.0,
+         out=print) -> Counts:
     """Random cases until ``seconds`` pass (or ``cases`` heads are tried); each mismatch shrunk and
-    printed as a regression test. Returns the counts."""
+    printed as a regression test; a head still running after ``stall_seconds`` printed with where
+    the fuzzer is (``_watched``). Returns the counts."""
     with warnings.catch_warnings():
         # (the interpreter's numpy warns of the inf and NaN the kernels mean to compute)
         warnings.simplefilter("ignore")
-        return _fuzz(seconds, seed, device, cases, sharded, compile_share, shrink_budget, out)
+        return _fuzz(seconds, seed, device, cases, sharded, compile_share, shrink_budget, stall_seconds, out)
 
 
-def _fuzz(seconds, seed, device, cases, sharded, compile_share, shrink_budget, out) -> Counts:
+@contextlib.contextmanager
+def _watched(case: Case, seconds: float, out) -> Iterator[None]:
+    """Prints ``case`` as a test, and where the fuzzer's thread is, once it has run ``seconds`` (a
+    stall prints no mismatch: found on the H200, a run whose log stopped at 7 minutes with its
+    process running 10 minutes later, and nothing said which head it was on)."""
+    main = threading.get_ident()
+
+    def report() -> None:
+        frame = sys._current_frames().get(main)
+        where = "".join(traceback.format_stack(frame)[-8:]) if frame is not None else ""
+        out(f"STALL: one head for {seconds:.0f} s so far\n{regression_test(case, 'a stall')}\n{where}")
+    timer = threading.Timer(seconds, report)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def _fuzz(seconds, seed, device, cases, sharded, compile_share, shrink_budget, stall_seconds, out) -> Counts:
     nan_workspaces()
     if device != "cpu" and sharded:
         # (the ranks are gloo processes on the CPU, each running Triton's interpreter)
@@ -1035,39 +1060,40 @@ def _fuzz(seconds, seed, device, cases, sharded, compile_share, shrink_budget, o
             if not sympy_builds(case):
                 counts.unbuilt += 1
                 continue
-            counts.formulas += sum(t.formula is not None for t in case.terms)
-            try:
-                head = build_head(case)
-                head.kernel   # generated now: a refusal at generation counts as one
-            except Exception as e:
-                if refused(e):
-                    counts.refused += 1
-                    continue
-                counts.heads += 1     # the compiler crashed on a head it accepted
-                _report(case, f"{type(e).__name__}: {e}", counts, ranks, shrink_budget, out)
-                continue
-            counts.heads += 1
-            for plan in plans(rng, case, compile_share=compile_share, sharded=sharded,
-                              segments=bool(head.kernel.SPEC.segments)):
-                if plan.kind == "sharded" and plan.world not in ranks:
-                    ranks[plan.world] = Ranks(plan.world)
-                planned = dataclasses.replace(case, plan=plan)
-                counts.plans += 1
+            with _watched(case, stall_seconds, out):
+                counts.formulas += sum(t.formula is not None for t in case.terms)
                 try:
-                    check(head, plan, rows=case.rows, vocab=case.vocab, seed=case.seed, device=device,
-                          layout=case.layout, ranks=ranks.get(plan.world))
-                except Skip:
-                    counts.skipped += 1
-                    break      # the same inputs under every plan: no plan of this head is a fair test
-                except Refused:
-                    counts.refused_plans += 1
+                    head = build_head(case)
+                    head.kernel   # generated now: a refusal at generation counts as one
                 except Exception as e:
-                    if plan.kind == "sharded" and isinstance(e, Mismatch) and "a hang" in str(e):
-                        ranks.pop(plan.world, None)
-                    message = str(e) if isinstance(e, Mismatch) else \
-                        f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=-3)}"
-                    _report(planned, message, counts, ranks, shrink_budget, out)
-                    break
+                    if refused(e):
+                        counts.refused += 1
+                        continue
+                    counts.heads += 1     # the compiler crashed on a head it accepted
+                    _report(case, f"{type(e).__name__}: {e}", counts, ranks, shrink_budget, out)
+                    continue
+                counts.heads += 1
+                for plan in plans(rng, case, compile_share=compile_share, sharded=sharded,
+                                  segments=bool(head.kernel.SPEC.segments)):
+                    if plan.kind == "sharded" and plan.world not in ranks:
+                        ranks[plan.world] = Ranks(plan.world)
+                    planned = dataclasses.replace(case, plan=plan)
+                    counts.plans += 1
+                    try:
+                        check(head, plan, rows=case.rows, vocab=case.vocab, seed=case.seed, device=device,
+                              layout=case.layout, ranks=ranks.get(plan.world))
+                    except Skip:
+                        counts.skipped += 1
+                        break      # the same inputs under every plan: no plan of this head is a fair test
+                    except Refused:
+                        counts.refused_plans += 1
+                    except Exception as e:
+                        if plan.kind == "sharded" and isinstance(e, Mismatch) and "a hang" in str(e):
+                            ranks.pop(plan.world, None)
+                        message = str(e) if isinstance(e, Mismatch) else \
+                            f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=-3)}"
+                        _report(planned, message, counts, ranks, shrink_budget, out)
+                        break
     finally:
         for r in ranks.values():
             r.close()

@@ -205,3 +205,20 @@ def test_a_formula_sympy_itself_cannot_build_is_no_mismatch():
     assert fuzz._fails(case, {}) is None
     plain = fuzz.Case((fuzz.TermSpec("weight=0.3", name="f0", formula=fuzz.Node("S.lse - S.target_logit")),))
     assert fuzz.sympy_builds(plain)
+
+
+def test_a_head_that_stalls_is_printed_with_where_the_fuzzer_is(monkeypatch):
+    """Found on the H200: a GPU run's log stopped at 7 minutes while its process ran on, and nothing
+    said which head it was on. A head still running after ``stall_seconds`` is printed as a test,
+    with the fuzzer's stack, and the run goes on."""
+    import time
+
+    def slow_check(*args, **kwargs):
+        time.sleep(0.6)
+    monkeypatch.setattr(fuzz, "check", slow_check)
+    lines = []
+    counts = fuzz.fuzz(seconds=float("inf"), cases=1, seed=2, sharded=False, compile_share=0.0,
+                       stall_seconds=0.3, out=lines.append)
+    stalls = [line for line in lines if line.startswith("STALL: one head for 0 s so far")]
+    assert counts.heads == 1 and len(stalls) == 1, lines
+    assert "def test_" in stalls[0] and "check(head" in stalls[0] and "  File " in stalls[0]
