@@ -49,7 +49,7 @@ from triton.language.extra import libdevice
 
 KEY = "b50bef4a7e9d9783"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "51fb947c3a72"
+CODEGEN = "b92a9d09f330"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_ratio_low', 'clip_ratio_high', 'clip_ratio_region']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -507,4 +507,4 @@ def head_loss_b50bef4a7e9d9783(
             tl.store(ws_ptr + 4, value_clip_ratio_region)
             tl.store(ws_ptr + 5, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "e104d67707b5e317c45e7ffbf109a8e0f870f0c76961c642e5af82644a01254c"
+TEXT_HASH = "c0838c38436ab02cc381b813b57681f7e0b69a3d075bcdef81a8f34480087b96"

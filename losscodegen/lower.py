@@ -476,6 +476,17 @@ def _without_stop_gradient(expr: sp.Expr) -> sp.Expr:
     return expr
 
 
+def _simplified(e: sp.Expr) -> sp.Expr | None:
+    """``e`` by sympy's ``cancel``, else by its ``simplify``, or None where ``e`` holds conditions
+    (Piecewise, sign: from Min, Max and Abs) that ``cancel`` leaves: sympy's simplify of a quotient
+    of conditions can run for many minutes (found by the H200 fuzz run, a head that never finished
+    building: ``Abs(Min(target_logit, vsum(u * softmax * log(softmax))))``)."""
+    r = sp.cancel(e)
+    if r.is_number or not r.has(sp.Piecewise, sp.sign):
+        return sp.simplify(r) if not r.is_number else r
+    return None
+
+
 def _combine(accs: list[Accumulator], fixed: set[str], exprs: list[sp.Expr]):
     """Online sums that every expression reads only through one combination ``A + k*B`` become one
     sum of the combined summand: forward KL's ``sum q t - sum q z`` becomes ``sum q (t - z)``, one
@@ -502,10 +513,12 @@ def _combine(accs: list[Accumulator], fixed: set[str], exprs: list[sp.Expr]):
             if da == 0 or db == 0:
                 return None
             try:
-                r = sp.simplify(db / da)
+                r = _simplified(db / da)
+                if r is None:
+                    return None
                 if k is None:
                     k = r
-                elif sp.simplify(r - k) != 0:
+                elif sp.cancel(r - k) != 0 and _simplified(r - k) != 0:
                     return None
             except (ValueError, TypeError):
                 # (sympy's simplify can fail on a condition it cannot compare, 'zoo is not comparable':

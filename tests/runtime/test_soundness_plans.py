@@ -267,3 +267,11 @@ def test_tanh_of_a_positive_function_of_a_sum_inside_an_exponential(device):
     # which it wrote with sinh, cosh and arg, not knowing log(acc) real: no backend printed it)
     t = lcg.declare_term("nested_tanh", S.exp(S.tanh(S.exp(S.tanh(S.lse)))))
     check(lcg.HeadLoss(t(weight=1.0)), Plan(), rows=3, vocab=40, seed=9, device=device)
+
+
+def test_a_kink_of_a_sum_of_a_vector_builds_in_seconds(device):
+    # (found by the H200 fuzz run, a head that never finished building: combining the two sums of
+    # Min's derivative asked sympy's simplify for a quotient of Piecewise conditions, which ran for
+    # many minutes; such sums now stay apart)
+    t = lcg.declare_term("kink", S.Abs(S.Min(S.target_logit, S.vsum(S.vector("u") * S.softmax * S.log(S.softmax)))))
+    check(lcg.HeadLoss(t(weight=0.8, normalize="sum")), Plan(), rows=7, vocab=64, seed=887, device=device)
