@@ -69,9 +69,9 @@ def _nan_workspace(monkeypatch):
 def _one_backend_a_case(items) -> list:
     """The items that take the ``backend`` fixture and are not run: of a test with several cases,
     each case's items but the one on BACKENDS[k % 2], k its place among the test's cases; of a test
-    with one case, the items but the one on BACKENDS[t % 2], t its place among such tests (the suite
-    ran every one-case test on both, a third of its time for the few bugs only one backend has:
-    ``--all-backends``, which the GPU runs use, and the fuzzer's slice still run both)."""
+    with one case, the items but the one on BACKENDS[t % 2], t its place among such tests (running
+    each on both cost the suite minutes on CI's 2 cores; ``--all-backends``, which the GPU runs use,
+    and the fuzzer's slice still run both)."""
     cases: dict[tuple, dict[tuple, list]] = {}
     for item in items:
         spec = getattr(item, "callspec", None)
