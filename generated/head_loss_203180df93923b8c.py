@@ -51,7 +51,7 @@ from triton.language.extra import libdevice
 
 KEY = "203180df93923b8c"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "b92a9d09f330"
+CODEGEN = "0eb7c3e5f000"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss', 'forward_kl', 'entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -531,4 +531,4 @@ def head_loss_203180df93923b8c(
             tl.store(ws_ptr + 3, value_entropy)
             tl.store(ws_ptr + 4, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss + weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "26b92800f4bf59737683e8c42d9e73e930edd83865d0890b8ce938c11a1e76ca"
+TEXT_HASH = "fbc263dfc51347d5cb72eabeac3d4f68a5e00ac1759c500f66c248dc13a8f4ef"

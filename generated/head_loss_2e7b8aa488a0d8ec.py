@@ -42,7 +42,7 @@ from triton.language.extra import libdevice
 
 KEY = "2e7b8aa488a0d8ec"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "b92a9d09f330"
+CODEGEN = "0eb7c3e5f000"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -444,4 +444,4 @@ def head_loss_2e7b8aa488a0d8ec(
             tl.store(ws_ptr + 1, value_z_loss)
             tl.store(ws_ptr + 2, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "e5d04248054b1c7847117f0b7334ea1b626bc6c4c743f5b4b8fb15b6f6912f7f"
+TEXT_HASH = "b9e754337bddaffbc1041975b88af111ad3372abd2b148b8bfa55aac51d9b4b1"

@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "39f035c152db4d19"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "b92a9d09f330"
+CODEGEN = "0eb7c3e5f000"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_fraction']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -486,4 +486,4 @@ def head_loss_39f035c152db4d19(
             tl.store(ws_ptr + 2, value_clip_fraction)
             tl.store(ws_ptr + 3, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "c11e8535c58f12e878557681a0f7d7ea36abeef2df828e39ea960f4d92d9a6f7"
+TEXT_HASH = "bbf1462a378532434aa47b3e5658895d7d01c6d3f301d86df1fac307d00e3063"

@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "3d268cb74e027a19"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "b92a9d09f330"
+CODEGEN = "0eb7c3e5f000"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['gspo', 'entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -551,4 +551,4 @@ def segments_3d268cb74e027a19(
     loss += weight_gspo * (gspo / div)
     tl.store(ws_ptr + 2, loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "25efe21343b628399190f21ba18a0bad77b6b3180429d06618c0a5633fe664a1"
+TEXT_HASH = "31efbf836edf8dfc72c10f4f4d9400b5fa486698311ec9991b6c5c7e299f7ca7"

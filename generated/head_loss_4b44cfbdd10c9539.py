@@ -49,7 +49,7 @@ from triton.language.extra import libdevice
 
 KEY = "4b44cfbdd10c9539"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "b92a9d09f330"
+CODEGEN = "0eb7c3e5f000"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_fraction', 'ratio_mean', 'kl_new_old']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -496,4 +496,4 @@ def head_loss_4b44cfbdd10c9539(
             tl.store(ws_ptr + 4, value_kl_new_old)
             tl.store(ws_ptr + 5, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "953aa3defe590b506fc276acf647303518a050eeb92a8d751cca778ecfc68f88"
+TEXT_HASH = "e4746cf2f16dbf72db5bd5a303a3bd33221bedcb6aa773ab0419dcf7b4c0c7b6"

@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "6dc3df098f5c5073"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "b92a9d09f330"
+CODEGEN = "0eb7c3e5f000"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cispo', 'entropy', 'cispo_clip_ratio']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -470,4 +470,4 @@ def head_loss_6dc3df098f5c5073(
             tl.store(ws_ptr + 2, value_cispo_clip_ratio)
             tl.store(ws_ptr + 3, weight_cispo * value_cispo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "aca6edd8c500ddaaa9a0bf7ee95da36db2645c712251e4b6f05d017ac593484c"
+TEXT_HASH = "cbdae33ad12a5c6dd9400bb0c641022d9840fe446b6eae845b28d24c3dba2c17"

@@ -43,7 +43,7 @@ from triton.language.extra import libdevice
 
 KEY = "7fef8addf6d59cde"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "b92a9d09f330"
+CODEGEN = "0eb7c3e5f000"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -472,4 +472,4 @@ def head_loss_7fef8addf6d59cde(
             tl.store(ws_ptr + 0, value_forward_kl)
             tl.store(ws_ptr + 1, weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "e32baa7c45f5ddda5d1316856f0b07b3b8f9a2bb539e41dc8d9a78cf82cc0e56"
+TEXT_HASH = "f04ed483394375a8512bf522457b70c309402033474acafbe671e3201b2467ca"

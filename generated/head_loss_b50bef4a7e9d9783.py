@@ -49,7 +49,7 @@ from triton.language.extra import libdevice
 
 KEY = "b50bef4a7e9d9783"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "b92a9d09f330"
+CODEGEN = "0eb7c3e5f000"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_ratio_low', 'clip_ratio_high', 'clip_ratio_region']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -507,4 +507,4 @@ def head_loss_b50bef4a7e9d9783(
             tl.store(ws_ptr + 4, value_clip_ratio_region)
             tl.store(ws_ptr + 5, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "c0838c38436ab02cc381b813b57681f7e0b69a3d075bcdef81a8f34480087b96"
+TEXT_HASH = "463ec829ae1437f0dbfcf5cae8bd35bcbd0008ebeb919456ad34314cad15d278"

@@ -47,7 +47,7 @@ from triton.language.extra import libdevice
 
 KEY = "b6ac30aa276abf3a"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "b92a9d09f330"
+CODEGEN = "0eb7c3e5f000"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss', 'entropy', 'token_accuracy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -487,4 +487,4 @@ def head_loss_b6ac30aa276abf3a(
             tl.store(ws_ptr + 3, value_token_accuracy)
             tl.store(ws_ptr + 4, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "b734d896713a6b7ea630cf8980df9be83e97fb740803edeb5b820b70e9f1ba70"
+TEXT_HASH = "346ed2d25d212a053756bde42a833219e0311fa1b715fc03850d14f4db4f16d9"

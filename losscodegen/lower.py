@@ -482,9 +482,9 @@ def _simplified(e: sp.Expr) -> sp.Expr | None:
     of conditions can run for many minutes (found by the H200 fuzz run, a head that never finished
     building: ``Abs(Min(target_logit, vsum(u * softmax * log(softmax))))``)."""
     r = sp.cancel(e)
-    if r.is_number or not r.has(sp.Piecewise, sp.sign):
-        return sp.simplify(r) if not r.is_number else r
-    return None
+    if r.is_number:
+        return r
+    return None if r.has(sp.Piecewise, sp.sign) else sp.simplify(r)
 
 
 def _combine(accs: list[Accumulator], fixed: set[str], exprs: list[sp.Expr]):
