@@ -1061,41 +1061,48 @@ def _fuzz(seconds, seed, device, cases, sharded, compile_share, shrink_budget, s
                 counts.unbuilt += 1
                 continue
             with _watched(case, stall_seconds, out):
-                counts.formulas += sum(t.formula is not None for t in case.terms)
-                try:
-                    head = build_head(case)
-                    head.kernel   # generated now: a refusal at generation counts as one
-                except Exception as e:
-                    if refused(e):
-                        counts.refused += 1
-                        continue
-                    counts.heads += 1     # the compiler crashed on a head it accepted
-                    _report(case, f"{type(e).__name__}: {e}", counts, ranks, shrink_budget, out)
-                    continue
-                counts.heads += 1
-                for plan in plans(rng, case, compile_share=compile_share, sharded=sharded,
-                                  segments=bool(head.kernel.SPEC.segments)):
-                    if plan.kind == "sharded" and plan.world not in ranks:
-                        ranks[plan.world] = Ranks(plan.world)
-                    planned = dataclasses.replace(case, plan=plan)
-                    counts.plans += 1
-                    try:
-                        check(head, plan, rows=case.rows, vocab=case.vocab, seed=case.seed, device=device,
-                              layout=case.layout, ranks=ranks.get(plan.world))
-                    except Skip:
-                        counts.skipped += 1
-                        break      # the same inputs under every plan: no plan of this head is a fair test
-                    except Refused:
-                        counts.refused_plans += 1
-                    except Exception as e:
-                        if plan.kind == "sharded" and isinstance(e, Mismatch) and "a hang" in str(e):
-                            ranks.pop(plan.world, None)
-                        message = str(e) if isinstance(e, Mismatch) else \
-                            f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=-3)}"
-                        _report(planned, message, counts, ranks, shrink_budget, out)
-                        break
+                _try(case, rng, device, sharded, compile_share, shrink_budget, counts, ranks, out)
     finally:
         for r in ranks.values():
             r.close()
     out(str(counts))
     return counts
+
+
+def _try(case: Case, rng: random.Random, device: str, sharded: bool, compile_share: float, shrink_budget: int,
+         counts: Counts, ranks: dict[int, Ranks], out) -> None:
+    """Builds one case's head and checks it under random plans, adding to ``counts``; the first
+    mismatch of a head is shrunk and printed (its later plans would only repeat it)."""
+    counts.formulas += sum(t.formula is not None for t in case.terms)
+    try:
+        head = build_head(case)
+        head.kernel   # generated now: a refusal at generation counts as one
+    except Exception as e:
+        if refused(e):
+            counts.refused += 1
+            return
+        counts.heads += 1     # the compiler crashed on a head it accepted
+        _report(case, f"{type(e).__name__}: {e}", counts, ranks, shrink_budget, out)
+        return
+    counts.heads += 1
+    for plan in plans(rng, case, compile_share=compile_share, sharded=sharded,
+                      segments=bool(head.kernel.SPEC.segments)):
+        if plan.kind == "sharded" and plan.world not in ranks:
+            ranks[plan.world] = Ranks(plan.world)
+        planned = dataclasses.replace(case, plan=plan)
+        counts.plans += 1
+        try:
+            check(head, plan, rows=case.rows, vocab=case.vocab, seed=case.seed, device=device,
+                  layout=case.layout, ranks=ranks.get(plan.world))
+        except Skip:
+            counts.skipped += 1
+            return      # the same inputs under every plan: no plan of this head is a fair test
+        except Refused:
+            counts.refused_plans += 1
+        except Exception as e:
+            if plan.kind == "sharded" and isinstance(e, Mismatch) and "a hang" in str(e):
+                ranks.pop(plan.world, None)
+            message = str(e) if isinstance(e, Mismatch) else \
+                f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=-3)}"
+            _report(planned, message, counts, ranks, shrink_budget, out)
+            return
