@@ -51,7 +51,7 @@ from triton.language.extra import libdevice
 
 KEY = "203180df93923b8c"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "0eb7c3e5f000"
+CODEGEN = "d890426ff092"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss', 'forward_kl', 'entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -437,6 +437,8 @@ def head_loss_203180df93923b8c(
             g1 = tl.where(finite_row, w_cross_entropy + w_forward_kl + 2.0*w_z_loss*(m + _log(acc2)), float("nan"))
             g2 = tl.where(finite_row, -w_cross_entropy, float("nan"))
             # (a row of -inf read as FLOOR would look uniform: its gradient is NaN, as its values are)
+            # the label's raw logit, read before any gradient is stored (it may overwrite it)
+            x_y = tl.load(x_row + y_local, mask=y_here, other=0.0).to(tl.float32)
             # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
             # Tiles last to first, each loaded one iteration ahead (its loads overlap the math).
             n_blocks = tl.cdiv(V, BLOCK_V)
@@ -456,14 +458,27 @@ def head_loss_203180df93923b8c(
                 x = x_tile.to(tl.float32)
                 z = _logits(x, logit_scale, softcap)
                 t = t_tile.to(tl.float32)
-                is_y = tl.where(cols == y_local, 1.0, 0.0)
 
                 zm = z - m
                 tm = t - m_t
 
-                dz = -g0*tl.exp2(1.4426950408889634 * tm + 1.4426950408889634 * (-L_N1)) + g1*tl.exp2(1.4426950408889634 * zm + 1.4426950408889634 * (-L_N0)) + g2*is_y
+                dz = -g0*tl.exp2(1.4426950408889634 * tm + 1.4426950408889634 * (-L_N1)) + g1*tl.exp2(1.4426950408889634 * zm + 1.4426950408889634 * (-L_N0))
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
+            # The label's column, after every thread's dense stores are done: the dense gradient
+            # there again plus the label's part, added once a row rather than as a compare and a
+            # multiply-add an element (one rounding to the gradient's dtype, as everywhere)
+            tl.debug_barrier()
+            x = x_y
+            z = _logits(x, logit_scale, softcap)
+            t = tl.load(t_row + y_local, mask=y_here, other=0.0).to(tl.float32)
+
+            zm = z - m
+            tm = t - m_t
+
+            dz = -g0*tl.exp2(1.4426950408889634 * tm + 1.4426950408889634 * (-L_N1)) + g1*tl.exp2(1.4426950408889634 * zm + 1.4426950408889634 * (-L_N0))
+            dz = (dz + (g2)) * _dlogits(x, logit_scale, softcap)
+            tl.store(grad_row + y_local, dz.to(grad_ptr.dtype.element_ty), mask=y_here)
     else:
         # An ignored row adds nothing (zero gradient, zero values); a valid row is here for a bad
         # value (label, top-k id) and adds NaN. (Worked out here, not kept from above: a value alive
@@ -531,4 +546,4 @@ def head_loss_203180df93923b8c(
             tl.store(ws_ptr + 3, value_entropy)
             tl.store(ws_ptr + 4, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss + weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "fbc263dfc51347d5cb72eabeac3d4f68a5e00ac1759c500f66c248dc13a8f4ef"
+TEXT_HASH = "12a63b21bfc63a7d0c0894c2554b5f87cb5b7dccb416dad801297b0157b094fa"

@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "6dc3df098f5c5073"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "0eb7c3e5f000"
+CODEGEN = "d890426ff092"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cispo', 'entropy', 'cispo_clip_ratio']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -387,6 +387,8 @@ def head_loss_6dc3df098f5c5073(
             g0 = tl.where(finite_row, c0, float("nan"))
             g1 = tl.where(finite_row, -c0, float("nan"))
             # (a row of -inf read as FLOOR would look uniform: its gradient is NaN, as its values are)
+            # the label's raw logit, read before any gradient is stored (it may overwrite it)
+            x_y = tl.load(x_row + y_local, mask=y_here, other=0.0).to(tl.float32)
             # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
             # Tiles last to first, each loaded one iteration ahead (its loads overlap the math).
             n_blocks = tl.cdiv(V, BLOCK_V)
@@ -401,13 +403,24 @@ def head_loss_6dc3df098f5c5073(
                                  other=0.0, eviction_policy="evict_first")
                 x = x_tile.to(tl.float32)
                 z = _logits(x, logit_scale, softcap)
-                is_y = tl.where(cols == y_local, 1.0, 0.0)
 
                 zm = z - m
 
-                dz = g0*tl.exp2(1.4426950408889634 * zm + 1.4426950408889634 * (-L_N0)) + g1*is_y
+                dz = g0*tl.exp2(1.4426950408889634 * zm + 1.4426950408889634 * (-L_N0))
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
+            # The label's column, after every thread's dense stores are done: the dense gradient
+            # there again plus the label's part, added once a row rather than as a compare and a
+            # multiply-add an element (one rounding to the gradient's dtype, as everywhere)
+            tl.debug_barrier()
+            x = x_y
+            z = _logits(x, logit_scale, softcap)
+
+            zm = z - m
+
+            dz = g0*tl.exp2(1.4426950408889634 * zm + 1.4426950408889634 * (-L_N0))
+            dz = (dz + (g1)) * _dlogits(x, logit_scale, softcap)
+            tl.store(grad_row + y_local, dz.to(grad_ptr.dtype.element_ty), mask=y_here)
     else:
         # An ignored row adds nothing (zero gradient, zero values); a valid row is here for a bad
         # value (label, top-k id) and adds NaN. (Worked out here, not kept from above: a value alive
@@ -470,4 +483,4 @@ def head_loss_6dc3df098f5c5073(
             tl.store(ws_ptr + 2, value_cispo_clip_ratio)
             tl.store(ws_ptr + 3, weight_cispo * value_cispo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "cbdae33ad12a5c6dd9400bb0c641022d9840fe446b6eae845b28d24c3dba2c17"
+TEXT_HASH = "abef8af893e707e1efa575b9dc5ffef557e663266c5b0e74a48f38e9039f2020"

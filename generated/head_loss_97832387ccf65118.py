@@ -49,7 +49,7 @@ from triton.language.extra import libdevice
 
 KEY = "97832387ccf65118"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "0eb7c3e5f000"
+CODEGEN = "d890426ff092"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -429,6 +429,8 @@ def head_loss_97832387ccf65118(
             g2 = tl.where(finite_row, w_forward_kl, float("nan"))
             g3 = tl.where(finite_row, -w_cross_entropy, float("nan"))
             # (a row of -inf read as FLOOR would look uniform: its gradient is NaN, as its values are)
+            # the label's raw logit, read before any gradient is stored (it may overwrite it)
+            x_y = tl.load(x_row + y_local, mask=y_here, other=0.0).to(tl.float32)
             # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
             # Tiles last to first, each loaded one iteration ahead (its loads overlap the math).
             n_blocks = tl.cdiv(V, BLOCK_V)
@@ -448,14 +450,27 @@ def head_loss_97832387ccf65118(
                 x = x_tile.to(tl.float32)
                 z = _logits(x, logit_scale, softcap)
                 t = t_tile.to(tl.float32)
-                is_y = tl.where(cols == y_local, 1.0, 0.0)
 
                 zm = z - m
                 tm = t - m_t
 
-                dz = g1*tl.exp2(1.4426950408889634 * zm + 1.4426950408889634 * (-L_N0)) + g3*is_y + tl.exp2(1.4426950408889634 * ((0.5)*tm) + 1.4426950408889634 * (-L_N1))*(-0.5*g0) + tl.exp2(1.4426950408889634 * ((0.5)*zm) + 1.4426950408889634 * (-L_N2))*((0.5)*g2)
+                dz = g1*tl.exp2(1.4426950408889634 * zm + 1.4426950408889634 * (-L_N0)) + tl.exp2(1.4426950408889634 * ((0.5)*tm) + 1.4426950408889634 * (-L_N1))*(-0.5*g0) + tl.exp2(1.4426950408889634 * ((0.5)*zm) + 1.4426950408889634 * (-L_N2))*((0.5)*g2)
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
+            # The label's column, after every thread's dense stores are done: the dense gradient
+            # there again plus the label's part, added once a row rather than as a compare and a
+            # multiply-add an element (one rounding to the gradient's dtype, as everywhere)
+            tl.debug_barrier()
+            x = x_y
+            z = _logits(x, logit_scale, softcap)
+            t = tl.load(t_row + y_local, mask=y_here, other=0.0).to(tl.float32)
+
+            zm = z - m
+            tm = t - m_t
+
+            dz = g1*tl.exp2(1.4426950408889634 * zm + 1.4426950408889634 * (-L_N0)) + tl.exp2(1.4426950408889634 * ((0.5)*tm) + 1.4426950408889634 * (-L_N1))*(-0.5*g0) + tl.exp2(1.4426950408889634 * ((0.5)*zm) + 1.4426950408889634 * (-L_N2))*((0.5)*g2)
+            dz = (dz + (g3)) * _dlogits(x, logit_scale, softcap)
+            tl.store(grad_row + y_local, dz.to(grad_ptr.dtype.element_ty), mask=y_here)
     else:
         # An ignored row adds nothing (zero gradient, zero values); a valid row is here for a bad
         # value (label, top-k id) and adds NaN. (Worked out here, not kept from above: a value alive
@@ -514,4 +529,4 @@ def head_loss_97832387ccf65118(
             tl.store(ws_ptr + 1, value_forward_kl)
             tl.store(ws_ptr + 2, weight_cross_entropy * value_cross_entropy + weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "60a3d8a967e83817cf17a8125d92996abeb7a3e7a5e563bb09d1d4271020624f"
+TEXT_HASH = "d464f86c4a156f0ef63b5a3fab4fe5e42a692f893ea856976480dcb30dd3ce3c"

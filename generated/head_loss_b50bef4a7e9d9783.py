@@ -49,7 +49,7 @@ from triton.language.extra import libdevice
 
 KEY = "b50bef4a7e9d9783"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "0eb7c3e5f000"
+CODEGEN = "d890426ff092"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_ratio_low', 'clip_ratio_high', 'clip_ratio_region']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -418,6 +418,8 @@ def head_loss_b50bef4a7e9d9783(
             g0 = tl.where(finite_row, c11*w_grpo, float("nan"))
             g1 = tl.where(finite_row, -c11*w_grpo, float("nan"))
             # (a row of -inf read as FLOOR would look uniform: its gradient is NaN, as its values are)
+            # the label's raw logit, read before any gradient is stored (it may overwrite it)
+            x_y = tl.load(x_row + y_local, mask=y_here, other=0.0).to(tl.float32)
             # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
             # Tiles last to first, each loaded one iteration ahead (its loads overlap the math).
             n_blocks = tl.cdiv(V, BLOCK_V)
@@ -432,13 +434,24 @@ def head_loss_b50bef4a7e9d9783(
                                  other=0.0, eviction_policy="evict_first")
                 x = x_tile.to(tl.float32)
                 z = _logits(x, logit_scale, softcap)
-                is_y = tl.where(cols == y_local, 1.0, 0.0)
 
                 zm = z - m
 
-                dz = g0*tl.exp2(1.4426950408889634 * zm + 1.4426950408889634 * (-L_N0)) + g1*is_y
+                dz = g0*tl.exp2(1.4426950408889634 * zm + 1.4426950408889634 * (-L_N0))
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
+            # The label's column, after every thread's dense stores are done: the dense gradient
+            # there again plus the label's part, added once a row rather than as a compare and a
+            # multiply-add an element (one rounding to the gradient's dtype, as everywhere)
+            tl.debug_barrier()
+            x = x_y
+            z = _logits(x, logit_scale, softcap)
+
+            zm = z - m
+
+            dz = g0*tl.exp2(1.4426950408889634 * zm + 1.4426950408889634 * (-L_N0))
+            dz = (dz + (g1)) * _dlogits(x, logit_scale, softcap)
+            tl.store(grad_row + y_local, dz.to(grad_ptr.dtype.element_ty), mask=y_here)
     else:
         # An ignored row adds nothing (zero gradient, zero values); a valid row is here for a bad
         # value (label, top-k id) and adds NaN. (Worked out here, not kept from above: a value alive
@@ -507,4 +520,4 @@ def head_loss_b50bef4a7e9d9783(
             tl.store(ws_ptr + 4, value_clip_ratio_region)
             tl.store(ws_ptr + 5, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "463ec829ae1437f0dbfcf5cae8bd35bcbd0008ebeb919456ad34314cad15d278"
+TEXT_HASH = "ef54019d5f4e1b0cc1acac62c49078130e1050b360e08223c8c2d7eedc8ff03b"

@@ -40,7 +40,7 @@ from triton.language.extra import libdevice
 
 KEY = "c642f27271603bf7"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "0eb7c3e5f000"
+CODEGEN = "d890426ff092"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -355,6 +355,8 @@ def head_loss_c642f27271603bf7(
                 w_cross_entropy = weight_cross_entropy * grad_scale
             g0 = w_cross_entropy
             g1 = -w_cross_entropy
+            # the label's raw logit, read before any gradient is stored (it may overwrite it)
+            x_y = tl.load(x_row + y_local, mask=y_here, other=0.0).to(tl.float32)
             # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
             # Tiles last to first, each loaded one iteration ahead (its loads overlap the math).
             n_blocks = tl.cdiv(V, BLOCK_V)
@@ -369,13 +371,24 @@ def head_loss_c642f27271603bf7(
                                  other=0.0, eviction_policy="evict_first")
                 x = x_tile.to(tl.float32)
                 z = _logits(x, logit_scale, softcap)
-                is_y = tl.where(cols == y_local, 1.0, 0.0)
 
                 zm = z - m
 
-                dz = g0*tl.exp2(1.4426950408889634 * zm + 1.4426950408889634 * (-L_N0)) + g1*is_y
+                dz = g0*tl.exp2(1.4426950408889634 * zm + 1.4426950408889634 * (-L_N0))
                 tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
                          mask=in_row, cache_modifier=".cs")
+            # The label's column, after every thread's dense stores are done: the dense gradient
+            # there again plus the label's part, added once a row rather than as a compare and a
+            # multiply-add an element (one rounding to the gradient's dtype, as everywhere)
+            tl.debug_barrier()
+            x = x_y
+            z = _logits(x, logit_scale, softcap)
+
+            zm = z - m
+
+            dz = g0*tl.exp2(1.4426950408889634 * zm + 1.4426950408889634 * (-L_N0))
+            dz = (dz + (g1)) * _dlogits(x, logit_scale, softcap)
+            tl.store(grad_row + y_local, dz.to(grad_ptr.dtype.element_ty), mask=y_here)
     else:
         # An ignored row adds nothing (zero gradient, zero values); a valid row is here for a bad
         # value (label, top-k id) and adds NaN. (Worked out here, not kept from above: a value alive
@@ -430,4 +443,4 @@ def head_loss_c642f27271603bf7(
             tl.store(ws_ptr + 0, value_cross_entropy)
             tl.store(ws_ptr + 1, weight_cross_entropy * value_cross_entropy)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "13c8573e16176f91882f20822117ce2d957a2ee56805fca8294499ad499ebf96"
+TEXT_HASH = "75b1b8bb5dff17c72fa2de3ecbdf4cd1d8bc3f8ea014972b9fc68f18880a591b"

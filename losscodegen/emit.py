@@ -366,6 +366,18 @@ def printed_bodies(lw) -> tuple[dict[str, sp.Expr], tuple[sp.Expr, sp.Expr]]:
                        for g, elements in ((lw.grad_vocab, vocab), (lw.grad_topk, topk)))
 
 
+def label_part(grad: sp.Expr) -> tuple[sp.Expr, sp.Expr]:
+    """The gradient over the vocabulary as the part every element has and the label's: where
+    ``is_y`` enters only as ``is_y * c`` with ``c`` a row value (cross-entropy's ``g1*is_y``), a
+    kernel adds ``c`` at the label's column once a row rather than a compare and a multiply-add an
+    element; otherwise ``(grad, 0)``."""
+    terms = sp.Add.make_args(grad)
+    label = sp.Add(*(t / IS_Y for t in terms if t.has(IS_Y)))
+    if label.has(IS_Y) or any(_elementwise(s) for s in label.free_symbols):
+        return grad, sp.S.Zero
+    return sp.Add(*(t for t in terms if not t.has(IS_Y))), label
+
+
 def online_exponent(alpha: sp.Expr, beta: sp.Expr) -> sp.Expr:
     """The exponent of an online group's elements, against the running maxima: in the elements
     relative to them (zm = z - m_ref, tm = t - m_t_ref), which the relative sums' bodies read too,
@@ -511,7 +523,10 @@ class Phases:
       reduction over the rows and its normalisation: ``uses_value_scale`` where an output is
       divided as tokens are, ``uses_count_scale`` by the valid rows), ``grad_weights``;
     - the gradient: ``coef_temps``/``coefs`` (its per-row coefficients), ``grad_temps``/``grad_expr``
-      (over the vocabulary), ``topk_grad_temps``/``topk_grad`` (None without a top-k part),
+      (over the vocabulary, but for the label's part), ``grad_label`` (the label's part, added at
+      its column: ``label_part``; None where the label's column has no part of its own, or a
+      top-k part, whose ids may hold the label, is there), ``topk_grad_temps``/``topk_grad`` (None
+      without a top-k part),
       ``grad_means`` (the segment means a row term of segment statistics' direct path reads);
     - the segments: ``segments`` (each segment term's value and gradients in the means),
       ``seg_coefs``, ``seg_mean_rows``, and the divisors they use (``uses_div``: the segments',
@@ -523,8 +538,8 @@ class Phases:
 
     With the ``KernelSpec``, this is all a template reads: nothing of the ``Plan`` or ``Lowered``.
 
-    ``body``, ``grad_vocab`` and ``grad_topk`` are the sympy expressions printed (``printed_bodies``),
-    for what a backend prints itself (its first read's layout)."""
+    ``body``, ``grad_vocab`` (but for the label's part) and ``grad_topk`` are the sympy expressions
+    printed (``printed_bodies``), for what a backend prints itself (its first read's layout)."""
 
     body: dict[str, sp.Expr]
     grad_vocab: sp.Expr
@@ -539,6 +554,7 @@ def phases(plan: Plan, spec: KernelSpec, printer: ArrayPrinter, statements: Stat
     vocab, topk = (*S.ELEMENT_SYMBOLS, ZM, TM), S.TOPK_SYMBOLS
     transform = LOGIT_SCALE * (SOFTCAP * sp.tanh(X / SOFTCAP) if plan.softcap else X)
     body, (grad_vocab, grad_topk) = printed_bodies(lw)
+    grad_dense, grad_label = label_part(grad_vocab) if grad_topk == 0 else (grad_vocab, sp.S.Zero)
     stats_exprs = [e for (alpha, beta), accs in online_groups(plan).items()
                    for e in [online_exponent(alpha, beta)] + [body[a.name] for a in accs]]
     exact = [a for a in lw.accumulators if not a.online and a.domain == "vocab"]
@@ -548,7 +564,7 @@ def phases(plan: Plan, spec: KernelSpec, printer: ArrayPrinter, statements: Stat
     row_temps, row_exprs = statements([e for _, e in lw.row_values], "r")
     coef_temps, coef_exprs = statements([e for _, e in lw.grad_coefs], "c")
     # (apart: the vocabulary's temporaries live in its loop, the top-k entries' outside it)
-    grad_temps, (grad_expr,) = statements([grad_vocab], "d")
+    grad_temps, (grad_expr,) = statements([grad_dense], "d")
     topk_grad_temps, (topk_grad_expr,) = statements([grad_topk], "dk")
 
     row_names, seg_means, norm = list(spec.row_values), list(spec.segment_means), spec.normalization
@@ -591,6 +607,7 @@ def phases(plan: Plan, spec: KernelSpec, printer: ArrayPrinter, statements: Stat
                       for n in spec.row_loss_terms],
         coef_temps=coef_temps, coefs=list(zip([s.name for s, _ in lw.grad_coefs], coef_exprs)),
         grad_temps=grad_temps, grad_expr=grad_expr,
+        grad_label=None if grad_label == 0 else printer.doprint(grad_label),
         topk_grad=None if lw.grad_topk == 0 else topk_grad_expr, topk_grad_temps=topk_grad_temps,
         grad_means=[(U.name, seg_means.index(U.name)) for seg in lw.segments if seg.rows for U in seg.means],
         segments=segments, seg_coefs=[c.name for s in lw.segments for c in s.coefs],
@@ -598,7 +615,7 @@ def phases(plan: Plan, spec: KernelSpec, printer: ArrayPrinter, statements: Stat
         uses_label=any(e.has(S.label) for _, e in lw.row_values),
         uses_zym=any(e.has(ZYM) for _, e in lw.row_values + lw.grad_coefs),
         uses_vocab_size=any(e.has(S.vocab_size) for e in head_exprs),
-        uses_is_y=lw.grad_vocab.has(IS_Y), uses_is_argmax=lw.grad_vocab.has(IS_ARGMAX),
+        uses_is_y=grad_dense.has(IS_Y), uses_is_argmax=lw.grad_vocab.has(IS_ARGMAX),
         uses_argmax=lw.uses_argmax, grad_uses_teacher=lw.grad_uses_teacher,
         # a label, the argmax, a top-k id or a vector's entry placed in this vocab shard
         uses_vocab_start=lw.uses_labels or lw.uses_argmax or lw.uses_topk or bool(lw.vectors),
@@ -608,7 +625,7 @@ def phases(plan: Plan, spec: KernelSpec, printer: ArrayPrinter, statements: Stat
         uses_div=any(s["div"] == "div" for s in segments), uses_div_seq=any(s["per_sequence"] for s in segments),
         flag_slots={name: i for i, name in enumerate(FLAG_SLOTS)},
     )
-    return Phases(body, grad_vocab, grad_topk, context)
+    return Phases(body, grad_dense, grad_topk, context)
 
 
 def header(bound, plan: Plan) -> str:

@@ -265,7 +265,8 @@ class Plan:
     (``head.linear``, ``chunk_rows``; the teacher's hidden and weight too where the head reads a
     teacher), "sharded" (``world`` gloo ranks holding ``shards`` columns
     each), "compile" (``torch.compile`` of a call). ``tile``: a forced ``(block_v, num_warps, split)``
-    (None: the runtime's own choice). ``backend``: the head built on that backend ("": the head's own)."""
+    (None: the runtime's own choice). ``backend``: the head built on that backend ("": the head's own).
+    ``inplace``: the head built with ``inplace_backward=True`` (the gradient written over the logits)."""
 
     kind: str = "call"
     dtype: str = "float32"
@@ -276,6 +277,7 @@ class Plan:
     shards: tuple[int, ...] = ()
     chunk_rows: int | None = None
     backend: str = ""
+    inplace: bool = False
 
     def code(self) -> str:
         fields_ = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
@@ -465,7 +467,9 @@ def plans(rng: random.Random, case: Case, *, compile_share: float = 0.0, sharded
            # the torch backend: one launch, split reads in blocks that do not divide the vocabulary
            Plan(backend="torch", reduction=rng.choice(["mean", none])),
            Plan(backend="torch", dtype="bfloat16", tile=(24, 4, True), reduction=rng.choice(["sum", none])),
-           Plan(kind="linear", backend="torch", chunk_rows=rng.choice([3, 5]), reduction=rng.choice(["mean", none]))]
+           Plan(kind="linear", backend="torch", chunk_rows=rng.choice([3, 5]), reduction=rng.choice(["mean", none])),
+           # the gradient over the logits: each value the gradient read needs is read before it is overwritten
+           Plan(inplace=True, tile=(16, 4, rng.random() < 0.5), reduction=rng.choice(["mean", none]))]
     if sharded:
         V = case.vocab
         for world in (2, 3):
@@ -587,9 +591,10 @@ def check(head: lcg.HeadLoss, plan: Plan, *, rows: int = 12, vocab: int = 64, se
     case that is no fair test. ``ranks``: a running pool of gloo ranks for a sharded plan (one is
     started for the call otherwise)."""
     case = Case((), plan, rows=rows, vocab=vocab, seed=seed, layout=layout)
-    if plan.backend:
+    if plan.backend or plan.inplace:
         head = lcg.HeadLoss(*head.loss_terms, metrics=head.metric_terms, ignore_index=head.ignore_index,
-                            logit_scale=head.logit_scale, softcap=head.softcap, backend=plan.backend)
+                            logit_scale=head.logit_scale, softcap=head.softcap, backend=plan.backend or "auto",
+                            inplace_backward=plan.inplace)
     dtype = _dtype(plan.dtype)
     logits, labels, kw = _inputs(head, case, device)
     shape = labels.shape if labels is not None else logits.shape[:-1]
@@ -638,7 +643,8 @@ def _run_here(head, plan: Plan, logits, labels, kw, up):
             loss, terms, metrics, rows = torch.compile(step, fullgraph=True, backend="aot_eager")(x, labels, kw)
             values = {**terms, **metrics}
         else:
-            out = head(x, labels, **kw)
+            # (inplace: a copy of the leaf, which the gradient overwrites)
+            out = head(x * 1.0 if plan.inplace else x, labels, **kw)
             loss, values, rows = out.loss, {**out.terms, **out.metrics}, out.rows
         _backward(head, plan, x, loss, rows, up)
     finally:

@@ -1,6 +1,7 @@
 """The per-element cost that explain() and the kernel header print: the special-function ops each read
 needs, counted by hand from each head's formulas (SFU-bound heads are timed by these counts)."""
 import losscodegen as lcg
+import losscodegen.symbols as S
 from losscodegen.backends import get
 
 # {read: SFU ops per vocabulary element}, from the formulas:
@@ -98,3 +99,25 @@ def test_the_reads_after_the_first_floor_the_relative_element():
         text = head.source(triton).text
         assert text.count("zm = tl.maximum(z - m, FLOOR") == text.count("tm = tl.maximum(t - m_t, FLOOR") == 2
         assert text.count("z = tl.maximum(z, FLOOR") == text.count("t = tl.maximum(t, FLOOR") == first_read_floors
+
+
+def test_the_label_part_of_the_gradient_is_added_at_its_column_once_a_row():
+    """A per-element saving of the Triton template: cross-entropy's dL/dz_i = p_i - [i == y] stores
+    p_i over the row and adds the label's -1 at its column once, after the read, rather than a
+    compare and a multiply-add an element; where ``is_y`` is multiplied by an element value, or a
+    top-k part (whose ids may hold the label) is there, it stays in the read."""
+    import sympy as sp
+
+    from losscodegen.emit import label_part
+    from losscodegen.lower import IS_Y, ZM
+    g0, g1 = sp.symbols("g0 g1", real=True)
+    assert label_part(g0 * sp.exp(ZM) + g1 * IS_Y) == (g0 * sp.exp(ZM), g1)
+    assert label_part(g0 * sp.exp(ZM) + g1 * IS_Y * ZM) == (g0 * sp.exp(ZM) + g1 * IS_Y * ZM, 0)
+    assert label_part(g0 * sp.exp(ZM)) == (g0 * sp.exp(ZM), 0)
+    triton = get("triton")
+    text = lcg.HeadLoss(lcg.GRPO(), metrics=(lcg.Entropy(), lcg.ClipFraction())).source(triton).text
+    read = text[text.index("# Gradient read"):text.index("# The label's column")]
+    assert "is_y" not in read and "tl.store(grad_row + y_local" in text
+    topk = lcg.declare_term("ce_topk", S.lse - S.target_logit - S.topk_sum(S.exp(S.topk_logprob) * S.topk_logit))
+    text = lcg.HeadLoss(topk()).source(triton).text
+    assert "is_y = tl.where(cols == y_local" in text and "# The label's column" not in text
