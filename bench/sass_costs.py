@@ -7,6 +7,7 @@ elements a thread takes a tile (BLOCK_V / threads). The tile is the shipped H100
     python bench/sass_costs.py                   the benchmark heads (CE, GRPO + entropy + clip,
                                                  the FKL mix, JSD)
     python bench/sass_costs.py --sass DIR        also write each kernel's SASS into DIR
+    python bench/sass_costs.py --gpu "NVIDIA H200"  the tile of that GPU's table (still sm_90)
 
 Counts, per element and read: all instructions; the special-function unit's (MUFU: EX2, LG2, RCP,
 ...); the fp32 arithmetic (FADD, FMUL, FFMA, FMNMX, FSETP, FSEL, ...). The reductions, loads and
@@ -16,6 +17,7 @@ element counts them alike).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import subprocess
@@ -99,6 +101,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sass", type=Path)
     parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--gpu", default=GPU, help="whose table's tile (default: %(default)s)")
     args = parser.parse_args()
     JITFunction.run = _compile_instead
     from losscodegen import backends
@@ -111,8 +114,8 @@ def main() -> None:
     for name, head in heads().items():
         k = head.kernel
         state = "/".join(map(str, k.STATE))
-        config = tiles.TABLE.get(f"{GPU}|{state}|{bucket}|2") or tiles.rule(k.STATE)
-        config = tiles.Config(config.block_v, config.num_warps, False)   # one launch
+        config = tiles.TABLE.get(f"{args.gpu}|{state}|{bucket}|2") or tiles.rule(k.STATE)
+        config = dataclasses.replace(config, split=False)   # one launch
         head.tile_override = config
         logits, y, kw = random_inputs(head, rows=2, vocab=args.vocab)
         kw = {key: v.to(torch.bfloat16) if key == "teacher_logits" else v for key, v in kw.items()}

@@ -58,3 +58,17 @@ def test_measurements_are_kept_beside_the_kernel_cache(tmp_path, monkeypatch):
     table.put("gpu|xt/2/4|131072|2", tiles.Config(8192, 16, True))
     assert json.loads((tmp_path / "tiles.json").read_text()) == {"gpu|xt/2/4|131072|2": [8192, 16, True]}
     assert tiles._Table().get("gpu|xt/2/4|131072|2") == tiles.Config(8192, 16, True)  # the user's win
+
+
+def test_a_table_entry_may_cap_the_registers_of_a_thread(tmp_path, monkeypatch):
+    """The H200's entry for GRPO's plan state caps registers at 80: ptxas gave that kernel 102 after a
+    change far from its loops, 2 programs of 8 warps on a multiprocessor instead of 3 (tiles.Config)."""
+    config = tiles.Config(8192, 8, False, 80)
+    assert config.launch(128256, 2) == dict(BLOCK_V=8192, num_warps=8, maxnreg=80)
+    assert "maxnreg" not in tiles.Config(8192, 8).launch(128256, 2)
+    monkeypatch.setenv("LOSSCODEGEN_CACHE", str(tmp_path))
+    table = tiles._Table()
+    table.put("gpu|x/2/0|131072|2", config)
+    assert json.loads((tmp_path / "tiles.json").read_text()) == {"gpu|x/2/0|131072|2": [8192, 8, False, 80]}
+    assert tiles._Table().get("gpu|x/2/0|131072|2") == config
+    assert tiles.TABLE.get("NVIDIA H200|x/2/0|131072|2").maxnreg == 80

@@ -90,6 +90,6 @@ def tune(heads: list[HeadLoss], vocabs: list[int], device: torch.device, rows: i
         if out is None:
             tiles.TABLE.put(name, found[name])
     if out is not None:
-        out.write_text(json.dumps({n: [c.block_v, c.num_warps, c.split] for n, c in sorted(found.items())},
+        out.write_text(json.dumps({n: c.entry() for n, c in sorted(found.items())},
                                   indent=1) + "\n")
     return found
