@@ -1,8 +1,12 @@
 """The per-element cost that explain() and the kernel header print: the special-function ops each read
 needs, counted by hand from each head's formulas (SFU-bound heads are timed by these counts)."""
+import sympy as sp
+
 import losscodegen as lcg
 import losscodegen.symbols as S
 from losscodegen.backends import get
+from losscodegen.emit import label_part
+from losscodegen.lower import IS_Y, ZM
 
 # {read: SFU ops per vocabulary element}, from the formulas:
 CASES = [
@@ -106,10 +110,6 @@ def test_the_label_part_of_the_gradient_is_added_at_its_column_once_a_row():
     p_i over the row and adds the label's -1 at its column once, after the read, rather than a
     compare and a multiply-add an element; where ``is_y`` is multiplied by an element value, or a
     top-k part (whose ids may hold the label) is there, it stays in the read."""
-    import sympy as sp
-
-    from losscodegen.emit import label_part
-    from losscodegen.lower import IS_Y, ZM
     g0, g1 = sp.symbols("g0 g1", real=True)
     assert label_part(g0 * sp.exp(ZM) + g1 * IS_Y) == (g0 * sp.exp(ZM), g1)
     assert label_part(g0 * sp.exp(ZM) + g1 * IS_Y * ZM) == (g0 * sp.exp(ZM) + g1 * IS_Y * ZM, 0)
