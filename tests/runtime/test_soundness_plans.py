@@ -275,3 +275,28 @@ def test_a_kink_of_a_sum_of_a_vector_builds_in_seconds(device):
     # many minutes; such sums now stay apart)
     t = lcg.declare_term("kink", S.Abs(S.Min(S.target_logit, S.vsum(S.vector("u") * S.softmax * S.log(S.softmax)))))
     check(lcg.HeadLoss(t(weight=0.8, normalize="sum")), Plan(), rows=7, vocab=64, seed=887, device=device)
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_labels_at_the_edges_of_tiles_with_the_gradient_written_over_the_logits(dtype, split):
+    """The label's part of the gradient is added at its column after the gradient read (the Triton
+    template, ``emit.label_part``), from the label's raw logit read before the read overwrites it
+    (``inplace_backward``): labels at the first and last column of a tile and of the row, with a
+    softcap, against float64 autograd."""
+    from losscodegen.backends.triton import tiles
+    V, scale, cap = 70, 0.7, 20.0
+    g = torch.Generator().manual_seed(31)
+    x = (torch.randn(9, V, generator=g, dtype=torch.float64) * 4).to(dtype)
+    y = torch.tensor([0, 15, 16, 31, 32, 68, 69, -100, 47])
+    head = lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(weight=0.1), logit_scale=scale, softcap=cap,
+                        inplace_backward=True, backend="triton")
+    head.tile_override = tiles.Config(16, 4, split)
+    base = x.clone().requires_grad_()
+    head(base * 1.0, y).loss.backward()
+    x64 = x.double().requires_grad_()
+    z = scale * cap * torch.tanh(x64 / cap)
+    lse, valid = torch.logsumexp(z, -1), y != -100
+    rows = lse - z.gather(1, y.clamp(min=0)[:, None])[:, 0] + 0.1 * lse**2
+    (rows[valid].sum() / valid.sum()).backward()
+    lcg.testing.compare("gradient", base.grad, x64.grad, dtype)
