@@ -60,6 +60,11 @@ class Config:
             options["maxnreg"] = self.maxnreg
         return options
 
+    def __repr__(self) -> str:
+        # (explain() prints a tile: the cap only where an entry has one)
+        cap = "" if self.maxnreg is None else f", maxnreg={self.maxnreg}"
+        return f"Config(block_v={self.block_v}, num_warps={self.num_warps}, split={self.split}{cap})"
+
     def entry(self) -> list:
         """The table's form: [block_v, num_warps, split], and the register cap where there is one."""
         return [self.block_v, self.num_warps, self.split] + ([self.maxnreg] if self.maxnreg is not None else [])
