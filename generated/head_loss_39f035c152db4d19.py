@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "39f035c152db4d19"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "f339ae6b721a"
+CODEGEN = "a9d22dfa42f6"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_fraction']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -499,4 +499,4 @@ def head_loss_39f035c152db4d19(
             tl.store(ws_ptr + 2, value_clip_fraction)
             tl.store(ws_ptr + 3, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "c6f85b703395d13879ab9b4d28ef7e5e7ff07b62731df6aae1a3c9f4b0b9bd79"
+TEXT_HASH = "990fe2c0995f25cb53b744f348d71c266f0baa4387ba0cf90f6fbb885ce325c0"

@@ -49,7 +49,7 @@ from triton.language.extra import libdevice
 
 KEY = "4b44cfbdd10c9539"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "f339ae6b721a"
+CODEGEN = "a9d22dfa42f6"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_fraction', 'ratio_mean', 'kl_new_old']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -509,4 +509,4 @@ def head_loss_4b44cfbdd10c9539(
             tl.store(ws_ptr + 4, value_kl_new_old)
             tl.store(ws_ptr + 5, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "4c640a0ccbcf0fae1d0f75063f9634cc17aae9b3a297f5374a48103a78e26a40"
+TEXT_HASH = "e82b09afba4f0fd64398e55cca999a20a5af713e2a3684806a157086da55fdab"

@@ -43,7 +43,7 @@ from triton.language.extra import libdevice
 
 KEY = "61bded9c9d8c364d"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "f339ae6b721a"
+CODEGEN = "a9d22dfa42f6"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['reverse_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -475,4 +475,4 @@ def head_loss_61bded9c9d8c364d(
             tl.store(ws_ptr + 0, value_reverse_kl)
             tl.store(ws_ptr + 1, weight_reverse_kl * value_reverse_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "180c593563d236bc83316d83e8809aee22ff2138950b302f1575aa7b934ade53"
+TEXT_HASH = "0e6f59e4b2bd85531d965e1bf94935addbf4f5849879a9c3c2581bc2fee1d6b2"

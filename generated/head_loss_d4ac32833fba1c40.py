@@ -43,7 +43,7 @@ from triton.language.extra import libdevice
 
 KEY = "d4ac32833fba1c40"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "f339ae6b721a"
+CODEGEN = "a9d22dfa42f6"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['topk_forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -471,4 +471,4 @@ def head_loss_d4ac32833fba1c40(
             tl.store(ws_ptr + 0, value_topk_forward_kl)
             tl.store(ws_ptr + 1, weight_topk_forward_kl * value_topk_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "29eb4edd9b55e1a9d1295c2c3f9d399fed69958917a7b874f9eb300009f1260a"
+TEXT_HASH = "2498be983e2491c3e196c3d75861ad9b5168f43944777d3a3d43a9370b42f60a"

@@ -518,7 +518,7 @@ def _combine(accs: list[Accumulator], fixed: set[str], exprs: list[sp.Expr]):
                     return None
                 if k is None:
                     k = r
-                elif sp.cancel(r - k) != 0 and _simplified(r - k) != 0:
+                elif _simplified(r - k) != 0:   # (None, a difference with conditions, is not 0)
                     return None
             except (ValueError, TypeError):
                 # (sympy's simplify can fail on a condition it cannot compare, 'zoo is not comparable':
