@@ -214,19 +214,26 @@ def resident_programs(cfg: Config, x: torch.Tensor) -> tuple[int, dict]:
         args, _ = _arguments(x, y, cfg)
         k = _ce_row_on_chip.warmup(*args, grid=(1,), PUBLISH=cfg.G > 1, BARRIER=cfg.G > 1, FINISH=True,
                                    **_constexprs(cfg))
-        getattr(k, "_init_handles", lambda: None)()   # (n_regs and n_spills are read when the binary loads)
-        props = torch.cuda.get_device_properties(x.device)
-        regs_sm = getattr(props, "regs_per_multiprocessor", 65536)
-        smem_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
-        threads_sm = getattr(props, "max_threads_per_multi_processor", 2048)
-        regs_warp = math.ceil(max(k.n_regs, 1) * 32 / 256) * 256   # allocated per warp, 256 at a time
-        per_sm = min(regs_sm // (regs_warp * cfg.num_warps), threads_sm // (32 * cfg.num_warps), 32)
-        shared = k.metadata.shared
-        if shared:
-            per_sm = min(per_sm, smem_sm // (shared + 1024))            # 1 KB a block for the system
-        info = dict(n_regs=k.n_regs, n_spills=getattr(k, "n_spills", None), shared=shared, per_sm=per_sm)
-        _RESIDENT[key] = (per_sm * props.multi_processor_count // cfg.G * cfg.G, info)
+        per_sm, info = blocks_per_sm(k, cfg.num_warps, x.device)
+        n_sm = torch.cuda.get_device_properties(x.device).multi_processor_count
+        _RESIDENT[key] = (per_sm * n_sm // cfg.G * cfg.G, info)
     return _RESIDENT[key]
+
+
+def blocks_per_sm(k, num_warps: int, device: torch.device) -> tuple[int, dict]:
+    """How many programs of the compiled kernel ``k`` (``num_warps`` warps each) one multiprocessor
+    holds at once, by registers, threads and shared memory, and the kernel's n_regs / n_spills."""
+    getattr(k, "_init_handles", lambda: None)()   # (n_regs and n_spills are read when the binary loads)
+    props = torch.cuda.get_device_properties(device)
+    regs_sm = getattr(props, "regs_per_multiprocessor", 65536)
+    smem_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
+    threads_sm = getattr(props, "max_threads_per_multi_processor", 2048)
+    regs_warp = math.ceil(max(k.n_regs, 1) * 32 / 256) * 256   # allocated per warp, 256 at a time
+    per_sm = min(regs_sm // (regs_warp * num_warps), threads_sm // (32 * num_warps), 32)
+    shared = k.metadata.shared
+    if shared:
+        per_sm = min(per_sm, smem_sm // (shared + 1024))            # 1 KB a block for the system
+    return per_sm, dict(n_regs=k.n_regs, n_spills=getattr(k, "n_spills", None), shared=shared, per_sm=per_sm)
 
 
 def ce_row_on_chip(x: torch.Tensor, y: torch.Tensor, cfg: Config, *, programs: int | None = None,
