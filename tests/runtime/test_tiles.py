@@ -72,3 +72,15 @@ def test_a_table_entry_may_cap_the_registers_of_a_thread(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "tiles.json").read_text()) == {"gpu|x/2/0|131072|2": [8192, 8, False, 80]}
     assert tiles._Table().get("gpu|x/2/0|131072|2") == config
     assert tiles.TABLE.get("NVIDIA H200|x/2/0|131072|2").maxnreg == 80
+
+
+def test_the_tuner_tries_the_register_caps_that_fit_another_program():
+    """A cap is worth timing where it lets one more program onto a multiprocessor (65536 registers,
+    8 a thread at a time): GRPO's 8-warp tile at 102 registers fits 2, at 80 it fits 3, at 64 it fits 4."""
+    assert tune.register_caps(8, 102) == [80, 64]
+    assert tune.register_caps(16, 97) == [64]
+    assert tune.register_caps(4, 172) == [168, 128]
+    assert tune.register_caps(4, 172, n=4) == [168, 128, 96, 80]
+    assert tune.register_caps(8, 80) == [64]
+    assert tune.register_caps(8, 64) == [] and tune.register_caps(32, 255) == [64]
+    assert tune.register_caps(8, 200, regs_per_sm=32768) == [128, 64]   # another GPU's register file

@@ -25,27 +25,72 @@ def candidates(spec: FileSpec, V: int) -> list[tiles.Config]:
             for split in ((False, True) if spec.has_exact else (False,))]
 
 
+def register_caps(warps: int, regs: int, regs_per_sm: int = 65536, n: int = 2) -> list[int]:
+    """The register caps worth timing for a kernel of ``warps`` warps that ptxas gave ``regs`` a
+    thread: the ``n`` largest below it that each let one more program onto a multiprocessor
+    (registers go to a thread 8 at a time), none below 64. Left alone, ptxas may take registers
+    that cost a program a multiprocessor: GRPO + entropy + clip's 8-warp tile took 102 on the H200,
+    2 programs where 80 fit 3 and ran 7% faster. Below 64 the heads measured spill heavily (the
+    forward KL's 16-warp tile capped at 64: 108 spilled registers, 3.6x slower)."""
+    steps = sorted({regs_per_sm // (k * 32 * warps) // 8 * 8 for k in range(1, 2048 // (32 * warps) + 1)},
+                   reverse=True)
+    return [cap for cap in steps if 64 <= cap < regs][:n]
+
+
+# what ptxas gave a configuration's binaries (the most of them), by kernel and launch constexprs:
+# a binary compiled at another vocabulary is not compiled again, and its registers are read here
+_REGISTERS: dict[tuple, int] = {}
+
+
+def compiled_registers(head: HeadLoss) -> dict:
+    """Registers a thread of each binary compiled so far for ``head``'s kernel, by Triton's cache
+    key (read from the JIT function's per-device cache: the same in Triton 3.6 and 3.9)."""
+    fn = getattr(head.kernel, f"head_loss_{head.kernel.KEY}")
+    found = {}
+    for cache in fn.device_caches.values():
+        for key, binary in cache[0].items():
+            getattr(binary, "_init_handles", lambda: None)()     # (n_regs is read when the binary loads)
+            found[key] = binary.n_regs
+    return found
+
+
 def measure(head: HeadLoss, V: int, dtype: torch.dtype, device: torch.device, rows: int = 2048,
             reps: int = 20) -> dict[tiles.Config, float]:
-    """Time forward + backward calls of ``head`` on random inputs with each candidate (ms). Each
-    candidate's call is captured in a CUDA graph and replayed ``reps`` times: a call at this
-    size has about as much host work as GPU work, and timed eagerly the host's noise chose the tile
-    (one GPU's GSPO at 8192 x 128256 took 1.58 ms after one measurement, 1.96 after another)."""
+    """Time forward + backward calls of ``head`` on random inputs with each candidate (ms), and
+    each candidate again under the register caps that would fit one or two more of its programs on
+    a multiprocessor (``register_caps`` of what ptxas gave it). Each call is captured in a CUDA
+    graph and replayed ``reps`` times: a call at this size has about as much host work as GPU
+    work, and timed eagerly the host's noise chose the tile (one GPU's GSPO at 8192 x 128256 took
+    1.58 ms after one measurement, 1.96 after another)."""
     logits, labels, inputs = random_inputs(head, rows, V, dtype, device)
     x = logits.requires_grad_()
+    regs_per_sm = getattr(torch.cuda.get_device_properties(device), "regs_per_multiprocessor", 65536)
 
     def step():
         x.grad = None
         head(x, labels, **inputs).loss.backward()
     times = {}
     side = torch.cuda.Stream(device)
+    todo = candidates(head.kernel.SPEC, V)
     try:
-        for config in candidates(head.kernel.SPEC, V):
+        while todo:
+            config = todo.pop(0)
             head.tile_override = config         # (layouts made meanwhile are not kept)
+            compiled = compiled_registers(head)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
                 step()                          # compiles, outside the capture
             torch.cuda.current_stream(device).wait_stream(side)
+            if config.maxnreg is None:
+                # the binaries this configuration compiled (every launch of a split call its own)
+                binary = (head.kernel.KEY, config.split, tuple(sorted(config.launch(V, dtype.itemsize).items())))
+                regs = [n for key, n in compiled_registers(head).items() if key not in compiled]
+                if regs:
+                    _REGISTERS[binary] = max(regs)
+                if binary in _REGISTERS:
+                    warps = config.launch(V, dtype.itemsize)["num_warps"]
+                    todo += [tiles.Config(config.block_v, config.num_warps, config.split, cap)
+                             for cap in register_caps(warps, _REGISTERS[binary], regs_per_sm)]
             graph = torch.cuda.CUDAGraph()
             # (thread_local: another thread's CUDA calls meanwhile do not break the capture)
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
@@ -80,11 +125,14 @@ def tune(heads: list[HeadLoss], vocabs: list[int], device: torch.device, rows: i
     found: dict[str, tiles.Config] = {}
     for name, members in groups.items():
         worst: dict[tiles.Config, float] = {}
-        for head, V in members:
-            times = measure(head, V, torch.bfloat16, device, rows=rows)
+        measured = [measure(head, V, torch.bfloat16, device, rows=rows) for head, V in members]
+        # a register cap is tried where it fits another program of that head's kernel: the entry
+        # is chosen among the configurations every head of the state was timed with
+        common = set.intersection(*(set(times) for times in measured))
+        for times in measured:
             best = min(times.values())
-            for config, ms in times.items():
-                worst[config] = max(worst.get(config, 0.0), ms / best)
+            for config in common:
+                worst[config] = max(worst.get(config, 0.0), times[config] / best)
         found[name] = min(worst, key=worst.get)
         print(f"{name}: {found[name]} ({len(members)} heads)", flush=True)
         if out is None:

@@ -1,0 +1,31 @@
+"""The tuner on a GPU (marked ``gpu``: skipped without one): it times each candidate tile and, where
+ptxas gave a tile's kernel registers that cost a program a multiprocessor, the tile under the caps
+that fit more (tune.register_caps); a capped entry it keeps gives the values of the uncapped one.
+(Timings live in bench/, never in a test: here only which configurations were timed.)"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import losscodegen as lcg
+from losscodegen.backends.triton import tiles, tune
+from losscodegen.testing import assert_parity
+
+pytestmark = pytest.mark.gpu
+
+
+def test_the_tuner_times_register_caps_and_a_capped_tile_computes_the_same(tmp_path):
+    head = lcg.HeadLoss(lcg.GRPO(), metrics=(lcg.Entropy(), lcg.ClipFraction()))
+    V = 32000
+    times = tune.measure(head, V, torch.bfloat16, torch.device("cuda"), rows=256, reps=2)
+    uncapped = [c for c in times if c.maxnreg is None]
+    assert set(uncapped) == set(tune.candidates(head.kernel.SPEC, V))
+    capped = {c for c in times if c.maxnreg is not None}
+    assert capped, "no tile of GRPO's kernel took more than 64 registers a thread"
+    assert all(0 < ms < 1e3 for ms in times.values())
+    for config in capped:
+        assert tiles.Config(config.block_v, config.num_warps, config.split) in uncapped
+    found = tune.tune([head], [V], torch.device("cuda"), rows=256, out=tmp_path / "tiles.json")
+    assert list(found.values())[0] in times
+    head.tile_override = sorted(capped, key=lambda c: c.maxnreg)[0]   # the tightest cap: spills, same values
+    assert_parity(head, rows=64, vocab=V, dtypes=(torch.bfloat16,))
