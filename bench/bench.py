@@ -16,7 +16,9 @@
           torch.compile, Liger's fused linear CE and Apple's Cut Cross-Entropy (when installed).
           Also the fused path's precision against an fp32 reference, beside the unfused bf16 one.
 
-Times are medians of triton.testing.do_bench; peak_GB is torch.cuda.max_memory_allocated above what
+Times are medians of triton.testing.do_bench; a logits workload's "floor" is the time to read its
+logits (and the teacher's) once and write the gradient at the copy bandwidth measured in the same
+process (copy_bandwidth, kept in the JSON as copy_bandwidth, bytes/s); peak_GB is torch.cuda.max_memory_allocated above what
 was allocated before the call (inputs included there). Everything goes to DIR/<device>.json (default
 DIR: docs/perf) as records {workload, shape, impl, ms, peak_GB}, and, with matplotlib (the `bench`
 extra), a bar chart DIR/<device>.png.
@@ -199,9 +201,12 @@ def _warm_up(seconds: float = 3.0) -> None:
         torch.cuda.synchronize()
 
 
-def bench_logits(quick: bool, liger):
+def bench_logits(quick: bool, liger) -> float:
+    """The logits workloads' records; returns the copy bandwidth their floors are at (bytes/s)."""
     print("\nlogits workloads, forward + backward, bf16:", flush=True)
     _warm_up()
+    bandwidth = copy_bandwidth()
+    print(f"  copy bandwidth (read + write): {bandwidth / 1e12:.2f} TB/s", flush=True)
     shapes = LOGIT_SHAPES[1:2] if quick else LOGIT_SHAPES
     for name, (make, needs, formula) in LOGIT_WORKLOADS.items():
         for R, V in shapes:
@@ -241,12 +246,25 @@ def bench_logits(quick: bool, liger):
                 print(f"  {name:28s} {shape:22s} {r['impl']:24s} {r['ms']:9.3f} ms (median of 4, alternating)",
                       flush=True)
             records.append(dict(workload=name, shape=shape, impl="floor", peak_GB=0.0,
-                                ms=_floor(needs, R, V)))
+                                ms=_floor(needs, R, V, bandwidth)))
             del x, kw
             torch.cuda.empty_cache()
+    return bandwidth
 
 
-def _floor(needs, R, V, bandwidth=3.0e12):
+def copy_bandwidth(gib: int = 2) -> float:
+    """Bytes a second that a device-to-device copy of ``gib`` GiB moves (read + write), measured here:
+    the rate a head bound by memory can reach on this GPU (3.0e12 on the H100 of the earlier tables,
+    which took it as a constant)."""
+    src = torch.empty(gib * 2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=300, return_mode="median")
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * gib * 2**30 / (ms / 1e3)
+
+
+def _floor(needs, R, V, bandwidth: float) -> float:
     """ms to read the logits (and the teacher's) once and write the gradient, at ``bandwidth``."""
     return (6 if "teacher" in needs else 4) * R * V / bandwidth * 1e3
 
@@ -465,7 +483,7 @@ def main():
     if args.host:
         result["host"] = host_work(liger)
     if args.logits:
-        bench_logits(args.quick, liger)
+        result["copy_bandwidth"] = bench_logits(args.quick, liger)
     if args.linear:
         result["linear_precision"] = bench_linear(args.quick, liger, cce)
     result["records"] = records
