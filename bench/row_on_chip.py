@@ -478,9 +478,14 @@ def main(quick: bool, out_path: str | None, shapes: list[tuple[int, int]] | None
             print(f"{r['shape']:14} {r['impl']:13} {r['config']:68} {r['ms']:8.4f} {r['gbps']:7.1f} "
                   f"{r['floor_ms']:8.4f} {default[r['shape']] / r['ms']:10.3f} {r['host_ms']:8.4f}")
     if out_path:
-        with open(out_path, "w") as f:
-            for r in records:
-                f.write(json.dumps(r) + "\n")
+        write_records(out_path, records)
+
+
+def write_records(path: str, records: list[dict]) -> None:
+    """Every record as a JSON line at ``path``."""
+    with open(path, "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from row_on_chip import IGNORE, MAX_SPIN, blocks_per_sm, host_enqueue_ms  # noqa: E402
+from row_on_chip import IGNORE, MAX_SPIN, acceptable, blocks_per_sm, host_enqueue_ms, write_records  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12   # H200: the floor counts one read of the logits and the teacher's, one write
 SLOTS = tl.constexpr(6)    # a member's scratch: m, s, m_t, s_t, then JSD's two exact sums
@@ -275,19 +275,6 @@ def errors(loss, grad, x, t, y, jsd: bool) -> dict:
                 finite=bool(torch.isfinite(grad).all()))
 
 
-def acceptable(e: dict, dtype: torch.dtype) -> str | None:
-    grad_tol = 1e-2 if dtype == torch.bfloat16 else 1e-4
-    if not e["finite"]:
-        return "gradient not finite"
-    if not e["ignored_zero"]:
-        return "an ignored row's gradient is not 0"
-    if e["loss_rel"] > 1e-4:
-        return f"loss relative error {e['loss_rel']:.2e} > 1e-4"
-    if e["grad_rel_norm"] > grad_tol:
-        return f"gradient relative error (norm) {e['grad_rel_norm']:.2e} > {grad_tol}"
-    return None
-
-
 def inputs(R: int, V: int, *, device: str, dtype=torch.bfloat16, seed: int = 1):
     """bench/bench.py's inputs: randn * 2 logits and teacher logits, every 7th row ignored."""
     g = torch.Generator(device=device).manual_seed(seed)
@@ -402,9 +389,7 @@ def main(quick: bool, out_path: str | None, shapes: list[tuple[int, int]] | None
             print(f"{r['head']:5} {r['shape']:13} {r['impl']:12} {r['config']:52} {r['ms']:8.4f} {r['floor_ms']:8.4f} "
                   f"{default[(r['head'], r['shape'])] / r['ms']:10.3f} {r['host_ms']:6.3f}")
     if out_path:
-        with open(out_path, "w") as f:
-            for r in records:
-                f.write(json.dumps(r) + "\n")
+        write_records(out_path, records)
 
 
 if __name__ == "__main__":
