@@ -1,5 +1,6 @@
 """Every benchmark head at a realistic size, 4096 x 128256 bf16 on the GPU, against the hand-written
-float64 references (marked ``gpu``: skipped without one)."""
+float64 references (marked ``gpu``: skipped without one); and the heads whose plan states have a
+register cap in a tile-table entry (the H200's, at 128256 and 262144) at 1024 x 262144."""
 from __future__ import annotations
 
 import pytest
@@ -20,6 +21,7 @@ HEADS = {
     "CE+z+0.5FKL+ent": lambda: lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(weight=1e-4), lcg.ForwardKL(weight=0.5),
                                             metrics=(lcg.Entropy(),)),
     "JSD": lambda: lcg.HeadLoss(lcg.JSD()),
+    "FKL": lambda: lcg.HeadLoss(lcg.ForwardKL()),
     "CE+topk": lambda: lcg.HeadLoss(lcg.CrossEntropy(), lcg.TopKForwardKL(weight=0.5)),
     "GSPO": lambda: lcg.HeadLoss(lcg.GSPO()),
 }
@@ -28,7 +30,15 @@ HEADS = {
 @pytest.mark.parametrize("name", list(HEADS))
 def test_parity_at_4096_x_128256_bf16(name, backend):
     # (``backend``: conftest's fixture, each backend in turn; --all-backends runs every head on both)
-    head = HEADS[name]()
+    _check(HEADS[name](), R, V)
+
+
+@pytest.mark.parametrize("name", ["CE+z+ent+acc", "GRPO+ent+clip+ratio", "CE+z+0.5FKL+ent", "JSD", "FKL"])
+def test_parity_at_1024_x_262144_bf16(name):
+    _check(HEADS[name](), 1024, 262144)
+
+
+def _check(head, R: int, V: int) -> None:
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(R, V, generator=g) * 2).bfloat16().cuda()
     labels = torch.randint(0, V, (R,), generator=g)
