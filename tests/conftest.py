@@ -58,6 +58,17 @@ def backend(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(scope="session")
+def fuzz_ranks2():
+    """The fuzzer's pool of two gloo ranks (``losscodegen.fuzz.Ranks``), kept for the session as the
+    fuzzer keeps it between cases: a pool starts two fresh interpreters, each importing torch and
+    losscodegen again (seconds of the suite on 2 busy cores)."""
+    from losscodegen import fuzz
+    ranks = fuzz.Ranks(2)
+    yield ranks
+    ranks.close()
+
+
 @pytest.fixture(autouse=True)
 def _nan_workspace(monkeypatch):
     """Every call's workspace starts as NaN, not as whatever memory held: a kernel that reads a slot

@@ -62,6 +62,16 @@ _RANKS = mp.get_context("forkserver")
 _RANKS.set_forkserver_preload(["torch", "torch.distributed", "losscodegen", "losscodegen.testing", "helpers"])
 
 
+def rank_process(target, *args, env: dict | None = None):
+    """A process (not started) forked from the server of ranks, running ``target(*args)`` in ``env``
+    (this process's environment by default); ``rank_queue()`` makes a queue it can put on."""
+    return _RANKS.Process(target=_on_backend, args=(target, dict(os.environ) if env is None else env, *args))
+
+
+def rank_queue():
+    return _RANKS.Queue()
+
+
 def run_ranks(worker, world: int, n_results: int) -> list:
     """``worker(rank, world, port, queue)`` in ``world`` processes (gloo over a free local port); the
     ``n_results`` items they put on the queue. The ranks hold CPU tensors, which the Triton backend
@@ -71,7 +81,7 @@ def run_ranks(worker, world: int, n_results: int) -> list:
         port = s.getsockname()[1]
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     queue = _RANKS.Queue()
-    procs = [_RANKS.Process(target=_on_backend, args=(worker, env, r, world, port, queue)) for r in range(world)]
+    procs = [rank_process(worker, r, world, port, queue, env=env) for r in range(world)]
     for p in procs:
         p.start()
     results = [queue.get(timeout=600) for _ in range(n_results)]

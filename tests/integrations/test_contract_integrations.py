@@ -15,23 +15,29 @@ FP32 = 5e-5
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_importing_losscodegen_imports_neither_dynamo_transformers_nor_trl():
-    code = ("import sys, losscodegen, losscodegen.integrations; "
-            "print([m for m in ('torch._dynamo', 'transformers', 'trl') if m in sys.modules])")
-    env = {**os.environ, "PYTHONPATH": ROOT}
+@pytest.fixture(scope="module")
+def fresh_process():
+    """One fresh interpreter for both checks below (a fresh one imports torch again: seconds): the
+    heavy modules loaded after ``import losscodegen``, then after a head's call and backward (in
+    Triton's interpreter, chosen before triton is imported)."""
+    code = ("import sys, losscodegen, losscodegen.integrations\n"
+            "print([m for m in ('torch._dynamo', 'transformers', 'trl') if m in sys.modules])\n"
+            "import torch, losscodegen as lcg\n"
+            "x = torch.randn(4, 16, requires_grad=True)\n"
+            "lcg.HeadLoss(lcg.CrossEntropy())(x, torch.tensor([0, 1, 2, 3])).loss.backward()\n"
+            "print([m for m in ('transformers', 'trl') if m in sys.modules])\n")
+    env = {**os.environ, "PYTHONPATH": ROOT, "TRITON_INTERPRET": "1"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+    return out.stdout.strip().splitlines()
 
 
-def test_a_head_call_does_not_import_dynamo_or_transformers():
-    code = ("import os, sys; os.environ['TRITON_INTERPRET']='1'; import torch, losscodegen as lcg; "
-            "x=torch.randn(4, 16, requires_grad=True); lcg.HeadLoss(lcg.CrossEntropy())(x, torch.tensor([0,1,2,3])).loss.backward(); "
-            "print([m for m in ('transformers', 'trl') if m in sys.modules])")
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+def test_importing_losscodegen_imports_neither_dynamo_transformers_nor_trl(fresh_process):
+    assert fresh_process[-2] == "[]", fresh_process
+
+
+def test_a_head_call_does_not_import_dynamo_or_transformers(fresh_process):
+    assert fresh_process[-1] == "[]", fresh_process
 
 
 # ------------------------------------------------------------------------------- transformers

@@ -1,5 +1,5 @@
 """CONTRACT.md "Distributed engines" and "Vocab-parallel", checked as a user would on gloo CPU ranks
-(one spawn for the 2-rank cases, one for the 4-rank mesh, one each for FSDP2's): DTensor logits
+(one spawn for the 2-rank cases, one for the 4-rank mesh, one for FSDP2's): DTensor logits
 Shard(-1) / Shard(0) / Replicate, a 2-D mesh, Partial refused naming it, head.linear with a Shard(0)
 DTensor weight, and process_group vocab shards of unequal widths. Values against float64 torch
 formulas written from the contract (tests/contract_reference.py), gradients by torch.autograd."""
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import contract_reference as R
+from helpers import rank_process, rank_queue
 
 FP32 = 5e-5
 
@@ -24,12 +25,11 @@ def _free_port():
 
 def _spawn(worker, world, timeout=600):
     """Run ``worker(rank, world)`` on ``world`` gloo ranks; returns each rank's list of
-    (case, error message or None)."""
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
+    (case, error message or None). The ranks fork from the suite's server of ranks (tests/helpers.py),
+    which imported torch and losscodegen once, and take this process's environment."""
+    q = rank_queue()
     port = _free_port()
-    procs = [ctx.Process(target=_main, args=(worker, r, world, port, q)) for r in range(world)]
+    procs = [rank_process(_main, worker, r, world, port, q) for r in range(world)]
     for p in procs:
         p.start()
     results = {}
@@ -390,8 +390,20 @@ def _fsdp_linear(rank, world):
     return res
 
 
-def test_linear_head_with_an_fsdp2_sharded_weight_on_data_parallel_ranks():
-    bad = _check(_spawn(_fsdp_linear, 2, timeout=300))
+def _fsdp2_cases(rank, world):
+    """FSDP2's workers in one spawn of their own (a spawn imports torch and losscodegen again)."""
+    return _fsdp_linear(rank, world) + _fsdp_model(rank, world)
+
+
+@pytest.fixture(scope="module")
+def fsdp2():
+    return _spawn(_fsdp2_cases, 2, timeout=300)
+
+
+def test_linear_head_with_an_fsdp2_sharded_weight_on_data_parallel_ranks(fsdp2):
+    cases = _only(fsdp2, "fsdp2 lm_head")
+    assert all(cases), fsdp2
+    bad = _check(cases)
     assert not bad, bad
 
 
@@ -628,6 +640,8 @@ def _fsdp_model(rank, world):
     return res
 
 
-def test_apply_losscodegen_under_fsdp2():
-    bad = _check(_spawn(_fsdp_model, 2, timeout=300))
+def test_apply_losscodegen_under_fsdp2(fsdp2):
+    cases = _only(fsdp2, "fsdp2 model")
+    assert all(len(res) == 4 for res in cases), fsdp2
+    bad = _check(cases)
     assert not bad, bad

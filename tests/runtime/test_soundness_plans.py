@@ -26,9 +26,9 @@ def test_token_level_unlikelihood_with_split_launches(plan, device):
 
 
 @pytest.mark.cpu   # (the fuzzer's gloo ranks)
-def test_token_level_unlikelihood_on_two_gloo_ranks():
+def test_token_level_unlikelihood_on_two_gloo_ranks(fuzz_ranks2):
     check(lcg.HeadLoss(Unlikelihood(), lcg.CrossEntropy()),
-          Plan(kind="sharded", world=2, shards=(32, 32)), rows=8, vocab=64, seed=1)
+          Plan(kind="sharded", world=2, shards=(32, 32)), rows=8, vocab=64, seed=1, ranks=fuzz_ranks2)
 
 
 def test_a_topk_gradient_kernel_keeps_its_values_in_scope():
@@ -163,10 +163,12 @@ RowMaxVectorTopK = lcg.declare_term(
 
 @pytest.mark.parametrize("plan", [Plan(tile=(16, 4, True)), Plan(reduction="none"),
                                   Plan(kind="sharded", world=2, shards=(21, 19))], ids=str)
-def test_a_head_reading_row_max_and_a_vector_beside_a_topk_sum(plan, device):
+def test_a_head_reading_row_max_and_a_vector_beside_a_topk_sum(plan, device, request):
     if plan.kind == "sharded" and device != "cpu":
         pytest.skip("vocab-parallel plans run on gloo CPU ranks")
-    check(lcg.HeadLoss(RowMaxVectorTopK(), backend="triton"), plan, rows=7, vocab=40, seed=3, device=device)
+    ranks = request.getfixturevalue("fuzz_ranks2") if plan.kind == "sharded" else None
+    check(lcg.HeadLoss(RowMaxVectorTopK(), backend="triton"), plan, rows=7, vocab=40, seed=3, device=device,
+          ranks=ranks)
 
 
 def test_a_max_of_a_sum_that_simplifies_to_a_number_is_declared(device):
