@@ -37,7 +37,7 @@ def register_caps(warps: int, regs: int, regs_per_sm: int = 65536, n: int = 2) -
     return [cap for cap in steps if 64 <= cap < regs][:n]
 
 
-# what ptxas gave a configuration's binaries (the most of them), by kernel and launch constexprs:
+# what ptxas gave a configuration's binaries (the most of them), by device, kernel and launch constexprs:
 # a binary compiled at another vocabulary is not compiled again, and its registers are read here
 _REGISTERS: dict[tuple, int] = {}
 
@@ -83,7 +83,8 @@ def measure(head: HeadLoss, V: int, dtype: torch.dtype, device: torch.device, ro
             torch.cuda.current_stream(device).wait_stream(side)
             if config.maxnreg is None:
                 # the binaries this configuration compiled (every launch of a split call its own)
-                binary = (head.kernel.KEY, config.split, tuple(sorted(config.launch(V, dtype.itemsize).items())))
+                binary = (torch.cuda.get_device_name(device), head.kernel.KEY, config.split,
+                          tuple(sorted(config.launch(V, dtype.itemsize).items())))
                 regs = [n for key, n in compiled_registers(head).items() if key not in compiled]
                 if regs:
                     _REGISTERS[binary] = max(regs)
