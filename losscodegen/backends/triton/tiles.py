@@ -8,8 +8,8 @@ exact, rows and gradient) when that is faster than one launch holding them all. 
 configuration comes from, in order:
 
 1. the user's measurements (``$LOSSCODEGEN_CACHE/tiles.json``, written by
-   ``python -m losscodegen tune``: tune.py) and the table measured on an H100 that ships
-   with the package (``tiles.json``), keyed by GPU, state, vocabulary bucket and width;
+   ``python -m losscodegen tune``: tune.py) and the table measured on an H100 and an H200
+   that ships with the package (``tiles.json``), keyed by GPU, state, vocabulary bucket and width;
 2. otherwise the rule (``rule``: the best of the H100 sweep at 128256 for the nearest state).
 Nothing is measured inside a user's call.
 
