@@ -84,3 +84,14 @@ def test_the_tuner_tries_the_register_caps_that_fit_another_program():
     assert tune.register_caps(8, 80) == [64]
     assert tune.register_caps(8, 64) == [] and tune.register_caps(32, 255) == [64]
     assert tune.register_caps(8, 200, regs_per_sm=32768) == [128, 64]   # another GPU's register file
+
+
+def test_every_shipped_cap_is_an_occupancy_step_the_tuner_tries():
+    """A shipped entry's register cap is one the tuner can have chosen: an occupancy step of its warps
+    (the most registers a thread may have for a given number of programs a multiprocessor), 64 or more."""
+    shipped = json.loads(tiles.SHIPPED.read_text())
+    capped = {name: entry for name, entry in shipped.items() if len(entry) == 4}
+    assert capped      # (the H200's GRPO entry, at least)
+    for name, entry in capped.items():
+        config = tiles.Config(*entry)
+        assert config.maxnreg in tune.register_caps(config.num_warps, 256, n=8), (name, entry)
