@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 import torch
 import triton
@@ -20,6 +22,9 @@ import losscodegen as lcg
 from losscodegen.backends.triton import tiles
 from losscodegen.backends.triton.tune import compiled_registers, register_caps
 from losscodegen.testing import random_inputs
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from row_on_chip import write_records  # noqa: E402
 
 HEADS = {
     "CE": lambda: lcg.HeadLoss(lcg.CrossEntropy()),
@@ -37,6 +42,7 @@ SHAPES = [(8192, 128256), (4096, 262144)]
 def main(out_path: str | None, only: list[str], rounds: int) -> None:
     device = torch.device("cuda")
     records = []
+    known: dict = {}     # (head, config) -> its binaries' registers, from the shape that compiled them
     for name, make in HEADS.items():
         if only and name not in only:
             continue
@@ -48,23 +54,24 @@ def main(out_path: str | None, only: list[str], rounds: int) -> None:
             def step():
                 x.grad = None
                 head(x, labels, **kw).loss.backward()
-            table = tiles.choose(head, head.kernel, V, torch.bfloat16, device)
-            bare = tiles.Config(table.block_v, table.num_warps, table.split)
-            before = compiled_registers(head)
-            head.tile_override = bare
-            step()
-            torch.cuda.synchronize()
-            new = [n for k, n in compiled_registers(head).items() if k not in before]
-            regs = max(new) if new else 255     # (compiled at the other vocabulary: every cap step)
-            configs = [bare] + [tiles.Config(bare.block_v, bare.num_warps, bare.split, c)
-                                for c in register_caps(bare.launch(V, 2)["num_warps"], regs)]
-            info, best = {}, {}
-            for config in configs:            # compile each, and note what ptxas gave it
-                seen = compiled_registers(head)
+
+            def compile_(config: tiles.Config) -> list[int]:
+                """The registers of the binaries ``config`` launches (compiled now, or at an earlier shape)."""
+                seen = compiled_registers(head, device)
                 head.tile_override = config
                 step()
                 torch.cuda.synchronize()
-                info[config] = [n for k, n in compiled_registers(head).items() if k not in seen] or new
+                got = [n for k, n in compiled_registers(head, device).items() if k not in seen]
+                if got:
+                    known[(name, config)] = got
+                return known.get((name, config), [])
+            table = tiles.choose(head, head.kernel, V, torch.bfloat16, device)
+            bare = tiles.Config(table.block_v, table.num_warps, table.split)
+            regs = compile_(bare)
+            configs = [bare] + [tiles.Config(bare.block_v, bare.num_warps, bare.split, c)
+                                for c in register_caps(bare.launch(V, 2)["num_warps"], max(regs, default=0))]
+            info = {config: compile_(config) for config in configs}
+            best = {}
             for _ in range(rounds):
                 for config in configs:
                     head.tile_override = config
@@ -84,9 +91,7 @@ def main(out_path: str | None, only: list[str], rounds: int) -> None:
         print(f"{r['head']:24} {r['state']:8} {r['shape']:13} {str(r['config']):26} {str(r['table']):5} "
               f"{r['ms']:8.4f} {r['gain']:11.3f}  {r['kernels']}")
     if out_path:
-        with open(out_path, "w") as f:
-            for r in records:
-                f.write(json.dumps(r) + "\n")
+        write_records(out_path, records)
 
 
 if __name__ == "__main__":

@@ -197,7 +197,7 @@ def _launch(x, t, y, cfg: Config, jsd: bool, programs: int, phases: list[dict]):
     loss_rows = torch.zeros(R, device=x.device, dtype=torch.float32)
     n_valid = (y != IGNORE).sum(dtype=torch.int32)
     ws = torch.zeros(R + 1, device=x.device, dtype=torch.int32)   # the rows' counters, then the flag
-    scratch = torch.empty(R * cfg.G * 6, device=x.device, dtype=torch.float32)
+    scratch = torch.empty(R * cfg.G * SLOTS.value, device=x.device, dtype=torch.float32)
     args = (x, t, x.stride(0), grad, y, n_valid, loss_rows, scratch, ws, ws[-1:], R, V, BETA, MAX_SPIN)
     for phase in phases:
         _teacher_split[(programs,)](*args, G=cfg.G, G_P2=triton.next_power_of_2(cfg.G), SLICE=cfg.slice,
@@ -213,7 +213,7 @@ def resident(cfg: Config, x, t, y, jsd: bool) -> tuple[int, dict]:
     key = (cfg, tuple(x.shape), x.dtype, jsd)
     if key not in _RESIDENT:
         R, V = x.shape
-        scratch = torch.empty(R * cfg.G * 6, device=x.device, dtype=torch.float32)
+        scratch = torch.empty(R * cfg.G * SLOTS.value, device=x.device, dtype=torch.float32)
         ws = torch.zeros(R + 1, device=x.device, dtype=torch.int32)
         k = _teacher_split.warmup(x, t, x.stride(0), x, y, ws, scratch, scratch, ws, ws, R, V, BETA, MAX_SPIN,
                                   grid=(1,), G=cfg.G, G_P2=triton.next_power_of_2(cfg.G), SLICE=cfg.slice,

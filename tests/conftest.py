@@ -59,14 +59,24 @@ def backend(request, monkeypatch):
 
 
 @pytest.fixture(scope="session")
-def fuzz_ranks2():
+def _fuzz_pool():
+    pool: dict = {}
+    yield pool
+    if "ranks" in pool:
+        pool["ranks"].close()
+
+
+@pytest.fixture
+def fuzz_ranks2(_fuzz_pool):
     """The fuzzer's pool of two gloo ranks (``losscodegen.fuzz.Ranks``), kept for the session as the
     fuzzer keeps it between cases: a pool starts two fresh interpreters, each importing torch and
-    losscodegen again (seconds of the suite on 2 busy cores)."""
+    losscodegen again (seconds of the suite on 2 busy cores). Started again where a rank is gone (a
+    hang closes the pool: ``Ranks.run``), so that one test's hang is not every later test's."""
     from losscodegen import fuzz
-    ranks = fuzz.Ranks(2)
-    yield ranks
-    ranks.close()
+    ranks = _fuzz_pool.get("ranks")
+    if ranks is None or not all(p.is_alive() for p in ranks.procs):
+        ranks = _fuzz_pool["ranks"] = fuzz.Ranks(2)
+    return ranks
 
 
 @pytest.fixture(autouse=True)

@@ -37,18 +37,20 @@ def register_caps(warps: int, regs: int, regs_per_sm: int = 65536, n: int = 2) -
     return [cap for cap in steps if 64 <= cap < regs][:n]
 
 
-# what ptxas gave a configuration's binaries (the most of them), by device, kernel and launch constexprs:
-# a binary compiled at another vocabulary is not compiled again, and its registers are read here
+# what ptxas gave a configuration's binaries (the most of them), by GPU, kernel, dtype and launch
+# options: a binary compiled at another vocabulary is not compiled again, and its registers are read here
 _REGISTERS: dict[tuple, int] = {}
 
 
-def compiled_registers(head: HeadLoss) -> dict:
-    """Registers a thread of each binary compiled so far for ``head``'s kernel, by Triton's cache
-    key (read from the JIT function's per-device cache: the same in Triton 3.6 and 3.9)."""
+def compiled_registers(head: HeadLoss, device: torch.device) -> dict[str, int]:
+    """Registers a thread of each binary compiled so far for ``head``'s kernel on ``device``, by
+    Triton's cache key (the JIT function's cache of that device: the same in Triton 3.6 and 3.9; its
+    key has no device, so another device's binaries are not read)."""
     fn = getattr(head.kernel, f"head_loss_{head.kernel.KEY}")
+    index = device.index if device.index is not None else torch.cuda.current_device()
     found = {}
-    for cache in fn.device_caches.values():
-        for key, binary in cache[0].items():
+    if index in fn.device_caches:
+        for key, binary in fn.device_caches[index][0].items():
             getattr(binary, "_init_handles", lambda: None)()     # (n_regs is read when the binary loads)
             found[key] = binary.n_regs
     return found
@@ -76,22 +78,26 @@ def measure(head: HeadLoss, V: int, dtype: torch.dtype, device: torch.device, ro
         while todo:
             config = todo.pop(0)
             head.tile_override = config         # (layouts made meanwhile are not kept)
-            compiled = compiled_registers(head)
+            compiled = compiled_registers(head, device)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
                 step()                          # compiles, outside the capture
             torch.cuda.current_stream(device).wait_stream(side)
             if config.maxnreg is None:
                 # the binaries this configuration compiled (every launch of a split call its own)
-                binary = (torch.cuda.get_device_name(device), head.kernel.KEY, config.split,
-                          tuple(sorted(config.launch(V, dtype.itemsize).items())))
-                regs = [n for key, n in compiled_registers(head).items() if key not in compiled]
+                options = config.launch(V, dtype.itemsize)
+                binary = (torch.cuda.get_device_name(device), head.kernel.KEY, dtype, config.split,
+                          tuple(sorted(options.items())))
+                regs = [n for key, n in compiled_registers(head, device).items() if key not in compiled]
                 if regs:
                     _REGISTERS[binary] = max(regs)
                 if binary in _REGISTERS:
-                    warps = config.launch(V, dtype.itemsize)["num_warps"]
                     todo += [tiles.Config(config.block_v, config.num_warps, config.split, cap)
-                             for cap in register_caps(warps, _REGISTERS[binary], regs_per_sm)]
+                             for cap in register_caps(options["num_warps"], _REGISTERS[binary], regs_per_sm)]
+                else:
+                    # (compiled before this process's tuner ran: its registers are not known here)
+                    print(f"head_loss_{head.kernel.KEY}, {config}: compiled before the tuner ran, no register "
+                          "cap timed", flush=True)
             graph = torch.cuda.CUDAGraph()
             # (thread_local: another thread's CUDA calls meanwhile do not break the capture)
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
