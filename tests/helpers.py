@@ -62,13 +62,14 @@ _RANKS = mp.get_context("forkserver")
 _RANKS.set_forkserver_preload(["torch", "torch.distributed", "losscodegen", "losscodegen.testing", "helpers"])
 
 
-def rank_process(target, *args, env: dict | None = None):
+def rank_process(target, *args, env: dict | None = None) -> "multiprocessing.process.BaseProcess":
     """A process (not started) forked from the server of ranks, running ``target(*args)`` in ``env``
     (this process's environment by default); ``rank_queue()`` makes a queue it can put on."""
     return _RANKS.Process(target=_on_backend, args=(target, dict(os.environ) if env is None else env, *args))
 
 
-def rank_queue():
+def rank_queue() -> "multiprocessing.queues.Queue":
+    """A queue that processes from ``rank_process`` can put on."""
     return _RANKS.Queue()
 
 

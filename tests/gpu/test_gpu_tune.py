@@ -1,6 +1,6 @@
 """The tuner on a GPU (marked ``gpu``: skipped without one): it times each candidate tile and, where
 ptxas gave a tile's kernel registers that cost a program a multiprocessor, the tile under the caps
-that fit more (tune.register_caps); a capped entry it keeps gives the values of the uncapped one.
+that fit more (tune.register_caps); a capped tile computes the float64 reference's values.
 (Timings live in bench/, never in a test: here only which configurations were timed.)"""
 from __future__ import annotations
 
