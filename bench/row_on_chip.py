@@ -262,27 +262,33 @@ def ce_row_on_chip(x: torch.Tensor, y: torch.Tensor, cfg: Config, *, programs: i
     return loss_rows.sum() / n_valid.clamp_min(1), grad, err
 
 
-def reference(x: torch.Tensor, y: torch.Tensor, rows_at_once: int = 256) -> tuple[torch.Tensor, list]:
-    """float64 loss and, per block of rows, (dlogits in float64): in blocks so that a 4096 x 262144 check
-    does not hold several [rows, V] float64 tensors at once."""
+def reference_blocks(x: torch.Tensor, y: torch.Tensor, row_losses, rows_at_once: int = 256) -> tuple[torch.Tensor, list]:
+    """The float64 mean over the valid rows of ``row_losses(float64 rows, first row)`` (each row's
+    loss) and, per block of rows, (its first row, its dlogits in float64), by autograd: in blocks so
+    that a 4096 x 262144 check does not hold several [rows, V] float64 tensors at once."""
     valid = y != IGNORE
     n = valid.sum().clamp_min(1).double()
     total = torch.zeros((), dtype=torch.float64, device=x.device)
     grads = []
     for a in range(0, x.shape[0], rows_at_once):
         xb = x[a:a + rows_at_once].double().requires_grad_()
-        yb = y[a:a + rows_at_once]
-        lb = torch.nn.functional.cross_entropy(xb, yb, ignore_index=IGNORE, reduction="sum") / n
+        lb = torch.where(valid[a:a + rows_at_once], row_losses(xb, a), 0.0).sum() / n
         (gb,) = torch.autograd.grad(lb, xb)
         total += lb.detach()
         grads.append((a, gb))
     return total, grads
 
 
-def errors(loss: torch.Tensor, grad: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> dict:
-    """Relative errors against the float64 reference: the loss's, the gradient's by norm and by max,
-    and whether every ignored row's gradient is exactly 0."""
-    ref_loss, ref_grads = reference(x, y)
+def reference(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, list]:
+    """Cross-entropy's float64 loss and gradient blocks (reference_blocks)."""
+    return reference_blocks(x, y, lambda xb, a: torch.nn.functional.cross_entropy(
+        xb, y[a:a + xb.shape[0]], ignore_index=IGNORE, reduction="none"))
+
+
+def errors(loss: torch.Tensor, grad: torch.Tensor, y: torch.Tensor, ref: tuple[torch.Tensor, list]) -> dict:
+    """Relative errors against a float64 reference (reference_blocks' loss and gradient blocks): the
+    loss's, the gradient's by norm and by max, and whether every ignored row's gradient is exactly 0."""
+    ref_loss, ref_grads = ref
     diff2 = ref2 = 0.0
     diff_max = ref_max = 0.0
     for a, gb in ref_grads:
@@ -342,7 +348,7 @@ def self_test() -> None:
                     cases.append((cfg, dict(programs=2 * G, two_launches=True)))
             for cfg, kw in cases:
                 loss, grad, err = ce_row_on_chip(x, y, cfg, **kw)
-                e = errors(loss, grad, x, y)
+                e = errors(loss, grad, y, reference(x, y))
                 why = acceptable(e, dtype) or ("error flag set" if int(err) else None)
                 failed += why is not None
                 print(f"{str(dtype):15} {R}x{V:<4} {cfg.name:55} {kw}  loss {e['loss_rel']:.1e}  "
@@ -413,7 +419,7 @@ def main(quick: bool, out_path: str | None, shapes: list[tuple[int, int]] | None
         x.requires_grad_()
         out = head(x, y)
         out.loss.backward()
-        e = errors(out.loss.detach(), x.grad, x.detach(), y)
+        e = errors(out.loss.detach(), x.grad, y, reference(x.detach(), y))
         emit(dict(kind="check", shape=f"{Rc}x{V}", impl="losscodegen", config="default", **e))
         ok = []
         for cfg in configs(V, quick, slices):
@@ -421,7 +427,7 @@ def main(quick: bool, out_path: str | None, shapes: list[tuple[int, int]] | None
                 res = resident_programs(cfg, x)
                 loss, grad, err = ce_row_on_chip(x.detach(), y, cfg)
                 torch.cuda.synchronize()
-                e = errors(loss, grad, x.detach(), y)
+                e = errors(loss, grad, y, reference(x.detach(), y))
                 why = acceptable(e, x.dtype) or ("error flag set (a barrier timed out)" if int(err) else None)
             except Exception as exc:   # an out-of-resources compile, say: reported, not timed
                 res, e, why = (None, {}), {}, f"{type(exc).__name__}: {str(exc)[:200]}"

@@ -30,7 +30,8 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from row_on_chip import IGNORE, MAX_SPIN, acceptable, blocks_per_sm, host_enqueue_ms, write_records  # noqa: E402
+from row_on_chip import (IGNORE, MAX_SPIN, acceptable, blocks_per_sm, errors, host_enqueue_ms,  # noqa: E402
+                         reference_blocks, write_records)
 
 HBM_BYTES_PER_S = 4.8e12   # H200: the floor counts one read of the logits and the teacher's, one write
 SLOTS = tl.constexpr(6)    # a member's scratch: m, s, m_t, s_t, then JSD's two exact sums
@@ -241,38 +242,16 @@ def split_teacher(x, t, y, cfg: Config, jsd: bool, *, programs: int | None = Non
     return _launch(x, t, y, cfg, jsd, programs, phases)
 
 
-def reference_rows(x, t, y, jsd: bool, rows_at_once: int = 256):
-    """float64 loss and per block of rows (start, dlogits), by autograd on the textbook formulas."""
-    valid = y != IGNORE
-    n = valid.sum().clamp_min(1).double()
-    total = torch.zeros((), dtype=torch.float64, device=x.device)
-    grads = []
-    for a in range(0, x.shape[0], rows_at_once):
-        xb = x[a:a + rows_at_once].double().requires_grad_()
+def reference(x: torch.Tensor, t: torch.Tensor, y: torch.Tensor, jsd: bool) -> tuple[torch.Tensor, list]:
+    """float64 loss and gradient blocks (row_on_chip.reference_blocks) of the textbook formulas."""
+    def row_losses(xb: torch.Tensor, a: int) -> torch.Tensor:
         lp = torch.log_softmax(xb, -1)
-        lq = torch.log_softmax(t[a:a + rows_at_once].double(), -1)
+        lq = torch.log_softmax(t[a:a + xb.shape[0]].double(), -1)
         if jsd:
             lm = torch.logsumexp(torch.stack([lp + math.log(BETA), lq + math.log(1 - BETA)]), 0)
-            rows = BETA * (lp.exp() * (lp - lm)).sum(-1) + (1 - BETA) * (lq.exp() * (lq - lm)).sum(-1)
-        else:
-            rows = (lq.exp() * (lq - lp)).sum(-1)
-        lb = torch.where(valid[a:a + rows_at_once], rows, 0.0).sum() / n
-        (gb,) = torch.autograd.grad(lb, xb)
-        total += lb.detach()
-        grads.append((a, gb))
-    return total, grads
-
-
-def errors(loss, grad, x, t, y, jsd: bool) -> dict:
-    ref_loss, ref_grads = reference_rows(x, t, y, jsd)
-    diff2 = ref2 = 0.0
-    for a, gb in ref_grads:
-        d = grad[a:a + gb.shape[0]].double() - gb
-        diff2 += float((d * d).sum())
-        ref2 += float((gb * gb).sum())
-    return dict(loss_rel=abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)),
-                grad_rel_norm=math.sqrt(diff2 / ref2), ignored_zero=bool((grad[y == IGNORE] == 0).all()),
-                finite=bool(torch.isfinite(grad).all()))
+            return BETA * (lp.exp() * (lp - lm)).sum(-1) + (1 - BETA) * (lq.exp() * (lq - lm)).sum(-1)
+        return (lq.exp() * (lq - lp)).sum(-1)
+    return reference_blocks(x, y, row_losses)
 
 
 def inputs(R: int, V: int, *, device: str, dtype=torch.bfloat16, seed: int = 1):
@@ -297,7 +276,7 @@ def self_test() -> None:
                 for cfg in (Config.for_slice(V, V, 16, 4), Config.for_slice(V, 128, 32, 4),
                             Config.for_slice(V, 80, 16, 4), Config(triton.cdiv(V, 96) + 1, 96, 32, 4)):
                     loss, grad, err = split_teacher(x, t, y, cfg, jsd, programs=2 * cfg.G, interpret=True)
-                    e = errors(loss, grad, x, t, y, jsd)
+                    e = errors(loss, grad, y, reference(x, t, y, jsd))
                     why = acceptable(e, dtype) or ("error flag set" if int(err) else None)
                     failed += why is not None
                     print(f"{str(dtype):15} {R}x{V:<4} {'JSD' if jsd else 'FKL'} {cfg.name:45} loss {e['loss_rel']:.1e}"
@@ -337,7 +316,7 @@ def main(quick: bool, out_path: str | None, shapes: list[tuple[int, int]] | None
             x.requires_grad_()
             out = head(x, y, teacher_logits=t)
             out.loss.backward()
-            e = errors(out.loss.detach(), x.grad, x.detach(), t, y, jsd)
+            e = errors(out.loss.detach(), x.grad, y, reference(x.detach(), t, y, jsd))
             emit(dict(kind="check", head=name, shape=f"{x.shape[0]}x{V}", impl="losscodegen", config="default", **e))
             ok = []
             for cfg in configs(V, quick):
@@ -345,7 +324,7 @@ def main(quick: bool, out_path: str | None, shapes: list[tuple[int, int]] | None
                     res = resident(cfg, x.detach(), t, y, jsd)
                     loss, grad, err = split_teacher(x.detach(), t, y, cfg, jsd)
                     torch.cuda.synchronize()
-                    e = errors(loss, grad, x.detach(), t, y, jsd)
+                    e = errors(loss, grad, y, reference(x.detach(), t, y, jsd))
                     why = acceptable(e, x.dtype) or ("error flag set (a barrier timed out)" if int(err) else None)
                 except Exception as exc:   # an out-of-resources compile, say: reported, not timed
                     res, e, why = (None, {}), {}, f"{type(exc).__name__}: {str(exc)[:200]}"
