@@ -1,12 +1,16 @@
 """Launch configurations: a call split into a launch a read computes what one launch does; the tile
 keeps its bytes for wider logits and shrinks to a small vocabulary; measurements are kept."""
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 import losscodegen as lcg
-from losscodegen.backends.triton import tiles, tune
+from losscodegen.backends.triton import dispatch, tiles, tune
 from losscodegen.testing import assert_parity
 
 
@@ -97,3 +101,26 @@ def test_every_shipped_cap_is_an_occupancy_step_the_tuner_tries():
         bucket, element_size = map(int, name.split("|")[2:])
         warps = config.launch(bucket, element_size)["num_warps"]     # (the tuner's: a launch's warps)
         assert config.maxnreg in tune.register_caps(warps, 256, n=8), (name, entry)
+
+
+def _one(x_ptr, BLOCK: tl.constexpr):
+    tl.store(x_ptr + tl.arange(0, BLOCK), 1.0)
+
+
+@pytest.mark.parametrize("spills, capped_after", [(dispatch.SPILL_LIMIT + 1, False), (dispatch.SPILL_LIMIT, True)])
+def test_a_capped_kernel_that_spills_past_the_limit_launches_uncapped(monkeypatch, spills, capped_after):
+    """dispatch.Kernel on the GPU path (a jitted function, Triton's launches replaced by a record of
+    the options each compile got): a binary spilling more than SPILL_LIMIT registers under the
+    table's cap makes every later launch compile without it; one within the limit keeps it."""
+    compiles = []
+
+    def jit(self, grid, *args):
+        compiles.append(dict(self.constexprs))
+        return SimpleNamespace(n_spills=spills if "maxnreg" in self.constexprs else 0)   # (no launcher:
+    monkeypatch.setattr(dispatch.Kernel, "jit", jit)                                       #  each launch jits)
+    monkeypatch.setattr(triton.runtime.driver, "_active", SimpleNamespace(get_current_device=lambda: 0))
+    kernel = dispatch.Kernel(JITFunction(_one), BLOCK=16, num_warps=4, maxnreg=64)
+    for _ in range(3):
+        kernel(1, torch.zeros(16))
+    assert [c.get("maxnreg") for c in compiles] == [64] + [64 if capped_after else None] * 2
+    assert all(c["BLOCK"] == 16 and c["num_warps"] == 4 for c in compiles)

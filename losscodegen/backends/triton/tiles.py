@@ -44,7 +44,8 @@ class Config:
     faster with it. ptxas's own count moves with code far from the loops: a change to the gradient
     read alone took GRPO + entropy + clip from 80 registers to 102 under Triton 3.6 (2 programs of 8
     warps on a multiprocessor instead of 3, warps active 37% -> 25%, 2% slower on an H200), and 80
-    gives the 3 back with no spill."""
+    gives the 3 back with no spill. A kernel that spills much under a cap runs without it after its
+    first launch (dispatch.SPILL_LIMIT)."""
     block_v: int
     num_warps: int
     split: bool = False
