@@ -30,9 +30,10 @@ from triton.runtime.jit import JITFunction
 _INTERPRETING = threading.Lock()
 
 # Registers a thread spills (Triton's n_spills: ptxas's local memory, in 4-byte words) past which a
-# cap is dropped. Measured on an H200 under caps of 64: CE + z + entropy + accuracy spilled 8 and ran
-# 2.5-6% faster than uncapped, JSD 8 (4% faster), the FKL mix 6 (1% faster); the forward KL's
-# 16-warp tile spilled 108 and ran 3.6x slower (docs/performance.md, 2026-11-29).
+# cap is dropped. Under caps of 64, ptxas for sm_90 (Triton 3.6) spills 8 for CE + z + entropy +
+# accuracy's 16-warp tile, 8 for JSD's and 6 for the FKL mix's 8-warp tiles, which ran 2.5-6%, 4%
+# and 1% faster capped on an H200; and 108 for the forward KL's 16-warp tile, 3.6x slower there
+# (docs/performance.md, 2026-11-29).
 SPILL_LIMIT = 32
 
 
