@@ -17,7 +17,9 @@ from the unpatched logits), within ``--loss-rtol``; for a mixture of experts als
 ``router_aux_loss_coef`` set to 1, so that the router loss (about 2 then) is far above the tolerance
 and a patch that dropped it would fail. A variant that fails is not timed, and the script exits 1.
 
-Recorded per variant: the median step time (after warm-up steps), tokens/s, the peak memory above the
+Every variant runs ``--rounds`` times (default 2), each round in the reverse order of the one before:
+the machine drifts between runs by as much as the differences sought. Recorded per variant: the median
+step time (after each run's warm-up steps, over every round), tokens/s, the peak memory above the
 model's weights (gradients, optimizer states and activations included), the check, and the loss curve
 (for the z-loss variant its CE term). ``--model`` and ``--batch`` take comma-separated lists (default: llama,
 batch sizes 1 and 4): one record per model and batch size, ``OUT/<device>-hf-training-step[-<model>]-b<B>.json``
@@ -47,7 +49,8 @@ MODELS = ("llama", "mixtral", "qwen3_moe")
 Z_WEIGHT = 1e-4
 # per model: (layers, the MLP's width: each expert's for a mixture of experts)
 SIZES = {"llama": (16, 8192), "mixtral": (4, 4096), "qwen3_moe": (4, 4096)}
-TINY = dict(vocab=512, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, experts=4, seq=64, steps=3, warmup=1)
+TINY = dict(vocab=512, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, experts=4, seq=64, steps=3, warmup=1,
+            rounds=1)
 
 
 def sync(device: str) -> None:
@@ -206,9 +209,17 @@ def timed(model, ce_of, args):
         losses.append((ce_of(out) if ce_of is not None else out.loss).item())
         del out
     peak = (torch.cuda.max_memory_allocated() - base) / 1e9 if cuda else None
-    step = statistics.median(times[args.warmup:])
-    return dict(median_step_ms=step * 1e3, tokens_per_s=args.batch * args.seq / step,
-                peak_gb_above_model=peak, losses=losses, step_ms=[t * 1e3 for t in times])
+    return dict(peak_gb_above_model=peak, losses=losses, step_ms=[t * 1e3 for t in times])
+
+
+def pooled(rounds: list[dict], args) -> dict:
+    """A variant's record from its rounds: the median of every round's steps after its warm-up, the
+    largest peak, the first round's losses and loss check, each round's step times."""
+    steps = [t for r in rounds for t in r["step_ms"][args.warmup:]]
+    step = statistics.median(steps) / 1e3
+    peaks = [r["peak_gb_above_model"] for r in rounds if r["peak_gb_above_model"] is not None]
+    return dict(rounds[0], median_step_ms=step * 1e3, tokens_per_s=args.batch * args.seq / step,
+                peak_gb_above_model=max(peaks) if peaks else None, step_ms=[r["step_ms"] for r in rounds])
 
 
 def default_out() -> str:
@@ -235,28 +246,38 @@ def bench(args, variants) -> tuple[dict, str]:
     import transformers
 
     import losscodegen
-    results, skipped = {}, {}
-    for variant in variants:
-        if variant == "liger" and isinstance(liger_patch(args.model), str):
-            skipped[variant] = liger_patch(args.model)
-            continue
-        try:
-            results[variant] = r = run(variant, args)
-        except Exception as e:   # (Liger's patch against this transformers: recorded, the others still run)
-            if variant != "liger":
-                raise
-            skipped[variant] = f"failed: {type(e).__name__}: {e}"
-            continue
-        gc.collect()   # (a patched model refers to itself through its bound forward)
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
-        if "median_step_ms" not in r:
-            print(f"{args.model} b{args.batch} {variant}: loss check FAILED, not timed: {r['loss_check']['rows']}",
-                  flush=True)
-            continue
-        peak = "-" if r["peak_gb_above_model"] is None else f"{r['peak_gb_above_model']:.2f} GB"
-        print(f"{args.model} b{args.batch} {variant}: {r['median_step_ms']:.1f} ms, {peak}, loss {r['losses'][0]:.4f} -> "
-              f"{r['losses'][-1]:.4f}", flush=True)
+    rounds, failed, skipped = {}, {}, {}
+    for n in range(args.rounds):
+        # (the machine drifts between runs by as much as the differences sought: each round runs the
+        # variants in the reverse order of the one before, and a variant's median pools its rounds)
+        for variant in variants if n % 2 == 0 else variants[::-1]:
+            if variant in skipped or variant in failed:
+                continue
+            if variant == "liger" and isinstance(liger_patch(args.model), str):
+                skipped[variant] = liger_patch(args.model)
+                continue
+            try:
+                r = run(variant, args)
+            except Exception as e:   # (Liger's patch against this transformers: recorded, the others still run)
+                if variant != "liger":
+                    raise
+                skipped[variant] = f"failed: {type(e).__name__}: {e}"
+                continue
+            gc.collect()   # (a patched model refers to itself through its bound forward)
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+            if "step_ms" not in r:
+                print(f"{args.model} b{args.batch} {variant}: loss check FAILED, not timed: {r['loss_check']['rows']}",
+                      flush=True)
+                failed[variant] = r
+                continue
+            rounds.setdefault(variant, []).append(r)
+    results = {v: pooled(rounds[v], args) if v in rounds else failed[v] for v in variants if v in rounds or v in failed}
+    for variant, r in results.items():
+        if "median_step_ms" in r:
+            peak = "-" if r["peak_gb_above_model"] is None else f"{r['peak_gb_above_model']:.2f} GB"
+            print(f"{args.model} b{args.batch} {variant}: {r['median_step_ms']:.1f} ms, {peak}, loss "
+                  f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}", flush=True)
 
     ref = results.get("unpatched")
     for r in results.values():
@@ -265,7 +286,7 @@ def bench(args, variants) -> tuple[dict, str]:
     device = device_name(args.device)
     record = dict(device=device, torch=torch.__version__, transformers=transformers.__version__,
                   losscodegen=losscodegen.__version__, args=vars(args), skipped=skipped, results=results,
-                  note="median step after the warm-up steps; peak memory above the bf16 weights (gradients, "
+                  note="median step after the warm-up steps, over every round; peak memory above the bf16 weights (gradients, "
                        "AdamW states, activations); losses: each step's loss (the z-loss variant's less its z-loss "
                        "term: CE, plus the router loss for a mixture of experts); loss_check: the first batch's loss "
                        "against the unpatched model's, before training")
@@ -332,7 +353,9 @@ def main():
     ap.add_argument("--model", type=listed(str, MODELS), default=["llama"],
                     help=f"comma-separated, among {', '.join(MODELS)} (default: llama)")
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=5, help="first steps left out of the median")
+    ap.add_argument("--warmup", type=int, default=5, help="first steps of each run left out of the median")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="runs of every variant, each round in the reverse order of the one before (default: 2)")
     ap.add_argument("--batch", type=listed(int), default=[1, 4], help="batch sizes, comma-separated (default: 1,4)")
     ap.add_argument("--seq", type=int, default=4096, help="tokens per sequence")
     ap.add_argument("--vocab", type=int, default=128256, help="vocabulary size")
@@ -358,6 +381,8 @@ def main():
     args.device = "cpu" if args.cpu else "cuda"
     if args.steps <= args.warmup:
         ap.error("--steps must be more than --warmup")
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
 
     runs = []
     for model in args.model:
