@@ -88,9 +88,13 @@ class _RowsFunction(torch.autograd.Function):
         launcher, ctx.launcher = ctx.launcher, None
         if launcher is None:
             raise RuntimeError(f"HeadLoss: {BACKWARD_TWICE}")
-        ctx.saved_tensors
+        logits = ctx.saved_tensors[0]       # (unpacked: an input changed in place since fails here)
         launcher.head.restore_scalars(launcher.call)
         grad = launch.backward(launcher, grad_loss, list(grad_rows), inplace=ctx.inplace)
+        if ctx.inplace:
+            # The logits now hold their gradient: a node that saved them, whose backward runs after
+            # this one, fails loudly there (as _HeadFunction's forward does for the other reductions).
+            torch.autograd.graph.increment_version(logits)
         return grad.view(ctx.shape), None, None, None
 
 

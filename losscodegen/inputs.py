@@ -102,7 +102,24 @@ def check_call(head, spec: FileSpec, logits: Any, labels: Any, inputs: dict[str,
             raise TypeError(f"teacher_logits must be a float tensor on {x.device}, got "
                             f"{teacher.dtype} on {teacher.device}")
         teacher = rows_view(teacher, x.shape[1])
-    return check_rows(head, spec, shape, x.shape[1], x.device, labels, inputs, x=x, teacher=teacher)
+    call = check_rows(head, spec, shape, x.shape[1], x.device, labels, inputs, x=x, teacher=teacher)
+    if head.inplace_backward and x.numel() and not torch.compiler.is_compiling():
+        refuse_aliases(call, spec)
+    return call
+
+
+def refuse_aliases(call: Call, spec: FileSpec) -> None:
+    """inplace_backward=True: the kernel writes the gradient over the logits while it still reads the
+    other inputs, so none of them may share the logits' memory (``teacher_logits=logits.detach()``, a
+    self-distillation, would read gradient values as the teacher's)."""
+    base = call.x.untyped_storage().data_ptr()
+    names = ("teacher_logits", "labels", "loss_mask", *spec.tokens, "teacher_topk_ids", "teacher_topk_logprobs",
+             "segment_ids", "divisor", *spec.vectors)
+    for name, t in zip(names, call.tensors()[1:], strict=True):
+        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == base:
+            raise ValueError(f"{name} shares the logits' memory, which inplace_backward=True overwrites with "
+                             f"their gradient while {name} is still read: pass {name}.clone(), or build the "
+                             "head with inplace_backward=False")
 
 
 def check_rows(head, spec: FileSpec, shape: tuple[int, ...], V_local: int, dev: torch.device,

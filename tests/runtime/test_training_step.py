@@ -193,3 +193,34 @@ def test_one_head_across_changing_calls_equals_a_fresh_head_each_time():
         assert torch.equal(loss, loss_f) and torch.equal(grad, grad_f), (rows, kw)
         assert all(torch.equal(terms[n], terms_f[n]) for n in terms)
         assert all(torch.equal(metrics[n], metrics_f[n]) for n in metrics)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_inplace_backward_under_reduction_none_makes_a_node_that_saved_the_logits_fail(backend):
+    """reduction="none" writes the gradient over the logits in backward: their version counter is bumped
+    there, so a node that saved them before the call fails loudly instead of reading gradient values."""
+    head = lcg.HeadLoss(lcg.CrossEntropy(), inplace_backward=True, backend=backend)
+    logits, labels, _ = make_inputs(R=6, V=64)
+    hidden = logits.clone().requires_grad_()
+    x = hidden * 1.0
+    other = x.pow(2).mean()              # PowBackward keeps x: these very logits
+    out = head(x, labels, reduction="none")
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (out.loss.sum() + other).backward()
+
+
+@pytest.mark.parametrize("which", ["teacher_logits", "advantages"])
+def test_inplace_backward_refuses_an_input_that_shares_the_logits_memory(which):
+    """The kernel writes the gradient over the logits while it still reads the other inputs: a
+    teacher that is the logits themselves (self-distillation, ``logits.detach()``), or a per-row
+    input viewed from them, is refused by name; a copy is accepted."""
+    head = lcg.HeadLoss(lcg.ForwardKL(), lcg.GRPO(), inplace_backward=True)
+    logits, labels, g = make_inputs(R=6, V=64)
+    x = (logits.clone().requires_grad_() * 1.0)
+    inputs = dict(policy_inputs(logits, labels, g, spread=0.1), teacher_logits=torch.randn(6, 64, generator=g))
+    # (a per-row input viewed contiguously from the logits: a strided one is copied when checked)
+    shared = dict(inputs, **{which: x.detach() if which == "teacher_logits" else x.detach().view(-1)[:6]})
+    with pytest.raises(ValueError, match=f"{which} shares the logits' memory"):
+        head(x, labels, **shared)
+    copied = dict(inputs, **{which: shared[which].clone()})
+    head(x, labels, **copied).loss.backward()
