@@ -20,7 +20,7 @@ from .emit import KernelSource, header
 from .inputs import Call, check_call
 from .lower import Lowered, lower
 from .plan import Launch, Plan, launch_sequence, plan
-from .terms import Term, bind, is_tensor, kernel_normalize, scalar_values
+from .terms import Term, bind, check_metric, is_tensor, kernel_normalize, scalar_values
 from .validation import DeviceChecks
 
 
@@ -86,7 +86,13 @@ class HeadLoss(torch.nn.Module):
         if backend not in backends.NAMES:
             raise ValueError(f"backend must be one of {backends.NAMES}, got {backend!r}")
         self.backend_name = backend
-        metrics = tuple(metrics)
+        if isinstance(metrics, Term):
+            raise TypeError(f"metrics must be a tuple of terms, got the single term {metrics.name!r}: write "
+                            "metrics=(term,)")
+        try:
+            metrics = tuple(metrics)
+        except TypeError:
+            raise TypeError(f"metrics must be a tuple of terms such as (lcg.Entropy(),), got {metrics!r}") from None
         for t in terms + metrics:
             if not isinstance(t, Term):
                 raise TypeError(f"HeadLoss takes terms such as lcg.CrossEntropy(), got {t!r} "
@@ -95,6 +101,7 @@ class HeadLoss(torch.nn.Module):
             if t.metric_only:
                 raise ValueError(f"{t.name} is a metric only: pass it in metrics=(...)")
         for t in metrics:
+            check_metric(t.name, t.formula)
             if t.normalize != "tokens":
                 raise ValueError(f"{t.name}: a metric is a mean over the valid rows, so "
                                  f"normalize={t.normalize!r} would be ignored; pass the term in the head's "

@@ -127,6 +127,10 @@ def _smoothed(delta: sp.Expr) -> sp.Expr:
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard",
                   "apo_zero", "apo_down", "discopop", "sigmoid_norm", "aot", "aot_unpaired", "sft")
 _BATCH_SORTED = ("aot", "aot_unpaired")
+# The loss types that read the scores only through their chosen-rejected difference, where the f-DPO
+# reparameterization's beta*log Z(x) cancels: the others have no f-divergence form (TRL 1.16's
+# DPOTrainer refuses them with an f_divergence_type other than reverse_kl, and so does DPO)
+_F_DIVERGENCE_LOSS_TYPES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft")
 
 
 def _term(name: str, formula: sp.Expr, weight: Any, values: dict[str, Any]) -> Term:
@@ -149,13 +153,21 @@ def DPO(*, loss_type: str = "sigmoid", beta: Any = 0.1, label_smoothing: Any = 0
     ``dpo_<loss_type>``: per pair, averaged over the pairs. Reads ``pair_inputs``' tokens. Give
     several (with their ``loss_weights`` as ``weight=``) in one head for TRL's list of loss types.
     ``use_weighting``: WPO's detached pair weight (``_wpo_weight``). ``aot`` and ``aot_unpaired`` read
-    the log-ratios sorted over the batch's pairs (as TRL's, not ``f_divergence_type``'s scores; TRL
-    refuses ``use_weighting`` with them, and so do they)."""
+    the log-ratios sorted over the batch's pairs (as TRL's; TRL refuses ``use_weighting`` with them,
+    and so do they). An ``f_divergence_type`` other than ``reverse_kl`` is refused, as TRL refuses it,
+    with a loss type outside ``_F_DIVERGENCE_LOSS_TYPES``."""
     if loss_type in _BATCH_SORTED and use_weighting:
         raise ValueError(f"loss_type={loss_type!r} sorts the pairs' log-ratios, which WPO's pair weight "
                          "(use_weighting=True) does not follow: TRL refuses the two together too")
     if loss_type not in DPO_LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
+    if f_divergence_type != "reverse_kl" and loss_type not in _F_DIVERGENCE_LOSS_TYPES:
+        raise ValueError(
+            f"f_divergence_type={f_divergence_type!r} with loss_type={loss_type!r}: an f-divergence is only "
+            f"defined for the loss types {_F_DIVERGENCE_LOSS_TYPES}, which read the chosen-rejected score "
+            "difference (where the f-DPO reparameterization's beta*log Z(x) cancels); "
+            f"{loss_type!r} reads the log-ratios themselves. Use f_divergence_type='reverse_kl' with it "
+            "(TRL's DPOTrainer refuses the combination too)")
     if loss_type == "sft":
         return ChosenNLL(weight=weight)
     if loss_type == "exo_pair" and not 0 < float(label_smoothing) < 1:
@@ -308,8 +320,14 @@ def concatenated(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
     return torch.cat([chosen, rejected])
 
 
-def _valid(labels: torch.Tensor, ignore_index: int, loss_mask: torch.Tensor | None) -> torch.Tensor:
-    valid = labels != ignore_index
+def _valid(head: Any, labels: torch.Tensor, ignore_index: int | None, loss_mask: torch.Tensor | None) -> torch.Tensor:
+    """The rows ``head`` reads as valid: its own ``ignore_index`` (the only one it ignores, so the one
+    the reference sums are spread over and ``chosen_share`` counts), and ``loss_mask``."""
+    if ignore_index is not None and ignore_index != head.ignore_index:
+        raise ValueError(f"ignore_index={ignore_index!r} is not the head's ignore_index={head.ignore_index!r}: the "
+                         "head reads the rows labelled with its own as ignored, so these inputs must too. "
+                         "Leave ignore_index out (it defaults to the head's)")
+    valid = labels != head.ignore_index
     return valid if loss_mask is None else valid & loss_mask
 
 
@@ -348,11 +366,12 @@ def _for(head: Any, inputs: dict[str, Any]) -> dict[str, Any]:
 
 def pair_inputs(head: Any, labels: torch.Tensor, *, ref_logprobs: torch.Tensor | None = None,
                 ref_chosen_logps: torch.Tensor | None = None, ref_rejected_logps: torch.Tensor | None = None,
-                ignore_index: int = -100, loss_mask: torch.Tensor | None = None) -> dict[str, Any]:
+                ignore_index: int | None = None, loss_mask: torch.Tensor | None = None) -> dict[str, Any]:
     """The keyword inputs ``head`` reads of DPO, CPO, SimPO, ORPO and ChosenNLL, for TRL's concatenated layout:
     ``labels`` [2B, T] (the chosen responses' rows first, then the rejected ones'; prompt and padding
-    rows ``ignore_index``). Reference log-probs per token (``ref_logprobs`` [2B, T]) or per response
-    (``ref_chosen_logps``, ``ref_rejected_logps`` [B], TRL's precomputed ones); none for the
+    rows the head's ``ignore_index``: an ``ignore_index=`` given must be the head's). Reference
+    log-probs per token (``ref_logprobs`` [2B, T]) or per response (``ref_chosen_logps``,
+    ``ref_rejected_logps`` [B], TRL's precomputed ones); none for the
     reference-free losses. Returns ``segment_ids`` (pair b of rows b and B + b), ``num_segments``,
     ``chosen``, ``chosen_share`` and ``ref_logprobs``, those the head reads: pass them to it with
     ``**``. No wait for the device."""
@@ -361,7 +380,7 @@ def pair_inputs(head: Any, labels: torch.Tensor, *, ref_logprobs: torch.Tensor |
         raise ValueError(f"labels must hold the chosen then the rejected responses (an even number of "
                          f"rows), got {labels.shape[0]}")
     B = labels.shape[0] // 2
-    valid = _valid(labels, ignore_index, loss_mask)
+    valid = _valid(head, labels, ignore_index, loss_mask)
     seq = torch.arange(2 * B, device=labels.device)
     expand = [2 * B] + [1] * (labels.dim() - 1)
     out: dict[str, Any] = {
@@ -383,16 +402,16 @@ def pair_inputs(head: Any, labels: torch.Tensor, *, ref_logprobs: torch.Tensor |
 
 
 def sequence_inputs(head: Any, labels: torch.Tensor, *, desirable: torch.Tensor, ref_logprobs: torch.Tensor | None = None,
-                    ref_logps: torch.Tensor | None = None, ignore_index: int = -100,
+                    ref_logps: torch.Tensor | None = None, ignore_index: int | None = None,
                     loss_mask: torch.Tensor | None = None) -> dict[str, Any]:
     """KTO's keyword inputs: ``labels`` [B, T], ``desirable`` [B] (TRL's ``label``: True where the
     completion is desirable), reference log-probs per token or per sequence (``ref_logps`` [B]).
-    Each sequence is its own segment."""
+    Each sequence is its own segment; ignored rows as in ``pair_inputs`` (the head's ``ignore_index``)."""
     _check_labels(labels)
     B = labels.shape[0]
     if desirable.shape != (B,):
         raise ValueError(f"desirable must have shape ({B},), got {tuple(desirable.shape)}")
-    valid = _valid(labels, ignore_index, loss_mask)
+    valid = _valid(head, labels, ignore_index, loss_mask)
     expand = [B] + [1] * (labels.dim() - 1)
     return _for(head, {
         "segment_ids": torch.arange(B, device=labels.device).reshape(expand).expand(labels.shape).contiguous(),

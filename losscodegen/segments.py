@@ -90,11 +90,16 @@ def quantiles(call, ws, n_seg: int, ignore_index: int) -> None:
     rank = (n - 1).clamp_min(0).double()
     rows = ws.t.narrow(0, ws.off_rows, len(spec.row_values) * call.rows).view(len(spec.row_values), call.rows)
     for name, q in spec.segment_quantiles:
+        column = 1 + spec.segment_means.index(name)
+        if not call.rows:
+            # an empty batch (its shape says so: no sync) has no value to index; 0 as with no valid row
+            sums[:, column] = 0.0
+            continue
         ordered = torch.sort(torch.where(valid, rows[spec.row_values.index(name)], torch.inf)).values
         at = rank * q
         below, above = ordered[at.floor().long()], ordered[at.ceil().long()]
         value = torch.lerp(below, above, (at - at.floor()).float())
-        sums[:, 1 + spec.segment_means.index(name)] = torch.where(n > 0, value, 0.0)
+        sums[:, column] = torch.where(n > 0, value, 0.0)
 
 
 def sort(ws, n_seg: int) -> Callable[[], None]:

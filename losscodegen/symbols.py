@@ -189,7 +189,8 @@ class row_quantile(segment_mean):
 
     @classmethod
     def eval(cls, x, q):
-        if not (q.is_number and 0 <= q <= 1):
+        # (is_real first: sympy refuses to compare NaN, I or oo with a TypeError of its own)
+        if not (q.is_number and q.is_real and 0 <= q <= 1):
             raise ValueError(f"row_quantile(u, q): q must be a number in [0, 1], got {q}")
         return None
 

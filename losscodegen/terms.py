@@ -197,7 +197,25 @@ def declare_term(name: str, formula: sp.Expr, *, defaults: Mapping[str, Any] | N
     _check_symbols(name, formula)
     _check_levels(name, formula)
     S.check_exponentials(name, formula)
+    if metric_only:
+        check_metric(name, formula)
     return TermFactory(name, formula, dict(defaults or {}), metric_only)
+
+
+def check_metric(name: str, formula: sp.Expr) -> None:
+    """A metric is a mean of per-row values, each taken as its row is read; a batch or segment
+    statistic is known only once every row of the batch or segment has been read (the segment step),
+    so a formula that reads one is refused as a metric, here (a metric_only term) or by the head
+    (a term passed in ``metrics=``), naming what the formula reads."""
+    how = "pass the term in the head's terms with weight=0.0 to log it"
+    if formula.has(S.row_quantile):
+        raise ValueError(f"{name}: a row quantile (S.row_quantile, GRPO's top_entropy_quantile) cannot be a "
+                         "metric: a metric is a mean of per-row values taken as the rows are read, and the "
+                         f"quantile is known only once every valid row of the call has been; {how}")
+    if formula.has(S.segment_mean):
+        raise ValueError(f"{name}: a segment term cannot be a metric: it reads segment statistics "
+                         "(segment_mean, segment_sum, segment_sorted), known only once every row of the "
+                         f"segments has been read, and a metric is a mean of per-row values; {how}")
 
 
 # what a formula may be made of besides S.FUNCTIONS and the constructs of losscodegen.symbols
@@ -468,7 +486,14 @@ class _JSDFactory(TermFactory):
                              "reads both normalisers inside its sum, and at a run-time temperature they are "
                              "sums of the read after the stats; give the temperature as a number (one kernel "
                              "per value), or use ForwardKL / ReverseKL, which take a tensor")
-        return super().__call__(*positional, **params)
+        term = super().__call__(*positional, **params)
+        # the mixture beta*p + (1-beta)*q is a distribution only for beta in [0, 1]: outside, its log is
+        # NaN where it goes negative (a tensor's value looked at once, here, as _check_value looks at it)
+        beta = float(dict(term.params)["beta"])
+        if not 0 <= beta <= 1:
+            raise ValueError(f"{self.name}: beta must be in [0, 1] (the student's weight in the mixture "
+                             f"beta*p + (1-beta)*q), got {beta}")
+        return term
 
 
 @_declares("CrossEntropy", "ZLoss", "Entropy", "TokenAccuracy")

@@ -178,3 +178,43 @@ def test_an_order_statistic_where_it_has_no_meaning_is_refused_naming_it():
         lcg.HeadLoss(metrics=(lcg.declare_term("t", S.segment_sorted(_l))(),)).explain()
     _refused(S.segment_sorted(S.logit), "inside vsum")
     _refused(S.segment_mean(S.segment_sorted(_l)), "nested reductions")
+
+
+def test_a_row_quantile_metric_is_refused_when_built_naming_the_quantile():
+    """A metric is a mean taken as the rows are read; a row quantile (or a segment statistic) is known
+    only once every row has been: refused at declare_term(metric_only=True) and at HeadLoss(metrics=...),
+    each message saying what the formula reads, not at the first call."""
+    u = (_l - S.row_quantile(_l, 0.5)) ** 2
+    with pytest.raises(ValueError, match=r"qm: a row quantile \(S.row_quantile.*cannot be a metric.*weight=0.0"):
+        lcg.declare_term("qm", u, metric_only=True)
+    with pytest.raises(ValueError, match=r"qm: a row quantile \(S.row_quantile.*cannot be a metric"):
+        lcg.HeadLoss(lcg.CrossEntropy(), metrics=(lcg.declare_term("qm", u)(),))
+    with pytest.raises(ValueError, match=r"grpo: a row quantile"):
+        lcg.HeadLoss(lcg.CrossEntropy(), metrics=(lcg.GRPO(top_entropy_quantile=0.2),))
+    with pytest.raises(ValueError, match="t: a segment term cannot be a metric"):   # (at construction now)
+        lcg.HeadLoss(lcg.CrossEntropy(), metrics=(lcg.declare_term("t", S.segment_sum(_l))(),))
+    lcg.HeadLoss(lcg.CrossEntropy(), lcg.declare_term("qm", u)(weight=0.0))   # the way to log it
+
+
+@pytest.mark.parametrize("q", [float("nan"), sp.nan, sp.I, sp.oo, -0.1])
+def test_a_row_quantile_of_no_number_in_0_1_is_refused_naming_q(q):
+    with pytest.raises(ValueError, match=r"q must be a number in \[0, 1\]"):
+        S.row_quantile(_l, q)
+
+
+def test_jsd_refuses_a_beta_outside_0_1_when_built():
+    """beta*p + (1-beta)*q is a distribution only for beta in [0, 1] (outside, log of a negative: NaN);
+    a tensor beta is looked at as the term is built, like a tensor temperature."""
+    for beta in (1.5, -0.2, torch.tensor(1.5)):
+        with pytest.raises(ValueError, match=r"jsd: beta must be in \[0, 1\].*got"):
+            lcg.JSD(beta=beta)
+    for beta in (0.0, 1.0, 0.3, torch.tensor(0.7)):
+        lcg.JSD(beta=beta)
+
+
+def test_metrics_must_be_a_tuple_of_terms():
+    with pytest.raises(TypeError, match=r"metrics must be a tuple of terms, got the single term 'entropy'"):
+        lcg.HeadLoss(lcg.CrossEntropy(), metrics=lcg.Entropy())
+    with pytest.raises(TypeError, match=r"metrics must be a tuple of terms such as"):
+        lcg.HeadLoss(lcg.CrossEntropy(), metrics=lcg.Entropy)
+    lcg.HeadLoss(lcg.CrossEntropy(), metrics=[lcg.Entropy()])   # (any iterable of terms)

@@ -109,8 +109,8 @@ _DPO_CASES = [
     ("sigmoid", {"f_divergence_type": "forward_kl"}), ("sigmoid", {"f_divergence_type": "js_divergence"}),
     ("hinge", {"f_divergence_type": "alpha_divergence", "f_alpha_divergence_coef": 0.5}),
     ("sigmoid", {"use_weighting": True}), ("ipo", {"use_weighting": True}),
-    # the batch's sorted log-ratios (S.segment_sorted); TRL's aot reads no f-divergence scores
-    ("aot", {"label_smoothing": 0.1}), ("aot_unpaired", {}), ("aot", {"f_divergence_type": "forward_kl"}),
+    # the batch's sorted log-ratios (S.segment_sorted); an f-divergence with them is refused, as TRL refuses it
+    ("aot", {"label_smoothing": 0.1}), ("aot_unpaired", {}),
 ]
 
 
@@ -436,3 +436,60 @@ def test_the_aot_term_written_as_docs_say_is_trls_aot():
     out, grad = _ours(head, logits, labels, **P.pair_inputs(head, labels, ref_chosen_logps=ref[:B].float(),
                                                              ref_rejected_logps=ref[B:].float()))
     _compare(out, grad, ref_loss, ref_grad)
+
+
+@pytest.mark.parametrize("loss_type", ["nca_pair", "bco_pair", "sppo_hard", "apo_zero", "apo_down", "aot", "aot_unpaired"])
+def test_dpo_refuses_an_f_divergence_where_trl_does(loss_type):
+    """TRL 1.16's DPOTrainer accepts an f_divergence_type other than reverse_kl only with the loss types
+    that read the chosen-rejected score difference; the others read the log-ratios themselves, where
+    the f-divergence would be silently ignored: refused, naming both arguments."""
+    for f_divergence_type in ("forward_kl", "js_divergence", "alpha_divergence"):
+        with pytest.raises(ValueError, match=f"f_divergence_type='{f_divergence_type}' with loss_type='{loss_type}'"):
+            P.DPO(loss_type=loss_type, f_divergence_type=f_divergence_type)
+    P.DPO(loss_type=loss_type, f_divergence_type="reverse_kl")
+    for allowed in ("sigmoid", "sigmoid_norm", "hinge", "ipo", "discopop", "sft"):
+        P.DPO(loss_type=allowed, f_divergence_type="js_divergence")
+
+
+def test_pair_and_sequence_inputs_read_the_heads_ignore_index():
+    """A head built with ignore_index=-1: pair_inputs / sequence_inputs spread the per-sequence
+    reference sums over (and count chosen_share on) the rows the head reads as valid, against a
+    float64 reference, value and gradient; a different explicit ignore_index is refused."""
+    g = torch.Generator().manual_seed(5)
+    n, t, v = 4, 6, 17
+    z = torch.randn(n, t, v, generator=g, dtype=torch.float64)
+    y = torch.randint(0, v, (n, t), generator=g)
+    y[:, :2] = -1
+    y[3, 2:4] = -1
+    refs = torch.randn(n, generator=g, dtype=torch.float64) - 3
+    valid = y != -1
+
+    def logps(x):
+        return torch.log_softmax(x, -1).gather(-1, y.clamp_min(0)[..., None])[..., 0] * valid
+
+    head = lcg.HeadLoss(P.DPO(beta=0.5), P.ChosenNLL(), ignore_index=-1)
+    x64 = z.clone().requires_grad_()
+    lp = logps(x64)
+    s = lp.sum(-1) - refs
+    want = -torch.nn.functional.logsigmoid(0.5 * (s[:2] - s[2:])).mean() - lp[:2].sum() / valid[:2].sum()
+    want.backward()
+    x = z.float().requires_grad_()
+    out = head(x, y, **P.pair_inputs(head, y, ref_chosen_logps=refs[:2].float(), ref_rejected_logps=refs[2:].float()))
+    out.loss.backward()
+    _compare(out, x.grad.double(), want.detach(), x64.grad)
+    assert P.pair_inputs(head, y, ignore_index=-1, ref_chosen_logps=refs[:2], ref_rejected_logps=refs[2:])
+    with pytest.raises(ValueError, match=r"ignore_index=-100 is not the head's ignore_index=-1"):
+        P.pair_inputs(head, y, ignore_index=-100, ref_chosen_logps=refs[:2], ref_rejected_logps=refs[2:])
+
+    kto = lcg.HeadLoss(P.KTO(beta=0.5), ignore_index=-1)
+    desirable = torch.tensor([True, False, True, False])
+    x64 = z.clone().requires_grad_()
+    r = 0.5 * (logps(x64).sum(-1) - refs)
+    want = torch.where(desirable, torch.sigmoid(-r), torch.sigmoid(r)).mean()
+    want.backward()
+    x = z.float().requires_grad_()
+    out = kto(x, y, **P.sequence_inputs(kto, y, desirable=desirable, ref_logps=refs.float()))
+    out.loss.backward()
+    _compare(out, x.grad.double(), want.detach(), x64.grad)
+    with pytest.raises(ValueError, match=r"ignore_index=-100 is not the head's ignore_index=-1"):
+        P.sequence_inputs(kto, y, desirable=desirable, ref_logps=refs, ignore_index=-100)

@@ -165,3 +165,24 @@ def _per_token(logits, labels, inputs):
     loss = -torch.min(coef_1 * A, torch.clamp(coef_1, 1 - EPS, 1 + EPS) * A) * entropy_mask
     ref = inputs["ref_logprobs"].double()
     return (loss + KL_BETA * (torch.exp(ref - logps) - (ref - logps) - 1)) * valid
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_row_quantile_on_an_empty_batch_is_zero(reduction):
+    """0 rows (an empty micro-batch): a head with a row quantile gives 0 and a zero gradient, through
+    head(...) and head.linear, like every other head (there is no row to take the quantile of)."""
+    empty = torch.zeros(0)
+    labels = torch.zeros(0, dtype=torch.long)
+    inputs = dict(advantages=empty, old_logprobs=empty, ref_logprobs=empty)
+    head = _head()
+    x = torch.randn(0, V, requires_grad=True)
+    out = head(x, labels, reduction=reduction, **inputs)
+    assert out.loss.shape == ((0,) if reduction == "none" else ())
+    assert (out.loss == 0).all() and all(v == 0 for v in out.terms.values())
+    out.loss.sum().backward()
+    assert x.grad is not None and x.grad.shape == (0, V)
+    h, w = torch.randn(0, H, requires_grad=True), torch.randn(V, H, requires_grad=True)
+    out = head.linear(h, w, labels, reduction=reduction, **inputs)
+    assert (out.loss == 0).all()
+    out.loss.sum().backward()
+    assert h.grad.shape == (0, H) and w.grad is not None and (w.grad == 0).all()
