@@ -143,12 +143,12 @@ def check_rows(head, spec: FileSpec, shape: tuple[int, ...], V_local: int, dev: 
         if num_segments is not None and (not isinstance(num_segments, int) or isinstance(num_segments, bool)
                                          or num_segments < 0):
             raise ValueError(f"num_segments must be a non-negative int, got {num_segments!r}")
-        if num_segments is not None:
-            segments.check_count(num_segments)
         if num_segments == 0:
             # no segment: every valid row's id is out of range, and the kernel reports one; made
             # negative, since 0 is the flag buffer's clear value (validation.CLEAR)
             segment_ids = segment_ids.clamp(max=-1)
+        elif num_segments is not None:
+            segments.check_count(num_segments)
         elif inputs.get("segment_group") is None and not any(spec.normalization[n] == "sequence"
                                                            for n in spec.segments):
             # Ids of any size (global sample indices) where they only group rows: compacted on the

@@ -410,6 +410,8 @@ def test_a_bad_value_of_int64_min_raises_as_any_other(backend):
     for count in ({}, {"num_segments": 3}):
         with pytest.raises(ValueError, match=f"segment_ids of valid rows must be non-negative; found {INT64_MIN}"):
             gspo(logits, labels, segment_ids=ids, **count, **inputs)
+    with pytest.raises(ValueError, match="must be in \\[0, num_segments=3\\); found 5"):   # (given: not compacted)
+        gspo(logits, labels, segment_ids=torch.tensor([0, 0, 5, 1, 1, 1, 2, 2]), num_segments=3, **inputs)
     # num_segments=0: every valid row is out of range, an id of 0 too; a call without one is fine
     with pytest.raises(ValueError, match="num_segments was 0 .*a valid row has no segment"):
         gspo(logits, labels, segment_ids=torch.zeros(8, dtype=torch.long), num_segments=0, **inputs)
