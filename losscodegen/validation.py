@@ -5,8 +5,9 @@ that row's values and gradient NaN, so the call's loss is NaN, and the kernel wr
 into the flag buffer: one slot a kind of bad value (``emit.FLAG_SLOTS``), each holding its clear value
 (``CLEAR``) until a bad value comes (one 8-byte store, so a reader never sees half of one). A slot's
 clear value is one the kernel never writes there, so every bad value is seen, -2**63 too. On a GPU
-the buffer is pinned host memory that the kernel writes across the bus: no copy a call. On the CPU the host reads it right after the call and
-raises at once; on a GPU each call reads it first and raises for what earlier calls found.
+the buffer is pinned host memory that the kernel writes across the bus: no copy a call. On the CPU
+the host reads it right after the call and raises at once; on a GPU each call reads it first and
+raises for what earlier calls found.
 
 In a training step the previous call finished long ago, so an error comes at the next call. When
 the host runs more than one call ahead of the GPU (a tight loop of head calls), a call does not
