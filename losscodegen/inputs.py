@@ -101,6 +101,7 @@ def check_call(head, spec: FileSpec, logits: Any, labels: Any, inputs: dict[str,
         if teacher.dtype not in _FLOATS or teacher.device != x.device:
             raise TypeError(f"teacher_logits must be a float tensor on {x.device}, got "
                             f"{teacher.dtype} on {teacher.device}")
+        refuse_grad("teacher_logits", teacher)
         teacher = rows_view(teacher, x.shape[1])
     call = check_rows(head, spec, shape, x.shape[1], x.device, labels, inputs, x=x, teacher=teacher)
     if head.inplace_backward and x.numel() and not torch.compiler.is_compiling():
@@ -159,7 +160,11 @@ def check_rows(head, spec: FileSpec, shape: tuple[int, ...], V_local: int, dev: 
         if num_segments is not None and (not isinstance(num_segments, int) or isinstance(num_segments, bool)
                                          or num_segments < 0):
             raise ValueError(f"num_segments must be a non-negative int, got {num_segments!r}")
-        if num_segments is not None:
+        if num_segments == 0:
+            # no segment: every valid row's id is out of range, and the kernel reports one; made
+            # negative, since 0 is the flag buffer's clear value (validation.CLEAR)
+            segment_ids = segment_ids.clamp(max=-1)
+        elif num_segments is not None:
             segments.check_count(num_segments)
         elif inputs.get("segment_group") is None and not any(spec.normalization[n] == "sequence"
                                                            for n in spec.segments):
@@ -203,9 +208,19 @@ def check_vector(name: str, value: Any, V: int, dev: torch.device, needed_by) ->
                                                   if isinstance(value, torch.Tensor) else type(value).__name__))
     if value.device != dev:
         raise ValueError(f"{name} must be on {dev}, got {value.device}")
-    if value.requires_grad:
-        raise ValueError(f"{name} requires grad, but no gradient flows to a vector input: pass {name}.detach()")
+    refuse_grad(name, value)
     return value.float().contiguous()
+
+
+def refuse_grad(name: str, t: torch.Tensor) -> None:
+    """A ValueError for an input other than the logits (``head.linear``'s hidden, weight and bias)
+    that requires grad in grad mode: the kernel derives no gradient for it, and a silent zero (its
+    .grad left None) would never train it. (A term's tensor weight is learnable: HeadLoss's
+    ``_learnable_weights``.) Two host attributes: no wait for the device."""
+    if t.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"{name} requires grad, but losscodegen gives it no gradient (only the logits, "
+                         f"head.linear's hidden, weight and bias, and a term's tensor weight get one): pass "
+                         f"{name}.detach()")
 
 
 def class_weight_rows(head, token: str, labels: torch.Tensor, mask: torch.Tensor | None, V_local: int,
@@ -240,20 +255,25 @@ def class_weight_rows(head, token: str, labels: torch.Tensor, mask: torch.Tensor
     return (rows, div) if reduction == "none" else (rows / div, None)
 
 
-def check_divisor(divisor: Any, reduction: str, device: torch.device) -> torch.Tensor | None:
+def check_divisor(divisor: Any, reduction: str, device: torch.device, *, name: str = "divisor") -> torch.Tensor | None:
+    """``divisor`` as an fp32 0-d tensor on ``device``; errors name it ``name`` (an integration's
+    argument that becomes the divisor)."""
     if divisor is None:
         return None
     if reduction == "sum":
-        raise ValueError("divisor= and reduction='sum' contradict each other (sum is divisor=1)")
+        raise ValueError(f"{name}= and reduction='sum' contradict each other (sum is divisor=1)")
     if isinstance(divisor, torch.Tensor):
         if divisor.numel() != 1:
-            raise ValueError(f"divisor must be a number or a one-element tensor, got shape "
+            raise ValueError(f"{name} must be a number or a one-element tensor, got shape "
                              f"{tuple(divisor.shape)}")
+        if divisor.dtype == torch.bool:     # (as a Python bool is refused: True would divide by 1)
+            raise TypeError(f"{name} must be a number or a numeric tensor, got a bool tensor")
+        refuse_grad(name, divisor)
         return divisor.to(device=device, dtype=torch.float32).reshape(())
     if isinstance(divisor, bool) or not isinstance(divisor, (int, float)):
-        raise TypeError(f"divisor must be a number or a tensor, got {type(divisor).__name__}")
+        raise TypeError(f"{name} must be a number or a tensor, got {type(divisor).__name__}")
     if not 0 < divisor < math.inf:     # (a tensor's value is not looked at: that would wait for it)
-        raise ValueError(f"divisor must be a positive finite number, got {divisor!r}")
+        raise ValueError(f"{name} must be a positive finite number, got {divisor!r}")
     return torch.full((), float(divisor), device=device)  # a fill on the device, not a host copy
 
 
@@ -293,6 +313,7 @@ def check_rowwise(name: str, t: Any, rows_shape: tuple[int, ...], device: torch.
                          f"dim), got {tuple(t.shape)}")
     if t.device != device:
         raise ValueError(f"{name} is on {t.device} but logits are on {device}")
+    refuse_grad(name, t)
     want = torch.int64 if integer else torch.bool if boolean else torch.float32
     if t.dtype != want:     # (the checks below only where a conversion is due: this runs every call)
         if integer and (t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex()):
@@ -321,9 +342,13 @@ def check_topk(inputs: dict[str, Any], rows_shape: tuple[int, ...], device: torc
     if ids.shape != lps.shape:
         raise ValueError(f"teacher_topk_ids {tuple(ids.shape)} and teacher_topk_logprobs "
                          f"{tuple(lps.shape)} must have the same shape")
+    if ids.shape[-1] == 0:
+        raise ValueError(f"teacher_topk_ids and teacher_topk_logprobs must hold K >= 1 candidates a row, got "
+                         f"shape {tuple(ids.shape)} (K = 0)")
     if ids.dtype.is_floating_point or ids.dtype == torch.bool:
         raise TypeError(f"teacher_topk_ids must be an integer tensor, got {ids.dtype}")
     if not lps.dtype.is_floating_point:
         raise TypeError(f"teacher_topk_logprobs must be a float tensor, got {lps.dtype}")
+    refuse_grad("teacher_topk_logprobs", lps)
     K = ids.shape[-1]
     return ids.reshape(-1, K).long().contiguous(), lps.reshape(-1, K).float().contiguous()

@@ -2,10 +2,12 @@
 
 The kernel checks every valid row's label, segment id and teacher top-k ids itself. A bad one makes
 that row's values and gradient NaN, so the call's loss is NaN, and the kernel writes the bad value
-into the flag buffer: one slot a kind of bad value (``emit.FLAG_SLOTS``), each ``NONE`` until a bad
-value comes (one 8-byte store, so a reader never sees half of one). On a GPU the buffer is pinned host memory that the
-kernel writes across the bus: no copy a call. On the CPU the host reads it right after the call and
-raises at once; on a GPU each call reads it first and raises for what earlier calls found.
+into the flag buffer: one slot a kind of bad value (``emit.FLAG_SLOTS``), each holding its clear value
+(``CLEAR``) until a bad value comes (one 8-byte store, so a reader never sees half of one). A slot's
+clear value is one the kernel never writes there, so every bad value is seen, -2**63 too. On a GPU
+the buffer is pinned host memory that the kernel writes across the bus: no copy a call. On the CPU
+the host reads it right after the call and raises at once; on a GPU each call reads it first and
+raises for what earlier calls found.
 
 In a training step the previous call finished long ago, so an error comes at the next call. When
 the host runs more than one call ahead of the GPU (a tight loop of head calls), a call does not
@@ -30,8 +32,13 @@ import torch
 
 from .emit import FLAG_SLOTS
 
-NONE = -(2 ** 63)   # a slot that holds no bad value
-_CLEAR = [NONE] * len(FLAG_SLOTS)
+# Each slot's value while it holds no bad value: one the kernel never writes there. 0 is a label and a
+# top-k id in range (V >= 1), and a segment id in range wherever there is a segment (num_segments=0
+# is the one call with none: inputs.check_rows makes its ids negative). A repeated top-k id may be any
+# id, but one out of range also fills the "topk_id" slot, which is read first: -2**63 is only ever
+# read there after an out-of-range id was reported.
+CLEAR = {"label": 0, "segment_id": 0, "topk_id": 0, "topk_repeated": -(2 ** 63)}
+_CLEAR = [CLEAR[slot] for slot in FLAG_SLOTS]
 
 
 @dataclass
@@ -61,8 +68,8 @@ class DeviceChecks:
             self._local.flags = {}
         except KeyError:
             pass
-        f = self._local.flags[device] = _Flags(torch.full((len(FLAG_SLOTS),), NONE, dtype=torch.int64,
-                                                          pin_memory=device.type == "cuda"))
+        f = self._local.flags[device] = _Flags(torch.tensor(_CLEAR, dtype=torch.int64,
+                                                            pin_memory=device.type == "cuda"))
         return f
 
     def before(self, device: torch.device) -> torch.Tensor:
@@ -98,14 +105,18 @@ class DeviceChecks:
         f.slots[:] = _CLEAR
         found = dict(zip(FLAG_SLOTS, found))
         label, seg, topk, repeated = (found[s] for s in ("label", "segment_id", "topk_id", "topk_repeated"))
-        if label != NONE:
+        if label != CLEAR["label"]:
             raise ValueError(f"labels: values must be in [0, {f.vocab}) or ignore_index="
                              f"{self.ignore_index}; found {label} in {when} (its loss is NaN)")
-        if seg != NONE:
+        if seg != CLEAR["segment_id"]:
+            if f.num_segments == 0:   # (the value says nothing: a given 0's ids were made negative)
+                raise ValueError(f"segment_ids of valid rows must be in [0, num_segments), and num_segments was "
+                                 f"0 (given, or the largest id of a valid row plus one): a valid row has no "
+                                 f"segment in {when} (its loss is NaN)")
             # (a negative id: ids that only group rows are compacted, and num_segments is not the user's)
             bound = "be non-negative" if seg < 0 else f"be in [0, num_segments={f.num_segments})"
             raise ValueError(f"segment_ids of valid rows must {bound}; found {seg} in {when} (its loss is NaN)")
-        if topk != NONE:
+        if topk != CLEAR["topk_id"]:
             raise ValueError(f"teacher_topk_ids of valid rows must be in [0, {f.vocab}); found {topk} "
                              f"in {when} (its loss is NaN)")
         raise ValueError(f"teacher_topk_ids must not repeat an id within a valid row; found {repeated} "

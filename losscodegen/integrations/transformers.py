@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 import losscodegen as lcg
+from losscodegen.inputs import check_divisor
 
 try:
     import transformers
@@ -317,16 +318,18 @@ def _forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     shift_labels = shift_labels.to(hidden.device)
     if isinstance(num_items_in_batch, torch.Tensor):
         num_items_in_batch = num_items_in_batch.to(hidden.device, non_blocking=True)
+    valid = (shift_labels != _IGNORE_INDEX).sum()
+    divisor = _divisor(num_items_in_batch, valid)
     head, lm_head = state.head, self.lm_head
     logits = None
     if self.training:
-        out = head.linear(hidden, lm_head.weight, shift_labels, bias=lm_head.bias, divisor=num_items_in_batch)
+        out = head.linear(hidden, lm_head.weight, shift_labels, bias=lm_head.bias, divisor=divisor)
     else:
         raw = lm_head(hidden)
-        out = head(raw, shift_labels, divisor=num_items_in_batch)
+        out = head(raw, shift_labels, divisor=divisor)
         logits = raw if state.final_logits.apply is None else state.final_logits.apply(raw)
     state.terms, state.metrics = out.terms, out.metrics
-    (state.train if self.training else state.eval).add(out, (shift_labels != _IGNORE_INDEX).sum(), num_items_in_batch)
+    (state.train if self.training else state.eval).add(out, valid, num_items_in_batch)
     common = dict(logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions)
     common[_CACHE] = getattr(outputs, _CACHE, None)
     if not spec.router_aux_loss:
@@ -337,6 +340,20 @@ def _forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
                                      arguments.get("attention_mask"))
         loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
     return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, router_logits=outputs.router_logits, **common)
+
+
+def _divisor(num_items_in_batch: Any, valid: torch.Tensor) -> torch.Tensor | None:
+    """The head's divisor for ``num_items_in_batch`` (errors name it): the count, plus 1 where this
+    batch has no valid label. Such a batch's sum is 0, so its loss is 0 with a zero gradient, also
+    where the count is 0 (an accumulation step of prompt tokens only: the Trainer's tensor 0, which
+    would give 0/0), while a batch with valid labels divides by the count as given. On the device:
+    no host sync."""
+    if num_items_in_batch is None:
+        return None
+    if isinstance(num_items_in_batch, (int, float)) and not isinstance(num_items_in_batch, bool) \
+            and num_items_in_batch == 0:
+        num_items_in_batch = torch.zeros((), device=valid.device)   # (a number must be > 0: the count as a tensor)
+    return check_divisor(num_items_in_batch, "mean", valid.device, name="num_items_in_batch") + (valid == 0)
 
 
 def _patchable(model: nn.Module) -> nn.Module:

@@ -202,3 +202,24 @@ def test_trainer_with_gradient_accumulation_ends_at_the_unpatched_parameters(mod
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
         moved = max(moved, (q - p0).abs().max().item())
     assert moved > 1e-2   # (the steps did train)
+
+
+def test_a_batch_without_valid_labels_gives_0_with_any_num_items_in_batch():
+    from helpers import tiny_causal_lm
+    model = apply_losscodegen(tiny_causal_lm(48)).train()
+    ids = torch.randint(3, 48, (2, 6), generator=torch.Generator().manual_seed(0))
+    for count in (None, 0, torch.tensor(0), torch.tensor(7)):   # (the Trainer's count is a tensor)
+        model.zero_grad()
+        loss = model(input_ids=ids, labels=torch.full_like(ids, -100), num_items_in_batch=count).loss
+        loss.backward()
+        assert loss.item() == 0, count
+        assert model.lm_head.weight.grad is None or not model.lm_head.weight.grad.any(), count
+    labels = ids.clone()
+    with pytest.raises(ValueError, match="num_items_in_batch must be a positive finite number, got -1"):
+        model(input_ids=ids, labels=labels, num_items_in_batch=-1)
+    with pytest.raises(TypeError, match="num_items_in_batch must be a number or a numeric tensor"):
+        model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(True))
+    # with valid labels the count divides as given
+    ref = model(input_ids=ids, labels=labels).loss
+    torch.testing.assert_close(model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(20)).loss,
+                               ref * 10 / 20)

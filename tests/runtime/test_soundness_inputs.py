@@ -344,3 +344,100 @@ def test_an_integer_class_prior_is_refused_naming_its_dtype():
     prior_term = lcg.declare_term("prior_ce", S.lse - S.target_logit - S.vsum(S.vector("prior") * S.logsoftmax))
     with pytest.raises(ValueError, match=r"prior must be a float tensor of shape \(40,\).*got torch.int64 of shape \(40,\)"):
         lcg.HeadLoss(prior_term())(torch.randn(3, 40), torch.tensor([1, 2, 3]), prior=torch.arange(40))
+
+
+# ---- 11. inputs that get no gradient are refused when they require one --------------------------------
+_WEIGHTED_CE = lcg.declare_term("rows_weighted_ce", S.token("w") * (S.lse - S.target_logit))
+
+
+def _grad_inputs(name):
+    """(head, inputs) of a head reading ``name``, with ``name`` requiring grad."""
+    logits, labels, inputs = _policy(R=8, V=32)
+    g = torch.Generator().manual_seed(3)
+    if name == "w":
+        head, inputs = lcg.HeadLoss(_WEIGHTED_CE()), dict(w=torch.rand(8, generator=g))
+    elif name == "advantages":
+        head = lcg.HeadLoss(lcg.GRPO())
+    elif name == "teacher_logits":
+        head, inputs = lcg.HeadLoss(lcg.ForwardKL()), dict(teacher_logits=torch.randn(8, 32, generator=g))
+    elif name == "teacher_topk_logprobs":
+        from helpers import topk_inputs
+        head, inputs = lcg.HeadLoss(lcg.TopKForwardKL()), topk_inputs(8, 32, 3, g)
+    else:   # divisor
+        head, inputs = lcg.HeadLoss(lcg.CrossEntropy()), dict(divisor=torch.tensor(5.0))
+    inputs[name] = inputs[name].clone().requires_grad_()
+    return head, logits.requires_grad_(), labels, inputs
+
+
+@pytest.mark.parametrize("name", ["w", "advantages", "teacher_logits", "teacher_topk_logprobs", "divisor"])
+def test_an_input_that_requires_grad_is_refused_naming_it_as_it_gets_no_gradient(name):
+    head, logits, labels, inputs = _grad_inputs(name)
+    message = f"{name} requires grad, but losscodegen gives it no gradient .*pass {name}.detach\\(\\)"
+    with pytest.raises(ValueError, match=message):
+        head(logits, labels, **inputs)
+    with torch.no_grad():     # nothing gets a gradient there: taken as it is
+        head(logits, labels, **inputs)
+    inputs[name] = inputs[name].detach()
+    head(logits, labels, **inputs).loss.backward()
+    assert logits.grad is not None
+
+
+def test_a_token_that_requires_grad_is_refused_in_head_linear_and_under_torch_compile():
+    head, logits, labels, inputs = _grad_inputs("w")
+    hidden, weight = torch.randn(8, 16, requires_grad=True), torch.randn(32, 16, requires_grad=True)
+    with pytest.raises(ValueError, match="w requires grad"):
+        head.linear(hidden, weight, labels, **inputs)
+    step = torch.compile(lambda x, w: head(x, labels, w=w).loss, backend="aot_eager")
+    step(logits, inputs["w"].detach()).backward()
+    with pytest.raises(ValueError, match="w requires grad"):   # (a recompile: the guard on requires_grad)
+        step(logits, inputs["w"])
+
+
+# ---- 12. every bad value is reported, -2**63 too ------------------------------------------------------
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_a_bad_value_of_int64_min_raises_as_any_other(backend):
+    INT64_MIN = -2**63
+    logits, labels, inputs = _policy(R=8, V=32)
+    bad = labels.clone()
+    bad[2] = INT64_MIN
+    ce = lcg.HeadLoss(lcg.CrossEntropy(), backend=backend)
+    with pytest.raises(ValueError, match=f"labels: .*found {INT64_MIN}"):
+        ce(logits, bad)
+    assert torch.isfinite(ce(logits, labels).loss)         # (reported once: the next call is clean)
+    inputs.pop("ref_logprobs")
+    gspo = lcg.HeadLoss(lcg.GSPO(), backend=backend)
+    ids = torch.tensor([0, 0, INT64_MIN, 1, 1, 1, 2, 2])
+    for count in ({}, {"num_segments": 3}):
+        with pytest.raises(ValueError, match=f"segment_ids of valid rows must be non-negative; found {INT64_MIN}"):
+            gspo(logits, labels, segment_ids=ids, **count, **inputs)
+    with pytest.raises(ValueError, match="must be in \\[0, num_segments=3\\); found 5"):   # (given: not compacted)
+        gspo(logits, labels, segment_ids=torch.tensor([0, 0, 5, 1, 1, 1, 2, 2]), num_segments=3, **inputs)
+    # num_segments=0: every valid row is out of range, an id of 0 too; a call without one is fine
+    with pytest.raises(ValueError, match="num_segments was 0 .*a valid row has no segment"):
+        gspo(logits, labels, segment_ids=torch.zeros(8, dtype=torch.long), num_segments=0, **inputs)
+    ignored = torch.full_like(labels, -100)
+    assert gspo(logits, ignored, segment_ids=torch.zeros(8, dtype=torch.long), num_segments=0, **inputs).loss == 0
+    from helpers import topk_inputs
+    topk = topk_inputs(8, 32, 3, torch.Generator().manual_seed(1))
+    topk["teacher_topk_ids"][1, 1] = INT64_MIN
+    with pytest.raises(ValueError, match=f"teacher_topk_ids of valid rows must be in \\[0, 32\\); found {INT64_MIN}"):
+        lcg.HeadLoss(lcg.TopKForwardKL(), backend=backend)(logits, **topk)
+    topk["teacher_topk_ids"][1, 0] = INT64_MIN              # repeated and out of range: named as out of range
+    with pytest.raises(ValueError, match=f"teacher_topk_ids of valid rows must be in \\[0, 32\\); found {INT64_MIN}"):
+        lcg.HeadLoss(lcg.TopKForwardKL(), backend=backend)(logits, **topk)
+
+
+# ---- 13. odd shapes and types of inputs, refused naming them -------------------------------------------
+def test_an_empty_top_k_is_refused_naming_both_arguments():
+    logits, _, _ = _policy(R=4, V=16)
+    with pytest.raises(ValueError, match="teacher_topk_ids and teacher_topk_logprobs must hold K >= 1"):
+        lcg.HeadLoss(lcg.TopKForwardKL())(logits, teacher_topk_ids=torch.zeros(4, 0, dtype=torch.long),
+                                          teacher_topk_logprobs=torch.zeros(4, 0))
+
+
+def test_a_bool_tensor_divisor_is_refused_as_a_bool_is():
+    logits, labels, _ = _policy(R=4, V=16)
+    head = lcg.HeadLoss(lcg.CrossEntropy())
+    for divisor in (True, torch.tensor(True)):
+        with pytest.raises(TypeError, match="divisor must be a number or a"):
+            head(logits, labels, divisor=divisor)
