@@ -26,11 +26,12 @@ def patch_triton_language_once_a_launch() -> None:
     helper from inside the kernel, for every program of the grid: the same patches, already in place
     (their builtins are the interpreter's wrappers by then, and the attributes it sets are set
     again to the same functions), each time scanning the modules with ``inspect.getmembers``. That
-    scan was a third of the time the fuzzer's slice spends in the interpreter. Inside a launch, a
-    helper's call whose modules the launch already patched now skips it; a launch, and a helper
-    that sees a module the launch did not patch, patch as before. The kernels run the same code.
-    (Processes started by the tests as a user starts them, and the fuzzer's own ranks, interpret
-    as Triton does.)"""
+    scan was a third of the time the fuzzer's slice spent in the interpreter. Inside a launch, a
+    helper's call whose modules the launch (or an earlier helper in it) already patched now skips
+    it; the launch itself, and a helper that sees a module not yet patched in it (triton.language's
+    own helpers see triton.language.core), patch as Triton does. The kernels run the same code,
+    with the same results to the bit. (Processes the tests start as a user starts them, and the
+    fuzzer's own ranks, interpret as Triton does.)"""
     if os.environ.get("TRITON_INTERPRET", "0") != "1":
         return
     import inspect
@@ -38,9 +39,12 @@ def patch_triton_language_once_a_launch() -> None:
     import triton.language as tl
     from triton.runtime import interpreter
 
-    patch_lang, run = interpreter._patch_lang, interpreter.GridExecutor.__call__
-    if getattr(patch_lang, "once_a_launch", False):
-        return
+    patch_lang = getattr(interpreter, "_patch_lang", None)
+    executor = getattr(interpreter, "GridExecutor", None)
+    if patch_lang is None or executor is None or not hasattr(interpreter, "_LangPatchScope") \
+            or getattr(patch_lang, "once_a_launch", False):
+        return      # (a Triton whose interpreter is laid out otherwise runs as it is; or done already)
+    run = executor.__call__
     # the modules the running launch and its helpers patched (None: none yet); [] outside a launch
     launches: list[set | None] = []
 
@@ -64,7 +68,7 @@ def patch_triton_language_once_a_launch() -> None:
         return scope
     once_a_launch.once_a_launch = True
     interpreter._patch_lang = once_a_launch
-    interpreter.GridExecutor.__call__ = launch
+    executor.__call__ = launch
 
 
 patch_triton_language_once_a_launch()
