@@ -14,8 +14,64 @@ if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
 # Without a GPU the kernels run in Triton's interpreter; it must be chosen before triton is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-# Heads not in generated/ are generated into a throwaway cache, never into the user's.
-os.environ.setdefault("LOSSCODEGEN_CACHE", tempfile.mkdtemp(prefix="losscodegen-test-"))
+# Heads not in generated/ are generated into a throwaway cache, never into the user's (one for the
+# session: its ranks, which import this file again, inherit it).
+if "LOSSCODEGEN_CACHE" not in os.environ:
+    os.environ["LOSSCODEGEN_CACHE"] = tempfile.mkdtemp(prefix="losscodegen-test-")
+
+
+def patch_triton_language_once_a_launch() -> None:
+    """Triton's interpreter patches triton.language for the interpreter when it starts a launch
+    (``_patch_lang``, undone when the launch ends), and again at every call of a ``@triton.jit``
+    helper from inside the kernel, for every program of the grid: the same patches, already in place
+    (their builtins are the interpreter's wrappers by then, and the attributes it sets are set
+    again to the same functions), each time scanning the modules with ``inspect.getmembers``. That
+    scan was a third of the time the fuzzer's slice spent in the interpreter. Inside a launch, a
+    helper's call whose modules the launch (or an earlier helper in it) already patched now skips
+    it; the launch itself, and a helper that sees a module not yet patched in it (triton.language's
+    own helpers see triton.language.core), patch as Triton does. The kernels run the same code,
+    with the same results to the bit. (Processes the tests start as a user starts them, and the
+    fuzzer's own ranks, interpret as Triton does.)"""
+    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    patch_lang = getattr(interpreter, "_patch_lang", None)
+    executor = getattr(interpreter, "GridExecutor", None)
+    if patch_lang is None or executor is None or not hasattr(interpreter, "_LangPatchScope") \
+            or getattr(patch_lang, "once_a_launch", False):
+        return      # (a Triton whose interpreter is laid out otherwise runs as it is; or done already)
+    run = executor.__call__
+    # the modules the running launch and its helpers patched (None: none yet); [] outside a launch
+    launches: list[set | None] = []
+
+    def modules(fn) -> set:
+        return {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+
+    def launch(self, *args, **kwargs):
+        launches.append(None)
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            launches.pop()
+
+    def once_a_launch(fn):
+        langs = modules(fn)
+        if launches and launches[-1] is not None and langs <= launches[-1]:
+            return interpreter._LangPatchScope()      # (a helper's call: nothing to patch again)
+        scope = patch_lang(fn)
+        if launches:    # (the launch's own patch, or a helper's of a module it had not patched)
+            launches[-1] = langs | (launches[-1] or set())
+        return scope
+    once_a_launch.once_a_launch = True
+    interpreter._patch_lang = once_a_launch
+    executor.__call__ = launch
+
+
+patch_triton_language_once_a_launch()
 
 import pytest  # noqa: E402
 

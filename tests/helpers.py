@@ -47,10 +47,12 @@ def topk_inputs(R, V, K, g):
 def _on_backend(worker, env: dict, *args) -> None:
     # a rank: the parent test's environment when it started the rank (a rank forks from a server
     # started earlier), with its backend (conftest's ``backend`` fixture), if it chose one
+    # (and the interpreter's patches once a launch: conftest's patch_triton_language_once_a_launch,
+    # which its import applies where TRITON_INTERPRET=1)
     os.environ.clear()
     os.environ.update(env)
+    from conftest import use_backend
     if env.get("LOSSCODEGEN_TEST_BACKEND"):
-        from conftest import use_backend
         use_backend(env["LOSSCODEGEN_TEST_BACKEND"])
     worker(*args)
 
