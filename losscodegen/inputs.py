@@ -111,16 +111,23 @@ def check_call(head, spec: FileSpec, logits: Any, labels: Any, inputs: dict[str,
 
 def refuse_aliases(call: Call, spec: FileSpec) -> None:
     """inplace_backward=True: the kernel writes the gradient over the logits while it still reads the
-    other inputs, so none of them may share the logits' memory (``teacher_logits=logits.detach()``, a
-    self-distillation, would read gradient values as the teacher's)."""
-    base = call.x.untyped_storage().data_ptr()
+    other inputs, so none of them may overlap the logits' memory (``teacher_logits=logits.detach()``, a
+    self-distillation, would read gradient values as the teacher's); another part of their storage may."""
+    lo, hi = _bytes(call.x)
     names = ("teacher_logits", "labels", "loss_mask", *spec.tokens, "teacher_topk_ids", "teacher_topk_logprobs",
              "segment_ids", "divisor", *spec.vectors)
     for name, t in zip(names, call.tensors()[1:], strict=True):
-        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == base:
+        if isinstance(t, torch.Tensor) and t.numel() and t.device == call.x.device \
+                and _bytes(t)[0] < hi and lo < _bytes(t)[1]:
             raise ValueError(f"{name} shares the logits' memory, which inplace_backward=True overwrites with "
                              f"their gradient while {name} is still read: pass {name}.clone(), or build the "
                              "head with inplace_backward=False")
+
+
+def _bytes(t: torch.Tensor) -> tuple[int, int]:
+    """The address range a non-empty tensor's elements lie in (first byte, past the last)."""
+    last = sum((n - 1) * step for n, step in zip(t.shape, t.stride()))    # (torch strides are >= 0)
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
 
 
 def check_rows(head, spec: FileSpec, shape: tuple[int, ...], V_local: int, dev: torch.device,

@@ -705,8 +705,7 @@ def _abstract_terms(lw: _Lowering, terms: tuple[tuple[str, sp.Expr, bool], ...])
     for name, formula, is_metric in terms:
         formula = _run_time_temperatures(formula)
         if formula.has(S.segment_mean):
-            if is_metric:
-                raise ValueError(f"{name}: a segment term cannot be a metric")
+            # (never a metric: terms.check_metric refuses it when the head is built)
             # each statistic (a segment_mean, a segment_sorted: a sorted sum, a row_quantile) by its node
             means: dict[sp.Expr, sp.Symbol] = {}
             # (sympy may write one row quantity two ways, -a*(b - c) and a*(c - b): one statistic,

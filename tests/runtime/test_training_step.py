@@ -224,3 +224,6 @@ def test_inplace_backward_refuses_an_input_that_shares_the_logits_memory(which):
         head(x, labels, **shared)
     copied = dict(inputs, **{which: shared[which].clone()})
     head(x, labels, **copied).loss.backward()
+    if which == "teacher_logits":       # the other half of one buffer: the same storage, no overlap
+        both = torch.cat([logits, inputs["teacher_logits"]]).requires_grad_() * 1.0
+        head(both[:6], labels, **dict(inputs, teacher_logits=both[6:].detach())).loss.backward()
