@@ -20,6 +20,7 @@ from .emit import KernelSource, header
 from .inputs import Call, check_call
 from .lower import Lowered, lower
 from .plan import Launch, Plan, launch_sequence, plan
+from .stable import numerics_report
 from .terms import Term, bind, check_metric, is_tensor, kernel_normalize, scalar_values
 from .validation import DeviceChecks
 
@@ -213,7 +214,9 @@ class HeadLoss(torch.nn.Module):
         p = self.plan()
         return "\n".join([
             "terms:", *[f"  {'metric' if m else 'loss  '} {n} = {f}" for n, f, m in self._bound],
-            str(p.lowered), "plan:", *["  " + line for line in str(p).splitlines()],
+            str(p.lowered), "numerics (forms that can be 0/0 where the formulas are finite):",
+            *["  " + line for line in numerics_report(p.lowered) or ["none"]],
+            "plan:", *["  " + line for line in str(p).splitlines()],
             self.backend.describe_config(p.state), self.backend.describe_costs(p),
             f"kernel: {_load.module_path(self.key, self.backend)}"])
 

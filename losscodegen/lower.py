@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import sympy as sp
 
 from . import symbols as S
+from .stable import CANCELLATIONS, cancellations, sech2, stable_form
 
 # Row statistics of the first read.
 M = sp.Symbol("m", real=True)          # max_i z_i
@@ -243,6 +244,16 @@ class _Lowering:
                for s in rest.free_symbols):
             return None
         factor = _merge_exp(row * sp.exp(const) * sp.exp(alpha * M + beta * MT))
+        if domain == "topk" and alpha != 0:
+            cz = rest.diff(z)
+            c0 = sp.expand(rest - cz * z)
+            if cz != 0 and not cz.has(*elem) and not c0.has(*elem):
+                # h = c0 + cz*z_k as cz*(z_k - m) and (c0 + cz*m) times the weights' sum, as below:
+                # summed as they are, z_k of 4000 in a spread row cancel against m in the row math
+                # (a gradient 300 times further from float64 than torch's; the fuzzer's spread regime)
+                base = self.acc(domain, True, alpha, sp.S.Zero, sp.S.One)
+                relative = self.acc(domain, True, alpha, sp.S.Zero, cz * (z - M))
+                return factor * (c0 + cz * M) * base + factor * relative
         linear = _linear(rest) if domain == "vocab" and (alpha, beta) != (0, 0) else None
         if linear is not None:
             # h = c0 + cz*z + ct*t summed as cz*(z - m) + ct*(t - m_t), relative to the running
@@ -265,92 +276,6 @@ class _Lowering:
         if exact != 0:
             value += self.acc(domain, False, sp.S.Zero, sp.S.Zero, exact)
         return value
-
-
-class expm1(sp.Function):
-    """``exp(x) - 1``, precise where it is small (no cancellation): ``exp(d) - 1`` as written."""
-
-    nargs = 1
-    is_real = True
-
-    def fdiff(self, argindex=1):
-        return sp.exp(self.args[0])
-
-
-class expm1mx(sp.Function):
-    """``exp(x) - 1 - x``, precise where it is small (~x**2/2): GRPO's KL ``e^d - d - 1``."""
-
-    nargs = 1
-    is_real = True
-
-    def fdiff(self, argindex=1):
-        return expm1(self.args[0])
-
-
-class log1p(sp.Function):
-    """``log(1 + x)``, precise where x is small."""
-
-    nargs = 1
-    is_real = True
-
-    def fdiff(self, argindex=1):
-        return 1 / (1 + self.args[0])
-
-
-# the functions _cancellations writes (each printer prints them: emit.ArrayPrinter, TritonPrinter)
-CANCELLATIONS = (expm1, expm1mx, log1p)
-
-
-def _cancellations(expr: sp.Expr) -> sp.Expr:
-    """Row math rewritten where fp32 would cancel: ``c*exp(x) - c - c*x`` as ``c*expm1mx(x)``,
-    ``c*exp(x) - c`` as ``c*expm1(x)`` (the rest of the sum kept as it is), ``log(1 + x)`` as
-    ``log1p(x)``. (``e^d - d - 1`` at d = 1e-3 keeps 3 of fp32's digits; torch's own fp32 ones
-    fewer or more, depending on its libm's exp.)"""
-    def in_add(add: sp.Add) -> sp.Expr:
-        for term in add.args:
-            exps = [f for f in sp.Mul.make_args(term) if isinstance(f, sp.exp)]
-            if len(exps) != 1:
-                continue
-            (e,), x = exps, exps[0].args[0]
-            c = term / e
-            rest = list(sp.Add.make_args(sp.expand(add - term)))
-            for fn, parts in ((expm1mx, -c * (1 + x)), (expm1, -c)):
-                wanted = list(sp.Add.make_args(sp.expand(parts)))
-                if all(p in rest for p in wanted):
-                    for p in wanted:
-                        rest.remove(p)
-                    return c * fn(x) + sp.Add(*rest)
-        return add
-    expr = expr.replace(lambda e: isinstance(e, sp.Add) and any(isinstance(a, sp.Mul) and a.has(sp.exp) or
-                                                                isinstance(a, sp.exp) for a in e.args), in_add)
-    return expr.replace(lambda e: isinstance(e, sp.log) and isinstance(e.args[0], sp.Add) and 1 in e.args[0].args,
-                        lambda e: log1p(e.args[0] - 1))
-
-
-def _sech2(expr: sp.Expr) -> sp.Expr:
-    """tanh's derivative ``c - c*tanh(u)**2`` (sympy's) as ``4c exp(-2|u|) / (1 + exp(-2|u|))**2``:
-    at u = 7 it is 3e-6, and ``1 - tanh(u)**2`` in fp32 keeps 5% of it (an ulp of tanh near 1,
-    6e-8, against 3e-6; torch's autograd in fp32 does the same), where the exponential form keeps
-    every digit and never overflows. (For coefficients: nothing differentiates them again.)"""
-    def rewrite(add: sp.Add) -> sp.Expr:
-        if len(add.args) != 2:
-            return add
-        for c, other in (add.args, add.args[::-1]):
-            tanhs = [f for f in sp.Mul.make_args(other) if f.is_Pow and f.exp == 2 and isinstance(f.base, sp.tanh)]
-            if len(tanhs) == 1 and other / tanhs[0] + c == 0:
-                e = sp.exp(-2 * _abs_of_real(tanhs[0].base.args[0]))
-                return 4 * c * e / (1 + e) ** 2
-        return add
-    return expr.replace(lambda e: isinstance(e, sp.Add) and e.has(sp.tanh), rewrite)
-
-
-def _abs_of_real(u: sp.Expr) -> sp.Expr:
-    """``|u|`` of a value the kernel computes (real): sympy, not knowing that ``log(acc)`` is real,
-    writes ``Abs(exp(v))`` as ``exp(re(v))`` and expands ``re(tanh(...))`` into sinh, cosh and arg,
-    which no backend prints (found by the fuzzer: ``exp(tanh(exp(tanh(lse))))``). Each exponential
-    stands in as a positive symbol while sympy takes the absolute value."""
-    positive = {x: sp.Dummy(positive=True) for x in u.atoms(sp.exp)}
-    return sp.Abs(u.xreplace(positive)).xreplace({d: x for x, d in positive.items()})
 
 
 def _only_smooth(expr: sp.Expr, x: sp.Symbol) -> bool:
@@ -379,7 +304,10 @@ def base_of(acc: Accumulator, accs) -> Accumulator:
 
 def shift(acc: Accumulator) -> tuple[sp.Expr, sp.Expr]:
     """``(d body/d zm, d body/d tm)`` of an online accumulator kept relative to the running maxima:
-    when they grow by ``dm, dm_t`` the sum moves by ``-(dm*cz + dm_t*ct) * (the weights' sum)``."""
+    when they grow by ``dm, dm_t`` the sum moves by ``-(dm*cz + dm_t*ct) * (the weights' sum)``.
+    (A top-k sum, taken once the row's maximum is known, reads it as ``z_k - m``.)"""
+    if acc.domain == "topk":
+        return -acc.body.diff(M), sp.S.Zero
     return acc.body.diff(ZM), acc.body.diff(TM)
 
 
@@ -745,12 +673,12 @@ def _abstract_terms(lw: _Lowering, terms: tuple[tuple[str, sp.Expr, bool], ...])
                 row_values += [(p.name, a) for a, p in P.items()] + [(f"V_{name}", sp.S.One)]
                 loss += w * F
             segments.append(SegmentTerm(
-                name, tuple(means.values()), _without_stop_gradient(F.xreplace(P)),
-                tuple(sp.S.Zero if U in dict(quantiles) else _without_stop_gradient(derive(F, U).xreplace(P))
+                name, tuple(means.values()), stable_form(_without_stop_gradient(F.xreplace(P))),
+                tuple(sp.S.Zero if U in dict(quantiles) else stable_form(_without_stop_gradient(derive(F, U).xreplace(P)))
                       for U in means.values()), coefs,
                 tuple(P.values()), f"V_{name}" if P else "", ordered, quantiles))
             continue
-        f = _cancellations(lw.abstract(formula))
+        f = cancellations(lw.abstract(formula))
         row_values.append((name, f))
         if not is_metric:
             w = sp.Symbol(f"w_{name}", real=True)
@@ -849,7 +777,22 @@ def _row_math(expr: sp.Expr, lowered_red: dict, normalizers: tuple[Normalizer, .
     expr = _without_stop_gradient(expr).xreplace(lowered_red).xreplace(parts).xreplace({S.row_max: M, _TEACHER_MAX: MT})
     if _only_smooth(expr, S.target_logit):
         expr = expr.xreplace({S.target_logit: ZYM + M})
-    return _log_of_exp(sp.powsimp(expr, deep=True, combine="exp"))
+    return _cancel_maxima(_log_of_exp(sp.powsimp(expr, deep=True, combine="exp")))
+
+
+def _cancel_maxima(expr: sp.Expr) -> sp.Expr:
+    """A sum whose addends carry the row maximum inside products, ``a*(m + log(b))/b - a*m/b`` (a
+    top-k sum of ``z_k - m`` beside its normaliser), with those products distributed where ``m``
+    then cancels: apart, each is of the size of ``|m|`` (4000 on a spread row) and their fp32
+    difference keeps none of the digits of the small rest. Where nothing cancels, as it was."""
+    def cancelled(add: sp.Add) -> sp.Expr:
+        spread = sp.Add(*[sp.expand_mul(a) if isinstance(a, sp.Mul) and a.has(M) else a for a in add.args])
+        return spread if sp.count_ops(spread) and _count(spread, M) < _count(add, M) else add
+    return expr.replace(lambda e: isinstance(e, sp.Add) and e.has(M), cancelled)
+
+
+def _count(expr: sp.Expr, x: sp.Symbol) -> int:
+    return sum(1 for node in sp.preorder_traversal(expr) if node == x)
 
 
 def _move_maxima_factors(coefs: list[tuple[sp.Symbol, sp.Expr]], grad_vocab: sp.Expr, grad_topk: sp.Expr):
@@ -951,7 +894,7 @@ def _lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
     lowered_red, normalizers = _accumulate(lw)
     grad_vocab = grad_vocab.xreplace(lowered_red)
     row_values = [(n, _row_math(e, lowered_red, normalizers)) for n, e in row_values]
-    coefs = [(s, _sech2(_row_math(e, lowered_red, normalizers))) for s, e in coefs]
+    coefs = [(s, sech2(_row_math(e, lowered_red, normalizers))) for s, e in coefs]
     grad_vocab, grad_topk = _move_maxima_factors(coefs, grad_vocab, grad_topk)
     grad_vocab = _relative_to_maxima(lw, normalizers, lowered_red, grad_vocab)
     # (the top-k entries are read as they are, z_k, not relative: only the maxima a run-time
@@ -959,6 +902,12 @@ def _lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
     grad_topk = grad_topk.xreplace({S.row_max: M, _TEACHER_MAX: MT})
     accumulators, normalizers, row_values, coefs, grad_vocab, grad_topk, uncombined = _combine_and_prune(
         lw, normalizers, row_values, coefs, grad_vocab, grad_topk)
+    # the printed forms finite wherever the formulas are (stable.py), last: no pass above expands them again
+    row_values = [(n, stable_form(e)) for n, e in row_values]
+    coefs = [(s, stable_form(e)) for s, e in coefs]
+    grad_vocab, grad_topk = stable_form(grad_vocab), stable_form(grad_topk)
+    accumulators = tuple(a if a.online else Accumulator(a.name, a.domain, False, a.alpha, a.beta, stable_form(a.body))
+                         for a in accumulators)
     free = set().union(*(e.free_symbols for _, e in row_values), *(e.free_symbols for _, e in coefs),
                        grad_vocab.free_symbols, grad_topk.free_symbols,
                        *(a.body.free_symbols for a in accumulators))

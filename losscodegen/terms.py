@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -83,6 +84,7 @@ class Term:
     metric_only: bool = False
     normalize: str = "tokens"             # "tokens" | "sequence" | "sum" (NORMALIZE)
     class_weight: Any = None              # a [V] float tensor: each row's value times class_weight[label]
+    domains: tuple[tuple[str, tuple[float, float]], ...] = ()   # declare_term's, for parity tests' inputs
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params)
@@ -99,6 +101,7 @@ class TermFactory:
     formula: sp.Expr
     defaults: Mapping[str, Any] = field(default_factory=dict)
     metric_only: bool = False
+    domains: tuple[tuple[str, tuple[float, float]], ...] = ()
 
     def __call__(self, *positional: Any, weight: Any = 1.0, normalize: str = "tokens",
                  class_weight: Any = None, **params: Any) -> Term:
@@ -134,12 +137,12 @@ class TermFactory:
         temperatures = {s for lse in self.formula.atoms(S.LSE) for s in lse.free_symbols}
         numbers = {S.param(k): _number(v) for k, v in values.items()
                    if not isinstance(v, FromTerm) and (not is_tensor(v) or S.param(k) in temperatures)}
-        for lse in self.formula.xreplace(numbers).atoms(S.LSE):
+        for lse in _limit_form(self.formula).xreplace(numbers).atoms(S.LSE):
             if any(a.is_number and not (a.is_finite and a.is_extended_real and a >= 0) for a in lse.args) \
                     or all(a == 0 for a in lse.args):
                 raise ValueError(f"{self.name}: a temperature must be > 0 (got {lse}, from {params})")
         return Term(self.name, self.formula, weight, tuple(sorted(values.items())), self.metric_only,
-                    normalize, class_weight)
+                    normalize, class_weight, self.domains)
 
     def _refuse_positional(self, positional: tuple[Any, ...]) -> None:
         """Options are keyword-only: ``CrossEntropy(0.1)`` read as ``weight=0.1`` would be a silently
@@ -184,10 +187,13 @@ class TermFactory:
 
 
 def declare_term(name: str, formula: sp.Expr, *, defaults: Mapping[str, Any] | None = None,
-                 metric_only: bool = False) -> TermFactory:
+                 metric_only: bool = False,
+                 domains: Mapping[str, tuple[float, float]] | None = None) -> TermFactory:
     """Declare a per-token loss term from its formula. Returns a factory: ``Term = declare_term(...)``,
     then ``Term(weight=..., param=...)`` in a ``HeadLoss``. Anything the code generator cannot
-    compute where it stands is refused here, naming it (docs/api.md, "What is refused")."""
+    compute where it stands is refused here, naming it (docs/api.md, "What is refused").
+    ``domains``: the range ``(low, high)`` of a per-row token's values the formula is meant for,
+    which ``losscodegen.testing`` draws it from (otherwise inferred: ``testing.token_domains``)."""
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"term name must be an identifier, got {name!r}")
     formula = sp.sympify(formula)
@@ -199,7 +205,48 @@ def declare_term(name: str, formula: sp.Expr, *, defaults: Mapping[str, Any] | N
     S.check_exponentials(name, formula)
     if metric_only:
         check_metric(name, formula)
-    return TermFactory(name, formula, dict(defaults or {}), metric_only)
+    # (the package's own terms, built-ins and integrations', are checked in every regime by its tests,
+    # not lowered again at each declaration)
+    if not sys._getframe(1).f_globals.get("__name__", "").startswith(__package__ + "."):
+        _warn_unsafe(name, formula)
+    return TermFactory(name, formula, dict(defaults or {}), metric_only, _domains(name, formula, domains or {}))
+
+
+def _warn_unsafe(name: str, formula: sp.Expr) -> None:
+    """A warning naming each quotient of the term's derived forms that the compiler could not make
+    safe (0/0 on a finite row: stable.numerics_report), from the term lowered alone with its
+    parameters as run-time values. A formula that does not lower alone is left to the head, which
+    refuses it naming why."""
+    import warnings
+
+    from .lower import lower
+    from .stable import numerics_report
+    params = {s: S.runtime(name, s.name[len(S.PARAM_PREFIX):]) for s in formula.free_symbols
+              if s.name.startswith(S.PARAM_PREFIX)}
+    try:
+        report = numerics_report(lower(((name, formula.xreplace(params), False),)))
+    except Exception:   # (refused at the head, with its message)
+        return
+    for line in report:
+        warnings.warn(f"{name}: {line}; rewrite that part (docs/adding-a-loss.md, 'Numerics')", stacklevel=3)
+
+
+def _domains(name: str, formula: sp.Expr, domains: Mapping[str, tuple[float, float]]):
+    """``declare_term``'s ``domains``, checked: each a token of the formula and a finite ``low < high``."""
+    tokens = {s.name[len(S.TOKEN_PREFIX):] for s in formula.free_symbols if s.name.startswith(S.TOKEN_PREFIX)}
+    out = []
+    for token, bounds in sorted(domains.items()):
+        if token not in tokens:
+            raise ValueError(f"{name}: domains names {token!r}, which is no token of the formula "
+                             f"(its tokens: {sorted(tokens)})")
+        try:
+            low, high = (float(b) for b in bounds)
+        except (TypeError, ValueError):
+            raise TypeError(f"{name}: domains[{token!r}] must be a pair (low, high), got {bounds!r}") from None
+        if not (math.isfinite(low) and math.isfinite(high) and low < high):
+            raise ValueError(f"{name}: domains[{token!r}] must be finite with low < high, got {bounds!r}")
+        out.append((token, (low, high)))
+    return tuple(out)
 
 
 def check_metric(name: str, formula: sp.Expr) -> None:
@@ -366,16 +413,62 @@ def _sign(value: Any) -> int:
 def bind(term: Term, head_terms: tuple[Term, ...]) -> sp.Expr:
     """The term's formula as the kernel computes it: each runtime parameter a symbol the kernel
     reads from its scalars (``S.runtime``, named after the term that owns the value), the others
-    substituted as numbers; a term with ``normalize="sequence"`` becomes the mean over its segment."""
-    values = {}
+    substituted as numbers; a term with ``normalize="sequence"`` becomes the mean over its segment.
+    A parameter's value (a tensor's, as it is now) where the formula is undefined is refused
+    (``_check_defined``); a division by a parameter that a product cancels is cancelled first, so
+    that the formula has its limit there (``_limit_form``)."""
+    values, numbers = {}, {}
+    formula = _limit_form(term.formula)
     for key, _ in term.params:
         owner, value = _owner(term, key, head_terms)
         values[S.param(key)] = S.runtime(owner.name, key, _sign(value)) if _runtime(owner, key, value) \
             else _number(value)
-    formula = term.formula.xreplace(values)
+        numbers[S.param(key)] = (key, value, _number(value))
+    _check_defined(term.name, formula, numbers)
+    formula = formula.xreplace(values)
     if term.class_weight is not None:
         formula = S.class_weight(term.name) * formula
     return S.segment_mean(formula) if term.normalize == "sequence" else formula
+
+
+def _limit_form(formula: sp.Expr) -> sp.Expr:
+    """Each product of a parameter and a sum that divides by that parameter distributed, so that
+    nothing is 0 * inf where the parameter is 0: SimPO's ``beta * (x - gamma / beta)`` is
+    ``beta*x - gamma``, its limit (``-gamma``) at ``beta = 0``. The same function elsewhere."""
+    params = {s for s in formula.free_symbols if s.name.startswith(S.PARAM_PREFIX)}
+
+    def cancels(node: sp.Expr) -> bool:
+        if not isinstance(node, sp.Mul):
+            return False
+        factors = {f.base if f.is_Pow and f.exp.is_positive else f for f in node.args}
+        return any(isinstance(f, sp.Add) and any(t.has(1 / p) for t in f.args for p in params & factors)
+                   for f in node.args)
+    return formula.replace(cancels, sp.expand_mul) if params else formula
+
+
+def _check_defined(name: str, formula: sp.Expr, numbers: dict) -> None:
+    """Refuse parameter values where the formula is undefined (sympy's ``zoo``/``nan``: IPO's
+    ``1 / (2*beta)`` at ``beta = 0``, SAPO's ``4 / tau`` at a temperature of 0), naming the parameter,
+    its value and the smallest part of the formula that breaks, rather than printing a kernel of
+    inf or NaN (a tensor's value is looked at once, here, as its sign is)."""
+    probe = {sym: number for sym, (_, _, number) in numbers.items()}
+
+    def undefined(e: sp.Expr) -> bool:
+        try:
+            return e.xreplace(probe).has(sp.zoo, sp.nan)
+        except (ValueError, TypeError):   # (sympy comparing a nan: "The argument 'nan' is not comparable")
+            return True
+    if not probe or not undefined(formula):
+        return
+    culprit = formula
+    while True:
+        inner = next((a for a in culprit.args if isinstance(a, sp.Basic) and undefined(a)), None)
+        if inner is None:
+            break
+        culprit = inner
+    named = [f"{key}={float(value)!r}" for sym, (key, value, _) in numbers.items() if culprit.has(sym)]
+    raise ValueError(f"{name}: parameter {', '.join(named)}: the formula is undefined there ({culprit} "
+                     f"is infinite or 0/0); give a value where it is finite")
 
 
 def kernel_normalize(term: Term) -> str:

@@ -18,7 +18,7 @@ import losscodegen as lcg
 from losscodegen import head
 
 PACKAGE = Path(lcg.__file__).resolve().parent
-COMPILER = {"losscodegen.symbols", "losscodegen.terms", "losscodegen.lower", "losscodegen.plan",
+COMPILER = {"losscodegen.symbols", "losscodegen.terms", "losscodegen.lower", "losscodegen.stable", "losscodegen.plan",
             "losscodegen.emit", "losscodegen.resources", "losscodegen.backends.triton.render",
             "losscodegen.backends.torch.render"}
 BACKENDS = "losscodegen.backends."

@@ -9,6 +9,7 @@ import torch
 
 from losscodegen import fuzz
 from losscodegen import symbols as S
+from losscodegen.testing import compare
 
 pytestmark = pytest.mark.cpu   # CPU tensors throughout (conftest's ``cpu``)
 
@@ -123,19 +124,21 @@ def test_a_case_for_a_gpu_creates_its_tensor_weights_and_parameters_on_that_gpu(
 
 
 def test_a_gradient_outside_the_bound_passes_only_when_plain_torch_fp32_is_as_far_off():
-    """The tolerance model: a gradient whose formula's derivative cancels (tanh' at a large row
-    value) is as far from float64 in plain torch fp32; on par with that it passes, worse it fails."""
+    """The tolerance model (testing.compare's plain=, the fuzzer's and assert_parity's): a gradient
+    whose formula's derivative cancels (tanh' at a large row value) is as far from float64 in plain
+    torch fp32; on par with that it passes, worse it fails; and it is finite wherever torch's is."""
     want = torch.tensor([[1e-4, -2e-4, 3e-4]], dtype=torch.float64)
     got = (want * (1 + 1e-2)).float()                    # 1% off: outside 2e-4 of the largest
-    loss = torch.tensor(1.0, dtype=torch.float64)
-    fuzz._compare_gradient(got, want, loss, torch.float32, "", peer=lambda: want * (1 - 1e-2))
-    for peer in (None, lambda: want * (1 + 1e-4)):      # torch fp32 ten times better: ours is a bug
-        try:
-            fuzz._compare_gradient(got, want, loss, torch.float32, "", peer=peer)
-        except AssertionError as e:
-            assert "gradient" in str(e)
-        else:
-            raise AssertionError("a gradient worse than torch's fp32 passed")
+    compare("gradient", got, want, torch.float32, plain=want * (1 - 1e-2))
+    for plain in (None, want * (1 + 1e-4)):              # torch fp32 ten times better: ours is a bug
+        with pytest.raises(AssertionError, match="^gradient"):
+            compare("gradient", got, want, torch.float32, plain=plain)
+    nan = got.clone()
+    nan[0, 1] = float("nan")                             # NaN where plain torch is finite: refused
+    with pytest.raises(AssertionError, match="where plain torch fp32 gives"):
+        compare("gradient", nan, want, torch.float32, plain=want)
+    inf = torch.tensor(float("inf"))                      # inf where plain torch overflows too: on par
+    compare("loss", inf, torch.tensor(1e48, dtype=torch.float64), torch.float32, plain=inf)
 
 
 def test_the_generator_writes_each_construct_of_the_language():

@@ -67,7 +67,7 @@ class _Wrong(lcg.HeadLoss):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_wrong_heads_fail_and_are_named(off, named, dtype):
     head = _Wrong(lcg.CrossEntropy(), metrics=(lcg.Entropy(),), off=off)
-    with pytest.raises(AssertionError, match=rf"^{named} \({dtype}"):
+    with pytest.raises(AssertionError, match=rf"^{named} \(regime 'randn', {dtype}"):
         assert_parity(head, rows=16, vocab=300, dtypes=(dtype,))
 
 

@@ -92,6 +92,8 @@ class TritonPrinter(ArrayPrinter):
         base, e = expr.args
         if e.is_Integer and int(e) < 0:
             return f"_rcp({self._print(base ** (-e))})"  # defined by the template (a fast reciprocal)
+        if not e.is_number:
+            return f"_pow({self._print(base)}, {self._print(e)})"   # (render's _POW_HELPER)
         return super()._print_Pow(expr, rational)
 
     def _print_Add(self, expr: sp.Add, order=None) -> str:
@@ -280,6 +282,21 @@ def _parameters(sig: Signature) -> list[str]:
             + wrap([f"{a}: tl.constexpr, " for a in sig.constexprs], "    "))
 
 
+# The file's _pow, printed for x ** a with an exponent known at run time (TritonPrinter._print_Pow),
+# in the files that have one (the others' text unchanged)
+_POW_HELPER = """
+
+
+@triton.jit
+def _pow(x, a):
+    # x ** a as torch.pow: 1 at a = 0; 0 (a > 0) or inf (a < 0) at x = 0; for x < 0, the signed
+    # power where a is an integer, NaN otherwise (exp(a * log(x)), NaN for every x < 0 and at 0**0)
+    r = tl.exp2(a * tl.log2(tl.abs(x)))
+    odd = (a - 2.0 * tl.floor(0.5 * a)) == 1.0
+    r = tl.where(x < 0.0, tl.where(a == tl.floor(a), tl.where(odd, -r, r), float("nan")), r)
+    return tl.where(a == 0.0, 1.0, r)"""
+
+
 def render(plan: Plan, key: str, header: str, codegen: str,
            normalize: Mapping[str, str] | None = None) -> KernelSource:
     """The kernel file of a plan. ``normalize``: each loss term's normalisation ("tokens" where not
@@ -351,8 +368,13 @@ def render(plan: Plan, key: str, header: str, codegen: str,
     relative_floor = {read: neg_inf[read]["floor"] and not any(e.has(*S.ELEMENT_SYMBOLS) for e in exprs)
                       for read, exprs in (("exact", [body[a.name] for a in exact]), ("grad", [printed.grad_vocab]))}
 
+    # x ** a for an exponent known only at run time (a tensor parameter), where a formula has one
+    run_time_powers = any(isinstance(n, sp.Pow) and not n.exp.is_number
+                          for e in reads_exprs + grad_exprs + seg_exprs + [e for _, e in lw.row_values]
+                          for n in sp.preorder_traversal(e))
     ctx = dict(
         common,
+        pow_helper=_POW_HELPER if run_time_powers else "",
         header="\n#   ".join([f"{header}\n#\n# cost:", *describe_costs(plan).splitlines()]), spec=spec, sigs=sigs,
         key=key, codegen=codegen, sweeps={w.name: w for w in plan.sweeps},
         online=online,

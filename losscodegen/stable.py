@@ -1,0 +1,178 @@
+"""Numerically stable forms: the rewrites that make what the kernels print finite wherever the
+formula's value is, on the rows late training produces (label probabilities that round to 1 or 0,
+one-hot teachers, huge spreads), in every backend alike.
+
+Two kinds. Row math rewritten where fp32 would cancel (``_cancellations``: ``expm1``, ``expm1mx``,
+``log1p``; tanh's derivative as exponentials, ``sech2``), applied by lower.py as it lowers. And the
+derived expressions' final form (``stable_form``, the last pass of lower.py): quotients whose
+numerator and denominator vanish together cancelled symbolically before printing (sympy writes the
+derivative of ``x**a`` as ``a * x**a / x``, 0/0 where ``x`` is 0: printed ``a * x**(a - 1)``, as
+torch's pow differentiates). ``unsafe_divisions`` names what is left that can still divide by 0, for
+``explain()`` and a warning when a head is built.
+"""
+from __future__ import annotations
+
+import sympy as sp
+
+class expm1(sp.Function):
+    """``exp(x) - 1``, precise where it is small (no cancellation): ``exp(d) - 1`` as written."""
+
+    nargs = 1
+    is_real = True
+
+    def fdiff(self, argindex=1):
+        return sp.exp(self.args[0])
+
+
+class expm1mx(sp.Function):
+    """``exp(x) - 1 - x``, precise where it is small (~x**2/2): GRPO's KL ``e^d - d - 1``."""
+
+    nargs = 1
+    is_real = True
+
+    def fdiff(self, argindex=1):
+        return expm1(self.args[0])
+
+
+class log1p(sp.Function):
+    """``log(1 + x)``, precise where x is small."""
+
+    nargs = 1
+    is_real = True
+
+    def fdiff(self, argindex=1):
+        return 1 / (1 + self.args[0])
+
+
+# the functions _cancellations writes (each printer prints them: emit.ArrayPrinter, TritonPrinter)
+CANCELLATIONS = (expm1, expm1mx, log1p)
+
+
+def cancellations(expr: sp.Expr) -> sp.Expr:
+    """Row math rewritten where fp32 would cancel: ``c*exp(x) - c - c*x`` as ``c*expm1mx(x)``,
+    ``c*exp(x) - c`` as ``c*expm1(x)`` (the rest of the sum kept as it is), ``log(1 + x)`` as
+    ``log1p(x)``. (``e^d - d - 1`` at d = 1e-3 keeps 3 of fp32's digits; torch's own fp32 ones
+    fewer or more, depending on its libm's exp.)"""
+    def in_add(add: sp.Add) -> sp.Expr:
+        for term in add.args:
+            exps = [f for f in sp.Mul.make_args(term) if isinstance(f, sp.exp)]
+            if len(exps) != 1:
+                continue
+            (e,), x = exps, exps[0].args[0]
+            c = term / e
+            rest = list(sp.Add.make_args(sp.expand(add - term)))
+            for fn, parts in ((expm1mx, -c * (1 + x)), (expm1, -c)):
+                wanted = list(sp.Add.make_args(sp.expand(parts)))
+                if all(p in rest for p in wanted):
+                    for p in wanted:
+                        rest.remove(p)
+                    return c * fn(x) + sp.Add(*rest)
+        return add
+    expr = expr.replace(lambda e: isinstance(e, sp.Add) and any(isinstance(a, sp.Mul) and a.has(sp.exp) or
+                                                                isinstance(a, sp.exp) for a in e.args), in_add)
+    return expr.replace(lambda e: isinstance(e, sp.log) and isinstance(e.args[0], sp.Add) and 1 in e.args[0].args,
+                        lambda e: log1p(e.args[0] - 1))
+
+
+def sech2(expr: sp.Expr) -> sp.Expr:
+    """tanh's derivative ``c - c*tanh(u)**2`` (sympy's) as ``4c exp(-2|u|) / (1 + exp(-2|u|))**2``:
+    at u = 7 it is 3e-6, and ``1 - tanh(u)**2`` in fp32 keeps 5% of it (an ulp of tanh near 1,
+    6e-8, against 3e-6; torch's autograd in fp32 does the same), where the exponential form keeps
+    every digit and never overflows. (For coefficients: nothing differentiates them again.)"""
+    def rewrite(add: sp.Add) -> sp.Expr:
+        if len(add.args) != 2:
+            return add
+        for c, other in (add.args, add.args[::-1]):
+            tanhs = [f for f in sp.Mul.make_args(other) if f.is_Pow and f.exp == 2 and isinstance(f.base, sp.tanh)]
+            if len(tanhs) == 1 and other / tanhs[0] + c == 0:
+                e = sp.exp(-2 * _abs_of_real(tanhs[0].base.args[0]))
+                return 4 * c * e / (1 + e) ** 2
+        return add
+    return expr.replace(lambda e: isinstance(e, sp.Add) and e.has(sp.tanh), rewrite)
+
+
+def _abs_of_real(u: sp.Expr) -> sp.Expr:
+    """``|u|`` of a value the kernel computes (real): sympy, not knowing that ``log(acc)`` is real,
+    writes ``Abs(exp(v))`` as ``exp(re(v))`` and expands ``re(tanh(...))`` into sinh, cosh and arg,
+    which no backend prints (found by the fuzzer: ``exp(tanh(exp(tanh(lse))))``). Each exponential
+    stands in as a positive symbol while sympy takes the absolute value."""
+    positive = {x: sp.Dummy(positive=True) for x in u.atoms(sp.exp)}
+    return sp.Abs(u.xreplace(positive)).xreplace({d: x for x, d in positive.items()})
+
+
+
+
+def stable_form(expr: sp.Expr) -> sp.Expr:
+    """``expr`` with each product's powers of one base, up to its sign, made one power: sympy
+    differentiates ``x**a`` into ``a * x**a / x`` (and, as ``(-x)**-1`` is ``-1/x``, the two need
+    not even share a base), which is 0/0 where ``x`` is 0 for any ``a > 1``: the focal loss's
+    ``(1 - p_y)**gamma`` at ``p_y = 1``. ``b**a * (-b)**n`` (``n`` an integer) is ``(-1)**n * b**(a + n)``,
+    which is finite there and is torch's own pow derivative. (Applied last: ``sympy.expand`` splits
+    ``b**(a - 1)`` back into ``b**a / b``.)"""
+    def merged(mul: sp.Mul) -> sp.Expr:
+        factors = [f.as_base_exp() for f in mul.args]
+        for i, (b, a) in enumerate(factors):
+            if a.is_Integer:
+                continue   # (an anchor: a power sympy cannot merge with an integer power of -b itself)
+            for j, (c, n) in enumerate(factors):
+                if j != i and n.is_Integer and sp.expand(b + c) == 0:
+                    rest = [bb ** ee for k, (bb, ee) in enumerate(factors) if k not in (i, j)]
+                    return merged_all(sp.Mul(sp.S.NegativeOne ** n, b ** (a + n), *rest))
+        return mul
+
+    def merged_all(e: sp.Expr) -> sp.Expr:
+        return merged(e) if isinstance(e, sp.Mul) else e
+
+    def masked(mul: sp.Mul) -> sp.Expr:
+        # a * b**(a - 1) with a known only at run time, 0 where a is 0 (torch's pow backward masks
+        # it so), where b**(a - 1) alone is inf at b = 0 and the product NaN: the focal loss at a
+        # tensor gamma of 0 is cross-entropy, at p_y = 1 too
+        for f in mul.args:
+            if f.is_Pow and not f.exp.is_number and (f.exp + 1) in mul.args:
+                a = f.exp + 1
+                rest = [g for g in mul.args if g is not f and g != a]
+                return sp.Mul(*rest, sp.Piecewise((0, sp.Eq(a, 0)), (a * f, True)))
+        return mul
+    expr = expr.replace(lambda e: isinstance(e, sp.Mul), merged)
+    return expr.replace(lambda e: isinstance(e, sp.Mul) and any(f.is_Pow and not f.exp.is_number for f in e.args),
+                        masked)
+
+
+def _may_vanish(base: sp.Expr) -> bool:
+    """Whether a divisor can be 0 on a finite row: a cancellation (``expm1``, ``log1p``, a log, a
+    difference with an exponential in it), not a sum of exponentials (every normaliser's, kept
+    above 0) nor a parameter (refused where it makes a formula undefined: terms._check_defined)."""
+    if base.has(expm1, expm1mx, log1p, sp.log):
+        return True
+    return isinstance(base, sp.Add) and base.has(sp.exp) and any(a.could_extract_minus_sign() for a in base.args)
+
+
+def vanishing_quotients(expr: sp.Expr) -> list[sp.Expr]:
+    """The divisors left in ``expr`` (after ``stable_form``) that can be 0 on a finite row together
+    with a factor of their numerator (a factor that holds the divisor itself): there the printed
+    value is 0/0, NaN, where the formula's may be finite. (A divisor alone at 0 is a true
+    singularity of the formula, ``log(1 - p)`` at ``p = 1``, as infinite in torch: not listed.)"""
+    found = []
+    for node in sp.preorder_traversal(expr):
+        if not isinstance(node, sp.Mul):
+            continue
+        for f in node.args:
+            if f.is_Pow and f.exp.is_number and f.exp < 0 and _may_vanish(f.base) and f.base not in found \
+                    and any(g is not f and g.has(f.base) for g in node.args):
+                found.append(f.base)
+    return found
+
+
+def numerics_report(lowered) -> list[str]:
+    """What ``explain()`` says of a lowered head's numerics, and a declared term's warning: each
+    quotient its printed forms may evaluate as 0/0 on a finite row (``vanishing_quotients``), with
+    the expression that holds it; empty where there is none."""
+    exprs = [(name, e) for name, e in lowered.row_values] + [(str(s), e) for s, e in lowered.grad_coefs] + [
+        ("dL/dz_i", lowered.grad_vocab), ("dL/dz_k", lowered.grad_topk)] + [
+        (a.name, a.body) for a in lowered.accumulators if not a.online]
+    lines = []
+    for name, e in exprs:
+        for base in vanishing_quotients(e):
+            lines.append(f"{name} divides by {base} with a factor that vanishes with it: 0/0 (NaN) on rows "
+                         f"where {base} is 0, though the formula may be finite there")
+    return lines
