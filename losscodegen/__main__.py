@@ -200,9 +200,9 @@ def demo() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="python -m losscodegen",
-                                     description="losscodegen's kernels from the command line: generate them, "
-                                     "check them against float64, tune their launches, see one run",
-                                     epilog="`python -m losscodegen COMMAND --help` describes each command's options")
+                     description="losscodegen's kernels from the command line: generate them, check them "
+                     "against float64, tune their launches, see one run",
+                     epilog="`python -m losscodegen COMMAND --help` describes each command's options")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="write (or --check) one kernel file per head of a manifest")
     manifest_help = "the heads, one a line (default: the package's own, generated/manifest)"
