@@ -5,7 +5,8 @@
     with ``--check``, compare DIR with what would be written instead, and exit 1 naming what differs.
 ``python -m losscodegen check [--manifest FILE] [--device cpu|cuda] [--vocab V] [--rows N]``
     every head of a manifest against its float64 reference (losscodegen.testing.assert_parity), on
-    random inputs of N rows of V logits (a head with class weights needs V = their length).
+    random inputs of N rows of V logits (default: 500, or a class-weighted head's number of classes);
+    a head that fails is named as ``file:line``, and the others are checked.
 ``python -m losscodegen tune [--manifest FILE] [--vocab V ...] [--rows N] [--out FILE]``
     on a GPU: measure the fastest launch configuration of every manifest head's plan state at each
     vocabulary, kept in ``$LOSSCODEGEN_CACHE/tiles.json`` (which the runtime reads) or written to
@@ -20,6 +21,10 @@ A manifest is Python, a line at a time: each line that is an expression is a hea
 ``HeadLoss(CrossEntropy(), ZLoss(), metrics=(Entropy(),))``; other lines (``from mylosses import
 Focal``, ``Tsallis = declare_term(...)``) run first, in order, in a namespace holding losscodegen's
 public names and ``S`` (its symbols). ``#`` starts a comment.
+
+A mistake (a manifest that cannot be read, a line of it that fails, ``--device cuda`` where there is
+no CUDA, a bad option) is one line, ``file:line: message`` or ``--option: message``, and exit status
+1, never a traceback; ``check`` reports a head that fails and goes on to the next.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ import ast
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -43,6 +49,15 @@ def _restart_in_interpreter(needed: bool) -> None:
                   {**os.environ, "TRITON_INTERPRET": "1"})
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's, whose usage errors (``--vocab 0``, an unknown option) exit with status 1, as every
+    other mistake on this command line does, not argparse's 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        raise SystemExit(f"{self.prog}: {message}")
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -50,11 +65,26 @@ def _positive(text: str) -> int:
     return value
 
 
+def _read_manifest(manifest: Path) -> str:
+    try:
+        return manifest.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        reason = getattr(e, "strerror", None) or e
+        raise SystemExit(f"--manifest: cannot read {manifest} ({reason}): give a manifest file, one head a "
+                         "line") from None
+
+
 def manifest_heads(manifest: Path) -> list[tuple[str, losscodegen.HeadLoss]]:
+    return [(line, head) for _, line, head in _manifest_entries(manifest)]
+
+
+def _manifest_entries(manifest: Path) -> list[tuple[int, str, losscodegen.HeadLoss]]:
+    """Each head of the manifest with its line number and text; an error in a line exits naming
+    ``file:line``."""
     namespace = {name: getattr(losscodegen, name) for name in losscodegen.__all__}
     namespace["S"] = losscodegen.symbols
     heads = []
-    for number, line in enumerate(manifest.read_text().splitlines(), 1):
+    for number, line in enumerate(_read_manifest(manifest).splitlines(), 1):
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
@@ -64,7 +94,7 @@ def manifest_heads(manifest: Path) -> list[tuple[str, losscodegen.HeadLoss]]:
                 head = eval(line, namespace)
                 if not isinstance(head, losscodegen.HeadLoss):
                     raise TypeError(f"a head line must make a HeadLoss, this one makes {type(head).__name__}")
-                heads.append((line, head))
+                heads.append((number, line, head))
             else:
                 exec(line, namespace)
         except Exception as exc:
@@ -76,8 +106,11 @@ def generate(out: Path, manifest: Path, *, check: bool = False) -> int:
     """Write (or with ``check``, compare) one kernel file per manifest head in ``out``, and remove
     (or name) files no head produces. Returns the number of differences found by ``check``."""
     wanted = {}
-    for line, head in manifest_heads(manifest):
-        wanted[load.file_name(head.key)] = (line, head.source(backends.get()).text)
+    for number, line, head in _manifest_entries(manifest):
+        try:
+            wanted[load.file_name(head.key)] = (line, head.source(backends.get()).text)
+        except Exception as e:   # (nothing written yet: the folder is left as it was)
+            raise SystemExit(f"{manifest}:{number}: {type(e).__name__} generating its kernel: {e}") from e
     if not check and out.exists() and not out.is_dir():
         raise SystemExit(f"--out {out} is not a folder: give --out the folder to write the kernels into")
     differences = 0
@@ -107,19 +140,37 @@ def generate(out: Path, manifest: Path, *, check: bool = False) -> int:
     return differences
 
 
-def check(manifest: Path, device: str, *, rows: int = 24, vocab: int = 500) -> int:
-    """Every manifest head against its float64 reference, on ``rows`` x ``vocab`` logits; the
-    number of heads that fail."""
+DEFAULT_VOCAB = 500
+
+
+def _vocab(head: losscodegen.HeadLoss, vocab: int | None) -> int:
+    """The logits' width to check ``head`` at: ``--vocab``, else the length of its class weights (a
+    class-weighted term runs at that vocabulary only), else ``DEFAULT_VOCAB``."""
+    classes = sorted({int(t.class_weight.shape[0]) for t in head.loss_terms if t.class_weight is not None})
+    if vocab is None:
+        return classes[0] if classes else DEFAULT_VOCAB
+    if classes and vocab not in classes:
+        raise ValueError(f"--vocab {vocab}: this head's class weights have {classes[0]} classes, one a column "
+                         f"of the logits: leave --vocab out (check then takes {classes[0]}) or give --vocab "
+                         f"{classes[0]}")
+    return vocab
+
+
+def check(manifest: Path, device: str, *, rows: int = 24, vocab: int | None = None) -> int:
+    """Every manifest head against its float64 reference, on ``rows`` x ``vocab`` logits (``_vocab``);
+    the number of heads that fail. A head that fails, whatever the error (its kernel not generated,
+    inputs of these sizes that do not fit it, a mismatch), is reported as ``file:line`` and the next
+    one is checked."""
     from losscodegen.testing import assert_parity
     failures = 0
-    for line, head in manifest_heads(manifest):
+    for number, line, head in _manifest_entries(manifest):
         try:
             # (a manifest builds its class weights on the host: the head's buffers follow the logits)
-            assert_parity(head.to(device), rows=rows, vocab=vocab, device=device)
+            assert_parity(head.to(device), rows=rows, vocab=_vocab(head, vocab), device=device)
             print(f"ok    {line}")
-        except (AssertionError, ValueError) as e:   # (ValueError: inputs of these sizes do not fit it)
+        except Exception as e:
             failures += 1
-            print(f"FAIL  {line}\n      {type(e).__name__}: {e}")
+            print(f"FAIL  {line}\n      {manifest}:{number}: {type(e).__name__}: {e}")
     print(f"{failures} of the manifest's heads failed" if failures else "every head matches its reference")
     return failures
 
@@ -138,7 +189,8 @@ def demo() -> None:
         metrics=(losscodegen.Entropy(), losscodegen.TokenAccuracy()))
     out = head(logits, labels, teacher_logits=teacher)
     out.loss.backward()
-    print(f"{rows} x {vocab} bf16 logits on {device}")
+    where = " in Triton's interpreter" if head.backend_name == "triton" and device == "cpu" else ""
+    print(f"{rows} x {vocab} bf16 logits on {device}: the {head.backend_name} backend{where}")
     print(f"loss = {out.loss.item():.6f}")
     for name, value in {**out.terms, **out.metrics}.items():
         print(f"  {name:16s} {value.item():.6f}")
@@ -147,10 +199,10 @@ def demo() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m losscodegen",
-                                     description="losscodegen's kernels from the command line: generate them, "
-                                     "check them against float64, tune their launches, see one run",
-                                     epilog="`python -m losscodegen COMMAND --help` describes each command's options")
+    parser = _Parser(prog="python -m losscodegen",
+                     description="losscodegen's kernels from the command line: generate them, check them "
+                     "against float64, tune their launches, see one run",
+                     epilog="`python -m losscodegen COMMAND --help` describes each command's options")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="write (or --check) one kernel file per head of a manifest")
     manifest_help = "the heads, one a line (default: the package's own, generated/manifest)"
@@ -161,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     chk.add_argument("--manifest", type=Path, default=load.GENERATED / "manifest", help=manifest_help)
     chk.add_argument("--device", choices=("cpu", "cuda"), default=None,
                      help="where to run the kernels (default: cuda if available; cpu runs Triton's interpreter)")
-    chk.add_argument("--vocab", type=_positive, default=500,
-                     help="logits' columns (a class-weighted head: the length of its class weights)")
+    chk.add_argument("--vocab", type=_positive, default=None,
+                     help=f"logits' columns (default: {DEFAULT_VOCAB}, or a class-weighted head's number of classes)")
     chk.add_argument("--rows", type=_positive, default=24, help="rows of random inputs")
     tun = sub.add_parser("tune", help="measure launch configurations on this GPU (kept for later calls)")
     tun.add_argument("--manifest", type=Path, default=load.GENERATED / "manifest", help=manifest_help)
@@ -179,6 +231,12 @@ def main(argv: list[str] | None = None) -> int:
                          "the torch backend and vocab-parallel plans on gloo ranks)")
     sub.add_parser("demo", help="run a real head on random logits and print what it computes")
     args = parser.parse_args(argv)
+    # (mistakes found before a restart in the interpreter, as a message and exit status 1)
+    if getattr(args, "device", None) == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device: cuda is not available here (torch.cuda.is_available() is False): "
+                         "give --device cpu, or leave --device out")
+    if getattr(args, "manifest", None) is not None:
+        _read_manifest(args.manifest)
     if args.command == "demo":
         _restart_in_interpreter(not torch.cuda.is_available())
         demo()

@@ -76,7 +76,8 @@ class HeadLoss(torch.nn.Module):
     ``labels [...]`` and the keyword inputs the terms need (docs/api.md), or use
     ``head.linear(hidden, weight, labels, ...)``, whose chunks of logits take at most
     ``linear_chunk_bytes``. ``backend``: ``"triton"``, ``"torch"`` (any device, no Triton needed)
-    or ``"auto"`` (Triton where it can run, torch elsewhere: ``backends.resolve``).
+    or ``"auto"`` (Triton where it can run, torch elsewhere: ``backends.resolve``); ``backend_name``
+    names the one that runs.
     """
 
     def __init__(self, *terms: Term, metrics: tuple[Term, ...] = (), ignore_index: int = -100,
@@ -86,7 +87,7 @@ class HeadLoss(torch.nn.Module):
         super().__init__()
         if backend not in backends.NAMES:
             raise ValueError(f"backend must be one of {backends.NAMES}, got {backend!r}")
-        self.backend_name = backend
+        self._backend_option = backend     # ("auto" is resolved again in each process: _attach)
         if isinstance(metrics, Term):
             raise TypeError(f"metrics must be a tuple of terms, got the single term {metrics.name!r}: write "
                             "metrics=(term,)")
@@ -160,14 +161,21 @@ class HeadLoss(torch.nn.Module):
     def _attach(self) -> None:
         """What a head holds for its calls in this process: its backend, its flag buffers and an id
         of its own (the compiled op names heads by id), given again to a copy or an unpickled head."""
-        self.backend = backends.get(backends.resolve(self.backend_name))
+        self.backend = backends.get(backends.resolve(self._backend_option))
         self.checks = DeviceChecks(self.ignore_index)
         self.head_id = autograd.register(self)
 
-    # A copy (deepcopy, pickle, torch.save) keeps the terms and options (``backend_name`` among
-    # them), and leaves behind what belongs to this process and to this head: the loaded kernel
-    # module (found again from its file), the backend (resolved again), the layouts (compiled kernels), the scalar buffers, the flag buffers and
-    # the id.
+    @property
+    def backend_name(self) -> str:
+        """The backend that runs this head's calls in this process, ``"triton"`` or ``"torch"``: a
+        head built with ``backend="auto"`` names the one it resolved to, never ``"auto"``."""
+        return self.backend.name
+
+    # A copy (deepcopy, pickle, torch.save) keeps the terms and options (the ``backend=`` option as
+    # given, so that ``"auto"`` is resolved again where the copy is loaded), and leaves behind what
+    # belongs to this process and to this head: the loaded kernel module (found again from its
+    # file), the backend (resolved again), the layouts (compiled kernels), the scalar buffers, the
+    # flag buffers and the id.
     _PER_PROCESS = ("_kernel", "backend", "layouts", "_scalar_buffers", "_shards", "checks", "head_id")
 
     def __getstate__(self) -> dict[str, Any]:
@@ -177,7 +185,8 @@ class HeadLoss(torch.nn.Module):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        state.setdefault("backend_name", "auto")    # (a head pickled before the option existed)
+        # (a head pickled before the option existed, or when it was kept as ``backend_name``)
+        state.setdefault("_backend_option", state.pop("backend_name", "auto"))
         super().__setstate__(state)
         self._kernel, self.layouts, self._scalar_buffers, self._shards = None, {}, {}, {}
         self._attach()

@@ -252,6 +252,11 @@ def _check(head, hidden, weight, labels, bias, teacher_hidden, teacher_weight, t
     if "teacher_logits" in inputs:
         raise TypeError("head.linear takes the teacher as teacher_hidden= and teacher_weight= "
                         "(teacher logits are made a chunk at a time), not teacher_logits=")
+    if _look_swapped(hidden, weight, labels):
+        raise ValueError(f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} look swapped (the "
+                         "labels have one label a row of weight): head.linear takes (hidden [..., H], weight "
+                         "[V, H], labels [...]), the hidden states first; Liger's "
+                         "LigerFusedLinearCrossEntropyLoss()(lin_weight, _input, target) takes the weight first")
     h, shape = check_logits(hidden, "hidden")
     w = _check_weight("weight", weight, h)
     b = _check_bias("bias", bias, w)
@@ -276,6 +281,15 @@ def _check(head, hidden, weight, labels, bias, teacher_hidden, teacher_weight, t
     per_row = w.shape[0] * (h.element_size() + (th.element_size() if th is not None else 0))
     return _Fused(head, call, h, w, b, th, tw, tb,
                   _chunk_rows(head, chunk_rows, call.rows, per_row, h.device, call.group is not None))
+
+
+def _look_swapped(hidden: Any, weight: Any, labels: Any) -> bool:
+    """Whether ``head.linear`` was given the output layer's [V, H] weight as ``hidden`` and the hidden
+    states as ``weight`` (the order of Liger's class): the labels are shaped like ``weight``'s rows,
+    unlike ``hidden``'s. Shapes only: never a wait for the device."""
+    return all(isinstance(t, torch.Tensor) for t in (hidden, weight, labels)) and hidden.dim() == 2 \
+        and weight.dim() >= 2 and hidden.shape[-1] == weight.shape[-1] \
+        and labels.shape == weight.shape[:-1] != hidden.shape[:-1]
 
 
 def _check_weight(name: str, weight: Any, hidden: torch.Tensor) -> torch.Tensor:

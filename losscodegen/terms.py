@@ -93,6 +93,21 @@ class Term:
         return f"{self.name}({args}; weight={self.weight!r}{norm}{cw}): {self.formula}"
 
 
+# Options of peers' losses (Liger, flash-attn, torch, TRL) that a term does not take, and where
+# each goes here: named in the error of a term given one (docs/coming-from.md).
+_ELSEWHERE = {
+    "lse_square_scale": "the z-loss's scale is its term's weight: ZLoss(weight=...)",
+    "softcap": "the softcap is the head's: HeadLoss(..., softcap=...)",
+    "logit_scale": "the logits' scale is the head's: HeadLoss(..., logit_scale=...)",
+    "ignore_index": "the ignored label is the head's: HeadLoss(..., ignore_index=...)",
+    "reduction": "the reduction is the call's: head(logits, labels, reduction=...)",
+    "temperature": "this term takes none; logits divided by T are the head's logit_scale: "
+                   "HeadLoss(..., logit_scale=1 / T)",
+    "ce_weight": "per-class weights are CrossEntropy(class_weight=...)",
+    "label_smoothing": "label smoothing is CrossEntropy's: CrossEntropy(label_smoothing=...)",
+}
+
+
 @dataclass(frozen=True)
 class TermFactory:
     """What ``declare_term`` returns: call it with ``weight=``, ``normalize=`` and the term's parameters."""
@@ -109,8 +124,10 @@ class TermFactory:
             self._refuse_positional(positional)
         unknown = set(params) - set(self.defaults) - self._param_names()
         if unknown:
-            raise TypeError(f"{self.name}: unknown parameter(s) {sorted(unknown)}; "
-                            f"it takes {sorted(self._param_names())}")
+            takes = [*sorted(self._param_names()), "weight", "normalize", "class_weight"]
+            raise TypeError(f"{self.name}: unknown parameter(s) {sorted(unknown)}; it takes "
+                            + ", ".join(f"{k}=" for k in takes)
+                            + "".join(f"; {k}=: {_ELSEWHERE[k]}" for k in sorted(unknown) if k in _ELSEWHERE))
         weight = _check_value(self.name, "weight", weight)
         if normalize not in NORMALIZE:
             raise ValueError(f"{self.name}: normalize must be one of {NORMALIZE}, got {normalize!r}")

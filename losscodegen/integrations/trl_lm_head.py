@@ -249,24 +249,19 @@ def drops_objective(model: nn.Module) -> bool:
         and trl_fused_head_of(model) is not None
 
 
-# TRL's trainers whose loss reads the fused LM head's outputs (``fused_lm_head=True``) in TRL 1.16
-_READS_FUSED = ("SFTTrainer", "DPOTrainer", "KTOTrainer", "GRPOTrainer", "RLOOTrainer")
-_LOSS_METHODS = ("compute_loss", "_compute_loss")
+# TRL's trainers that give their model TRL's fused LM head (SFTTrainer's constructor does) but whose own
+# compute_loss computes the loss from the full logits, never calling the model with fused_lm_head=True
+# (read in TRL 1.16). Any other trainer is decided by its models: a model with TRL's fused head returns
+# ours once replaced, whatever the trainer's class (GMPO's and AsyncGRPO's losses read it too, and so may
+# a user's own compute_loss).
+_LOSS_FROM_FULL_LOGITS = ("GKDTrainer.compute_loss", "GOLDTrainer.compute_loss")
 
 
-def _reads_fused_outputs(trainer: Any) -> bool:
-    """Whether ``trainer``'s loss is one of ``_READS_FUSED``'s, not overridden by a subclass (GKD subclasses
-    SFTTrainer and computes its loss from full logits) other than losscodegen's own."""
-    import trl
-    known = tuple(getattr(trl, name) for name in _READS_FUSED)
-    base = next((c for c in type(trainer).__mro__ if c in known), None)
-    if base is None:
-        return False
-    for name in _LOSS_METHODS:
-        method = getattr(type(trainer), name, None)
-        if method is not getattr(base, name, None) and not method.__module__.startswith("losscodegen."):
-            return False
-    return True
+def _reads_full_logits(trainer: Any) -> str | None:
+    """The TRL method computing ``trainer``'s loss from the full logits (``_LOSS_FROM_FULL_LOGITS``), or None."""
+    method = getattr(type(trainer), "compute_loss", None)
+    name = getattr(method, "__qualname__", None)
+    return name if name in _LOSS_FROM_FULL_LOGITS and method.__module__.startswith("trl.") else None
 
 
 def _loss_from_full_logits(trainer: Any) -> list[str]:
@@ -282,17 +277,20 @@ def _loss_from_full_logits(trainer: Any) -> list[str]:
 
 
 def replace_fused_lm_heads(trainer: Any) -> Any:
-    """Put losscodegen's fused LM head in place of TRL's on every model of ``trainer`` that TRL gave one
-    (its model, the PEFT base model under it, its reference model), with the temperature, fp32 cast and
-    outputs TRL chose for it; return the trainer. Call it after building the trainer, before training.
-    Works for any TRL trainer whose loss reads ``add_fused_lm_head``'s outputs (GRPO, RLOO, DPO, KTO, SFT in
-    TRL 1.16); a trainer whose loss does not (GKD's, a subclass's own ``compute_loss``, SFT with
-    ``compute_loss_func`` or ``label_smoothing_factor``) is refused, and so is a model patched by
-    ``apply_losscodegen`` with a head other than cross-entropy alone."""
-    if not _reads_fused_outputs(trainer):
-        raise ValueError(f"{type(trainer).__name__}'s loss does not come from TRL's fused LM head (its compute_loss is "
-                         f"not one of {', '.join(_READS_FUSED)}'s): replacing the head would change nothing it "
-                         "trains on")
+    """Put losscodegen's fused LM head in place of TRL's on every model of ``trainer`` that has one
+    (``trl.trainer.utils.add_fused_lm_head``'s: its model, the PEFT base model under it, its reference
+    model), with the temperature, fp32 cast and outputs TRL chose for it; return the trainer. Call it
+    after building the trainer, before training. The models decide, not the trainer's class: TRL 1.16's
+    GRPO, RLOO, DPO, KTO and SFT trainers add the head, and a trainer of any other class whose model has
+    it (a subclass, a user's own trainer) gets ours, since ``model(..., fused_lm_head=True)`` then
+    returns our outputs. Refused: a trainer without such a model; one whose loss TRL's own code computes
+    from the full logits (GKD's and GOLD's ``compute_loss``, SFT with ``compute_loss_func`` or
+    ``label_smoothing_factor``); a model patched by ``apply_losscodegen`` with a head other than
+    cross-entropy alone."""
+    method = _reads_full_logits(trainer)
+    if method is not None:
+        raise ValueError(f"{type(trainer).__name__}'s loss does not come from TRL's fused LM head ({method} computes "
+                         "it from the full logits): replacing the head would change nothing it trains on")
     options = _loss_from_full_logits(trainer)
     if options:
         raise ValueError(f"{type(trainer).__name__}'s loss does not come from TRL's fused LM head with "
@@ -319,6 +317,7 @@ def replace_fused_lm_heads(trainer: Any) -> Any:
             add_fused_lm_head(module, **found)
             replaced += 1
     if not replaced:
-        raise ValueError(f"{type(trainer).__name__} has no model with TRL's fused LM head (trl>=1.16's GRPO, "
-                         "RLOO, DPO, KTO and SFT trainers add one when they are built)")
+        raise ValueError(f"{type(trainer).__name__} has no model with TRL's fused LM head (the one "
+                         "trl.trainer.utils.add_fused_lm_head sets as the model's forward: trl>=1.16's GRPO, RLOO, "
+                         "DPO, KTO and SFT trainers add one when they are built)")
     return trainer

@@ -218,3 +218,19 @@ def test_metrics_must_be_a_tuple_of_terms():
     with pytest.raises(TypeError, match=r"metrics must be a tuple of terms such as"):
         lcg.HeadLoss(lcg.CrossEntropy(), metrics=lcg.Entropy)
     lcg.HeadLoss(lcg.CrossEntropy(), metrics=[lcg.Entropy()])   # (any iterable of terms)
+
+
+@pytest.mark.parametrize("call, where", [
+    (lambda: lcg.ZLoss(lse_square_scale=1e-4), r"lse_square_scale=: .*ZLoss\(weight=\.\.\.\)"),
+    (lambda: lcg.CrossEntropy(softcap=30.0), r"softcap=: .*HeadLoss\(\.\.\., softcap=\.\.\.\)"),
+    (lambda: lcg.CrossEntropy(logit_scale=0.5), r"logit_scale=: .*HeadLoss\(\.\.\., logit_scale=\.\.\.\)"),
+    (lambda: lcg.CrossEntropy(ignore_index=0), r"ignore_index=: .*HeadLoss\(\.\.\., ignore_index=\.\.\.\)"),
+    (lambda: lcg.ForwardKL(reduction="sum"), r"reduction=: .*head\(logits, labels, reduction=\.\.\.\)"),
+    (lambda: lcg.GRPO(temperature=0.7), r"temperature=: .*HeadLoss\(\.\.\., logit_scale=1 / T\)"),
+])
+def test_a_peers_option_given_to_a_term_names_where_it_goes(call, where):
+    """Liger's, flash-attn's, torch's and TRL's options that belong to the head, the call or another term:
+    the error says where each goes, and what the term does take (its weight= among them)."""
+    with pytest.raises(TypeError, match=r"unknown parameter\(s\) .*; it takes .*weight=, normalize=, "
+                                        r"class_weight=; " + where):
+        call()

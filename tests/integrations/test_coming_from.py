@@ -86,6 +86,29 @@ def test_liger_cross_entropy_options(data):
     same(lambda x: head(x, y).loss, liger, z)
 
 
+def test_liger_fused_linear_cross_entropy_class_takes_the_weight_first(data):
+    """LigerFusedLinearCrossEntropyLoss(lse_square_scale=c, label_smoothing=s, softcap=cap)(w, h, y, bias=b):
+    Liger's class takes the weight first; ours is head.linear(h, w, y, bias=b). Liger's order passed to
+    head.linear is refused saying that hidden and weight look swapped (as [V, H] x [rows, H], and with
+    [B, T, H] hidden states)."""
+    _, _, y, g = data
+    c, s, cap = 1e-3, 0.1, 20.0
+    h, w, b = torch.randn(R, H, generator=g), torch.randn(V, H, generator=g) * 0.5, torch.randn(V, generator=g)
+
+    def liger_class(lin_weight, _input, target, bias=None):   # (its forward's argument names)
+        zz = cap * torch.tanh(F.linear(_input, lin_weight, bias) / cap)
+        valid = target != -100
+        ce = F.cross_entropy(zz, target, label_smoothing=s, reduction="none")
+        return torch.where(valid, ce + c * torch.logsumexp(zz, -1) ** 2, 0).sum() / valid.sum()
+    head = lcg.HeadLoss(lcg.CrossEntropy(label_smoothing=s), lcg.ZLoss(weight=c), softcap=cap)
+    same(lambda hh: head.linear(hh, w, y, bias=b).loss, lambda hh: liger_class(w, hh, y, bias=b), h)
+    with pytest.raises(ValueError, match=r"hidden \(96, 16\) and weight \(12, 16\) look swapped.*"
+                                         r"LigerFusedLinearCrossEntropyLoss.*weight first"):
+        head.linear(w, h, y, bias=b)
+    with pytest.raises(ValueError, match=r"hidden \(96, 16\) and weight \(3, 4, 16\) look swapped"):
+        head.linear(w, h.view(3, 4, H), y.view(3, 4))
+
+
 def test_liger_fused_linear_jsd_distillation(data):
     # LigerFusedLinearJSDLoss(weight_hard_loss=a, weight_soft_loss=b, beta, temperature=T): a * CE
     # (at T = 1) + b * Liger's JSD(beta) of logits / T, both over the valid rows

@@ -230,9 +230,40 @@ def test_bad_arguments_name_them():
         ours(input_ids=torch.randint(4, V, (B, T)), fused_lm_head=True)
     with pytest.raises(TypeError, match="model must be"):
         lcg_trl.add_fused_lm_head(torch.nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="loss does not come from TRL's fused LM head"):
+    with pytest.raises(ValueError, match="Trainer has no model with TRL's fused LM head"):
         lcg_trl.replace_fused_lm_heads(transformers.Trainer(model=_model(), args=transformers.TrainingArguments(
             output_dir="/tmp/lcg-trl-lm-head-test", use_cpu=True, report_to=[])))
+
+
+class _OwnFusedLoss(transformers.Trainer):
+    """A user's trainer, of no TRL class, whose loss reads the fused LM head: the NLL less an entropy bonus."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        out = model(**inputs, fused_lm_head=True)
+        return out.loss - 0.1 * out.entropy.sum() / out.label_mask.sum()
+
+
+def test_replace_fused_lm_heads_in_a_trainer_of_another_class():
+    """A model that TRL's add_fused_lm_head patched, in a user's own trainer: its head is replaced (the
+    model decides, not the trainer's class), with the outputs TRL was asked for, and the user's loss on
+    our outputs equals it on TRL's: value and every parameter's gradient."""
+    from losscodegen.integrations.trl_lm_head import trl_fused_head_of
+
+    def trainer(replace):
+        model = _model()
+        trl_add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+        t = _OwnFusedLoss(model=model, args=transformers.TrainingArguments(
+            output_dir="/tmp/lcg-trl-lm-head-test", use_cpu=True, report_to=[]))
+        return lcg_trl.replace_fused_lm_heads(t) if replace else t
+    theirs, ours = trainer(False), trainer(True)
+    assert trl_fused_head_of(theirs.model) is not None and trl_fused_head_of(ours.model) is None
+    assert ours.model.forward.__func__.__globals__["__name__"] == "losscodegen.integrations.trl_lm_head"
+    ids, labels = _inputs(ours.model)
+    want, got = (t.compute_loss(t.model, dict(input_ids=ids, **labels)) for t in (theirs, ours))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    want.backward()
+    got.backward()
+    _assert_same_grads(ours.model, theirs.model)
 
 
 # ---- TRL's trainers, with TRL's head and with ours ------------------------------------------------

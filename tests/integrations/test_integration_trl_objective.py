@@ -1,6 +1,6 @@
 """Never a silently different objective under TRL: a model patched by apply_losscodegen with a head
 that is not TRL's fused cross-entropy is refused when a TRL trainer gives it TRL's fused LM head;
-``replace_fused_lm_heads`` refuses trainers whose loss does not read the fused outputs (GKD's); a
+``replace_fused_lm_heads`` refuses trainers whose loss TRL computes from the full logits (GKD's); a
 training forward whose loss is computed outside the model (label smoothing) warns; and
 ``generalized_jsd_loss`` is TRL's GKD loss (its beta convention), value and gradient, against TRL's own
 function."""
@@ -52,16 +52,19 @@ def test_cross_entropy_unlike_trls_is_refused_too(head):
         _sft(apply_losscodegen(tiny_causal_lm(V), head))
 
 
-def test_replace_fused_lm_heads_refuses_a_trainer_whose_loss_does_not_read_them():
-    class OwnLoss(trl.SFTTrainer):   # as GKD's trainer: an SFTTrainer computing its loss from full logits
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            return model(input_ids=inputs["input_ids"]).logits.logsumexp(-1).mean()
-    trainer = _sft(tiny_causal_lm(V), OwnLoss)
-    with pytest.raises(ValueError, match="OwnLoss's loss does not come from TRL's fused LM head"):
-        lcg_trl.replace_fused_lm_heads(trainer)
+def test_replace_fused_lm_heads_refuses_trls_trainers_whose_loss_reads_the_full_logits():
+    """GKD's and GOLD's trainers subclass SFT's, whose constructor gives the model TRL's fused head, and
+    compute their loss from the full logits (TRL's code): refused by what their compute_loss is. GMPO's
+    subclasses GRPO's with its own _compute_loss, which reads the fused head: decided by its models (an
+    empty trainer has none)."""
     from trl.experimental.gkd import GKDTrainer
-    assert not lcg_trl.replace_fused_lm_heads.__globals__["_reads_fused_outputs"](
-        GKDTrainer.__new__(GKDTrainer))
+    from trl.experimental.gmpo import GMPOTrainer
+    from trl.experimental.gold import GOLDTrainer
+    for cls in (GKDTrainer, GOLDTrainer):
+        with pytest.raises(ValueError, match=rf"{cls.__name__}\.compute_loss computes it from the full logits"):
+            lcg_trl.replace_fused_lm_heads(cls.__new__(cls))
+    with pytest.raises(ValueError, match="GMPOTrainer has no model with TRL's fused LM head"):
+        lcg_trl.replace_fused_lm_heads(GMPOTrainer.__new__(GMPOTrainer))
 
 
 @pytest.mark.parametrize("option", ["label_smoothing_factor", "compute_loss_func"])

@@ -107,13 +107,87 @@ def test_manifest_heads_load_from_generated():
 
 
 def test_readme_demo_runs_as_a_user_starts_it(tmp_path):
-    """`python -m losscodegen demo` from a plain shell: no TRITON_INTERPRET set, a fresh cache."""
+    """`python -m losscodegen demo` from a plain shell: no TRITON_INTERPRET set, a fresh cache. On the
+    CPU it runs the Triton kernel in Triton's interpreter (README), and says so; numpy's warnings of
+    the interpreter's arithmetic on padded lanes ("invalid value encountered in add") are not printed."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["LOSSCODEGEN_CACHE"] = str(tmp_path)
     done = subprocess.run([sys.executable, "-m", "losscodegen", "demo"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "loss = " in done.stdout and "forward_kl" in done.stdout
+    assert "Warning" not in done.stderr, done.stderr[-2000:]
+    if not torch.cuda.is_available():
+        assert "on cpu: the triton backend in Triton's interpreter" in done.stdout, done.stdout[:500]
+
+
+@pytest.mark.cpu
+def test_a_users_call_in_the_interpreter_warns_nothing():
+    """Under Triton's interpreter numpy computes the padded lanes and the untaken side of each tl.where
+    (-inf - -inf, log(0)): its RuntimeWarnings are silenced around our launches, so a user's call (a
+    masked teacher, a width of no whole tile, backward) warns nothing, while numpy elsewhere still does."""
+    import warnings
+
+    import numpy
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 37, generator=g).requires_grad_()
+    teacher = torch.randn(6, 37, generator=g)
+    teacher[:, 5:9] = -torch.inf
+    head = lcg.HeadLoss(lcg.CrossEntropy(), lcg.ReverseKL(), metrics=(lcg.Entropy(),))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        head(logits, torch.arange(6), teacher_logits=teacher).loss.backward()
+    assert torch.isfinite(logits.grad).all()
+    with pytest.warns(RuntimeWarning, match="divide by zero"):
+        numpy.log(numpy.zeros(1))
+
+
+USER_SCRIPT = """
+import torch, losscodegen as lcg
+head = lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(weight=1e-4))
+out = head(torch.randn(8, 300), torch.randint(0, 300, (8,)))
+lcg.testing.assert_parity(head, rows=8, vocab=300)
+print("BACKEND", head.backend_name, type(head.backend).__module__)
+"""
+
+
+def test_a_users_script_on_the_cpu_runs_the_torch_backend(tmp_path):
+    """A user's script on a machine without CUDA (backend="auto", no TRITON_INTERPRET): the head, and
+    assert_parity's run of it, compute on the torch backend (README, docs/api.md), and say so."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(LOSSCODEGEN_CACHE=str(tmp_path), CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run([sys.executable, "-c", USER_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "BACKEND torch losscodegen.backends.torch" in done.stdout, done.stdout
+    assert "Warning" not in done.stderr, done.stderr[-2000:]
+
+
+def test_backend_name_is_the_backend_that_runs(monkeypatch):
+    """head.backend_name is "triton" or "torch", never "auto": the backend whose kernel file the calls
+    run. A copy keeps the option as given, so "auto" is resolved again where it is loaded."""
+    import copy
+    import pickle
+
+    from losscodegen import backends, load
+    head = lcg.HeadLoss(lcg.CrossEntropy())
+    assert head.backend_name == backends.resolve("auto") == head.backend.name
+    logits, labels, _ = make_inputs(R=6, V=40)
+    head(logits, labels)
+    assert Path(head.kernel.__file__).name == load.file_name(head.key, backends.get(head.backend_name))
+    with pytest.raises(AttributeError):
+        head.backend_name = "auto"
+    pinned = lcg.HeadLoss(lcg.CrossEntropy(), backend="triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)      # (now a process where "auto" is torch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for copied in (pickle.loads(pickle.dumps(head)), copy.deepcopy(head)):
+        assert copied.backend_name == "torch"
+    assert pickle.loads(pickle.dumps(pinned)).backend_name == "triton"
+    state = head.__getstate__()                 # (a head pickled when the option was kept as backend_name)
+    state["backend_name"] = state.pop("_backend_option")
+    old = lcg.HeadLoss.__new__(lcg.HeadLoss)
+    old.__setstate__(state)
+    assert old.backend_name == "torch" and "backend_name" not in vars(old)
 
 
 

@@ -1,6 +1,7 @@
 """losscodegen.testing: assert_parity passes on declared heads of every kind, fails on wrong ones, and
 its float64 reference agrees with the hand-written references of tests/reference.py (which check
 the checker); `python -m losscodegen check` runs it over a manifest."""
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -134,14 +135,38 @@ def test_check_command_fails_on_a_wrong_head(tmp_path, monkeypatch):
     assert len(calls) == 2
 
 
-def test_check_command_checks_a_class_weighted_head_at_its_vocabulary(tmp_path):
+def test_check_command_takes_a_class_weights_vocabulary_and_goes_on_after_a_head_that_fails(tmp_path):
+    """`python -m losscodegen check` as a user runs it: a class-weighted head (300 classes) is checked at
+    its vocabulary without --vocab; a head whose kernel cannot be had (its file in a kernel folder cut
+    short) fails as `file:line: message`, no traceback, and the next head is still checked; exit 1."""
+    from losscodegen import backends, load
     manifest = tmp_path / "manifest"
-    manifest.write_text("import torch\nHeadLoss(CrossEntropy(class_weight=torch.linspace(0.5, 2.0, 40)))\n")
-    command = [sys.executable, "-m", "losscodegen", "check", "--manifest", str(manifest), "--device", "cpu"]
-    done = subprocess.run(command + ["--vocab", "40", "--rows", "12"], capture_output=True, text=True,
-                          cwd=ROOT, timeout=600)
-    assert done.returncode == 0 and done.stdout.count("ok    ") == 1, done.stdout[-3000:] + done.stderr[-3000:]
-    wrong = subprocess.run(command + ["--rows", "12"], capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert wrong.returncode == 1 and "FAIL" in wrong.stdout
-    assert "class_weight of cross_entropy must have one weight per class of the vocabulary (500), got 40" \
-        in wrong.stdout
+    manifest.write_text("import torch\n"
+                        "HeadLoss(CrossEntropy(class_weight=torch.linspace(0.5, 2.0, 300)))\n"
+                        "HeadLoss(ReverseKL())\n"
+                        "HeadLoss(CrossEntropy(), ZLoss())\n")
+    kernels = tmp_path / "kernels"
+    kernels.mkdir()
+    broken = lcg.HeadLoss(lcg.ReverseKL())
+    (kernels / load.file_name(broken.key, backends.get("triton"))).write_text("cut short\n")
+    env = {**os.environ, "LOSSCODEGEN_KERNELS": str(kernels)}
+    done = subprocess.run([sys.executable, "-m", "losscodegen", "check", "--manifest", str(manifest), "--device",
+                           "cpu", "--rows", "12"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    out = done.stdout + done.stderr
+    assert done.returncode == 1 and "Traceback" not in out, out[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0] == "ok    HeadLoss(CrossEntropy(class_weight=torch.linspace(0.5, 2.0, 300)))", out[-3000:]
+    assert lines[1] == "FAIL  HeadLoss(ReverseKL())"
+    assert lines[2].strip().startswith(f"{manifest}:3: RuntimeError: ") and "TEXT_HASH" in lines[2]
+    assert lines[3] == "ok    HeadLoss(CrossEntropy(), ZLoss())"
+    assert lines[-1] == "1 of the manifest's heads failed"
+
+
+def test_check_command_names_a_vocab_unlike_a_heads_class_weights(tmp_path, capsys):
+    import losscodegen.__main__ as cli
+    manifest = tmp_path / "manifest"
+    manifest.write_text("import torch\nHeadLoss(CrossEntropy(class_weight=torch.ones(40)))\n")
+    assert cli.check(manifest, "cpu", vocab=500) == 1     # (refused before any kernel runs)
+    out = capsys.readouterr().out
+    assert f"{manifest}:2: ValueError: --vocab 500: this head's class weights have 40 classes" in out
+    assert "leave --vocab out (check then takes 40) or give --vocab 40" in out
