@@ -170,9 +170,10 @@ def numerics_report(lowered) -> list[str]:
     exprs = [(name, e) for name, e in lowered.row_values] + [(str(s), e) for s, e in lowered.grad_coefs] + [
         ("dL/dz_i", lowered.grad_vocab), ("dL/dz_k", lowered.grad_topk)] + [
         (a.name, a.body) for a in lowered.accumulators if not a.online]
-    lines = []
+    holders: dict[sp.Expr, list[str]] = {}
     for name, e in exprs:
         for base in vanishing_quotients(e):
-            lines.append(f"{name} divides by {base} with a factor that vanishes with it: 0/0 (NaN) on rows "
-                         f"where {base} is 0, though the formula may be finite there")
-    return lines
+            holders.setdefault(base, []).append(name)
+    return [f"the derived forms ({', '.join(names)}) divide by {base} with a factor that vanishes with it: "
+            f"0/0 (NaN) on rows where {base} is 0, though the formula may be finite there"
+            for base, names in holders.items()]

@@ -135,7 +135,7 @@ def test_assert_parity_fails_an_unsafe_head_and_names_the_regime(monkeypatch, tm
     monkeypatch.setattr(lower, "stable_form", lambda e: e)
     formula = -(1 - p_y) ** S.param("gamma") * (S.target_logit - S.lse)
     # (and the declaration's check names the quotient sympy left)
-    with pytest.warns(UserWarning, match=r"focal_unsafe: g0 divides by expm1\(zym - log\(acc0\)\) .* 0/0"):
+    with pytest.warns(UserWarning, match=r"focal_unsafe: the derived forms \(g0, g1\) divide by expm1\(zym - log\(acc0\)\) .* 0/0"):
         Unsafe = lcg.declare_term("focal_unsafe", formula)
     head = lcg.HeadLoss(Unsafe(gamma=2.0), backend="torch")
     assert_parity(head, rows=18, vocab=96, dtypes=(torch.float32,), regimes=("randn",))
@@ -195,9 +195,9 @@ def test_a_form_the_compiler_cannot_make_safe_warns_when_declared():
     """A quotient of the derived forms whose numerator vanishes with its divisor (0/0 on a finite
     row) is named when the term is declared, and explain() lists it; the documented focal loss has
     none once its powers are merged."""
-    with pytest.warns(UserWarning, match=r"unsafe_ratio: .* divides by .*expm1.* 0/0"):
+    with pytest.warns(UserWarning, match=r"unsafe_ratio: .* divide by .*expm1.* 0/0"):
         Unsafe = lcg.declare_term("unsafe_ratio", S.log(1 + (1 - p_y) ** 2) / (1 - p_y))
-    assert "divides by" in lcg.HeadLoss(Unsafe(), backend="torch").explain()
+    assert "divide by" in lcg.HeadLoss(Unsafe(), backend="torch").explain()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         lcg.declare_term("focal_again", -(1 - p_y) ** S.param("gamma") * (S.target_logit - S.lse))
