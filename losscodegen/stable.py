@@ -2,17 +2,18 @@
 formula's value is, on the rows late training produces (label probabilities that round to 1 or 0,
 one-hot teachers, huge spreads), in every backend alike.
 
-Two kinds. Row math rewritten where fp32 would cancel (``_cancellations``: ``expm1``, ``expm1mx``,
+Two kinds. Row math rewritten where fp32 would cancel (``cancellations``: ``expm1``, ``expm1mx``,
 ``log1p``; tanh's derivative as exponentials, ``sech2``), applied by lower.py as it lowers. And the
-derived expressions' final form (``stable_form``, the last pass of lower.py): quotients whose
-numerator and denominator vanish together cancelled symbolically before printing (sympy writes the
-derivative of ``x**a`` as ``a * x**a / x``, 0/0 where ``x`` is 0: printed ``a * x**(a - 1)``, as
-torch's pow differentiates). ``unsafe_divisions`` names what is left that can still divide by 0, for
-``explain()`` and a warning when a head is built.
+derived expressions' final form (``stable_form``, the last pass of lower.py): powers of one base in a
+product merged (sympy writes the derivative of ``x**a`` as ``a * x**a / x``, 0/0 where ``x`` is 0:
+printed ``a * x**(a - 1)``, as torch's pow differentiates). ``vanishing_quotients`` and
+``numerics_report`` name what is left that can still be 0/0, for ``explain()`` and a warning when a
+user's term is declared.
 """
 from __future__ import annotations
 
 import sympy as sp
+
 
 class expm1(sp.Function):
     """``exp(x) - 1``, precise where it is small (no cancellation): ``exp(d) - 1`` as written."""
