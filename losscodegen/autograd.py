@@ -192,9 +192,9 @@ def op_args(head, logits: torch.Tensor, call: Call) -> list[Any]:
 def compiled(head, logits: torch.Tensor, call: Call,
              teacher: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     if teacher is not None:
-        raise ValueError("teacher_logits that require grad are not supported under torch.compile yet (the "
-                         "compiled op returns the logits' gradient only): call the head outside the compiled "
-                         "function, or pass teacher_logits.detach()")
+        # teacher logits that require grad: the call runs eagerly (a graph break, as head.linear's),
+        # the op returning the logits' gradient only
+        return torch.compiler.disable(eager)(head, logits, call, teacher)
     loss, values, rows, _ = torch.ops.losscodegen.head(*op_args(head, logits, call))
     if call.reduction != "none":
         return loss, values, {}
