@@ -13,7 +13,7 @@ import torch.distributed as dist
 import losscodegen as lcg
 from losscodegen import symbols as S
 from losscodegen.testing import compare
-from helpers import DEVICE, run_ranks
+from helpers import DEVICE, policy_inputs, run_ranks
 
 DTYPES = (torch.float32, torch.bfloat16)
 # a user's term of both logits inside one sum: the squared difference of the logits (logit matching)
@@ -132,6 +132,16 @@ def test_reduction_none_upstream_gradients_reach_the_teacher(backend):
     compare("gradient", t.grad, reference_grad(swapped, teacher, logits), torch.float32, where="(teacher) ")
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"], indirect=True)
+def test_beside_a_segment_term(backend):
+    """A segment term (GSPO) beside JSD: the rows, the segment kernel, then the gradient launch, which
+    writes the teacher's gradient."""
+    logits, teacher, labels, mask = _inputs(12, 100, torch.float32, seed=8)
+    policy = policy_inputs(logits, labels, torch.Generator().manual_seed(9), spread=0.3)
+    head = lcg.HeadLoss(lcg.GSPO(), lcg.JSD(beta=0.4))
+    _check(head, logits, teacher, labels, loss_mask=mask, segment_ids=torch.arange(12) // 4, **policy)
+
+
 @pytest.mark.cpu
 def test_nothing_extra_without_requires_grad():
     """A teacher that does not require grad (or one that does, under no_grad) runs the head's default
@@ -193,6 +203,38 @@ def test_linear_teacher_hidden_weight_and_bias_get_their_gradients(backend, dtyp
                                      "teacher_bias"), leaves, want):
         assert leaf.grad.dtype == dtype
         compare("gradient", leaf.grad, expected, dtype, where=f"({name}) ", tolerances=tolerances)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"], indirect=True)
+def test_linear_reduction_none_gives_the_teacher_its_gradients_in_backward(backend):
+    """head.linear under reduction="none": backward makes each chunk's logits (and the teacher's)
+    again and runs the gradient launch with the rows' upstream gradients, the teacher's weight and
+    hidden states getting theirs through the same products."""
+    R, H, Ht, V = 11, 12, 6, 40
+    g = torch.Generator().manual_seed(10)
+    h, w = torch.randn(R, H, generator=g), torch.randn(V, H, generator=g) * 0.5
+    th, tw = torch.randn(R, Ht, generator=g), torch.randn(V, Ht, generator=g)
+    labels = torch.randint(0, V, (R,), generator=g)
+    labels[3] = -100
+    up = torch.randn(R, generator=g)
+    head = lcg.HeadLoss(lcg.CrossEntropy(), lcg.ForwardKL(weight=0.5, temperature=2.0))
+    leaves = [a.clone().requires_grad_() for a in (h, w, th, tw)]
+    out = head.linear(leaves[0], leaves[1], labels, teacher_hidden=leaves[2], teacher_weight=leaves[3],
+                      chunk_rows=4, reduction="none")
+    (out.loss * up).sum().backward()
+    d = [a.double() for a in (h, w, th, tw)]
+    logits, teacher = d[0] @ d[1].t(), d[2] @ d[3].t()
+
+    def reference_grad(ref_head, first, second):
+        xd, loss, _, _ = lcg.testing.reference(ref_head).evaluate(first, labels, teacher_logits=second,
+                                                                  reduction="none")
+        (loss * up.double()).sum().backward()
+        return xd.grad
+    dx = reference_grad(head, logits, teacher)
+    dt = reference_grad(lcg.HeadLoss(_swapped(head.loss_terms[1])), teacher, logits)
+    for name, leaf, want in zip(("hidden", "weight", "teacher_hidden", "teacher_weight"), leaves,
+                                (dx @ d[1], dx.t() @ d[0], dt @ d[3], dt.t() @ d[2])):
+        compare("gradient", leaf.grad, want, torch.float32, where=f"({name}) ")
 
 
 # ---- Liger-Kernel's symmetric JSD call --------------------------------------------------------------
