@@ -84,7 +84,8 @@ class _RowsFunction(torch.autograd.Function):
         # the deferred gradient launch reads the logits and the call's inputs again: saved, so that
         # one changed in place before backward fails there (torch's version check)
         ctx.save_for_backward(logits, *call.tensors())
-        ctx.launcher, ctx.shape, ctx.inplace = launcher, logits.shape, head.inplace_backward and logits.requires_grad
+        ctx.launcher, ctx.shape = launcher, logits.shape
+        ctx.inplace = head.inplace_backward and logits.requires_grad
         ctx.t_shape = None if teacher is None else teacher.shape
         ctx.set_materialize_grads(False)
         out += [values, rows]

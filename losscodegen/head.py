@@ -182,7 +182,8 @@ class HeadLoss(torch.nn.Module):
     # them), and leaves behind what belongs to this process and to this head: the loaded kernel
     # module (found again from its file), the backend (resolved again), the layouts (compiled kernels), the scalar buffers, the flag buffers and
     # the id.
-    _PER_PROCESS = ("_kernel", "_teacher_kernel", "backend", "layouts", "_scalar_buffers", "_shards", "checks", "head_id")
+    _PER_PROCESS = ("_kernel", "_teacher_kernel", "backend", "layouts", "_scalar_buffers", "_shards", "checks",
+                    "head_id")
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -193,7 +194,8 @@ class HeadLoss(torch.nn.Module):
     def __setstate__(self, state: dict[str, Any]) -> None:
         state.setdefault("backend_name", "auto")    # (a head pickled before the option existed)
         super().__setstate__(state)
-        self._kernel, self._teacher_kernel, self.layouts, self._scalar_buffers, self._shards = None, None, {}, {}, {}
+        self._kernel, self._teacher_kernel = None, None
+        self.layouts, self._scalar_buffers, self._shards = {}, {}, {}
         self._attach()
 
     @property

@@ -52,7 +52,8 @@ class LayoutKey(NamedTuple):
 # How the launcher passes each per-launch argument a kernel may declare (its ARGS), by name: an
 # expression in the values below (``bind``'s parameters). Besides these, ``off_<region>`` is the
 # workspace's offset of that region and ``tok_<name>_ptr`` the per-row token ``name``.
-_BIND_PARAMS = "x, teacher, grad, call, ws, n_seg, gathered, peers, epoch, flags, row_offset, up_loss, up_rows, tgrad=None"
+_BIND_PARAMS = ("x, teacher, grad, call, ws, n_seg, gathered, peers, epoch, flags, row_offset, up_loss, up_rows, "
+                "tgrad=None")
 _LAUNCH_VALUES = {
     "x_ptr": "x", "x_stride": "x.stride(0)",
     "grad_ptr": "x if grad is None else grad", "grad_stride": "0 if grad is None else grad.stride(0)",

@@ -305,7 +305,8 @@ def _check(head, hidden, weight, labels, bias, teacher_hidden, teacher_weight, t
     call.teacher_grad = th is not None and torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (teacher_hidden, teacher_weight, teacher_bias))
     # (bytes a row of a chunk takes: its logits, the teacher's, and their gradient where wanted)
-    per_row = w.shape[0] * (h.element_size() + (th.element_size() * (1 + call.teacher_grad) if th is not None else 0))
+    teacher_bytes = 0 if th is None else th.element_size() * (1 + call.teacher_grad)
+    per_row = w.shape[0] * (h.element_size() + teacher_bytes)
     return _Fused(head, call, h, w, b, th, tw, tb,
                   _chunk_rows(head, chunk_rows, call.rows, per_row, h.device, call.group is not None))
 
