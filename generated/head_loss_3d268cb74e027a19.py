@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "3d268cb74e027a19"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "7c83a841a4ab"
+CODEGEN = "62edae9fadde"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['gspo', 'entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -564,4 +564,4 @@ def segments_3d268cb74e027a19(
     loss += weight_gspo * (gspo / div)
     tl.store(ws_ptr + 2, loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "4ae8729a420f7bf3fee2e3a98c393eea695e242818fe43bec46d2a18b7344118"
+TEXT_HASH = "e732be9022a4818955b596ddd096a6a0eba4027c41185d28bcbb820ae590356a"

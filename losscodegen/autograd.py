@@ -40,28 +40,35 @@ def refuse_create_graph(who: str) -> None:
 
 class _HeadFunction(torch.autograd.Function):
     # One output, the loss: the values leave through ``values_out`` (an output more costs the
-    # autograd engine host time in forward and in backward, and they have no gradient).
+    # autograd engine host time in forward and in backward, and they have no gradient). ``teacher``:
+    # the teacher's logits where they require grad (``Call.teacher_grad``), else None.
     @staticmethod
-    def forward(ctx, logits, head, call, values_out):
-        loss, values, grad, _ = launch.run(head, call, grad=True, inplace=head.inplace_backward)
-        if head.inplace_backward:
+    def forward(ctx, logits, teacher, head, call, values_out):
+        # (in place only into logits that asked for their gradient: a teacher's alone leaves them be)
+        inplace = head.inplace_backward and logits.requires_grad
+        loss, values, grad, launcher = launch.run(head, call, grad=True, inplace=inplace)
+        if inplace:
             # The logits now hold their gradient: a node that saved them fails loudly in backward.
             torch.autograd.graph.increment_version(logits)
         ctx.grad, ctx.shape, ctx.scale_rows = grad, logits.shape, head.backend.scale_rows
+        ctx.tgrad, ctx.t_shape = launcher.tgrad, None if teacher is None else teacher.shape
         values_out.append(values)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         refuse_create_graph("HeadLoss")
-        grad, ctx.grad = ctx.grad, None
+        grad, ctx.grad, tgrad, ctx.tgrad = ctx.grad, None, ctx.tgrad, None
         if grad is None:
             raise RuntimeError(f"HeadLoss: {BACKWARD_TWICE}")
         ctx.scale_rows(grad, grad_loss)
+        if tgrad is not None:
+            ctx.scale_rows(tgrad, grad_loss)
+            tgrad = tgrad.view(ctx.t_shape)
         # A view even of the same shape: a new tensor over the buffer, which AccumulateGrad keeps as
         # .grad without a copy (under inplace_backward the buffer is the logits themselves, and
         # returning them would be copied: measured, peak memory +2.1 GB at 8192 x 128256).
-        return grad.view(ctx.shape), None, None, None
+        return grad.view(ctx.shape), tgrad, None, None, None
 
 
 class _RowsFunction(torch.autograd.Function):
@@ -70,14 +77,16 @@ class _RowsFunction(torch.autograd.Function):
     # stats; backward runs one gradient launch whose per-row term weights are the upstream gradients
     # of all of them at once (launch.backward).
     @staticmethod
-    def forward(ctx, logits, head, call, out):
+    def forward(ctx, logits, teacher, head, call, out):
         loss, values, _, launcher = launch.run(head, call, grad=True, inplace=False)
         head.keep_scalars(call)
         rows = row_outputs(head, launcher, call)
         # the deferred gradient launch reads the logits and the call's inputs again: saved, so that
         # one changed in place before backward fails there (torch's version check)
         ctx.save_for_backward(logits, *call.tensors())
-        ctx.launcher, ctx.shape, ctx.inplace = launcher, logits.shape, head.inplace_backward
+        ctx.launcher, ctx.shape = launcher, logits.shape
+        ctx.inplace = head.inplace_backward and logits.requires_grad
+        ctx.t_shape = None if teacher is None else teacher.shape
         ctx.set_materialize_grads(False)
         out += [values, rows]
         return (loss, *[rows[n] for n in head.kernel.SPEC.row_loss_terms])
@@ -95,7 +104,8 @@ class _RowsFunction(torch.autograd.Function):
             # The logits now hold their gradient: a node that saved them, whose backward runs after
             # this one, fails loudly there (as _HeadFunction's forward does for the other reductions).
             torch.autograd.graph.increment_version(logits)
-        return grad.view(ctx.shape), None, None, None
+        tgrad = None if launcher.tgrad is None else launcher.tgrad.view(ctx.t_shape)
+        return grad.view(ctx.shape), tgrad, None, None, None
 
 
 # ``Function.apply`` without its Python wrapper, which inspects the Function and unwraps its
@@ -114,18 +124,20 @@ def row_outputs(head, launcher: launch.Launcher, call: Call) -> dict[str, torch.
     return {n: rows[spec.row_values.index(n)].detach() for n in spec.outputs if n in spec.row_values}
 
 
-def eager(head, logits: torch.Tensor, call: Call) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """(loss, values, rows): ``rows`` holds every output's per-row values under reduction="none"."""
+def eager(head, logits: torch.Tensor, call: Call,
+          teacher: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """(loss, values, rows): ``rows`` holds every output's per-row values under reduction="none".
+    ``teacher``: the teacher's logits as given, where they require grad (``Call.teacher_grad``)."""
     per_row = call.reduction == "none"
-    if logits.requires_grad and torch.is_grad_enabled():
+    if (logits.requires_grad or call.teacher_grad) and torch.is_grad_enabled():
         side: list = []
         if per_row:
-            loss, *term_rows = _RowsFunction.apply(logits, head, call, side)
+            loss, *term_rows = _RowsFunction.apply(logits, teacher, head, call, side)
             return loss, side[0], {**side[1], **dict(zip(head.kernel.SPEC.row_loss_terms, term_rows))}
         if torch._C._are_functorch_transforms_active():
-            loss = _HeadFunction.apply(logits, head, call, side)
+            loss = _HeadFunction.apply(logits, teacher, head, call, side)
         else:
-            loss = _apply(logits, head, call, side)
+            loss = _apply(logits, teacher, head, call, side)
         return loss, side[0], {}
     loss, values, _, launcher = launch.run(head, call, grad=False, inplace=False)
     return loss, values, row_outputs(head, launcher, call) if per_row else {}
@@ -178,7 +190,12 @@ def op_args(head, logits: torch.Tensor, call: Call) -> list[Any]:
     return [fill(head, logits, call) for _, _, fill in _OP_ARGS]
 
 
-def compiled(head, logits: torch.Tensor, call: Call) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+def compiled(head, logits: torch.Tensor, call: Call,
+             teacher: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    if teacher is not None:
+        # teacher logits that require grad: the call runs eagerly (a graph break, as head.linear's),
+        # the op returning the logits' gradient only
+        return torch.compiler.disable(eager)(head, logits, call, teacher)
     loss, values, rows, _ = torch.ops.losscodegen.head(*op_args(head, logits, call))
     if call.reduction != "none":
         return loss, values, {}

@@ -378,8 +378,12 @@ def printed_bodies(lw) -> tuple[dict[str, sp.Expr], tuple[sp.Expr, sp.Expr]]:
     # there the plain log is 12 operations an element fewer (measured: JSD 4.74 ms with both reads
     # so, against 4.51 with neither, on an H100 at 8192 x 128256)
     body = {a.name: no_underflow_nan(a.body, topk if a.domain == "topk" else vocab) for a in lw.accumulators}
-    return body, tuple(mixtures_in_log_space(no_underflow_nan(g, elements), elements)
-                       for g, elements in ((lw.grad_vocab, vocab), (lw.grad_topk, topk)))
+    return body, (printed_gradient(lw.grad_vocab, vocab), printed_gradient(lw.grad_topk, topk))
+
+
+def printed_gradient(grad: sp.Expr, elements: tuple[sp.Symbol, ...]) -> sp.Expr:
+    """A per-element gradient as printed (``printed_bodies``): dL/dz_i, its top-k part, dL/dt_i."""
+    return mixtures_in_log_space(no_underflow_nan(grad, elements), elements)
 
 
 def label_part(grad: sp.Expr) -> tuple[sp.Expr, sp.Expr]:
@@ -561,6 +565,7 @@ class Phases:
     grad_vocab: sp.Expr
     grad_topk: sp.Expr
     context: dict[str, Any]
+    grad_teacher: sp.Expr = sp.S.Zero   # dL/dt_i, in the variant that writes it (``Lowered.teacher_grad``)
 
 
 def phases(plan: Plan, spec: KernelSpec, printer: ArrayPrinter, statements: Statements) -> Phases:
@@ -579,8 +584,10 @@ def phases(plan: Plan, spec: KernelSpec, printer: ArrayPrinter, statements: Stat
     tk_temps, tk_bodies = statements([body[a.name] for a in topk_exact], "k")
     row_temps, row_exprs = statements([e for _, e in lw.row_values], "r")
     coef_temps, coef_exprs = statements([e for _, e in lw.grad_coefs], "c")
-    # (apart: the vocabulary's temporaries live in its loop, the top-k entries' outside it)
-    grad_temps, (grad_expr,) = statements([grad_dense], "d")
+    # (apart: the vocabulary's temporaries live in its loop, the top-k entries' outside it; dL/dt_i,
+    # where the kernel writes it, shares the loop's, exp(tm - L_N) among them)
+    grad_teacher = [printed_gradient(lw.grad_teacher, vocab)] if lw.teacher_grad else []
+    grad_temps, (grad_expr, *teacher_expr) = statements([grad_dense, *grad_teacher], "d")
     topk_grad_temps, (topk_grad_expr,) = statements([grad_topk], "dk")
 
     row_names, seg_means, norm = list(spec.row_values), list(spec.segment_means), spec.normalization
@@ -596,11 +603,11 @@ def phases(plan: Plan, spec: KernelSpec, printer: ArrayPrinter, statements: Stat
                              rows=[(p.name, row_names.index(p.name)) for p in seg.rows],
                              valid=row_names.index(seg.valid) if seg.valid else None))
     head_exprs = ([a.body for a in lw.accumulators] + [e for _, e in lw.grad_coefs + lw.row_values]
-                  + [lw.grad_vocab, lw.grad_topk])
+                  + [lw.grad_vocab, lw.grad_topk, lw.grad_teacher])
     neg_inf = dict(stats=neg_inf_handling([body[a.name] for a in lw.accumulators
                                            if a.online and a.domain == "vocab"], vocab),
                    exact=neg_inf_handling([body[a.name] for a in exact], vocab),
-                   grad=neg_inf_handling([grad_vocab], vocab),
+                   grad=neg_inf_handling([grad_vocab, *grad_teacher], vocab),
                    topk=neg_inf_handling([sp.exp(a.alpha * S.topk_logit) * body[a.name] for a in lw.accumulators
                                           if a.domain == "topk"] + [grad_topk], topk))
     context = dict(
@@ -622,7 +629,7 @@ def phases(plan: Plan, spec: KernelSpec, printer: ArrayPrinter, statements: Stat
         grad_weights=[(n, f"weight_{n} * grad_scale" if norm[n] == "tokens" else f"weight_{n}")
                       for n in spec.row_loss_terms],
         coef_temps=coef_temps, coefs=list(zip([s.name for s, _ in lw.grad_coefs], coef_exprs)),
-        grad_temps=grad_temps, grad_expr=grad_expr,
+        grad_temps=grad_temps, grad_expr=grad_expr, teacher_grad=teacher_expr[0] if teacher_expr else None,
         grad_label=None if grad_label == 0 else printer.doprint(grad_label),
         topk_grad=None if lw.grad_topk == 0 else topk_grad_expr, topk_grad_temps=topk_grad_temps,
         grad_means=[(U.name, seg_means.index(U.name)) for seg in lw.segments if seg.rows for U in seg.means],
@@ -641,7 +648,7 @@ def phases(plan: Plan, spec: KernelSpec, printer: ArrayPrinter, statements: Stat
         uses_div=any(s["div"] == "div" for s in segments), uses_div_seq=any(s["per_sequence"] for s in segments),
         flag_slots={name: i for i, name in enumerate(FLAG_SLOTS)},
     )
-    return Phases(body, grad_dense, grad_topk, context)
+    return Phases(body, grad_dense, grad_topk, context, *grad_teacher)
 
 
 def header(bound, plan: Plan) -> str:
@@ -707,6 +714,8 @@ def signatures(plan: Plan, key: str, reads_scalars: bool, per_sequence: tuple[st
     args = ["x_ptr", "x_stride", "grad_ptr", "grad_stride", "y_ptr", "mask_ptr"]
     if lw.uses_teacher:
         args += ["t_ptr", "t_stride"]
+    if lw.teacher_grad:     # (the variant for teacher logits that require grad: their gradient)
+        args += ["tgrad_ptr", "tgrad_stride"]
     args += [f"tok_{tok}_ptr" for tok in lw.tokens]
     args += [f"vec_{vec}_ptr" for vec in lw.vectors]
     if lw.uses_topk:
@@ -829,6 +838,12 @@ class FileSpec:
         return dict(self.normalize)
 
     @property
+    def teacher_grad(self) -> bool:
+        """Whether the head's kernel writes dL/dteacher_logits (its variant for teacher logits that
+        require grad, whose interface takes the gradient's pointer)."""
+        return "tgrad_ptr" in self.args
+
+    @property
     def has_exact(self) -> bool:
         """Whether a launch after the first read's merge computes sums (the exact read's, or top-k
         sums of the final normalisers): plan.launch_sequence's ``has_exact``."""
@@ -913,7 +928,7 @@ def kernel_spec(plan: Plan, key: str, normalize: dict[str, str] | None = None) -
     row_loss_terms = tuple(n for n in loss_terms if n not in segments)
     norm = {n: (dict(normalize or {}).get(n, "tokens") if n in loss_terms else "mean") for n in lw.outputs}
     head_exprs = ([a.body for a in lw.accumulators] + [e for _, e in lw.grad_coefs + lw.row_values]
-                  + [lw.grad_vocab, lw.grad_topk])
+                  + [lw.grad_vocab, lw.grad_topk, lw.grad_teacher])
     seg_exprs = [e for seg in lw.segments for e in (seg.formula, *seg.dformula)]
 
     def names(exprs: list[sp.Expr]) -> set[str]:

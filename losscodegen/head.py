@@ -47,6 +47,18 @@ def _kernel_of(head_id: str) -> ModuleType:
     return _load.load(head.key, lambda: head.source().text, head.backend)
 
 
+def _teacher_kernel_of(head: HeadLoss) -> ModuleType:
+    """The head's variant that also writes dL/dteacher_logits, generated at first use (never built
+    into the package: a head's default kernel computes and writes nothing for the teacher)."""
+    module = _load.load(head.teacher_key, lambda: head.source(teacher_grad=True).text, head.backend)
+    if module.SPEC.scalars != head.kernel.SPEC.scalars:
+        # (both read the head's one scalar buffer, laid out by the default kernel's SCALARS)
+        raise ValueError(f"the teacher-gradient kernel of terms {head._names} reads runtime scalars "
+                         f"{module.SPEC.scalars}, not the head's {head.kernel.SPEC.scalars}: pass "
+                         "teacher_logits.detach()")
+    return module
+
+
 @_constant_under_compile
 def _shard_columns_of(head_id: str, group: str, width: int, device: str) -> tuple[int, int]:
     # torch.compile runs this once while tracing and keeps the result as a constant: the widths'
@@ -156,6 +168,9 @@ class HeadLoss(torch.nn.Module):
             + [f"normalize {t.name} {kernel_normalize(t)}" for t in terms if kernel_normalize(t) != "tokens"]
             + [f"softcap {softcap is not None}"])
         self.key = _load.kernel_key(self.spec_text)
+        # the kernel for calls whose teacher requires grad: the same formulas, with dL/dt derived
+        self.teacher_key = _load.kernel_key(self.spec_text + "\nteacher_grad True")
+        self._teacher_kernel: ModuleType | None = None
         self._attach()
 
     def _attach(self) -> None:
@@ -176,7 +191,8 @@ class HeadLoss(torch.nn.Module):
     # belongs to this process and to this head: the loaded kernel module (found again from its
     # file), the backend (resolved again), the layouts (compiled kernels), the scalar buffers, the
     # flag buffers and the id.
-    _PER_PROCESS = ("_kernel", "backend", "layouts", "_scalar_buffers", "_shards", "checks", "head_id")
+    _PER_PROCESS = ("_kernel", "_teacher_kernel", "backend", "layouts", "_scalar_buffers", "_shards", "checks",
+                    "head_id")
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -188,7 +204,8 @@ class HeadLoss(torch.nn.Module):
         # (a head pickled before the option existed, or when it was kept as ``backend_name``)
         state.setdefault("_backend_option", state.pop("backend_name", "auto"))
         super().__setstate__(state)
-        self._kernel, self.layouts, self._scalar_buffers, self._shards = None, {}, {}, {}
+        self._kernel, self._teacher_kernel = None, None
+        self.layouts, self._scalar_buffers, self._shards = {}, {}, {}
         self._attach()
 
     @property
@@ -200,22 +217,34 @@ class HeadLoss(torch.nn.Module):
             self._kernel = _kernel_of(self.head_id)
         return self._kernel
 
+    def kernel_for(self, teacher_grad: bool) -> ModuleType:
+        """The kernel module of a call: ``kernel``, or where the call's teacher logits require grad
+        (``Call.teacher_grad``), the variant that also writes their gradient."""
+        if not teacher_grad:
+            return self.kernel
+        if self._teacher_kernel is None:
+            self._teacher_kernel = _teacher_kernel_of(self)
+        return self._teacher_kernel
+
     @property
     def softcap(self) -> float | None:
         """Fixed at construction: the kernel is built with or without the softcap."""
         return self._softcap
 
     # ---- the pipeline, for explain() and generation --------------------------------------------
-    def lowered(self) -> Lowered:
-        return lower(self._bound)
+    def lowered(self, *, teacher_grad: bool = False) -> Lowered:
+        return lower(self._bound, teacher_grad=teacher_grad)
 
-    def plan(self) -> Plan:
-        return plan(self.lowered(), softcap=self.softcap is not None)
+    def plan(self, *, teacher_grad: bool = False) -> Plan:
+        """``teacher_grad``: the plan of the variant that also writes dL/dteacher_logits."""
+        return plan(self.lowered(teacher_grad=teacher_grad), softcap=self.softcap is not None)
 
-    def source(self, backend: backends.Backend | None = None) -> KernelSource:
-        """The head's kernel file as ``backend`` (None: the head's) renders it."""
-        p, backend = self.plan(), backend or self.backend
-        return backend.render(p, self.key, header(self._bound, p), _load.codegen_version(backend),
+    def source(self, backend: backends.Backend | None = None, *, teacher_grad: bool = False) -> KernelSource:
+        """The head's kernel file as ``backend`` (None: the head's) renders it (``teacher_grad``:
+        its variant for teacher logits that require grad)."""
+        p, backend = self.plan(teacher_grad=teacher_grad), backend or self.backend
+        return backend.render(p, self.teacher_key if teacher_grad else self.key, header(self._bound, p),
+                              _load.codegen_version(backend),
                               normalize={t.name: kernel_normalize(t) for t in self.loss_terms})
 
     def explain(self) -> str:
@@ -238,7 +267,8 @@ class HeadLoss(torch.nn.Module):
         learnable = self._learnable_weights() if self.tensor_scalars else ()
         call = check_call(self, self.kernel.SPEC, logits, labels, inputs)
         run = autograd.compiled if torch.compiler.is_compiling() else autograd.eager
-        return self._output(*run(self, logits, call), call, learnable)
+        teacher = inputs["teacher_logits"] if call.teacher_grad else None
+        return self._output(*run(self, logits, call, teacher), call, learnable)
 
     def linear(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor | None = None, *,
                bias: torch.Tensor | None = None, teacher_hidden: torch.Tensor | None = None,
@@ -290,10 +320,11 @@ class HeadLoss(torch.nn.Module):
 
     # ---- what the runtime asks of a head -------------------------------------------------------
     def launches(self, *, sharded: bool, grad: bool, split: bool, exchange: bool = False,
-                 deferred: bool = False) -> tuple[Launch, ...]:
+                 deferred: bool = False, teacher_grad: bool = False) -> tuple[Launch, ...]:
         """The plan's launches; ``deferred``: the gradient as a launch of its own, last, after a
-        forward that keeps the stats it needs (reduction="none": backward runs it)."""
-        spec = self.kernel.SPEC
+        forward that keeps the stats it needs (reduction="none": backward runs it);
+        ``teacher_grad``: of the kernel that writes the teacher's gradient too."""
+        spec = self.kernel_for(teacher_grad).SPEC
         seq = launch_sequence(has_exact=spec.has_exact, segments=bool(spec.segments), sharded=sharded,
                               grad=grad and not deferred, split=split, exchange=exchange)
         if grad and deferred:

@@ -59,6 +59,9 @@ class Call:
     # again and the head has tensor scalars (HeadLoss.keep_scalars): a later call may change them
     scalars: torch.Tensor | None = None
     vectors: tuple[torch.Tensor, ...] = ()  # fp32 [V] (the whole vocabulary), in the kernel's VECTORS order
+    # whether the teacher's logits (head.linear: hidden, weight or bias) require grad in grad mode:
+    # the call runs the head's kernel that writes their gradient too (HeadLoss.kernel_for)
+    teacher_grad: bool = False
     rows: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -101,9 +104,11 @@ def check_call(head, spec: FileSpec, logits: Any, labels: Any, inputs: dict[str,
         if teacher.dtype not in _FLOATS or teacher.device != x.device:
             raise TypeError(f"teacher_logits must be a float tensor on {x.device}, got "
                             f"{teacher.dtype} on {teacher.device}")
-        refuse_grad("teacher_logits", teacher)
+        teacher_grad = teacher.requires_grad and torch.is_grad_enabled()
         teacher = rows_view(teacher, x.shape[1])
     call = check_rows(head, spec, shape, x.shape[1], x.device, labels, inputs, x=x, teacher=teacher)
+    if teacher is not None:
+        call.teacher_grad = teacher_grad
     if head.inplace_backward and x.numel() and not torch.compiler.is_compiling():
         refuse_aliases(call, spec)
     return call
@@ -220,14 +225,14 @@ def check_vector(name: str, value: Any, V: int, dev: torch.device, needed_by) ->
 
 
 def refuse_grad(name: str, t: torch.Tensor) -> None:
-    """A ValueError for an input other than the logits (``head.linear``'s hidden, weight and bias)
-    that requires grad in grad mode: the kernel derives no gradient for it, and a silent zero (its
-    .grad left None) would never train it. (A term's tensor weight is learnable: HeadLoss's
-    ``_learnable_weights``.) Two host attributes: no wait for the device."""
+    """A ValueError for an input other than the logits and the teacher's (``head.linear``'s hidden,
+    weight and bias, and the teacher's) that requires grad in grad mode: the kernel derives no
+    gradient for it, and a silent zero (its .grad left None) would never train it. (A term's tensor
+    weight is learnable: HeadLoss's ``_learnable_weights``.) Two host attributes: no wait for the device."""
     if t.requires_grad and torch.is_grad_enabled():
-        raise ValueError(f"{name} requires grad, but losscodegen gives it no gradient (only the logits, "
-                         f"head.linear's hidden, weight and bias, and a term's tensor weight get one): pass "
-                         f"{name}.detach()")
+        raise ValueError(f"{name} requires grad, but losscodegen gives it no gradient (only the logits, the "
+                         f"teacher's logits, head.linear's hidden, weight and bias and the teacher's, and a "
+                         f"term's tensor weight get one): pass {name}.detach()")
 
 
 def class_weight_rows(head, token: str, labels: torch.Tensor, mask: torch.Tensor | None, V_local: int,

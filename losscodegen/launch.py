@@ -46,15 +46,19 @@ class LayoutKey(NamedTuple):
     divisor: bool              # whether the call gives a divisor
     topk: int                  # the teacher's top-k count (0: none)
     exchange: bool             # whether vocab shards exchange their stats in-kernel
+    teacher_grad: bool         # the kernel that writes the teacher's gradient too (HeadLoss.kernel_for)
 
 
 # How the launcher passes each per-launch argument a kernel may declare (its ARGS), by name: an
 # expression in the values below (``bind``'s parameters). Besides these, ``off_<region>`` is the
 # workspace's offset of that region and ``tok_<name>_ptr`` the per-row token ``name``.
-_BIND_PARAMS = "x, teacher, grad, call, ws, n_seg, gathered, peers, epoch, flags, row_offset, up_loss, up_rows"
+_BIND_PARAMS = ("x, teacher, grad, call, ws, n_seg, gathered, peers, epoch, flags, row_offset, up_loss, up_rows, "
+                "tgrad=None")
 _LAUNCH_VALUES = {
     "x_ptr": "x", "x_stride": "x.stride(0)",
     "grad_ptr": "x if grad is None else grad", "grad_stride": "0 if grad is None else grad.stride(0)",
+    # (the teacher's gradient: only a teacher-gradient kernel takes it, HeadLoss.kernel_for)
+    "tgrad_ptr": "teacher if tgrad is None else tgrad", "tgrad_stride": "0 if tgrad is None else tgrad.stride(0)",
     "y_ptr": "call.labels", "mask_ptr": "call.mask",
     "t_ptr": "teacher", "t_stride": "teacher.stride(0)",
     "topk_id_ptr": "call.topk_ids", "topk_lp_ptr": "call.topk_logprobs",
@@ -109,7 +113,7 @@ class _Layout:
 
 
 def _layout(head, sig: LayoutKey) -> _Layout:
-    k, backend = head.kernel, head.backend
+    k, backend = head.kernel_for(sig.teacher_grad), head.backend
     spec = k.SPEC
     world = collectives.group_info(sig.group)[0]
     sharded = sig.group is not None
@@ -118,7 +122,7 @@ def _layout(head, sig: LayoutKey) -> _Layout:
     # launch with each row's upstream gradients as the terms' weights (out.rows are differentiable)
     deferred = sig.grad and sig.reduction == "none"
     launches = head.launches(sharded=sharded, grad=sig.grad, split=config.split, exchange=sig.exchange,
-                             deferred=deferred)
+                             deferred=deferred, teacher_grad=sig.teacher_grad)
     cut = next((i + 1 for i, launch in enumerate(launches) if launch.then == "segments"), len(launches))
     name = f"head_loss_{spec.key}"
     options = config.launch(sig.V_local, sig.element_size)
@@ -232,8 +236,11 @@ class Launcher:
     def __init__(self, head, call, *, grad: bool, flags: torch.Tensor | None, dtype: torch.dtype,
                  element_size: int):
         """``dtype``: the logits'; ``element_size``: the widest of the logits and the teacher's."""
-        spec = self.spec = head.kernel.SPEC
+        spec = self.spec = head.kernel_for(call.teacher_grad).SPEC
         self.head, self.call, self.flags = head, call, flags
+        # the teacher's gradient ([rows, V] in the teacher's dtype) where the call's teacher requires
+        # grad, once a launch wrote it (``run``, ``backward``)
+        self.tgrad: torch.Tensor | None = None
         self.gathered: torch.Tensor | None = None  # all ranks' packed stats, after a "gather"
         self.n_seg = segments.count(call, head.ignore_index) if spec.segments else 0
         # (an exact read takes the all-gather: it reads every row again after the exchange anyway)
@@ -242,7 +249,8 @@ class Launcher:
         # The layouts' key as a plain tuple, which equals its LayoutKey and hashes alike: a
         # NamedTuple costs a call host time, so one is made only for a new layout.
         key = (call.V_local, dtype, element_size, call.device, call.reduction, call.group, grad,
-               call.divisor is not None, call.topk_ids.shape[1] if spec.uses_topk else 0, self.exchange is not None)
+               call.divisor is not None, call.topk_ids.shape[1] if spec.uses_topk else 0, self.exchange is not None,
+               call.teacher_grad)
         # (a configuration being measured takes no layout kept from a call before it, nor leaves one)
         layout = head.layouts.get(key) if head.tile_override is None else None
         if layout is None:
@@ -265,13 +273,14 @@ class Launcher:
 
     def run(self, launches: tuple[tuple[Launch, Launchable], ...], x: torch.Tensor, teacher: torch.Tensor | None,
             grad: torch.Tensor | None, row_offset: int = 0, up_loss: torch.Tensor | None = None,
-            up_rows: torch.Tensor | None = None) -> None:
+            up_rows: torch.Tensor | None = None, tgrad: torch.Tensor | None = None) -> None:
         """``launches`` (from ``passes``) over rows ``[row_offset, row_offset + len(x))`` of the call,
-        whose logits (and teacher logits) are ``x`` (``teacher``); the gradient goes to ``grad``.
-        ``up_loss`` (``[rows]``) and ``up_rows`` (``[ROW_LOSS_TERMS, rows]``), fp32: the upstream
-        gradients of a deferred gradient launch."""
+        whose logits (and teacher logits) are ``x`` (``teacher``); the gradient goes to ``grad`` (the
+        teacher's to ``tgrad``, for a teacher-gradient kernel). ``up_loss`` (``[rows]``) and
+        ``up_rows`` (``[ROW_LOSS_TERMS, rows]``), fp32: the upstream gradients of a deferred
+        gradient launch."""
         for launch, kernel in launches:
-            self._launch(launch, kernel, x, teacher, grad, row_offset, up_loss, up_rows)
+            self._launch(launch, kernel, x, teacher, grad, row_offset, up_loss, up_rows, tgrad)
             if launch.then == "gather":
                 n = x.shape[0]
                 gathered = torch.empty(self.layout.world * n * len(self.spec.columns), device=x.device)
@@ -317,12 +326,13 @@ class Launcher:
                 None, None, None, self.call, self.ws, self.n_seg, None, None, 0, self.flags, 0, None, None),
                 self.head.ignore_index)
 
-    def _launch(self, launch: Launch, kernel: Launchable, x, teacher, grad, row_offset: int, up_loss, up_rows) -> None:
+    def _launch(self, launch: Launch, kernel: Launchable, x, teacher, grad, row_offset: int, up_loss, up_rows,
+                tgrad) -> None:
         gathered, peers, epoch = (self.gathered if launch.merge else None), None, 0
         if launch.exchange:
             gathered, peers, epoch = self.exchange.next(x.shape[0], len(self.spec.columns))
         kernel(x.shape[0], *self.layout.bind(x, teacher, grad, self.call, self.ws, self.n_seg, gathered, peers,
-                                             epoch, self.flags, row_offset, up_loss, up_rows))
+                                             epoch, self.flags, row_offset, up_loss, up_rows, tgrad))
 
 
 def run(head, call, *, grad: bool, inplace: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Launcher]:
@@ -337,10 +347,11 @@ def run(head, call, *, grad: bool, inplace: bool) -> tuple[torch.Tensor, torch.T
     if grad and not launcher.layout.deferred:
         # laid out for the kernel, [rows, V] with unit column stride, whatever the logits' strides
         grad_buf = call.x if inplace else torch.empty(call.x.shape, dtype=call.x.dtype, device=call.device)
+        launcher.tgrad = _teacher_grad(call)
     first, second = launcher.passes()
-    launcher.run(first, call.x, call.teacher, grad_buf)
+    launcher.run(first, call.x, call.teacher, grad_buf, tgrad=launcher.tgrad)
     launcher.segments()
-    launcher.run(second, call.x, call.teacher, grad_buf)
+    launcher.run(second, call.x, call.teacher, grad_buf, tgrad=launcher.tgrad)
     if flags is not None:
         head.checks.after(device, launcher.vocab, launcher.n_seg)
     return launcher.ws.loss(call), launcher.ws.values(), grad_buf, launcher
@@ -354,5 +365,14 @@ def backward(launcher: Launcher, grad_loss: torch.Tensor | None, grad_rows: list
     call = launcher.call
     # (laid out for the kernel, [rows, V] with unit column stride, whatever the logits' strides)
     grad = call.x if inplace else torch.empty(call.x.shape, dtype=call.x.dtype, device=call.device)
-    launcher.run(launcher.deferred(), call.x, call.teacher, grad, 0, *launcher.upstream(grad_loss, grad_rows))
+    launcher.tgrad = _teacher_grad(call)
+    launcher.run(launcher.deferred(), call.x, call.teacher, grad, 0, *launcher.upstream(grad_loss, grad_rows),
+                 launcher.tgrad)
     return grad
+
+
+def _teacher_grad(call) -> torch.Tensor | None:
+    """The buffer of dL/dteacher_logits ([rows, V], the teacher's dtype) where the call's teacher
+    requires grad, else None: nothing is allocated or written for a teacher that does not."""
+    return torch.empty(call.teacher.shape, dtype=call.teacher.dtype, device=call.device) \
+        if call.teacher_grad else None

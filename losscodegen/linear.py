@@ -16,6 +16,10 @@ forward ends with every gradient known, and backward only scales them by the ups
   gradient launch on them, its terms weighted per row by the upstream gradients, then the products.
 - Vocab-parallel: ``weight`` (and bias, teacher weight and bias) hold this rank's vocabulary rows; the
   packed stats are exchanged once per chunk, and dL/dhidden is all-reduced over the group once.
+- A teacher whose hidden states, weight or bias require grad (co-distillation): the head's
+  teacher-gradient kernel writes each chunk's dL/dteacher_logits into a buffer of its own (the
+  teacher's logits are read again after the gradient read, at the label's column), and the same
+  products give the teacher's gradients.
 """
 from __future__ import annotations
 
@@ -36,6 +40,8 @@ _TILE_ROWS = 256
 
 @dataclass
 class _Gradients:
+    """One side's (the student's, or the teacher's) gradients."""
+
     hidden: torch.Tensor | None    # [rows, H]
     weight: torch.Tensor | None    # [V_local, H]
     bias: torch.Tensor | None      # [V_local], fp32 while accumulating
@@ -56,9 +62,11 @@ class _Fused:
     teacher_bias: torch.Tensor | None
     chunk: int
 
-    def run(self, *, grad: tuple[bool, bool, bool] | None):
-        """(loss, values, gradients or None, the launcher). ``grad``: which of hidden, weight, bias
-        want one. Under reduction="none" the gradients are deferred to ``backward``."""
+    def run(self, *, grad: tuple[bool, ...] | None):
+        """(loss, values, gradients or None, the launcher). ``grad``: which of hidden, weight, bias,
+        teacher_hidden, teacher_weight, teacher_bias want one; the gradients: the student's and the
+        teacher's (None unless the call's teacher requires grad). Under reduction="none" the
+        gradients are deferred to ``backward``."""
         head, call, dev = self.head, self.call, self.hidden.device
         flags = head.checks.before(dev) if head.validate else None
         width = max(self.hidden.element_size(),
@@ -73,11 +81,12 @@ class _Fused:
                 continue
             for start in range(0, call.rows, self.chunk):
                 stop = min(start + self.chunk, call.rows)
-                x, t = self._logits(start, stop, *buffers)
+                x, t, dt = self._logits(start, stop, *buffers)
                 with_grad = grads is not None and last
-                launcher.run(launches, x, t, x if with_grad else None, row_offset=start)
+                launcher.run(launches, x, t, x if with_grad else None, row_offset=start,
+                             tgrad=dt if with_grad else None)
                 if with_grad:
-                    self._add(grads, x, start, stop)
+                    self._add(grads, x, dt, start, stop)
             if launches is first:
                 launcher.segments()
         if grads is not None:
@@ -86,8 +95,8 @@ class _Fused:
             head.checks.after(dev, launcher.vocab, launcher.n_seg)
         return launcher.ws.loss(call), launcher.ws.values(), grads, launcher
 
-    def backward(self, launcher: Launcher, want: tuple[bool, bool, bool], grad_loss: torch.Tensor | None,
-                 grad_rows: list[torch.Tensor | None]) -> _Gradients:
+    def backward(self, launcher: Launcher, want: tuple[bool, ...], grad_loss: torch.Tensor | None,
+                 grad_rows: list[torch.Tensor | None]) -> tuple[_Gradients, _Gradients | None]:
         """reduction="none": each chunk's logits made again, its deferred gradient launch (the stats
         kept by the forward; the terms weighted per row by the upstream gradients on the per-row loss
         and on their rows), and the products."""
@@ -96,9 +105,9 @@ class _Fused:
         buffers = self._buffers()
         for start in range(0, self.call.rows, self.chunk):
             stop = min(start + self.chunk, self.call.rows)
-            x, t = self._logits(start, stop, *buffers)
-            launcher.run(launcher.deferred(), x, t, x, start, up_loss, up_rows)
-            self._add(grads, x, start, stop)
+            x, t, dt = self._logits(start, stop, *buffers)
+            launcher.run(launcher.deferred(), x, t, x, start, up_loss, up_rows, dt)
+            self._add(grads, x, dt, start, stop)
         self._finish(grads)
         return grads
 
@@ -107,46 +116,61 @@ class _Fused:
         return (self.hidden, self.weight, self.bias, self.teacher_hidden, self.teacher_weight,
                 self.teacher_bias, *self.call.tensors())
 
-    def _buffers(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One chunk of logits (and of the teacher's), which every chunk reuses."""
-        V, dev = self.call.V_local, self.hidden.device
-        return (torch.empty(self.chunk, V, dtype=self.hidden.dtype, device=dev),
-                None if self.teacher_hidden is None else
-                torch.empty(self.chunk, V, dtype=self.teacher_hidden.dtype, device=dev))
+    def _sides(self) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], ...]:
+        """(hidden, weight, bias) of the student, then of the teacher where its gradient is wanted."""
+        student = (self.hidden, self.weight, self.bias)
+        teacher = (self.teacher_hidden, self.teacher_weight, self.teacher_bias)
+        return (student, teacher) if self.call.teacher_grad else (student,)
 
-    def _logits(self, start: int, stop: int, buf: torch.Tensor, tbuf: torch.Tensor | None):
-        """Rows [start, stop)'s logits and the teacher's, in the buffers."""
+    def _buffers(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """One chunk of logits (and of the teacher's, and of their gradient where the teacher
+        requires grad), which every chunk reuses."""
+        V, dev = self.call.V_local, self.hidden.device
+        teacher = None if self.teacher_hidden is None else \
+            torch.empty(self.chunk, V, dtype=self.teacher_hidden.dtype, device=dev)
+        return (torch.empty(self.chunk, V, dtype=self.hidden.dtype, device=dev), teacher,
+                torch.empty_like(teacher) if self.call.teacher_grad else None)
+
+    def _logits(self, start: int, stop: int, buf: torch.Tensor, tbuf: torch.Tensor | None,
+                dtbuf: torch.Tensor | None):
+        """Rows [start, stop)'s logits and the teacher's, in the buffers, and the rows of the
+        teacher's gradient buffer (None where it requires no grad)."""
         x = _affine(self.hidden[start:stop], self.weight, self.bias, buf[:stop - start])
         t = None if tbuf is None else _affine(self.teacher_hidden[start:stop], self.teacher_weight,
                                               self.teacher_bias, tbuf[:stop - start])
-        return x, t
+        return x, t, None if dtbuf is None else dtbuf[:stop - start]
 
-    def _finish(self, grads: _Gradients) -> None:
-        if grads.hidden is not None and self.call.group is not None:
-            collectives.all_reduce(grads.hidden, self.call.group)
-        if grads.bias is not None:
-            grads.bias = grads.bias.to(self.bias.dtype)
+    def _finish(self, grads: tuple[_Gradients, ...]) -> None:
+        for g, (_, _, bias) in zip(grads, self._sides()):
+            if g.hidden is not None and self.call.group is not None:
+                collectives.all_reduce(g.hidden, self.call.group)
+            if g.bias is not None:
+                g.bias = g.bias.to(bias.dtype)
 
-    def _gradients(self, want: tuple[bool, bool, bool]) -> _Gradients:
-        h, w, b = want
+    def _gradients(self, want: tuple[bool, ...]) -> tuple[_Gradients, ...]:
+        """The student's gradients (``want[:3]``: hidden, weight, bias), then the teacher's
+        (``want[3:]``) where its gradient is wanted."""
         # (dL/dweight is written by the first chunk's product; with no rows there is no chunk, and the
         # gradient of an empty sum is 0)
-        weight = torch.empty_like if self.call.rows else torch.zeros_like
-        return _Gradients(torch.empty_like(self.hidden) if h else None,
-                          weight(self.weight) if w else None,
-                          torch.zeros(self.weight.shape[0], device=self.weight.device) if b else None)
+        empty = torch.empty_like if self.call.rows else torch.zeros_like
+        return tuple(_Gradients(torch.empty_like(hidden) if h else None, empty(weight) if w else None,
+                                torch.zeros(weight.shape[0], device=weight.device) if b else None)
+                     for (hidden, weight, _), (h, w, b) in zip(self._sides(), (want[:3], want[3:])))
 
-    def _add(self, grads: _Gradients, dlogits: torch.Tensor, start: int, stop: int) -> None:
-        """A chunk's dL/dlogits into the gradients: its rows of dL/dhidden, its share of the others."""
-        if grads.hidden is not None:
-            torch.mm(dlogits, self.weight, out=grads.hidden[start:stop])
-        if grads.weight is not None:
-            if start == 0:
-                torch.mm(dlogits.t(), self.hidden[start:stop], out=grads.weight)
-            else:
-                grads.weight.addmm_(dlogits.t(), self.hidden[start:stop])
-        if grads.bias is not None:
-            grads.bias += dlogits.sum(0, dtype=torch.float32)
+    def _add(self, grads: tuple[_Gradients, ...], dlogits: torch.Tensor, dteacher: torch.Tensor | None,
+             start: int, stop: int) -> None:
+        """A chunk's dL/dlogits (and dL/dteacher_logits) into the gradients: its rows of dL/dhidden,
+        its share of the others."""
+        for g, d, (hidden, weight, _) in zip(grads, (dlogits, dteacher), self._sides()):
+            if g.hidden is not None:
+                torch.mm(d, weight, out=g.hidden[start:stop])
+            if g.weight is not None:
+                if start == 0:
+                    torch.mm(d.t(), hidden[start:stop], out=g.weight)
+                else:
+                    g.weight.addmm_(d.t(), hidden[start:stop])
+            if g.bias is not None:
+                g.bias += d.sum(0, dtype=torch.float32)
 
 
 def _affine(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
@@ -158,9 +182,10 @@ def _affine(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch
 
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, fused, side):
-        want = tuple(ctx.needs_input_grad[:3])
+    def forward(ctx, hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, fused, side):
+        want = tuple(ctx.needs_input_grad[:6])
         ctx.fused, ctx.want, ctx.shape = fused, want, hidden.shape
+        ctx.t_shape = None if teacher_hidden is None else teacher_hidden.shape
         loss, values, ctx.grads, launcher = fused.run(grad=want)
         ctx.mark_non_differentiable(values)
         ctx.set_materialize_grads(False)
@@ -171,7 +196,7 @@ class _LinearFunction(torch.autograd.Function):
         # Backward makes the logits again and launches on them: what it reads is saved, so that an
         # input changed in place before backward fails there (torch's version check)
         ctx.launcher = launcher
-        ctx.save_for_backward(hidden, weight, bias, *fused.tensors())
+        ctx.save_for_backward(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, *fused.tensors())
         fused.head.keep_scalars(fused.call)
         rows = row_outputs(fused.head, launcher, fused.call)
         side.append(rows)
@@ -187,19 +212,21 @@ class _LinearFunction(torch.autograd.Function):
             ctx.saved_tensors
             ctx.fused.head.restore_scalars(ctx.fused.call)
             if grad_loss is None and all(g is None for g in grad_rows):
-                return None, None, None, None, None
+                return (None,) * 8
             grads = ctx.fused.backward(launcher, ctx.want, grad_loss, list(grad_rows))
         else:
             if grad_loss is None:
-                return None, None, None, None, None
+                return (None,) * 8
             grads, ctx.grads = ctx.grads, None
             if grads is None:
                 raise RuntimeError(f"HeadLoss.linear: {BACKWARD_TWICE}")
-            for g in (grads.hidden, grads.weight, grads.bias):
+            for g in (t for side in grads for t in (side.hidden, side.weight, side.bias)):
                 if g is not None:
                     ctx.fused.head.backend.scale_rows(g.view(-1, g.shape[-1]), grad_loss)
-        return (None if grads.hidden is None else grads.hidden.view(ctx.shape), grads.weight, grads.bias, None,
-                None)
+        student, teacher = grads[0], grads[1] if len(grads) > 1 else _Gradients(None, None, None)
+        hidden = None if student.hidden is None else student.hidden.view(ctx.shape)
+        t_hidden = None if teacher.hidden is None else teacher.hidden.view(ctx.t_shape)
+        return hidden, student.weight, student.bias, t_hidden, teacher.weight, teacher.bias, None, None
 
 
 def run(*args: Any) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], Any]:
@@ -216,9 +243,10 @@ def _run(head, hidden, weight, labels, bias, teacher_hidden, teacher_weight, tea
     fused = _check(head, hidden, weight, labels, bias, teacher_hidden, teacher_weight, teacher_bias,
                    chunk_rows, inputs)
     per_row = fused.call.reduction == "none"
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
+    operands = (hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in operands):
         side: list = []
-        loss, values, *term_rows = _LinearFunction.apply(hidden, weight, bias, fused, side)
+        loss, values, *term_rows = _LinearFunction.apply(*operands, fused, side)
         rows = {**side[0], **dict(zip(head.kernel.SPEC.row_loss_terms, term_rows))} if per_row else {}
         return loss, values, rows, fused.call
     loss, values, _, launcher = fused.run(grad=None)
@@ -278,7 +306,12 @@ def _check(head, hidden, weight, labels, bias, teacher_hidden, teacher_weight, t
     elif teacher_hidden is not None or teacher_weight is not None:
         raise ValueError("teacher_hidden/teacher_weight given, but no term of this head reads a teacher")
     call = check_rows(head, spec, shape, w.shape[0], h.device, labels, inputs)
-    per_row = w.shape[0] * (h.element_size() + (th.element_size() if th is not None else 0))
+    # (co-distillation: the teacher's side requires grad, and gets its gradients)
+    call.teacher_grad = th is not None and torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (teacher_hidden, teacher_weight, teacher_bias))
+    # (bytes a row of a chunk takes: its logits, the teacher's, and their gradient where wanted)
+    teacher_bytes = 0 if th is None else th.element_size() * (1 + call.teacher_grad)
+    per_row = w.shape[0] * (h.element_size() + teacher_bytes)
     return _Fused(head, call, h, w, b, th, tw, tb,
                   _chunk_rows(head, chunk_rows, call.rows, per_row, h.device, call.group is not None))
 

@@ -126,10 +126,14 @@ class Lowered:
     uses_argmax: bool
     uncombined: int = 0                          # accumulators before sums of one weight were combined
     vectors: tuple[str, ...] = ()                # per-class [V] inputs (S.vector), loaded in every read
+    # the variant that also writes dL/dt_i (``lower(..., teacher_grad=True)``: teacher logits that
+    # require grad), in z, t and the coefficients; the default kernel computes and writes none
+    teacher_grad: bool = False
+    grad_teacher: sp.Expr = sp.S.Zero
 
     @property
     def grad_uses_teacher(self) -> bool:
-        return self.grad_vocab.has(S.teacher_logit, TM)
+        return self.teacher_grad or self.grad_vocab.has(S.teacher_logit, TM)
 
     @property
     def has_exact(self) -> bool:
@@ -160,6 +164,8 @@ class Lowered:
         lines.append(f"  dL/dz_i = {self.grad_vocab}")
         if self.grad_topk != 0:
             lines.append(f"  dL/dz_(id_k) += {self.grad_topk}")
+        if self.teacher_grad:
+            lines.append(f"  dL/dt_i = {self.grad_teacher}")
         return "\n".join(lines)
 
 
@@ -687,14 +693,22 @@ def _abstract_terms(lw: _Lowering, terms: tuple[tuple[str, sp.Expr, bool], ...])
     return row_values, segments, weights, loss
 
 
-def _derive_gradient(lw: _Lowering, loss: sp.Expr):
+def _derive_gradient(lw: _Lowering, loss: sp.Expr, *, teacher: bool = False):
     """Pass 2: dloss/dz_i by the chain rule over the placeholders: per-row coefficients (``g0``,
-    ...) and the per-element parts over the vocabulary and over the top-k entries."""
+    ...) and the per-element parts over the vocabulary and over the top-k entries. ``teacher``:
+    dloss/dt_i too, the same way (returned last; 0 without): each group's summand differentiated
+    in t, and each normaliser with beta != 0 through ``beta*exp(alpha*z_i + beta*t_i - N)``, with
+    coefficients of their own after the student's (which it reads where they are the same row
+    value), so the student's part is what the head's default kernel computes."""
     coefs: list[tuple[sp.Symbol, sp.Expr]] = []
 
-    def coef(expr: sp.Expr) -> sp.Expr:
+    def coef(expr: sp.Expr, reuse: bool = False) -> sp.Expr:
         if expr == 0:
             return sp.S.Zero
+        if reuse:
+            known = next((s for s, e in coefs if e == expr), None)
+            if known is not None:
+                return known
         sym = sp.Symbol(f"g{len(coefs)}", real=True)
         coefs.append((sym, expr))
         return sym
@@ -717,14 +731,20 @@ def _derive_gradient(lw: _Lowering, loss: sp.Expr):
             grad_vocab += term
         else:
             grad_topk += term
-    # row symbols that move with z_i: each normaliser N (dN/dz_i = alpha*exp(alpha*z_i + beta*t_i - N))
-    # and the target logit; their coefficients also collect the paths through the reductions.
-    student_norms = [n for n, (alpha, _) in lw.norm_of.items() if alpha != 0]
-    for x in student_norms + list(_Z_DEPENDENT_ROW):
+
+    def through_sums(x: sp.Symbol) -> sp.Expr:
+        # dloss/dx of a row symbol x, directly and through the reductions that read it
         total = derive(loss, x)
         for domain, C, members in groups:
             if any(body.has(x) for body, _ in members):
                 total += C * lw.sum_of(domain, sp.Add(*[k * derive(body, x) for body, k in members]))
+        return total
+
+    # row symbols that move with z_i: each normaliser N (dN/dz_i = alpha*exp(alpha*z_i + beta*t_i - N))
+    # and the target logit; their coefficients also collect the paths through the reductions.
+    student_norms = [n for n, (alpha, _) in lw.norm_of.items() if alpha != 0]
+    for x in student_norms + list(_Z_DEPENDENT_ROW):
+        total = through_sums(x)
         if total == 0:
             continue
         if x in lw.norm_of:
@@ -732,7 +752,21 @@ def _derive_gradient(lw: _Lowering, loss: sp.Expr):
             grad_vocab += coef(total) * alpha * sp.exp(alpha * S.logit + beta * S.teacher_logit - x)
         else:
             grad_vocab += coef(total) * _Z_DEPENDENT_ROW[x]
-    return coefs, _without_stop_gradient(grad_vocab), _without_stop_gradient(grad_topk)
+    grad_teacher = sp.S.Zero
+    if teacher:
+        # (no row symbol but the normalisers moves with t_i: the teacher's maximum in a run-time
+        # temperature's rewrite is stopped, and no top-k summand reads the teacher's logits)
+        for domain, C, members in groups:
+            d = _simpler(sp.Add(*[k * derive(body, S.teacher_logit) for body, k in members])) \
+                if domain == "vocab" else sp.S.Zero
+            if d != 0:
+                grad_teacher += coef(C, reuse=True) * d
+        for x, (alpha, beta) in lw.norm_of.items():
+            total = through_sums(x) if beta != 0 else sp.S.Zero
+            if total != 0:
+                grad_teacher += coef(total, reuse=True) * beta * sp.exp(alpha * S.logit + beta * S.teacher_logit - x)
+    return coefs, _without_stop_gradient(grad_vocab), _without_stop_gradient(grad_topk), \
+        _without_stop_gradient(grad_teacher)
 
 
 def _accumulate(lw: _Lowering):
@@ -871,13 +905,14 @@ def _inputs(free: set[sp.Symbol]) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return tokens, vectors
 
 
-def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
+def lower(terms: tuple[tuple[str, sp.Expr, bool], ...], *, teacher_grad: bool = False) -> Lowered:
     """``terms``: (name, bound formula, is_metric) for each term of the head, in output order. The
     passes, in order: each term over placeholders of its sums, the gradient by the chain rule, the
     placeholders as accumulators, the row math in them, the maxima's factors moved to the elements,
-    the later reads relative to the maxima, the sums combined and pruned."""
+    the later reads relative to the maxima, the sums combined and pruned. ``teacher_grad``: the
+    variant that also derives dL/dt_i (``Lowered.grad_teacher``), for teacher logits that require grad."""
     try:
-        return _lower(terms)
+        return _lower(terms, teacher_grad)
     except RecursionError:
         # sympy's Piecewise evaluation can call itself without end on a derivative of nested
         # Max/Min whose conditions compare sums (Max(Max(lse_at(T), p_y), vsum(logsoftmax))):
@@ -887,12 +922,14 @@ def lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
                          "Max/Min as one Max/Min of all its arguments, or split the term") from None
 
 
-def _lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
+def _lower(terms: tuple[tuple[str, sp.Expr, bool], ...], teacher_grad: bool = False) -> Lowered:
     lw = _Lowering()
     row_values, segments, weights, loss = _abstract_terms(lw, terms)
-    coefs, grad_vocab, grad_topk = _derive_gradient(lw, loss)
+    coefs, grad_vocab, grad_topk, grad_teacher = _derive_gradient(lw, loss, teacher=teacher_grad)
     lowered_red, normalizers = _accumulate(lw)
-    grad_vocab = grad_vocab.xreplace(lowered_red)
+    # dL/dz_i and dL/dt_i, the per-element gradients over the vocabulary, go through the passes below
+    # as one (a sympy Tuple: each pass rewrites both alike), split again after the sums are renamed
+    grad_vocab = sp.Tuple(grad_vocab, grad_teacher).xreplace(lowered_red)
     row_values = [(n, _row_math(e, lowered_red, normalizers)) for n, e in row_values]
     coefs = [(s, sech2(_row_math(e, lowered_red, normalizers))) for s, e in coefs]
     grad_vocab, grad_topk = _move_maxima_factors(coefs, grad_vocab, grad_topk)
@@ -902,14 +939,15 @@ def _lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
     grad_topk = grad_topk.xreplace({S.row_max: M, _TEACHER_MAX: MT})
     accumulators, normalizers, row_values, coefs, grad_vocab, grad_topk, uncombined = _combine_and_prune(
         lw, normalizers, row_values, coefs, grad_vocab, grad_topk)
+    grad_vocab, grad_teacher = grad_vocab
     # the printed forms finite wherever the formulas are (stable.py), last: no pass above expands them again
     row_values = [(n, stable_form(e)) for n, e in row_values]
     coefs = [(s, stable_form(e)) for s, e in coefs]
-    grad_vocab, grad_topk = stable_form(grad_vocab), stable_form(grad_topk)
+    grad_vocab, grad_topk, grad_teacher = stable_form(grad_vocab), stable_form(grad_topk), stable_form(grad_teacher)
     accumulators = tuple(a if a.online else Accumulator(a.name, a.domain, False, a.alpha, a.beta, stable_form(a.body))
                          for a in accumulators)
     free = set().union(*(e.free_symbols for _, e in row_values), *(e.free_symbols for _, e in coefs),
-                       grad_vocab.free_symbols, grad_topk.free_symbols,
+                       grad_vocab.free_symbols, grad_topk.free_symbols, grad_teacher.free_symbols,
                        *(a.body.free_symbols for a in accumulators))
     tokens, vectors = _inputs(free)
     return Lowered(
@@ -929,4 +967,6 @@ def _lower(terms: tuple[tuple[str, sp.Expr, bool], ...]) -> Lowered:
         uses_argmax=bool(free & {S.argmax, IS_ARGMAX}),
         uncombined=uncombined,
         vectors=vectors,
+        teacher_grad=teacher_grad,
+        grad_teacher=grad_teacher,
     )

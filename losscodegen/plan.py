@@ -97,10 +97,11 @@ class Plan:
     def bytes_per_element(self, logit_bytes: int = 2, teacher_bytes: int = 2,
                           grad: bool = True) -> float:
         """HBM bytes per vocabulary element if no read hits L2: every sweep's streams, and the
-        gradient written."""
+        gradient written (the teacher's too, for a variant that writes it)."""
         size = {"x": logit_bytes, "t": teacher_bytes}
         reads = sum(size[s] for w in self.sweeps if grad or w.name != "grad" for s in w.streams)
-        return reads + (logit_bytes if grad else 0)
+        writes = logit_bytes + (teacher_bytes if self.lowered.teacher_grad else 0)
+        return reads + (writes if grad else 0)
 
     def __str__(self) -> str:
         lw = self.lowered

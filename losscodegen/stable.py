@@ -169,7 +169,7 @@ def numerics_report(lowered) -> list[str]:
     quotient its printed forms may evaluate as 0/0 on a finite row (``vanishing_quotients``), with
     the expression that holds it; empty where there is none."""
     exprs = [(name, e) for name, e in lowered.row_values] + [(str(s), e) for s, e in lowered.grad_coefs] + [
-        ("dL/dz_i", lowered.grad_vocab), ("dL/dz_k", lowered.grad_topk)] + [
+        ("dL/dz_i", lowered.grad_vocab), ("dL/dz_k", lowered.grad_topk), ("dL/dt_i", lowered.grad_teacher)] + [
         (a.name, a.body) for a in lowered.accumulators if not a.online]
     holders: dict[sp.Expr, list[str]] = {}
     for name, e in exprs:

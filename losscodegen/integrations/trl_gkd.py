@@ -50,12 +50,15 @@ class GKDTrainer(_TRLGKDTrainer):
         with torch.no_grad():
             teacher_hidden = teacher.base_model(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1]
         out_layer = teacher.get_output_embeddings()
-        bias, scale = out_layer.bias, self._lcg_teacher_scale
+        # (the teacher is frozen, as TRL runs it under no_grad: its output layer's parameters, which may
+        # still require grad, get no gradient from the loss)
+        weight, bias = out_layer.weight.detach(), None if out_layer.bias is None else out_layer.bias.detach()
+        scale = self._lcg_teacher_scale
         if scale != 1.0:   # the teacher's scaled logits: its hidden states and bias times the scale
             teacher_hidden = teacher_hidden * scale
             bias = None if bias is None else bias * scale
         labels = inputs["labels"][:, 1:]
         divisor = (labels != -100).sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
-        call = dict(teacher_hidden=teacher_hidden, teacher_weight=out_layer.weight, teacher_bias=bias, divisor=divisor)
+        call = dict(teacher_hidden=teacher_hidden, teacher_weight=weight, teacher_bias=bias, divisor=divisor)
         out = model(input_ids=ids, attention_mask=mask, losscodegen=(self._lcg_head, labels, call, ids.shape[1] - 1))
         return out.loss

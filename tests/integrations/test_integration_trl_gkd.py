@@ -66,6 +66,8 @@ def test_compute_loss_equals_trls(case):
         for (name, p), q in zip(ours.model.named_parameters(), theirs.model.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5 * q.grad.abs().max().item(),
                                        msg=lambda m, n=name: f"{n}: {m}")
+        # the teacher frozen, as TRL's: its parameters require grad, and get none
+        assert all(p.grad is None for p in ours.teacher_model.parameters())
 
 
 def test_a_softcapped_teacher_is_refused():

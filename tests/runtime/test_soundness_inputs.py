@@ -358,8 +358,6 @@ def _grad_inputs(name):
         head, inputs = lcg.HeadLoss(_WEIGHTED_CE()), dict(w=torch.rand(8, generator=g))
     elif name == "advantages":
         head = lcg.HeadLoss(lcg.GRPO())
-    elif name == "teacher_logits":
-        head, inputs = lcg.HeadLoss(lcg.ForwardKL()), dict(teacher_logits=torch.randn(8, 32, generator=g))
     elif name == "teacher_topk_logprobs":
         from helpers import topk_inputs
         head, inputs = lcg.HeadLoss(lcg.TopKForwardKL()), topk_inputs(8, 32, 3, g)
@@ -369,7 +367,8 @@ def _grad_inputs(name):
     return head, logits.requires_grad_(), labels, inputs
 
 
-@pytest.mark.parametrize("name", ["w", "advantages", "teacher_logits", "teacher_topk_logprobs", "divisor"])
+# (teacher_logits that require grad get their gradient: tests/runtime/test_teacher_grad.py)
+@pytest.mark.parametrize("name", ["w", "advantages", "teacher_topk_logprobs", "divisor"])
 def test_an_input_that_requires_grad_is_refused_naming_it_as_it_gets_no_gradient(name):
     head, logits, labels, inputs = _grad_inputs(name)
     message = f"{name} requires grad, but losscodegen gives it no gradient .*pass {name}.detach\\(\\)"

@@ -113,6 +113,7 @@ def render(plan: Plan, key: str, header: str, codegen: str,
         # (each summand a [rows, block] tensor, a row value broadcast)
         exact=[(name, _per_element(body[name], code)) for name, code in common["exact"]],
         grad_expr=_per_element(printed.grad_vocab, common["grad_expr"]),
+        teacher_grad=common["teacher_grad"] and _per_element(printed.grad_teacher, common["teacher_grad"]),
         merge=_merge(plan),
         per_row_loss=" + ".join(f"weight_{n} * v[{row_names.index(n)}]" for n in spec.row_loss_terms) or "0.0",
     )

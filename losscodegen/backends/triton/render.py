@@ -21,7 +21,8 @@ from ... import symbols as S
 from ...emit import (TINY, ArrayPrinter, KernelSource, Once, Signature, check_interface, cse_arranged, cse_statements,
                      kernel_spec, phases, seal, vanishes_at_neg_inf, wrap)
 from ...emit import M_REF as _M_REF, MT_REF as _MT_REF, online_exponent as _online_exponent, \
-    online_groups as _group_online, printed_bodies as _printed, stats_relative as _stats_relative
+    online_groups as _group_online, printed_bodies as _printed, printed_gradient as _printed_gradient, \
+    stats_relative as _stats_relative
 from ...lower import M, MT, TM, ZM, base_of, shift
 from ...plan import Plan, pow2
 from ...resources import TEMPLATES
@@ -185,12 +186,13 @@ def element_costs(plan: Plan) -> dict[str, tuple[int, int]]:
     ops)}`` (loads, conversions, the -inf floors and masks and the tile sums not counted)."""
     lw, scale = plan.lowered, sp.Symbol("s", real=True)
     body, (grad_vocab, _) = _printed(lw)
+    grad_teacher = [_printed_gradient(lw.grad_teacher, (*S.ELEMENT_SYMBOLS, ZM, TM))] if lw.teacher_grad else []
     stats = [sp.exp(_online_exponent(alpha, beta)) for alpha, beta in _group_online(plan)
              if (alpha, beta) != (0, 0)]
     stats += [scale * body[a.name] for accs in _group_online(plan).values() for a in accs]
     costs = {"stats": _ops(stats + [value for _, value in _stats_relative(stats)])}
     exact = [body[a.name] for a in lw.accumulators if not a.online and a.domain == "vocab"]
-    for read, exprs in (("exact", exact), ("gradient", [grad_vocab])):
+    for read, exprs in (("exact", exact), ("gradient", [grad_vocab, *grad_teacher])):
         if any(e != 0 for e in exprs):
             # (what the loop computes: its temporaries of element values, the row values in them once)
             temps, reduced = cse_arranged(exprs, "c", prepare=_shared_exps)
@@ -337,7 +339,7 @@ def render(plan: Plan, key: str, header: str, codegen: str,
     # Runtime scalars (each loss term's weight, then the runtime parameters) come from one fp32
     # buffer, each loaded where a block first needs it.
     reads_exprs = [a.body for a in lw.accumulators]
-    grad_exprs = [e for _, e in lw.grad_coefs] + [lw.grad_vocab, lw.grad_topk]
+    grad_exprs = [e for _, e in lw.grad_coefs] + [lw.grad_vocab, lw.grad_topk, lw.grad_teacher]
     seg_exprs = [e for seg in lw.segments for e in (seg.formula, *seg.dformula)]
 
     def loads(exprs: list[sp.Expr], weights: list[str] = ()) -> list[str]:
@@ -366,7 +368,8 @@ def render(plan: Plan, key: str, header: str, codegen: str,
     # a read whose expressions read the logits (and the teacher's) only relative to their maxima
     # floors zm = z - m rather than z, so that logit_scale*x - m is one multiply-add an element
     relative_floor = {read: neg_inf[read]["floor"] and not any(e.has(*S.ELEMENT_SYMBOLS) for e in exprs)
-                      for read, exprs in (("exact", [body[a.name] for a in exact]), ("grad", [printed.grad_vocab]))}
+                      for read, exprs in (("exact", [body[a.name] for a in exact]),
+                                          ("grad", [printed.grad_vocab, printed.grad_teacher]))}
 
     # x ** a for an exponent known only at run time (a tensor parameter), where a formula has one
     run_time_powers = any(isinstance(n, sp.Pow) and not n.exp.is_number
