@@ -278,7 +278,8 @@ class Plan:
     teacher), "sharded" (``world`` gloo ranks holding ``shards`` columns
     each), "compile" (``torch.compile`` of a call). ``tile``: a forced ``(block_v, num_warps, split)``
     (None: the runtime's own choice). ``backend``: the head built on that backend ("": the head's own).
-    ``inplace``: the head built with ``inplace_backward=True`` (the gradient written over the logits)."""
+    ``inplace``: the head built with ``inplace_backward=True`` (the gradient written over the logits).
+    ``teacher_grad``: teacher logits that require grad (co-distillation), their gradient checked too."""
 
     kind: str = "call"
     dtype: str = "float32"
@@ -290,6 +291,7 @@ class Plan:
     chunk_rows: int | None = None
     backend: str = ""
     inplace: bool = False
+    teacher_grad: bool = False
 
     def code(self) -> str:
         fields_ = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
@@ -477,7 +479,7 @@ def generate_case(rng: random.Random, device: str = "cpu") -> Case:
 
 
 def plans(rng: random.Random, case: Case, *, compile_share: float = 0.0, sharded: bool = True,
-          segments: bool = False) -> list[Plan]:
+          segments: bool = False, teacher: bool = False) -> list[Plan]:
     """The plans a case runs under: every reduction, forced tiles (several tiles a row, split
     launches), bf16, head.linear with chunks (and a teacher), vocab-parallel on 2 and 3 ranks.
     (``segments``: the head has segment terms, which have no per-row values: no reduction="none",
@@ -503,6 +505,9 @@ def plans(rng: random.Random, case: Case, *, compile_share: float = 0.0, sharded
                 base = V // world
                 out.append(Plan(kind="sharded", world=world,
                                 shards=tuple(base + (r < V - base * world) for r in range(world))))
+    if teacher:   # the teacher's own gradient (its second kernel), on either backend
+        out += [Plan(teacher_grad=True, tile=(16, 4, rng.random() < 0.5), reduction=rng.choice(["mean", none])),
+                Plan(teacher_grad=True, backend="torch", dtype=rng.choice(["float32", "bfloat16"]))]
     if rng.random() < compile_share:
         out.append(Plan(kind="compile", reduction=rng.choice(["mean", none])))
     return out
@@ -571,6 +576,19 @@ def _reference(head, logits, labels, kw, up=None, precision: torch.dtype = torch
     grad = torch.autograd.grad(total, x, allow_unused=True)[0] if total.requires_grad else None
     grad = torch.zeros_like(x) if grad is None else grad
     return out.detach(), values, {n: r.detach() for n, r in rows.items()}, grad.reshape(logits.shape)
+
+
+def _teacher_gradient(head, logits, labels, kw, up, precision: torch.dtype = torch.float64) -> torch.Tensor:
+    """dL/dteacher_logits of the reference (autograd through the teacher as a float64 leaf) in
+    ``precision`` (float32: plain torch's)."""
+    t = kw["teacher_logits"].detach().double().cpu().requires_grad_()
+    cpu = {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    _, out, _, rows = reference(head).evaluate(logits.cpu(), None if labels is None else labels.cpu(),
+                                               precision=precision, **{**cpu, "teacher_logits": t})
+    total = (out * up["loss"]).sum() + sum((rows[n] * g).sum() for n, g in up["rows"].items()) \
+        if kw.get("reduction") == "none" else out
+    grad = torch.autograd.grad(total, t, allow_unused=True)[0] if total.requires_grad else None
+    return torch.zeros_like(t) if grad is None else grad
 
 
 def _upstream(head, labels_shape, seed: int) -> dict:
@@ -644,8 +662,19 @@ def check(head: lcg.HeadLoss, plan: Plan, *, rows: int = 12, vocab: int = 64, se
             if own:
                 ranks.close()
     else:
+        if plan.teacher_grad:
+            teacher = kw["teacher_logits"].clone().requires_grad_()
+            kw = {**kw, "teacher_logits": teacher}
         got = _run_here(head, plan, logits, labels, kw, up)
     _compare(head, plan, got, want, dtype, _reference(head, logits, labels, kw, up, torch.float32))
+    if plan.teacher_grad and head.loss_terms:
+        got_t = teacher.grad if teacher.grad is not None else torch.zeros_like(teacher)
+        try:
+            compare("gradient of teacher_logits", got_t, _teacher_gradient(head, logits, labels, kw, up), dtype,
+                    where=f"({plan.code()})", plain=_teacher_gradient(head, logits, labels, kw, up, torch.float32),
+                    floor=gradient_floor(want[0]))
+        except AssertionError as e:
+            raise Mismatch(str(e)) from None
 
 
 def _forced(head, plan: Plan, logits: torch.Tensor) -> Any:
@@ -815,7 +844,9 @@ class Ranks:
                                        for r in sorted(results)))
         losses = [results[r][0] for r in range(self.world)]
         for r in range(1, self.world):
-            if not torch.equal(losses[r], losses[0]):
+            # (NaN on every rank alike is one value: a regime's row with no distribution)
+            if not torch.equal(losses[r].nan_to_num(), losses[0].nan_to_num()) \
+                    or not torch.equal(losses[r].isnan(), losses[0].isnan()):
                 raise Mismatch(f"vocab-parallel ({plan.code()}): rank {r}'s loss {losses[r]} is not rank 0's {losses[0]}")
         loss, values, rows, _ = results[0]
         grad = torch.cat([results[r][3] for r in range(self.world)], -1)
@@ -1104,7 +1135,7 @@ def _try(case: Case, rng: random.Random, device: str, sharded: bool, compile_sha
         return
     counts.heads += 1
     for plan in plans(rng, case, compile_share=compile_share, sharded=sharded,
-                      segments=bool(head.kernel.SPEC.segments)):
+                      segments=bool(head.kernel.SPEC.segments), teacher=head.kernel.SPEC.uses_teacher):
         if plan.kind == "sharded" and plan.world not in ranks:
             ranks[plan.world] = Ranks(plan.world)
         planned = dataclasses.replace(case, plan=plan)

@@ -148,7 +148,9 @@ class Reference:
         # a row whose logits (or teacher logits) are all -inf has no distribution: its values are NaN
         no_dist = (z == float("-inf")).all(-1)
         if inputs.get("teacher_logits") is not None:
-            ns["t"] = inputs["teacher_logits"].detach().to(precision).reshape(R, V)
+            # (teacher logits that require grad stay in the graph: autograd's dL/dt, for co-distillation)
+            teacher = inputs["teacher_logits"]
+            ns["t"] = (teacher if teacher.requires_grad else teacher.detach()).to(precision).reshape(R, V)
             no_dist = no_dist | (ns["t"] == float("-inf")).all(-1)
         elif any(f.has(S.teacher_logit) for _, f, _ in head._bound):
             # teacher logits a formula names but its kernel does not read (vsum(teacher_prob_at(T))

@@ -7,9 +7,10 @@ import pytest
 import sympy as sp
 import torch
 
+import losscodegen as lcg
 from losscodegen import fuzz
 from losscodegen import symbols as S
-from losscodegen.testing import compare
+from losscodegen.testing import REGIMES, compare
 
 pytestmark = pytest.mark.cpu   # CPU tensors throughout (conftest's ``cpu``)
 
@@ -226,3 +227,26 @@ def test_a_head_that_stalls_is_printed_with_where_the_fuzzer_is(monkeypatch):
     stalls = [line for line in lines if line.startswith("STALL: one head for 0 s so far")]
     assert counts.heads == 1 and len(calls) > 1 and len(stalls) == 1, lines
     assert "def test_" in stalls[0] and "check(head" in stalls[0] and "  File " in stalls[0]
+
+
+def test_the_fuzzer_draws_every_regime_and_parameters_at_their_edges():
+    """Issue 45: inputs drawn in every regime of testing.REGIMES, and parameters at 0 (a number and a
+    tensor), large, at a clip bound of 0, temperatures near 0 and large, a saturating softcap."""
+    rng = random.Random(3)
+    cases = [fuzz.generate_case(rng) for _ in range(400)]
+    assert {c.regime for c in cases} == set(REGIMES)
+    codes = "\n".join(c.code() for c in cases)
+    for edge in ["S.param('g')", "g=0.0", "g=torch.tensor(0.0", "g=40.0", "c=0.0", "eps_low=0.0", "eps_high=0.0",
+                 "temperature=0.05", "temperature=20.0", "beta=0.0", "softcap=2.0", "kl_beta=torch.tensor(0.0",
+                 "regime='saturated'", "regime='policy_edges'",
+                 "(1 - S.exp(S.target_logit - S.lse))**S.param('g') * (S.lse - S.target_logit)"]:
+        assert edge in codes, edge
+
+
+def test_teacher_logits_that_require_grad_are_a_plan_of_the_fuzzer():
+    """Co-distillation's teacher gradient enters the fuzzer with it: a plan whose teacher requires grad,
+    its gradient against autograd through the reference's teacher."""
+    assert any(p.teacher_grad for p in fuzz.plans(random.Random(0), fuzz.Case(()), teacher=True))
+    head = lcg.HeadLoss(lcg.ForwardKL(temperature=2.0), lcg.JSD(beta=0.3), metrics=(lcg.Entropy(),))
+    fuzz.check(head, fuzz.Plan(teacher_grad=True, tile=(16, 4, True), reduction="none"), rows=12, vocab=40, seed=3,
+               regime="one_hot_teacher")
