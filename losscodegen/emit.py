@@ -398,6 +398,16 @@ def label_part(grad: sp.Expr) -> tuple[sp.Expr, sp.Expr]:
     return sp.Add(*(t for t in terms if not t.has(IS_Y))), label
 
 
+def _topk_summand(acc, body: sp.Expr) -> sp.Expr:
+    """A top-k sum's summand, ``exp(alpha*(z_k - m)) * body``; 0 where the row's logits (a vocab
+    shard's) are all -inf, whose ``m`` is -inf too (``exp(z_k - m)`` is inf there, and the merged sums
+    NaN; found by the fuzzer on 2 ranks). A sum of the teacher's weights alone (alpha 0) still counts."""
+    summand = sp.exp(acc.alpha * (S.topk_logit - M)) * body
+    # (unevaluated: sympy knows a real m is above -oo)
+    shard_has_logits = sp.StrictGreaterThan(M, -sp.oo, evaluate=False)
+    return summand if acc.alpha == 0 else sp.Piecewise((summand, shard_has_logits), (0, True), evaluate=False)
+
+
 def online_exponent(alpha: sp.Expr, beta: sp.Expr) -> sp.Expr:
     """The exponent of an online group's elements, against the running maxima: in the elements
     relative to them (zm = z - m_ref, tm = t - m_t_ref), which the relative sums' bodies read too,
@@ -613,7 +623,7 @@ def phases(plan: Plan, spec: KernelSpec, printer: ArrayPrinter, statements: Stat
     context = dict(
         transform=printer.doprint(transform), dtransform=printer.doprint(transform.diff(X)),
         stats_relative=[(e.name, printer.doprint(value)) for e, value in stats_relative(stats_exprs)],
-        topk_online=[(a.name, printer.doprint(sp.exp(a.alpha * (S.topk_logit - M)) * body[a.name]))
+        topk_online=[(a.name, printer.doprint(_topk_summand(a, body[a.name])))
                      for a in lw.accumulators if a.online and a.domain == "topk"],
         exact=list(zip([a.name for a in exact], exact_bodies)), exact_temps=exact_temps,
         topk_exact=list(zip([a.name for a in topk_exact], tk_bodies)), topk_temps=tk_temps,
