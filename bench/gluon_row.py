@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from dataclasses import dataclass
@@ -85,6 +84,46 @@ def _label(y_ptr, row, n_rows):
 
 
 @gluon.jit
+def _slice_stats(chunks, first, offs, lim, CHUNK: gl.constexpr, N_CHUNKS: gl.constexpr, layout: gl.constexpr,
+                 MASKED: gl.constexpr):
+    """(max, sum of exp(x - max)) of the slice in chunks first ... first + N_CHUNKS - 1: two sweeps of
+    shared memory, elementwise accumulators, one reduction each. The max in the logits' dtype (bf16: two
+    columns an instruction); columns past the row's end (MASKED: the last member's slice) are -inf."""
+    LOG2E: gl.constexpr = 1.4426950408889634
+    mv = gl.full([CHUNK], float("-inf"), chunks.dtype, layout)
+    for c in range(N_CHUNKS):
+        x = chunks.index(first + c).load(layout)
+        if MASKED:
+            x = gl.where(c * CHUNK + offs < lim, x, float("-inf"))
+        mv = gl.maximum(mv, x).to(chunks.dtype)   # (3.6 computes a bf16 max in fp32; exact either way)
+    m = gl.max(mv.to(gl.float32), axis=0)
+    m_log2e = gl.where(m == float("-inf"), 0.0, m) * LOG2E    # an empty slice: no NaN
+    sv = gl.zeros([CHUNK], gl.float32, layout)
+    for c in range(N_CHUNKS):
+        e = gl.exp2(chunks.index(first + c).load(layout).to(gl.float32) * LOG2E - m_log2e)
+        if MASKED:
+            e = gl.where(c * CHUNK + offs < lim, e, 0.0)
+        sv += e
+    return m, gl.sum(sv, axis=0)
+
+
+@gluon.jit
+def _slice_grad(chunks, first, offs, lim, grad_row, shift, CHUNK: gl.constexpr, N_CHUNKS: gl.constexpr,
+                layout: gl.constexpr, MASKED: gl.constexpr):
+    """The dense part of the slice's gradient, exp2(x*log2 e - shift) = softmax / n_valid (``shift``
+    holds the row's log-sum-exp and the scale), from shared memory; the label's column is fixed after."""
+    LOG2E: gl.constexpr = 1.4426950408889634
+    for c in range(N_CHUNKS):
+        cols = c * CHUNK + offs
+        x = chunks.index(first + c).load(layout).to(gl.float32)
+        dz = gl.exp2(x * LOG2E - shift).to(grad_row.dtype.element_ty)
+        if MASKED:
+            gl.store(grad_row + cols, dz, mask=cols < lim, cache_modifier=".cs")
+        else:
+            gl.store(grad_row + cols, dz, cache_modifier=".cs")
+
+
+@gluon.jit
 def _ce_smem_row(x_ptr, x_stride, grad_ptr, grad_stride, y_ptr, n_valid_ptr, loss_rows_ptr,
                  scratch_ptr, count_ptr, err_ptr, n_rows, V, max_spin,
                  G: gl.constexpr, G_P2: gl.constexpr, SLICE: gl.constexpr, CHUNK: gl.constexpr,
@@ -109,6 +148,7 @@ def _ce_smem_row(x_ptr, x_stride, grad_ptr, grad_stride, y_ptr, n_valid_ptr, los
     member = pid % G
     base = member * SLICE
     lim = V - base                                   # this member's columns in the row (may exceed SLICE)
+    full_slice = lim >= SLICE                        # every member but the last: no masks
     offs = gl.arange(0, CHUNK, layout=layout)
     offs2 = (gl.arange(0, N_CHUNKS, layout=gl.SliceLayout(1, layout2))[:, None] * CHUNK
              + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, layout2))[None, :])
@@ -117,7 +157,9 @@ def _ce_smem_row(x_ptr, x_stride, grad_ptr, grad_stride, y_ptr, n_valid_ptr, los
     # same memory viewed as bufs[NBUF, N_CHUNKS, CHUNK], a buffer an operation. (Shapes are powers of 2.)
     chunks = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [NBUF * N_CHUNKS, CHUNK], smem_layout)
     bufs = _reinterpret(chunks, x_ptr.dtype.element_ty, [NBUF, N_CHUNKS, CHUNK], smem_layout2)
-    grad_scale = 1.0 / gl.maximum(gl.load(n_valid_ptr).to(gl.float32), 1.0)
+    n_valid = gl.maximum(gl.load(n_valid_ptr).to(gl.float32), 1.0)
+    grad_scale = 1.0 / n_valid            # the mean over the valid rows
+    log2_n_valid = gl.log2(n_valid)
     spins_left = max_spin
 
     # Prologue: the first NBUF-1 rows' slices in flight, and the label of the next row to issue.
@@ -131,34 +173,27 @@ def _ce_smem_row(x_ptr, x_stride, grad_ptr, grad_stride, y_ptr, n_valid_ptr, los
     for r in range(group, n_rows, n_groups):
         row = r.to(gl.int64)
         # Every thread is done reading the buffer of row r - groups (the previous iteration's gradient
-        # sweep), which the copies below overwrite when NBUF = 2.
+        # sweep), which the copies below overwrite.
         _cta_barrier()
         row_issue = r + (NBUF - 1) * n_groups
         _issue_slice(bufs, (i + NBUF - 1) % NBUF, x_ptr, x_stride, row_issue, y_issue, n_rows, V,
                      base, offs2, CHUNK, N_CHUNKS)
         y_issue = _label(y_ptr, row_issue + n_groups, n_rows)   # for the next iteration: its latency hidden
         y = _label(y_ptr, r, n_rows)
+        # the member whose slice holds the label's column reads that logit (one scalar, from L2)
+        owns_y = (y >= base) & (y < base + SLICE)
+        z_y = gl.load(x_ptr + row * x_stride + y, mask=owns_y, other=0.0).to(gl.float32)
         cp.wait_group(NBUF - 1)      # this thread's copies of row r have landed ...
         _cta_barrier()               # ... and every thread's
         first = (i % NBUF) * N_CHUNKS   # this row's first chunk
         grad_row = grad_ptr + row * grad_stride + base
         if y != -100:
-            # The slice's statistics: its max, then its sum of exponentials, each a sweep of shared memory
-            # (elementwise accumulators, one reduction a sweep). Columns past the row's end are -inf.
-            mv = gl.full([CHUNK], float("-inf"), gl.float32, layout)
-            for c in range(N_CHUNKS):
-                x = chunks.index(first + c).load(layout).to(gl.float32)
-                mv = gl.maximum(mv, gl.where(c * CHUNK + offs < lim, x, float("-inf")))
-            m = gl.max(mv, axis=0)
-            m_ref = gl.where(m == float("-inf"), 0.0, m)    # an empty slice: no NaN
-            sv = gl.zeros([CHUNK], gl.float32, layout)
-            for c in range(N_CHUNKS):
-                x = chunks.index(first + c).load(layout).to(gl.float32)
-                e = gl.exp2(x * LOG2E - m_ref * LOG2E)
-                sv += gl.where(c * CHUNK + offs < lim, e, 0.0)
-            s = gl.sum(sv, axis=0)
+            if full_slice:
+                m, s = _slice_stats(chunks, first, offs, lim, CHUNK, N_CHUNKS, layout, False)
+            else:
+                m, s = _slice_stats(chunks, first, offs, lim, CHUNK, N_CHUNKS, layout, True)
             if G == 1:
-                big_m = m_ref
+                big_m = gl.where(m == float("-inf"), 0.0, m)
                 big_s = s
             else:
                 # Exchange through global memory: partials out, then the row's counter. The barrier
@@ -182,21 +217,21 @@ def _ce_smem_row(x_ptr, x_stride, grad_ptr, grad_stride, y_ptr, n_valid_ptr, los
                 big_m = gl.max(ms, axis=0)
                 big_m = gl.where(big_m == float("-inf"), 0.0, big_m)
                 big_s = gl.sum(ss * gl.exp2(ms * LOG2E - big_m * LOG2E), axis=0)
-            log_s = gl.log(big_s)
-            # the loss: the member whose slice holds the label's column (its logit from L2, one scalar)
-            if (y >= base) & (y < base + SLICE):
-                z_y = gl.load(x_ptr + row * x_stride + y).to(gl.float32)
-                gl.store(loss_rows_ptr + row, big_m + log_s - z_y)
-            # dL/dz = (softmax - onehot) / n_valid from the same shared memory: no second HBM read
-            shift = big_m * LOG2E + log_s * LOG2E
-            y_local = y - base
-            for c in range(N_CHUNKS):
-                cols = c * CHUNK + offs
-                x = chunks.index(first + c).load(layout).to(gl.float32)
-                dz = grad_scale * gl.exp2(x * LOG2E - shift)
-                dz = gl.where(cols == y_local, dz - grad_scale, dz)
-                gl.store(grad_row + cols, dz.to(grad_ptr.dtype.element_ty), mask=cols < lim,
-                         cache_modifier=".cs")
+            log2_s = gl.log2(big_s)
+            # dL/dz = softmax / n_valid - onehot / n_valid: the dense part from the same shared memory
+            # (no second HBM read), 1/n_valid folded into the exponent
+            shift = big_m * LOG2E + log2_s + log2_n_valid
+            if full_slice:
+                _slice_grad(chunks, first, offs, lim, grad_row, shift, CHUNK, N_CHUNKS, layout, False)
+            else:
+                _slice_grad(chunks, first, offs, lim, grad_row, shift, CHUNK, N_CHUNKS, layout, True)
+            # The label's column: its dense value minus 1/n_valid, rounded once, stored after the barrier
+            # (which orders it after the sweep's store of the same element); and the row's loss.
+            _cta_barrier()
+            if owns_y:
+                p_y = gl.exp2(z_y * LOG2E - shift)
+                gl.store(grad_ptr + row * grad_stride + y, (p_y - grad_scale).to(grad_ptr.dtype.element_ty))
+                gl.store(loss_rows_ptr + row, big_m + log2_s / LOG2E - z_y)
         else:
             if member == 0:
                 gl.store(loss_rows_ptr + row, 0.0)
@@ -236,12 +271,13 @@ def _constexprs(cfg: Config) -> dict:
                 NBUF=cfg.nbuf, num_warps=cfg.num_warps)
 
 
-def _arguments(x: torch.Tensor, y: torch.Tensor, cfg: Config) -> tuple[tuple, tuple]:
+def _arguments(x: torch.Tensor, y: torch.Tensor, cfg: Config, grad: torch.Tensor | None = None
+               ) -> tuple[tuple, tuple]:
     """The kernel's arguments for a call, and (gradient, per-row losses, valid rows, error flag)."""
     if x.dtype != torch.bfloat16 or x.stride(1) != 1 or x.stride(0) % 16 or x.shape[1] % 16:
         raise ValueError("x: contiguous bf16 rows of a multiple of 16 columns (16-byte async copies)")
     R, V = x.shape
-    grad = torch.empty_like(x)
+    grad = torch.empty_like(x) if grad is None else grad
     loss_rows = torch.empty(R, device=x.device, dtype=torch.float32)
     n_valid = (y != IGNORE).sum(dtype=torch.int32)
     ws = torch.zeros(R + 1, device=x.device, dtype=torch.int32)   # counters, then the flag
@@ -268,13 +304,15 @@ def resident_programs(cfg: Config, x: torch.Tensor) -> tuple[int, dict]:
     return _RESIDENT[key]
 
 
-def ce_gluon_row(x: torch.Tensor, y: torch.Tensor, cfg: Config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def ce_gluon_row(x: torch.Tensor, y: torch.Tensor, cfg: Config, *, grad: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(mean cross-entropy over the valid rows, dlogits in bf16, error flag): one launch, and the same
-    small torch work around it as row_on_chip.ce_row_on_chip (its doc says what that includes)."""
+    small torch work around it as row_on_chip.ce_row_on_chip (its doc says what that includes).
+    ``grad``: the buffer to write the gradient into (the check's, poisoned), else a new one."""
     programs = min(resident_programs(cfg, x)[0], x.shape[0] * cfg.G)
     if programs < cfg.G:
         raise ValueError(f"{cfg.name}: fewer resident programs than a row's group")
-    args, (grad, loss_rows, n_valid, err) = _arguments(x, y, cfg)
+    args, (grad, loss_rows, n_valid, err) = _arguments(x, y, cfg, grad)
     _ce_smem_row[(programs,)](*args, **_constexprs(cfg))
     return loss_rows.sum() / n_valid.clamp_min(1), grad, err
 
@@ -346,32 +384,35 @@ def compile_only() -> None:
 
 # ---- on the GPU --------------------------------------------------------------------------------
 
-def check(x: torch.Tensor, y: torch.Tensor, cfg: Config) -> dict:
-    """The prototype against the float64 reference on (x, y): gradient poisoned first (NaN), so an
-    unwritten element fails; None as ``why`` where the errors are bf16's rounding."""
-    try:
-        res = resident_programs(cfg, x)
-        loss, grad, err = ce_gluon_row(x, y, cfg)
-        torch.cuda.synchronize()
-        e = roc.errors(loss, grad, y, roc.reference(x, y))
-        why = roc.acceptable(e, x.dtype) or ("error flag set (a barrier timed out)" if int(err) else None)
-    except Exception as exc:   # a compile or launch failure: reported, the config not timed
-        res, e, why = (None, {}), {}, f"{type(exc).__name__}: {str(exc)[:300]}"
-    return dict(config=cfg.name, programs=res[0], **res[1], **e, ok=why is None, why=why)
-
-
-def poisoned_check(R: int, V: int, cfg: Config, seed: int) -> dict:
-    """check() on fresh random inputs (random 5% of rows ignored, labels at the first and last column
-    too), with torch.empty's memory filled with NaN before the call so that an unwritten gradient
-    element shows (the caching allocator hands the poisoned block back to the next empty_like)."""
+def check_inputs(R: int, V: int, seed: int, boundaries: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fresh random inputs as the benchmark draws them (randn * 2 logits, a random 5% of rows ignored),
+    with labels also at the first and last column and at the given slice boundaries."""
     import bench as bb
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = (torch.randn(R, V, device="cuda", generator=g) * 2).bfloat16()
     y = torch.randint(0, V, (R,), device="cuda", generator=g)
     bb.IGNORED["random5"](y, g)
-    y[0], y[-1] = 0, V - 1
-    torch.full((R, V), float("nan"), device="cuda", dtype=torch.bfloat16)   # freed: its block is reused
-    return dict(kind="check", shape=f"{R}x{V}", **check(x, y, cfg))
+    for at, label in enumerate((0, V - 1) + tuple(b for b in boundaries if 0 <= b < V)):
+        if at < R:
+            y[at] = label
+    return x, y
+
+
+def check(x: torch.Tensor, y: torch.Tensor, cfg: Config, ref) -> dict:
+    """The prototype against the float64 reference ``ref`` (row_on_chip.reference(x, y)), its gradient
+    buffer poisoned with NaN first so that an unwritten element fails; ``why`` None where the errors
+    are bf16's rounding. A failure to compile or launch is reported, not raised."""
+    try:
+        res = resident_programs(cfg, x)
+        grad = torch.full_like(x, float("nan"))
+        loss, grad, err = ce_gluon_row(x, y, cfg, grad=grad)
+        torch.cuda.synchronize()
+        e = roc.errors(loss, grad, y, ref)
+        why = roc.acceptable(e, x.dtype) or ("error flag set (a barrier timed out)" if int(err) else None)
+    except Exception as exc:
+        res, e, why = (None, {}), {}, f"{type(exc).__name__}: {str(exc)[:300]}"
+    return dict(kind="check", shape="x".join(map(str, x.shape)), config=cfg.name, programs=res[0], **res[1], **e,
+                ok=why is None, why=why)
 
 
 def main(out_dir: str | None, quick: bool, shapes: list[tuple[int, int]]) -> None:
@@ -391,20 +432,28 @@ def main(out_dir: str | None, quick: bool, shapes: list[tuple[int, int]]) -> Non
     bandwidth = bb.copy_bandwidth()
     emit(dict(kind="copy", bytes_per_s=bandwidth))
 
-    # Correctness first: small shapes (a partial last slice, G = 2 .. 4), then the realistic ones.
+    # Correctness first: small shapes (a partial last slice, G = 1 .. 17, labels on slice boundaries),
+    # each on two draws (an error that moves between draws beyond rounding is a race), then the
+    # benchmark's shapes at up to 4096 rows, every config timed below.
     for R, V in ((37, 2000), (64, 4096), (300, 16384 + 1024)):
-        for cfg in (Config.for_slice(V, 1024, 4, 2), Config.for_slice(V, 1024, 4, 4),
-                    Config.for_slice(V, 2048, 8, 2)):
-            emit(poisoned_check(R, V, cfg, seed=R + V))
+        for seed in (1, 2):
+            xc, yc = check_inputs(R, V, seed=R + V + seed, boundaries=(1023, 1024, 2047, 2048))
+            ref = roc.reference(xc, yc)
+            for cfg in (Config.for_slice(V, 1024, 4, 2), Config.for_slice(V, 1024, 4, 4),
+                        Config.for_slice(V, 2048, 8, 2), Config.for_slice(V, 4096, 4, 2)):
+                emit(check(xc, yc, cfg, ref))
     head = lcg.HeadLoss(lcg.CrossEntropy())
     for R, V in shapes:
-        Rc = min(R, 4096)
+        cfgs = configs(V, quick)
+        xc, yc = check_inputs(min(R, 4096), V, seed=V, boundaries=tuple(c.slice * k for c in cfgs for k in (1, 2)))
+        ref = roc.reference(xc, yc)
         ok = []
-        for cfg in configs(V, quick):
-            rec = poisoned_check(Rc, V, cfg, seed=V)
+        for cfg in cfgs:
+            rec = check(xc, yc, cfg, ref)
             emit(rec)
             if rec["ok"]:
                 ok.append(cfg)
+        del xc, yc, ref
         torch.cuda.empty_cache()
 
         # Timing, as row_on_chip.py: forward + backward of the default call (x.grad = None,
@@ -430,7 +479,7 @@ def main(out_dir: str | None, quick: bool, shapes: list[tuple[int, int]]) -> Non
         for (impl, config), ms in best.items():
             emit(dict(kind="time", shape=f"{R}x{V}", impl=impl, config=config, ms=round(ms, 4),
                       floor_ms=round(floor_ms, 4), fraction=round(floor_ms / ms, 3)))
-        del x, y, xd, impls
+        del impls, ours
         torch.cuda.empty_cache()
 
     print(f"\n{records[0]['name']}, triton {triton.__version__}, copy {bandwidth / 1e12:.2f} TB/s")
