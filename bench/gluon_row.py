@@ -444,6 +444,9 @@ def main(out_dir: str | None, quick: bool, shapes: list[tuple[int, int]]) -> Non
     def emit(rec: dict) -> None:
         records.append(rec)
         print(json.dumps(rec), flush=True)
+        if out_dir:   # as they come: a run stopped at its time limit keeps what it measured
+            with open(os.path.join(out_dir, "gluon_row.jsonl"), "a") as f:
+                f.write(json.dumps(rec) + "\n")
 
     props = torch.cuda.get_device_properties(0)
     emit(dict(kind="device", name=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
@@ -531,8 +534,6 @@ def main(out_dir: str | None, quick: bool, shapes: list[tuple[int, int]]) -> Non
     print(f"checks: {sum(r['kind'] == 'check' for r in records) - len(bad)} ok, {len(bad)} failed")
     for r in bad:
         print(f"  FAILED {r['shape']} {r['config']}: {r['why']}")
-    if out_dir:
-        roc.write_records(os.path.join(out_dir, "gluon_row.jsonl"), records)
 
 
 if __name__ == "__main__":
