@@ -338,7 +338,7 @@ def ce_gluon_row(x: torch.Tensor, y: torch.Tensor, cfg: Config, *, grad: torch.T
 
 def configs(V: int, quick: bool = False) -> list[Config]:
     """Slices of 4096 / 8192 columns at 4 warps and 16384 at 8 (1 chunk of 1024 or 2048 columns a sweep
-    step), with 1 and 2 rows ahead in flight."""
+    step), with 1 and (two configs) 3 rows ahead in flight (2 and 4 buffers: shapes are powers of 2)."""
     out = []
     for sl, warps, nbufs in ((8192, 4, (2, 4)), (4096, 4, (2, 4)), (16384, 8, (2,))):
         for nbuf in (nbufs[:1] if quick else nbufs):
