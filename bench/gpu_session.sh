@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# One device call for a session's GPU checks, each step with its own time limit so that the call ends
+# inside the device tool's 10 minutes and leaves what it finished under $OUT:
+#   bash bench/gpu_session.sh [STEP...]     (steps: gluon numerics gpu-tests fuzz; default: all)
+# TRL and its `datasets` travel as wheels in .whl (the device README's way; carry ".whl"), so that the
+# TRL GPU tests run rather than skip. The package is installed editable without its dependencies
+# (the image's torch and triton are used as they are).
+set -uo pipefail
+out="${OUT:-/tmp/gpu-session}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$out/install.log" 2>&1 \
+  || { tail -5 "$out/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(gluon numerics gpu-tests fuzz)
+summary=()
+for step in "${steps[@]}"; do
+  t0=$SECONDS
+  case "$step" in
+    gluon)      # issue 47's one-read CE prototype beside the default call and the copy rate
+      timeout 200 python3 bench/gluon_row.py --out "$out" > "$out/gluon.txt" 2>&1; rc=$? ;;
+    numerics)   # issue 45's regimes on the GPU's compiled kernels (assert_parity runs on cuda)
+      timeout 150 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_numerics.py \
+        -k "every_built_in or focal or parameter or all_rows" > "$out/numerics.txt" 2>&1; rc=$? ;;
+    gpu-tests)  # every gpu-marked test of tests/gpu, TRL's included
+      timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu --durations=15 \
+        > "$out/gpu-tests.txt" 2>&1; rc=$? ;;
+    fuzz)       # the differential fuzzer on the GPU for what is left of the call
+      left=$(( 570 - SECONDS ))
+      [ "$left" -lt 30 ] && { summary+=("fuzz: no time left"); continue; }
+      minutes=$(python3 -c "print(round(($left - 25) / 60, 2))")
+      timeout "$left" python3 -m losscodegen fuzz --device cuda --minutes "$minutes" --seed 4545 \
+        > "$out/fuzz.txt" 2>&1; rc=$? ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+  summary+=("$step: rc=$rc in $(( SECONDS - t0 )) s: $(tail -1 "$out/${step%%-*}"*.txt 2>/dev/null | cut -c1-160)")
+done
+echo "---- gluon (last lines)"; tail -12 "$out/gluon.txt" 2>/dev/null
+printf '%s\n' "${summary[@]}"
