@@ -5,10 +5,10 @@ The interpreter that runs the tests on a CPU accepts code that a GPU's compiler 
 kernel that compiles for one GPU may not for another (an intrinsic one vendor's library lacks). Here
 each head is called on CPU tensors as a user calls it (one device with its gradient, values only,
 ``reduction="none"``, split launches where the plan has an exact read, vocab-parallel by all-gather
-and by in-kernel exchange), and each launch is compiled by Triton for the target instead of being
-run: exactly the kernels, constexprs and argument types the runtime launches. The tile is the one a
-GPU of the target gets without an entry in the tile table (tiles.py: the rule, fit to the target's
-warp), at a large vocabulary (128256 columns of bf16 logits by default).
+and by in-kernel exchange, teacher logits that require grad), and each launch is compiled by Triton
+for the target instead of being run: exactly the kernels, constexprs and argument types the runtime
+launches. The tile is the one a GPU of the target gets without an entry in the tile table (tiles.py:
+the rule, fit to the target's warp), at a large vocabulary (128256 columns of bf16 logits by default).
 
 A compiled kernel is a problem where it cannot be launched there: a block of more threads than the
 target's (1024), or more shared memory than a block may have. Spills are reported, not refused.
@@ -97,7 +97,7 @@ def parse_targets(text: str) -> list[Target]:
 
 
 # the calls each head is driven through (``_drive``), by name
-CALLS = ("grad", "values", "rows", "split", "sharded", "exchange")
+CALLS = ("grad", "values", "rows", "split", "sharded", "exchange", "teacher")
 
 
 def build(heads: list[tuple[str, HeadLoss]], targets: list[Target], *, vocab: int = 128256,
@@ -184,6 +184,10 @@ def _drive(head: HeadLoss, vocab: int, group: Any, calls: tuple[str, ...]) -> No
     if "exchange" in calls:
         with mock.patch.object(collectives, "exchange", lambda group, device: _NoExchange()):
             call(process_group=group).loss.backward()   # ... exchanging the stats in-kernel
+    if "teacher" in calls and "teacher_logits" in inputs:
+        # teacher logits that require grad: the head's other kernel, which writes their gradient too
+        teacher = inputs["teacher_logits"].detach().requires_grad_()
+        head(x, labels, **{**inputs, "teacher_logits": teacher}).loss.backward()
 
 
 @contextlib.contextmanager
