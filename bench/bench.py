@@ -13,7 +13,9 @@
 --linear  fused linear heads, forward + backward with the gradients of hidden and weight: CE at
           8192 x 4096 x 128256 and 8192 x 2048 x 262144, GRPO + entropy and CE + z + 0.5 FKL (a
           teacher weight of the same shape) at 8192 x 4096 x 128256; against torch eager,
-          torch.compile, Liger's fused linear CE and Apple's Cut Cross-Entropy (when installed).
+          torch.compile, Liger's fused linear CE, Apple's Cut Cross-Entropy (when installed) and
+          torch's own F.linear_cross_entropy, chunked (options=LinearCrossEntropyOptions(); torch
+          2.13+, skipped where the installed torch lacks it).
           Also the fused path's precision against an fp32 reference, beside the unfused bf16 one.
 
 Times are medians of triton.testing.do_bench; a logits workload's "floor" is the time to read its
@@ -322,6 +324,10 @@ def torch_linear(name):
 
 def bench_linear(quick: bool, liger, cce):
     precision = linear_precision()
+    torch_lce = getattr(F, "linear_cross_entropy", None)          # torch 2.13+
+    torch_lce_options = torch.nn.LinearCrossEntropyOptions() if torch_lce is not None else None
+    if torch_lce is None:
+        print(f"(torch {torch.__version__} has no F.linear_cross_entropy)", flush=True)
     print("\nfused linear workloads, forward + backward (grads of hidden and weight), bf16:", flush=True)
     heads = {"CE": lambda: lcg.HeadLoss(lcg.CrossEntropy()),
              "GRPO+entropy": lambda: lcg.HeadLoss(lcg.GRPO(), metrics=(lcg.Entropy(),)),
@@ -346,6 +352,9 @@ def bench_linear(quick: bool, liger, cce):
             impls["Liger FLCE"] = lambda: flce(weight, hidden, y)
         if name == "CE" and cce is not None:
             impls["CCE"] = lambda: cce.linear_cross_entropy(hidden, weight, y)
+        if name == "CE" and torch_lce is not None:
+            # its chunked path (options=None is the unfused formula, the "torch eager" row)
+            impls["torch linear_cross_entropy"] = lambda: torch_lce(hidden, weight, y, options=torch_lce_options)
         for impl, fn in impls.items():
             def step(fn=fn):
                 hidden.grad = weight.grad = None

@@ -14,6 +14,9 @@
 ``python -m losscodegen fuzz [--minutes N] [--seed S] [--device cpu|cuda]``
     the differential fuzzer (losscodegen/fuzz.py): random formulas and heads under every plan,
     against the float64 reference; each mismatch printed as a minimal regression test.
+``python -m losscodegen build [--manifest FILE] [--targets sm_90a,sm_100a,...|all] [--vocab V]``
+    every kernel variant of a manifest's heads compiled for GPUs this machine need not have
+    (losscodegen/backends/triton/portable.py); exit 1 if one fails or cannot launch on a target.
 ``python -m losscodegen demo``
     a real head on random logits: its losses, gradient and plan.
 
@@ -229,6 +232,12 @@ def main(argv: list[str] | None = None) -> int:
     fz.add_argument("--device", choices=("cpu", "cuda"), default=None,
                     help="where the heads run (default: cuda if available; cpu runs Triton's interpreter, "
                          "the torch backend and vocab-parallel plans on gloo ranks)")
+    bld = sub.add_parser("build", help="compile every kernel of a manifest for GPUs this machine need not have")
+    bld.add_argument("--manifest", type=Path, default=load.GENERATED / "manifest", help=manifest_help)
+    bld.add_argument("--targets", default="all",
+                     help="comma-separated: sm_90a, sm_100a, sm_120a, gfx942, gfx950, or all (default)")
+    bld.add_argument("--vocab", type=_positive, default=128256,
+                     help="the vocabulary the tiles are chosen for (default: %(default)s)")
     sub.add_parser("demo", help="run a real head on random logits and print what it computes")
     args = parser.parse_args(argv)
     # (mistakes found before a restart in the interpreter, as a message and exit status 1)
@@ -250,6 +259,19 @@ def main(argv: list[str] | None = None) -> int:
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         _restart_in_interpreter(device == "cpu")
         return int(check(args.manifest, device, rows=args.rows, vocab=args.vocab) > 0)
+    if args.command == "build":
+        if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):   # (it compiles for GPUs: start again without)
+            os.execve(sys.executable, [sys.executable, "-m", "losscodegen", *sys.argv[1:]],
+                      {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+        portable = backends.get("triton").portable
+        try:
+            targets = portable.parse_targets(args.targets)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+        results = portable.build(manifest_heads(args.manifest), targets, vocab=args.vocab,
+                                 on_compiled=lambda r: print(r.line(), flush=True))
+        print("\n".join(portable.summary(results, targets)))
+        return int(any(r.problem is not None for r in results))
     if args.command == "tune":
         if not torch.cuda.is_available():
             raise SystemExit("python -m losscodegen tune measures on a GPU; none is available")

@@ -11,7 +11,18 @@ configuration comes from, in order:
    ``python -m losscodegen tune``: tune.py) and the table measured on an H100 and an H200
    that ships with the package (``tiles.json``), keyed by GPU, state, vocabulary bucket and width;
 2. otherwise the rule (``rule``: the best of the H100 sweep at 128256 for the nearest state).
-Nothing is measured inside a user's call.
+Nothing is measured inside a user's call, unless the user asks for it: with
+``LOSSCODEGEN_TUNE=first-use``, a call on a GPU whose tile neither table has is measured once, as
+``python -m losscodegen tune`` would, and kept in the user's table (the backend's ``config``).
+
+Whatever its source, a tile is ``fit`` to the device's warp: a block holds at most 1024 threads on
+every NVIDIA and AMD GPU, and the table and the rule were measured with warps of 32 threads. On an
+AMD GPU (a wavefront of 64 threads on CDNA: MI300's gfx942, MI355's gfx950) 32 warps would be a
+block of 2048 threads, which no launch accepts: there the warps are halved, so that the block has
+the 1024 threads the rule measured, each loading the same elements of the same tile. On an NVIDIA
+GPU without an entry (Blackwell's sm_100 and sm_120 among them) the rule's tiles launch as they are:
+1024 threads at most, and at most 256 B of shared memory a block for every manifest kernel, against
+the 99 KB of sm_120's (``python -m losscodegen build``: portable.py). Their speed there is not measured.
 
 A vocab-parallel call takes ``SHARDED``, by the streams of its first read (measuring would time
 collectives, whose ranks must run in step). Small tiles win there for every state (many rows in
@@ -23,7 +34,7 @@ logits alone, 8 beat 4 (CE 0.775 against 0.804 on 2, 0.497 against 0.512 on 4).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import ModuleType
 
@@ -35,6 +46,7 @@ from ...plan import pow2
 
 
 SHARDED = {"x": (4096, 8), "xt": (4096, 4)}   # by the first read's streams
+MAX_THREADS = 1024      # a block's threads: the most any NVIDIA or AMD GPU launches
 SHIPPED = Path(__file__).resolve().parent / "tiles.json"
 
 
@@ -124,11 +136,32 @@ def choose(head, k: ModuleType, V: int, dtype: torch.dtype, device: torch.device
     ``head.tile_override`` (set while ``python -m losscodegen tune`` measures), else as the
     module's doc says."""
     if head.tile_override is not None:
-        return head.tile_override
-    if sharded:
-        return Config(*SHARDED[k.SPEC.state[0]])
-    if device.type == "cuda":
-        found = TABLE.get(key(device, k.SPEC, V, dtype.itemsize))
-        if found is not None:
-            return found
-    return rule(k.SPEC.state)
+        config = head.tile_override
+    elif sharded:
+        config = Config(*SHARDED[k.SPEC.state[0]])
+    else:
+        config = measured(k, V, dtype, device) or rule(k.SPEC.state)
+    return fit(config, lanes(device))
+
+
+def measured(k: ModuleType, V: int, dtype: torch.dtype, device: torch.device) -> Config | None:
+    """The tables' entry for a call on a GPU (the user's measurements, else the shipped ones), or None."""
+    if device.type != "cuda":
+        return None
+    return TABLE.get(key(device, k.SPEC, V, dtype.itemsize))
+
+
+def lanes(device: torch.device) -> int:
+    """Threads in a warp of ``device`` (a wavefront on AMD: 64 on CDNA); 32 off a GPU (Triton's
+    interpreter)."""
+    if device.type != "cuda":
+        return 32
+    return getattr(torch.cuda.get_device_properties(device), "warp_size", 32)
+
+
+def fit(config: Config, lanes: int) -> Config:
+    """``config`` with no more warps than a block of ``MAX_THREADS`` holds, for warps of ``lanes``
+    threads; the tile's width kept (16 wavefronts of 64 are the 1024 threads of 32 warps of 32, each
+    loading the same elements)."""
+    most = MAX_THREADS // lanes
+    return config if config.num_warps <= most else replace(config, num_warps=most)
