@@ -196,3 +196,17 @@ def test_softcap_is_fixed_at_construction():
     head = lcg.HeadLoss(lcg.CrossEntropy())
     with pytest.raises(AttributeError):
         head.softcap = 30.0
+
+
+def test_backend_auto_on_an_amd_gpu_runs_the_torch_backend(monkeypatch):
+    """ROCm's torch reports a "cuda" device for an AMD GPU, where the Triton kernels do not compile yet
+    (docs/api.md, "Portable builds"): backend="auto" runs the torch backend there, not a failing Triton."""
+    import torch
+
+    from losscodegen import backends
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "hip", "6.4.0", raising=False)
+    assert backends.resolve("auto") == "torch"
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    assert backends.resolve("auto") == "triton"
