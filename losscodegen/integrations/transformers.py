@@ -707,7 +707,11 @@ def _forward_of(model: nn.Module) -> tuple[_Forward, FinalLogits]:
                              f"transformers' standard causal-LM loss path: {e}. A forward that differs would train on "
                              "a different objective; if you have checked that this one computes the standard loss, "
                              "register_model_type declares it") from None
-        forward = _read(function, declared)
+        try:
+            forward = _read(function, declared)
+        except _NotStandard as e:
+            raise ValueError(f"apply_losscodegen: register_model_type({model_type!r}, ...) cannot serve "
+                             f"{type(model).__name__}: {e}") from None
         return forward, _final(model, forward)
     final = _final(model, forward)
     if declared is not None:     # a declaration must not contradict the forward's own code
