@@ -208,8 +208,7 @@ class FinalLogits:
         return x
 
 
-def _tanh_functions() -> tuple[Callable[..., Any], ...]:
-    return (torch.tanh, torch.nn.functional.tanh)
+_TANH = (torch.tanh, torch.nn.functional.tanh)
 
 
 def _read_function(function: Callable[..., Any], where: str) -> _Forward:
@@ -476,7 +475,7 @@ class _Reader:
                 "float", "contiguous") and not node.args and not node.keywords:     # (the loss upcasts them anyway)
             ops = self.logits_expr(node.func.value, current, hidden, local)
             return ops + [("float",)] * (node.func.attr == "float")
-        if isinstance(node, ast.Call) and self.resolve(node.func) in _tanh_functions() and len(node.args) == 1 \
+        if isinstance(node, ast.Call) and self.resolve(node.func) in _TANH and len(node.args) == 1 \
                 and not node.keywords:
             return [*self.logits_expr(node.args[0], current, hidden, local), ("tanh", self.resolve(node.func))]
         if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.Div)):
@@ -625,9 +624,10 @@ def _final(model: nn.Module, forward: _Forward) -> FinalLogits:
     into the head's softcap and scale (``scale * c * tanh(x / c)``), or refused."""
     env: dict[str, Any] = {"self": model}
     ops: list[tuple[str, Any]] = []
-    texts: list[str] = []
+    text, values = "logits", {}      # (the transform as the forward writes it, for messages)
 
     def run(items: tuple) -> None:
+        nonlocal text
         for item in items:
             if item[0] == "let":
                 env[item[1]] = _evaluate(item[2], item[3], forward, env)
@@ -638,7 +638,7 @@ def _final(model: nn.Module, forward: _Forward) -> FinalLogits:
                 for op in item[1]:
                     if op[0] not in ("mul", "div"):
                         ops.append((op[0], op[1] if op[0] == "tanh" else None))
-                        texts.append(f"{op[0]}()")
+                        text = f"tanh({text})" if op[0] == "tanh" else text
                         continue
                     value = _evaluate(op[1], op[2], forward, env)
                     number = not isinstance(value, bool) and isinstance(value, (int, float))
@@ -649,7 +649,7 @@ def _final(model: nn.Module, forward: _Forward) -> FinalLogits:
                             f"{f'= {value!r}' if number else f'a {type(value).__name__}'}: the head's softcap and "
                             "logit_scale are finite nonzero numbers (a tensor may be learned, and change)")
                     ops.append((op[0], value))
-                    texts.append(f"{'*' if op[0] == 'mul' else '/'} {op[2]} ({value!r})")
+                    text, values[op[2]] = f"{text} {'*' if op[0] == 'mul' else '/'} {op[2]}", value
     run(forward.transform)
     # fold: a2 * tanh(a1 * x) (exact rationals: a softcap c's 1/c and c give 1 exactly)
     before, after, tanh = Fraction(1), Fraction(1), 0
@@ -662,7 +662,8 @@ def _final(model: nn.Module, forward: _Forward) -> FinalLogits:
                 after *= factor
             else:
                 before *= factor
-    text = " ".join(texts) or "none"
+    text = "none" if not values and text == "logits" else text + "".join(
+        f"{', with' if i == 0 else ','} {k} = {v!r}" for i, (k, v) in enumerate(values.items()))
     if tanh > 1:
         raise ValueError(f"apply_losscodegen: {forward.where}: the final logits go through tanh {tanh} times "
                          f"({text}): the head computes one softcap")
@@ -882,14 +883,15 @@ def _add_model_tags(self: nn.Module, tags: Any) -> None:
 
 
 def _check_head(head: lcg.HeadLoss, final: FinalLogits, model: str) -> None:
-    wanted = f"HeadLoss(..., softcap={final.softcap}, logit_scale={final.logit_scale})"
+    wanted = f"build it as HeadLoss(..., softcap={final.softcap}, logit_scale={final.logit_scale})"
+    does = f"this {model}'s forward " + ("applies no transform to its final logits" if final.text == "none" else
+                                         f"transforms its final logits by {final.text}")
     if (head.softcap is None) != (final.softcap is None) or (
             final.softcap is not None and not math.isclose(head.softcap, final.softcap, rel_tol=1e-9)):
-        raise ValueError(f"head.softcap={head.softcap}, but this {model}'s forward transforms its final logits by "
-                         f"{final.text}, a softcap of {final.softcap}: build it as {wanted}")
+        raise ValueError(f"head.softcap={head.softcap}, but {does}: "
+                         f"{'no softcap' if final.softcap is None else f'a softcap of {final.softcap}'}; {wanted}")
     if not math.isclose(head.logit_scale, final.logit_scale, rel_tol=1e-9):
-        raise ValueError(f"head.logit_scale={head.logit_scale}, but this {model}'s forward transforms its final "
-                         f"logits by {final.text}, a scale of {final.logit_scale}: build it as {wanted}")
+        raise ValueError(f"head.logit_scale={head.logit_scale}, but {does}: a scale of {final.logit_scale}; {wanted}")
     if head.ignore_index != _IGNORE_INDEX:
         raise ValueError(f"head.ignore_index={head.ignore_index}: transformers marks ignored labels with -100")
     if not head.loss_terms:
