@@ -672,11 +672,18 @@ def _final(model: nn.Module, forward: _Forward) -> FinalLogits:
     return FinalLogits(float(1 / abs(before)), float(after * before), tuple(ops), text)
 
 
-def _output_layer(model: nn.Module, forward: _Forward) -> nn.Linear:
+def _linear(model: nn.Module, forward: _Forward) -> nn.Linear:
+    """The output layer, an ``nn.Linear`` (whose map the head computes from its weight and bias)."""
     layer = getattr(model, forward.head, None)
     if not isinstance(layer, nn.Linear) or type(layer).forward is not nn.Linear.forward:
         raise ValueError(f"apply_losscodegen: {forward.where}: the output layer self.{forward.head} is a "
-                         f"{type(layer).__name__}, not an nn.Linear (the head computes the linear layer itself)")
+                         f"{type(layer).__name__}, not an nn.Linear (the head computes the linear layer itself from "
+                         "its weight: apply_losscodegen before wrapping it, e.g. with PEFT)")
+    return layer
+
+
+def _output_layer(model: nn.Module, forward: _Forward) -> nn.Linear:
+    layer = _linear(model, forward)
     vocab = _evaluate(*forward.vocab_size, forward, {"self": model})
     if vocab != layer.out_features:
         raise ValueError(f"apply_losscodegen: {forward.where}: the loss views the logits with vocab_size "
@@ -931,7 +938,7 @@ def _forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         num_items_in_batch = num_items_in_batch.to(hidden.device, non_blocking=True)
     valid = (shift_labels != _IGNORE_INDEX).sum()
     divisor = _divisor(num_items_in_batch, valid)
-    head, lm_head = state.head, getattr(self, forward.head)
+    head, lm_head = state.head, _linear(self, forward)    # (a layer wrapped since, by PEFT say, is refused)
     logits = None
     if self.training:
         out = head.linear(hidden, lm_head.weight, shift_labels, bias=lm_head.bias, divisor=divisor)

@@ -167,6 +167,10 @@ def test_refusals_name_the_problem():
     model.lm_head = Doubled(32, V, bias=False)
     with pytest.raises(ValueError, match="the output layer self.lm_head is a Doubled, not an nn.Linear"):
         apply_losscodegen(model)
+    model = apply_losscodegen(tiny("llama")).train()
+    model.lm_head = Doubled(32, V, bias=False)          # wrapped after the patch (as PEFT would wrap it)
+    with pytest.raises(ValueError, match="the output layer self.lm_head is a Doubled, not an nn.Linear"):
+        model(**batch())
 
 
 def test_a_causal_lm_no_test_of_losscodegen_has_seen_is_patched():
