@@ -183,7 +183,8 @@ class _Forward:
     varkw: str                                   # the **kwargs parameter (num_items_in_batch, shift_labels)
     logits: str
     loss: str
-    router: tuple[types.CodeType, types.CodeType, str, types.CodeType] | None  # condition, `aux = f(...)`, aux, coefficient
+    # the router's load-balancing loss: its condition, `aux = f(...)`, aux's local, its coefficient
+    router: tuple[types.CodeType, types.CodeType, str, types.CodeType] | None
     result: types.CodeType                       # the return's expression
     base_takes_labels: bool                      # (the labels reach the backbone)
 
@@ -687,7 +688,8 @@ def _output_layer(model: nn.Module, forward: _Forward) -> nn.Linear:
     vocab = _evaluate(*forward.vocab_size, forward, {"self": model})
     if vocab != layer.out_features:
         raise ValueError(f"apply_losscodegen: {forward.where}: the loss views the logits with vocab_size "
-                         f"{forward.vocab_size[1]} = {vocab!r}, but self.{forward.head} has {layer.out_features} outputs")
+                         f"{forward.vocab_size[1]} = {vocab!r}, but self.{forward.head} has {layer.out_features} "
+                         "outputs")
     return layer
 
 
