@@ -101,7 +101,8 @@ def register_model_type(model_type: str, *, softcap: str | None = None, logit_sc
     (``softcap``: ``tanh(x / c) * c``; then ``logit_scale``: times it; ``logit_divisor``: divided by it),
     ``loss = self.loss_function(logits, labels, ...)``, and with ``router_aux_loss``, ``loss +=
     self.router_aux_loss_coef * load_balancing_loss_func(outputs.router_logits, self.num_experts,
-    self.num_experts_per_tok, attention_mask)`` (the function of the model's own module) when
+    self.num_experts_per_tok, attention_mask)`` (the function of the model class's module, or of
+    its nearest parent class's that has one) when
     ``output_router_logits``. A forward that does anything else would train on a different objective:
     check it against the unpatched model (loss and gradients) before relying on it.
 
@@ -151,7 +152,7 @@ def _supported_already(model_type: str) -> str:
         cls = getattr(transformers, mapping.get(model_type, ""), None)
         if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
             try:
-                _read(inspect.unwrap(cls.forward), None)
+                _read(cls, None)
             except _NotStandard:
                 continue
             return f"{model_type!r} is supported already: {cls.__name__}'s forward reads as the standard path"
@@ -227,22 +228,24 @@ def _read_function(function: Callable[..., Any], where: str) -> _Forward:
 
 
 @functools.lru_cache(maxsize=None)
-def _read(function: Callable[..., Any], declared: ModelType | None) -> _Forward:
-    """``function`` (a causal LM's undecorated forward) read as the standard path (``_NotStandard`` where it
-    is not), or with ``declared``, the forward ``register_model_type`` declares, read the same way."""
+def _read(cls: type, declared: ModelType | None) -> _Forward:
+    """``cls``'s forward (undecorated) read as the standard path (``_NotStandard`` where it is not), or with
+    ``declared``, the forward ``register_model_type`` declares for it, read the same way."""
+    function = inspect.unwrap(cls.forward)
     name = function.__qualname__
     module = sys.modules.get(function.__module__)
     short = "/".join((getattr(module, "__file__", None) or "?").split("/")[-2:])
     if declared is None:
         return _read_function(function, f"{name} ({short})")
-    names, body = _declared_forward(function, declared)
+    names, body = _declared_forward(cls, function, declared)
     tree = ast.parse(body)
     return _Reader(tree.body, function, names, f"the forward register_model_type declares for {name}",
                    "<declared forward>").read()
 
 
-def _declared_forward(function: Callable[..., Any], spec: ModelType) -> tuple[dict[str, Any], str]:
-    """The code of the forward ``spec`` declares, for ``function``'s arguments, and the names it sees."""
+def _declared_forward(cls: type, function: Callable[..., Any], spec: ModelType) -> tuple[dict[str, Any], str]:
+    """The code of the forward ``spec`` declares, for ``function``'s arguments, and the names it sees (its
+    module's; the router's ``load_balancing_loss_func`` of the first class of ``cls``'s whose module has one)."""
     parameters = inspect.signature(function).parameters
     plain = [p.name for p in parameters.values()
              if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"]
@@ -281,9 +284,13 @@ def _declared_forward(function: Callable[..., Any], spec: ModelType) -> tuple[di
         fields += ["aux_loss=aux_loss", "router_logits=outputs.router_logits"]
     output = "MoeCausalLMOutputWithPast" if spec.router_aux_loss else "CausalLMOutputWithPast"
     lines.append(f"return {output}({', '.join(fields)})")
+    router_loss = next((f for c in cls.__mro__ if (f := getattr(sys.modules.get(c.__module__),
+                                                               "load_balancing_loss_func", None)) is not None), None)
     names = {**vars(sys.modules[function.__module__]), "slice_logits_to_keep": slice_logits_to_keep,
              "torch": torch, "CausalLMOutputWithPast": CausalLMOutputWithPast,
              "MoeCausalLMOutputWithPast": MoeCausalLMOutputWithPast}
+    if spec.router_aux_loss and router_loss is not None:
+        names["load_balancing_loss_func"] = router_loss
     return names, "\n".join(lines)
 
 
@@ -706,11 +713,11 @@ def _loss_function(model: nn.Module) -> Any:
 
 def _forward_of(model: nn.Module) -> tuple[_Forward, FinalLogits]:
     """How ``model``'s forward computes its loss: read from its code, else its type's declaration."""
-    function = inspect.unwrap(type(model).forward)
+    cls = type(model)
     model_type = getattr(model.config, "model_type", None)
     declared = _MODEL_TYPES.get(model_type)
     try:
-        forward = _read(function, None)
+        forward = _read(cls, None)
     except _NotStandard as e:
         if declared is None:
             raise ValueError(f"apply_losscodegen: {type(model).__name__} (model type {model_type!r}) does not follow "
@@ -718,14 +725,14 @@ def _forward_of(model: nn.Module) -> tuple[_Forward, FinalLogits]:
                              "a different objective; if you have checked that this one computes the standard loss, "
                              "register_model_type declares it") from None
         try:
-            forward = _read(function, declared)
+            forward = _read(cls, declared)
         except _NotStandard as e:
             raise ValueError(f"apply_losscodegen: register_model_type({model_type!r}, ...) cannot serve "
                              f"{type(model).__name__}: {e}") from None
         return forward, _final(model, forward)
     final = _final(model, forward)
     if declared is not None:     # a declaration must not contradict the forward's own code
-        mine = _read(function, declared)
+        mine = _read(cls, declared)
         theirs = _final(model, mine)
         differs = [f"{name}: declared {d}, the forward's {f}" for name, d, f in (
             ("softcap", theirs.softcap, final.softcap), ("logit_scale", theirs.logit_scale, final.logit_scale),

@@ -339,12 +339,10 @@ class LearnedScaleLlama(transformers.LlamaForCausalLM):
         return transformers.modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=logits)
 
 
-class WrappedQwen2(transformers.Qwen2ForCausalLM):
-    """A forward whose code cannot be read as the standard path (it calls its parent's), whose loss is."""
-
-    def forward(self, input_ids=None, attention_mask=None, labels=None, logits_to_keep=0, **kwargs):
-        return super().forward(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
-                               logits_to_keep=logits_to_keep, **kwargs)
+def _forward_calling_its_parent(self, input_ids=None, attention_mask=None, labels=None, logits_to_keep=0, **kwargs):
+    """A forward whose code cannot be read as the standard path (it calls its parent class's), whose loss is."""
+    return type(self).__mro__[1].forward(self, input_ids=input_ids, attention_mask=attention_mask, labels=labels,
+                                         logits_to_keep=logits_to_keep, **kwargs)
 
 
 def test_a_forward_that_adds_to_the_loss_is_refused_naming_the_line():
@@ -380,18 +378,18 @@ def test_a_transformers_model_off_the_standard_path_is_refused_naming_the_line()
 
 # ---- register_model_type ----------------------------------------------------------------------
 
-def test_register_model_type_lets_a_forward_that_cannot_be_read_be_patched(declarations):
-    config = config_of("qwen2")
-    config.model_type = "my_wrapped_qwen2"
-    torch.manual_seed(0)
-    ref = WrappedQwen2(config)
-    with torch.no_grad():
-        ref.lm_head.weight.mul_(20)
-    with pytest.raises(ValueError, match=r"'my_wrapped_qwen2'.*`return super\(\).forward\(.*expected the backbone's call.*"
-                                         "register_model_type"):
+@pytest.mark.parametrize("model_type, declared", [
+    ("qwen2", {}), ("gemma2", dict(softcap="final_logit_softcapping")), ("granite", dict(logit_divisor="logits_scaling")),
+    ("mixtral", dict(router_aux_loss=True))])
+def test_register_model_type_lets_a_forward_that_cannot_be_read_be_patched(declarations, model_type, declared):
+    ref = tiny(model_type)
+    ref.__class__ = type(f"Wrapped{type(ref).__name__}", (type(ref),), {"forward": _forward_calling_its_parent})
+    ref.config.model_type = f"my_wrapped_{model_type}"
+    with pytest.raises(ValueError, match=f"'my_wrapped_{model_type}'.*`return type\\(self\\).__mro__.*expected the "
+                                         "backbone's call.*register_model_type"):
         apply_losscodegen(copy.deepcopy(ref))
-    register_model_type("my_wrapped_qwen2")
-    assert "my_wrapped_qwen2" in integration.SUPPORTED_MODEL_TYPES
+    register_model_type(f"my_wrapped_{model_type}", **declared)
+    assert f"my_wrapped_{model_type}" in integration.SUPPORTED_MODEL_TYPES
     assert_patched_equals_unpatched(ref)
 
 
