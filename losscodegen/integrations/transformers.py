@@ -713,31 +713,33 @@ def _loss_function(model: nn.Module) -> Any:
 
 def _forward_of(model: nn.Module) -> tuple[_Forward, FinalLogits]:
     """How ``model``'s forward computes its loss: read from its code, else its type's declaration."""
-    cls = type(model)
-    model_type = getattr(model.config, "model_type", None)
-    declared = _MODEL_TYPES.get(model_type)
+    cls, model_type = type(model), getattr(model.config, "model_type", None)
+    declaration = _MODEL_TYPES.get(model_type)
+
+    def declared() -> _Forward:
+        try:
+            return _read(cls, declaration)
+        except _NotStandard as e:
+            raise ValueError(f"apply_losscodegen: register_model_type({model_type!r}, ...) cannot serve "
+                             f"{cls.__name__}: {e}") from None
     try:
         forward = _read(cls, None)
     except _NotStandard as e:
-        if declared is None:
-            raise ValueError(f"apply_losscodegen: {type(model).__name__} (model type {model_type!r}) does not follow "
+        if declaration is None:
+            raise ValueError(f"apply_losscodegen: {cls.__name__} (model type {model_type!r}) does not follow "
                              f"transformers' standard causal-LM loss path: {e}. A forward that differs would train on "
                              "a different objective; if you have checked that this one computes the standard loss, "
                              "register_model_type declares it") from None
-        try:
-            forward = _read(cls, declared)
-        except _NotStandard as e:
-            raise ValueError(f"apply_losscodegen: register_model_type({model_type!r}, ...) cannot serve "
-                             f"{type(model).__name__}: {e}") from None
+        forward = declared()
         return forward, _final(model, forward)
     final = _final(model, forward)
-    if declared is not None:     # a declaration must not contradict the forward's own code
-        mine = _read(cls, declared)
-        theirs = _final(model, mine)
+    if declaration is not None:     # a declaration must not contradict the forward's own code
+        other = declared()
+        other_final = _final(model, other)
         differs = [f"{name}: declared {d}, the forward's {f}" for name, d, f in (
-            ("softcap", theirs.softcap, final.softcap), ("logit_scale", theirs.logit_scale, final.logit_scale),
-            ("router_aux_loss", mine.router is not None, forward.router is not None),
-            ("base_takes_labels", mine.base_takes_labels, forward.base_takes_labels)) if d != f]
+            ("softcap", other_final.softcap, final.softcap), ("logit_scale", other_final.logit_scale, final.logit_scale),
+            ("router_aux_loss", other.router is not None, forward.router is not None),
+            ("base_takes_labels", other.base_takes_labels, forward.base_takes_labels)) if d != f]
         if differs:
             raise ValueError(f"apply_losscodegen: register_model_type({model_type!r}, ...) contradicts "
                              f"{forward.where}, which reads as the standard path: {'; '.join(differs)}")
