@@ -155,11 +155,40 @@ def test_refusals_name_the_problem():
         apply_losscodegen(apply_losscodegen(tiny("llama")))
     with pytest.raises(TypeError, match="PreTrainedModel"):
         apply_losscodegen(torch.nn.Linear(2, 2))
-    config = transformers.AutoConfig.for_model("gpt_neox", vocab_size=V, hidden_size=16, intermediate_size=16,
-                                               num_hidden_layers=1, num_attention_heads=2)
-    with pytest.raises(ValueError, match="'gpt_neox'.*supported: .*llama"):   # a forward not checked
-        apply_losscodegen(transformers.AutoModelForCausalLM.from_config(config))
+    model = tiny("llama")
+    model.loss_function = lambda logits, labels, vocab_size, **kwargs: logits.mean()
+    with pytest.raises(ValueError, match="loss_function is not transformers' ForCausalLMLoss"):
+        apply_losscodegen(model)
+
+    class Doubled(torch.nn.Linear):       # an output layer that is not the linear map its weight says
+        def forward(self, x):
+            return super().forward(x) * 2
+    model = tiny("llama")
+    model.lm_head = Doubled(32, V, bias=False)
+    with pytest.raises(ValueError, match="the output layer self.lm_head is a Doubled, not an nn.Linear"):
+        apply_losscodegen(model)
+    model = apply_losscodegen(tiny("llama")).train()
+    model.lm_head = Doubled(32, V, bias=False)          # wrapped after the patch (as PEFT would wrap it)
+    with pytest.raises(ValueError, match="the output layer self.lm_head is a Doubled, not an nn.Linear"):
+        model(**batch())
+
+
+def test_a_causal_lm_no_test_of_losscodegen_has_seen_is_patched():
+    """GPT-NeoX is in no list of losscodegen's: its forward reads as the standard path, and the patched
+    model trains on the loss and gradients of the unpatched one."""
     assert "gpt_neox" not in SUPPORTED_MODEL_TYPES
+    config = transformers.AutoConfig.for_model("gpt_neox", vocab_size=V, hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64)
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(config).train()
+    model = apply_losscodegen(copy.deepcopy(ref))
+    inputs = batch()
+    want, got = ref(**inputs), model(**inputs)
+    want.loss.backward()
+    got.loss.backward()
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-6, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
 # ---- transformers.Trainer ------------------------------------------------------------------------
