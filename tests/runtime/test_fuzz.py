@@ -250,3 +250,13 @@ def test_teacher_logits_that_require_grad_are_a_plan_of_the_fuzzer():
     head = lcg.HeadLoss(lcg.ForwardKL(temperature=2.0), lcg.JSD(beta=0.3), metrics=(lcg.Entropy(),))
     fuzz.check(head, fuzz.Plan(teacher_grad=True, tile=(16, 4, True), reduction="none"), rows=12, vocab=40, seed=3,
                regime="one_hot_teacher")
+
+
+def test_fuzz_case_a_cancelling_gradient_through_head_linear_on_large_hidden_states():
+    # found by the CPU fuzz (seed 12): gradient of weight (Plan(kind='linear')) at (0, 1): -0.000447 against
+    # the float64 reference 0; plain torch fp32's error 0. dL/dlogits cancels to 0 (sum p = 1) and keeps
+    # the rounding of its parts, which dW = G^T H carries times the one_column regime's hidden states
+    # (1e4): held to that, as dL/dlogits is held to its own floor
+    T0 = lcg.declare_term('f0', S.vsum(S.softmax_at(S.param('T')) * S.param('c'))**2)
+    head = lcg.HeadLoss(T0(weight=0.3, c=0.7, T=0.8))
+    fuzz.check(head, fuzz.Plan(kind='linear'), rows=3, vocab=61, seed=834, regime='one_column')
