@@ -86,8 +86,11 @@ def test_values_and_gradients_against_trls_and_the_unfused_logits(batch):
 
 
 def test_peak_memory_at_most_trls(batch):
-    """A forward and backward of ours peaks no higher than TRL's (its fp32 dL/dweight accumulator is
-    the size of two bf16 weights) and far below the [B, T, V] logits."""
+    """A forward and backward of ours peaks no higher than TRL's, and adds less than a twentieth of
+    the [B, T, V] bf16 logits to it. (Both peak at the fp32 dL/dweight accumulator, the size of two
+    bf16 weights: measured on an H100 with TRL 1.16, 3.379 GB for TRL and 3.387 for ours, above twice
+    the logits' 1.05 GB, which the claim "far below the logits" had said and which does not hold at
+    this shape.)"""
     ids, labels = batch
     peaks = {}
     for name, add in (("TRL", trl_add_fused_lm_head), ("losscodegen", lcg_trl.add_fused_lm_head)):
@@ -105,4 +108,4 @@ def test_peak_memory_at_most_trls(batch):
         torch.cuda.empty_cache()
     logits_bytes = B * T * V * 2
     assert peaks["losscodegen"] <= peaks["TRL"] * 1.05, peaks
-    assert peaks["losscodegen"] < 2 * logits_bytes, peaks
+    assert peaks["losscodegen"] - peaks["TRL"] < logits_bytes / 20, peaks

@@ -17,6 +17,8 @@ from losscodegen import symbols as S
 from losscodegen.testing import REGIMES, assert_parity, random_inputs, reference
 
 ROOT = Path(__file__).resolve().parents[2]
+# where assert_parity runs the heads (the GPU where there is one): tensor parameters are made there
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 p_y = S.exp(S.target_logit - S.lse)
 # docs/adding-a-loss.md's focal loss and poly-1, as written there; a token-level unlikelihood term
 Focal = lcg.declare_term("focal", -(1 - p_y) ** S.param("gamma") * (S.target_logit - S.lse), defaults={"gamma": 2.0})
@@ -29,11 +31,11 @@ ROW_REGIMES = tuple(r for r in REGIMES if r != "all_ignored")
 def _terms() -> dict:
     return {
         "focal": lambda: Focal(), "focal_runtime_gamma": lambda: Focal(gamma=2.5),
-        "focal_tensor_gamma": lambda: Focal(gamma=torch.tensor(2.0)), "poly1": lambda: Poly1(eps=2.0),
+        "focal_tensor_gamma": lambda: Focal(gamma=torch.tensor(2.0, device=DEVICE)), "poly1": lambda: Poly1(eps=2.0),
         "unlikelihood": lambda: Unlikelihood(),
         "cross_entropy": lambda: lcg.CrossEntropy(label_smoothing=0.1), "z_loss": lambda: lcg.ZLoss(weight=1e-4),
         "entropy": lambda: lcg.Entropy(), "forward_kl": lambda: lcg.ForwardKL(temperature=2.0),
-        "forward_kl_tensor_t": lambda: lcg.ForwardKL(temperature=torch.tensor(0.7)),
+        "forward_kl_tensor_t": lambda: lcg.ForwardKL(temperature=torch.tensor(0.7, device=DEVICE)),
         "reverse_kl": lambda: lcg.ReverseKL(), "jsd": lambda: lcg.JSD(beta=0.3),
         "topk_forward_kl": lambda: lcg.TopKForwardKL(), "grpo": lambda: lcg.GRPO(kl_beta=0.04),
         "cispo": lambda: lcg.CISPO(), "sapo": lambda: lcg.SAPO(), "gspo": lambda: lcg.GSPO(),
@@ -58,7 +60,7 @@ def test_the_focal_loss_through_head_linear_keeps_dw_and_dh_finite_at_saturated_
     """Issue 45: one saturated row made the focal loss's gradient NaN, and through head.linear every
     element of dW and dh. Hidden states that put the label 40 above the rest (p_y rounds to 1 in
     fp32) on some rows: dW and dh finite and equal to float64's chain rule."""
-    head = lcg.HeadLoss(Focal(gamma=torch.tensor(2.0) if gamma == "tensor" else gamma))
+    head = lcg.HeadLoss(Focal(gamma=torch.tensor(2.0, device=DEVICE) if gamma == "tensor" else gamma))
     g = torch.Generator().manual_seed(0)
     R, V, H = 12, 80, 16
     hidden = torch.randn(R, H, generator=g, dtype=torch.float64)
@@ -73,8 +75,8 @@ def test_the_focal_loss_through_head_linear_keeps_dw_and_dh_finite_at_saturated_
     z = (hidden.float().double() @ weight.float().double().T)
     p = torch.softmax(z.float(), -1).gather(1, labels.clamp_min(0)[:, None])
     assert (p[0::2] == 1).all(), "the rows meant to saturate do not round p_y to 1"
-    h, w = hidden.float().requires_grad_(), weight.float().requires_grad_()
-    out = head.linear(h, w, labels, chunk_rows=5)
+    h, w = hidden.float().to(DEVICE).requires_grad_(), weight.float().to(DEVICE).requires_grad_()
+    out = head.linear(h, w, labels.to(DEVICE), chunk_rows=5)
     out.loss.backward()
     assert torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all()
     _, _, G = reference(head)(z.float(), labels)
@@ -165,23 +167,24 @@ def test_a_parameter_at_zero_gives_the_formulas_finite_limit(backend):
     argument 'nan' is not comparable"); DPO at a tensor beta of 0 (a schedule from 0) is log 2 with a
     zero gradient; the focal loss at a gamma of 0, a number or a tensor, is cross-entropy."""
     g = torch.Generator().manual_seed(0)
-    for head in (lcg.HeadLoss(P.SimPO(beta=0)), lcg.HeadLoss(P.DPO(beta=torch.tensor(0.0)))):
+    for head in (lcg.HeadLoss(P.SimPO(beta=0)), lcg.HeadLoss(P.DPO(beta=torch.tensor(0.0, device=DEVICE)))):
         labels = torch.randint(0, 40, (4, 6), generator=g)
         labels[:, 0] = -100
         logits = torch.randn(24, 40, generator=g) * 2
         kw = P.pair_inputs(head, labels, ref_logprobs=torch.randn(4, 6, generator=g) - 3)
         kw = {k: (v.reshape(-1) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
         labels = labels.reshape(-1)
-        x = logits.clone().requires_grad_()
-        out = head(x, labels, **kw)
+        x = logits.to(DEVICE).requires_grad_()
+        out = head(x, labels.to(DEVICE), **{k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v)
+                                            for k, v in kw.items()})
         out.loss.backward()
         want_loss, _, want_grad = reference(head)(logits, labels, **kw)
         assert torch.isfinite(out.loss) and torch.isfinite(x.grad).all()
         lcg.testing.compare("loss", out.loss, want_loss, torch.float32)
         lcg.testing.compare("gradient", x.grad, want_grad, torch.float32)
     ce = lcg.HeadLoss(lcg.CrossEntropy())
-    logits, labels, _ = random_inputs(ce, 12, 40, regime="saturated")
-    for gamma in (0, torch.tensor(0.0)):
+    logits, labels, _ = random_inputs(ce, 12, 40, device=DEVICE, regime="saturated")
+    for gamma in (0, torch.tensor(0.0, device=DEVICE)):
         x = logits.clone().requires_grad_()
         out = lcg.HeadLoss(Focal(gamma=gamma))(x, labels)
         out.loss.backward()
@@ -249,8 +252,8 @@ def test_the_regimes_draw_the_rows_they_name():
 
 
 def test_all_rows_ignored_give_zero_and_a_zero_gradient(backend):
-    head = lcg.HeadLoss(Focal(gamma=torch.tensor(2.0)), lcg.CrossEntropy())
-    logits, labels, kw = random_inputs(head, 12, 40, regime="all_ignored")
+    head = lcg.HeadLoss(Focal(gamma=torch.tensor(2.0, device=DEVICE)), lcg.CrossEntropy())
+    logits, labels, kw = random_inputs(head, 12, 40, device=DEVICE, regime="all_ignored")
     x = logits.clone().requires_grad_()
     out = head(x, labels, **kw)
     out.loss.backward()
