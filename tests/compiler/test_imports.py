@@ -19,7 +19,7 @@ from losscodegen import head
 
 PACKAGE = Path(lcg.__file__).resolve().parent
 COMPILER = {"losscodegen.symbols", "losscodegen.terms", "losscodegen.lower", "losscodegen.stable", "losscodegen.plan",
-            "losscodegen.emit", "losscodegen.resources", "losscodegen.backends.triton.render",
+            "losscodegen.emit", "losscodegen.program", "losscodegen.resources", "losscodegen.backends.triton.render",
             "losscodegen.backends.torch.render"}
 BACKENDS = "losscodegen.backends."
 # what each backend is written in: imported by that backend's folder and nowhere else in the package

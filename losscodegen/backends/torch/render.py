@@ -19,6 +19,8 @@ from ...emit import (M_REF, MT_REF, KernelSource, TorchPrinter, check_interface,
                      online_exponent, online_groups, phases, seal, wrap)
 from ...lower import IS_ARGMAX, IS_Y, M, MT, TM, ZM, base_of, shift
 from ...plan import Plan
+from ... import program
+from ...program import Dialect, Merge, OnlineGroup
 from ...resources import TEMPLATES
 
 TEMPLATE = "head_loss_torch.py.j2"
@@ -40,40 +42,42 @@ def _per_element(expr: sp.Expr, printed: str) -> str:
     return printed if expr.has(*_VOCAB, IS_Y, IS_ARGMAX, *S.vectors_in(expr)) else f"({printed}) * torch.ones_like(z)"
 
 
-def _merge(plan: Plan) -> list[str]:
-    """Statements merging the packed stats of the vocab shards (``part``: [world, rows, columns]),
-    by each column's rule: the maxima over ranks first, then the sums, each rank's running sums
-    rescaled from its maxima (``m_r``, ``m_t_r``: [world, rows, 1]) to the global ones, and the
-    argmax of the first rank that holds the maximum."""
-    at = {c.name: i for i, c in enumerate(plan.columns)}
-    accs = {a.name: a for a in plan.lowered.accumulators}
-    rank_max = {M: sp.Symbol("m_r", real=True), MT: sp.Symbol("m_t_r", real=True)}
-    lines = []
-    for c in plan.columns:
-        if c.merge == "max":
-            lines += [f"{c.name}_r = part[:, :, {at[c.name]}:{at[c.name] + 1}]", f"{c.name} = {c.name}_r.amax(0)"]
-    for c in plan.columns:
-        part = f"part[:, :, {at[c.name]}:{at[c.name] + 1}]"
-        if c.merge == "sum":
-            lines.append(f"{c.name} = {part}.sum(0)")
-        elif c.merge == "scaled":
-            acc = accs.get(c.name)
-            cz, ct = shift(acc) if acc is not None and acc.online else (0, 0)
-            if (cz, ct) != (0, 0):
-                # a sum of z - m_r, moved to the global maxima by its weights' sum
-                b = at[base_of(acc, plan.lowered.accumulators).name]
-                base = f"part[:, :, {b}:{b + 1}]"
-                moved = _PRINT.doprint(cz * (rank_max[M] - M) + ct * (rank_max[MT] - MT))
-                part = f"({part} + torch.where({base} > 0.0, ({moved}) * {base}, 0.0))"
-            rescale = _PRINT.doprint(sp.exp(c.alpha * (rank_max[M] - M) + c.beta * (rank_max[MT] - MT)))
-            lines.append(f"{c.name} = ({part} * {rescale}).sum(0)")
-        elif c.merge == "argmax":
-            # strictly greater, rank by rank: the first rank that holds the maximum wins
-            lines += [f"{c.name} = torch.zeros_like(m)", "best = torch.full_like(m, float(\"-inf\"))",
-                      "for r in range(world):",
-                      f"    {c.name} = torch.where(m_r[r] > best, part[r, :, {at[c.name]}:{at[c.name] + 1}], {c.name})",
-                      "    best = torch.maximum(best, m_r[r])"]
-    return lines
+class TorchDialect(Dialect):
+    """The phase program in torch: a chunk's rows at once, each value a [rows, 1] or [rows, block]
+    tensor; the shards' stats a [world, rows, columns] tensor (``part``), merged over its first dim."""
+
+    printer = _PRINT
+
+    def summand(self, group: OnlineGroup, body: sp.Expr) -> str:
+        # (a summand free of the elements, without an exponential to broadcast it: broadcast here)
+        return self.print(body) if group.exponent != 0 else _per_element(body, self.print(body))
+
+    def row_value(self, index: int) -> str:
+        return f"v[{index}]"
+
+    def merge(self, steps: tuple[Merge, ...]) -> list[str]:
+        lines = []
+        for c in steps:
+            part = f"part[:, :, {c.at}:{c.at + 1}]"
+            if c.rule == "max":
+                lines += [f"{c.name}_r = {part}", f"{c.name} = {c.name}_r.amax(0)"]
+            elif c.rule == "sum":
+                lines.append(f"{c.name} = {part}.sum(0)")
+            elif c.rule == "scaled":
+                if c.moved is not None:
+                    base = f"part[:, :, {c.base_at}:{c.base_at + 1}]"
+                    part = f"({part} + {self.where(f'{base} > 0.0', f'({self.print(c.moved)}) * {base}', '0.0')})"
+                lines.append(f"{c.name} = ({part} * {self.print(sp.exp(c.rescale))}).sum(0)")
+            elif c.rule == "argmax":
+                # strictly greater, rank by rank: the first rank that holds the maximum wins
+                lines += [f"{c.name} = torch.zeros_like(m)", "best = torch.full_like(m, float(\"-inf\"))",
+                          "for r in range(world):",
+                          f"    {c.name} = {self.where('m_r[r] > best', f'part[r, :, {c.at}:{c.at + 1}]', c.name)}",
+                          "    best = torch.maximum(best, m_r[r])"]
+        return lines
+
+
+_DIALECT = TorchDialect()
 
 
 def render(plan: Plan, key: str, header: str, codegen: str,
@@ -87,24 +91,7 @@ def render(plan: Plan, key: str, header: str, codegen: str,
     printed = phases(plan, spec, _PRINT, _statements)
     body, common = printed.body, printed.context
 
-    online = []
-    for i, ((alpha, beta), accs) in enumerate(online_groups(plan).items()):
-        exponent = online_exponent(alpha, beta)
-        rescale = alpha * (M - M_REF) + beta * (MT - MT_REF)
-        shifts = []
-        for a in accs:
-            cz, ct = shift(a)
-            if (cz, ct) != (0, 0):
-                # the running maxima grew: a sum of z - m moves by (m - m_new) times its weights' sum
-                # (an empty sum by nothing: m is then -inf)
-                base = base_of(a, lw.accumulators).name
-                moved = _PRINT.doprint((cz * (M - M_REF) + ct * (MT - MT_REF)) * sp.Symbol(base, real=True))
-                shifts.append((a.name, f"torch.where({base} > 0.0, {moved}, 0.0)"))
-        online.append(dict(
-            index=i, scale=None if exponent == 0 else _PRINT.doprint(sp.exp(exponent)),
-            rescale=None if rescale == 0 else _PRINT.doprint(sp.exp(rescale)),
-            accs=[(a.name, _PRINT.doprint(body[a.name]) if exponent != 0
-                   else _per_element(body[a.name], _PRINT.doprint(body[a.name]))) for a in accs], shifts=dict(shifts)))
+    online = _DIALECT.online(program.online(plan, body))
 
     row_names = list(spec.row_values)
     ctx = dict(
@@ -114,8 +101,8 @@ def render(plan: Plan, key: str, header: str, codegen: str,
         exact=[(name, _per_element(body[name], code)) for name, code in common["exact"]],
         grad_expr=_per_element(printed.grad_vocab, common["grad_expr"]),
         teacher_grad=common["teacher_grad"] and _per_element(printed.grad_teacher, common["teacher_grad"]),
-        merge=_merge(plan),
-        per_row_loss=" + ".join(f"weight_{n} * v[{row_names.index(n)}]" for n in spec.row_loss_terms) or "0.0",
+        merge=_DIALECT.merge(program.merge(plan)),
+        per_row_loss=_DIALECT.row_loss(program.row_loss(spec.row_loss_terms, spec.row_values), lambda n: f"weight_{n}"),
     )
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), keep_trailing_newline=True,
                              trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)

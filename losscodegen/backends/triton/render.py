@@ -25,6 +25,8 @@ from ...emit import M_REF as _M_REF, MT_REF as _MT_REF, online_exponent as _onli
     stats_relative as _stats_relative
 from ...lower import M, MT, TM, ZM, base_of, shift
 from ...plan import Plan, pow2
+from ... import program
+from ...program import Dialect, Merge, OnlineGroup
 from ...resources import TEMPLATES
 
 _LOG2E = sp.Float(1 / math.log(2))
@@ -241,40 +243,44 @@ def _tile_sums(sums: list[tuple[str, str]], masked: bool) -> list[str]:
     return lines
 
 
-def _merge(plan: Plan) -> dict[str, list[str]]:
-    """Statements merging the packed stats of the vocab shards, by each column's rule: the maxima
-    over ranks first, then the sums, each rank's running sums rescaled from its maxima to the
-    global ones, and the argmax of the first rank that holds the maximum."""
-    at = {c.name: i for i, c in enumerate(plan.columns)}
-    accs = {a.name: a for a in plan.lowered.accumulators}
-    init, maxima, sums = [], [], ["at = part + r * step"]
-    rank_max = {M: sp.Symbol("m_r", real=True), MT: sp.Symbol("m_t_r", real=True)}
-    for c in plan.columns:
-        if c.merge == "max":
-            init.append(f"{c.name} = float(\"-inf\")")
-            maxima.append(f"{c.name} = tl.maximum({c.name}, tl.load(part + r * step + {at[c.name]}))")
-            sums.append(f"{c.name}_r = tl.load(at + {at[c.name]})")
-    for c in plan.columns:
-        if c.merge == "sum":
-            init.append(f"{c.name} = 0.0")
-            sums.append(f"{c.name} += tl.load(at + {at[c.name]})")
-        elif c.merge == "scaled":
-            rescale = _TL.doprint(sp.exp(c.alpha * (rank_max[M] - M) + c.beta * (rank_max[MT] - MT)))
-            init.append(f"{c.name} = 0.0")
-            acc = accs.get(c.name)
-            cz, ct = shift(acc) if acc is not None and acc.online else (0, 0)
-            part = f"tl.load(at + {at[c.name]})"
-            if (cz, ct) != (0, 0):
-                # a sum of z - m_r, moved to the global maxima by its weights' sum
-                base = f"tl.load(at + {at[base_of(acc, plan.lowered.accumulators).name]})"
-                moved = _TL.doprint(cz * (rank_max[M] - M) + ct * (rank_max[MT] - MT))
-                part = f"({part} + tl.where({base} > 0.0, ({moved}) * {base}, 0.0))"
-            sums.append(f"{c.name} += {part} * {rescale}")
-        elif c.merge == "argmax":
-            init += [f"{c.name} = 0.0", "best = float(\"-inf\")"]
-            sums += [f"{c.name} = tl.where(m_r > best, tl.load(at + {at[c.name]}), {c.name})",
-                     "best = tl.maximum(best, m_r)"]
-    return dict(init=init, maxima=maxima, sums=sums)
+class TritonDialect(Dialect):
+    """The phase program in Triton: a program's row of scalars; each shard's stats loaded from the
+    gathered buffer (``part``, a rank's at ``part + r * step``) in a loop over the ranks."""
+
+    printer = _TL
+
+    def summand(self, group: OnlineGroup, body: sp.Expr) -> str:
+        # (times the group's exponential of the tile, ``s<index>``)
+        return self.print(sp.Symbol(f"s{group.index}", real=True) * body if group.exponent != 0 else body)
+
+    def row_value(self, index: int) -> str:
+        return f"v{index}"
+
+    def merge(self, steps: tuple[Merge, ...]) -> dict[str, list[str]]:
+        """``init`` (before the loop over ranks), ``maxima`` (a first loop), ``sums`` (a second)."""
+        init, maxima, sums = [], [], ["at = part + r * step"]
+        for c in steps:
+            load = f"tl.load(at + {c.at})"
+            if c.rule == "max":
+                init.append(f"{c.name} = float(\"-inf\")")
+                maxima.append(f"{c.name} = tl.maximum({c.name}, tl.load(part + r * step + {c.at}))")
+                sums.append(f"{c.name}_r = {load}")
+            elif c.rule == "sum":
+                init.append(f"{c.name} = 0.0")
+                sums.append(f"{c.name} += {load}")
+            elif c.rule == "scaled":
+                init.append(f"{c.name} = 0.0")
+                if c.moved is not None:
+                    base = f"tl.load(at + {c.base_at})"
+                    load = f"({load} + {self.where(f'{base} > 0.0', f'({self.print(c.moved)}) * {base}', '0.0')})"
+                sums.append(f"{c.name} += {load} * {self.print(sp.exp(c.rescale))}")
+            elif c.rule == "argmax":
+                init += [f"{c.name} = 0.0", "best = float(\"-inf\")"]
+                sums += [f"{c.name} = {self.where('m_r > best', load, c.name)}", "best = tl.maximum(best, m_r)"]
+        return dict(init=init, maxima=maxima, sums=sums)
+
+
+_DIALECT = TritonDialect()
 
 
 def _parameters(sig: Signature) -> list[str]:
@@ -315,25 +321,7 @@ def render(plan: Plan, key: str, header: str, codegen: str,
     row_names, seg_names = list(spec.row_values), list(spec.segments)
     row_loss_terms, scalars, sigs = list(spec.row_loss_terms), list(spec.scalars), spec.sigs
 
-    online = []
-    for i, ((alpha, beta), accs) in enumerate(_group_online(plan).items()):
-        exponent = _online_exponent(alpha, beta)
-        rescale = alpha * (M - _M_REF) + beta * (MT - _MT_REF)
-        scale = sp.Symbol(f"s{i}", real=True) if exponent != 0 else sp.S.One
-        shifts = []
-        for a in accs:
-            cz, ct = shift(a)
-            if (cz, ct) != (0, 0):
-                # the running maxima grew: a sum of z - m moves by (m - m_new) times its weights' sum
-                # (an empty sum by nothing: m is then -inf)
-                base = base_of(a, lw.accumulators).name
-                moved = _TL.doprint((cz * (M - _M_REF) + ct * (MT - _MT_REF)) * sp.Symbol(base, real=True))
-                shifts.append((a.name, f"tl.where({base} > 0.0, {moved}, 0.0)"))
-        online.append(dict(
-            scale=None if exponent == 0 else _TL.doprint(sp.exp(exponent)),
-            rescale=None if rescale == 0 else _TL.doprint(sp.exp(rescale)),
-            index=i, accs=[(a.name, _TL.doprint(scale * body[a.name])) for a in accs],
-            shifts=shifts, shifted=[name for name, _ in shifts]))
+    online = _DIALECT.online(program.online(plan, body))
     exact = [a for a in lw.accumulators if not a.online and a.domain == "vocab"]
 
     # Runtime scalars (each loss term's weight, then the runtime parameters) come from one fp32
@@ -383,8 +371,8 @@ def render(plan: Plan, key: str, header: str, codegen: str,
         online=online,
         stats_tile_sums=_tile_sums([acc for group in online for acc in group["accs"]], not pad["stats"]),
         exact_tile_sums=_tile_sums(common["exact"], not pad["exact"]),
-        rows_p2=pow2(len(row_names)), pad=pad, relative_floor=relative_floor, merge=_merge(plan), scalar_loads=scalar_loads,
-        per_row_loss=" + ".join(f"weight_{n} * v{row_names.index(n)}" for n in row_loss_terms) or "0.0",
+        rows_p2=pow2(len(row_names)), pad=pad, relative_floor=relative_floor, merge=_DIALECT.merge(program.merge(plan)), scalar_loads=scalar_loads,
+        per_row_loss=_DIALECT.row_loss(program.row_loss(spec.row_loss_terms, spec.row_values), lambda n: f"weight_{n}"),
     )
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), keep_trailing_newline=True,
                              trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
