@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "3d268cb74e027a19"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "0dbe7827b0d5"
+CODEGEN = "9ba324f83b40"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['gspo', 'entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -129,11 +129,15 @@ TINY = tl.constexpr(1.1754943508222875e-38)
 
 @triton.jit
 def _log(x):
-    # the natural log from lg2.approx, one instruction (tl.log is a long libdevice routine)
+    # the natural log from lg2.approx, one instruction (tl.log is a long libdevice routine). The
+    # target's libdevice is known when the kernel compiles: AMD's lacks fast_logf, and its tl.log is
+    # already one instruction (v_log_f32)
     if INTERPRET:
         return tl.log(x)
-    else:
+    elif hasattr(libdevice, "fast_logf"):
         return libdevice.fast_logf(x)
+    else:
+        return tl.log(x)
 
 
 @triton.jit
@@ -564,4 +568,4 @@ def segments_3d268cb74e027a19(
     loss += weight_gspo * (gspo / div)
     tl.store(ws_ptr + 2, loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "8707061870a91590290b4eb6af680320db23b039e5e585c4f083587e72b57676"
+TEXT_HASH = "1e1dbd870285e8dae7b4c18d6f38ae9973612db3f84427274adf9bf0429228a3"

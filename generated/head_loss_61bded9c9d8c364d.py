@@ -43,7 +43,7 @@ from triton.language.extra import libdevice
 
 KEY = "61bded9c9d8c364d"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "0dbe7827b0d5"
+CODEGEN = "9ba324f83b40"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['reverse_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -118,11 +118,15 @@ TINY = tl.constexpr(1.1754943508222875e-38)
 
 @triton.jit
 def _log(x):
-    # the natural log from lg2.approx, one instruction (tl.log is a long libdevice routine)
+    # the natural log from lg2.approx, one instruction (tl.log is a long libdevice routine). The
+    # target's libdevice is known when the kernel compiles: AMD's lacks fast_logf, and its tl.log is
+    # already one instruction (v_log_f32)
     if INTERPRET:
         return tl.log(x)
-    else:
+    elif hasattr(libdevice, "fast_logf"):
         return libdevice.fast_logf(x)
+    else:
+        return tl.log(x)
 
 
 @triton.jit
@@ -475,4 +479,4 @@ def head_loss_61bded9c9d8c364d(
             tl.store(ws_ptr + 0, value_reverse_kl)
             tl.store(ws_ptr + 1, weight_reverse_kl * value_reverse_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "0a5b3f132ec6dbb466856fa3e04f6c16755a79c8afd361bbd0109d754089bcbb"
+TEXT_HASH = "04dbff0063aee78fe33b244bed722875602d3361b89989739136340215d26288"

@@ -43,7 +43,7 @@ from triton.language.extra import libdevice
 
 KEY = "7fef8addf6d59cde"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "0dbe7827b0d5"
+CODEGEN = "9ba324f83b40"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -118,11 +118,15 @@ TINY = tl.constexpr(1.1754943508222875e-38)
 
 @triton.jit
 def _log(x):
-    # the natural log from lg2.approx, one instruction (tl.log is a long libdevice routine)
+    # the natural log from lg2.approx, one instruction (tl.log is a long libdevice routine). The
+    # target's libdevice is known when the kernel compiles: AMD's lacks fast_logf, and its tl.log is
+    # already one instruction (v_log_f32)
     if INTERPRET:
         return tl.log(x)
-    else:
+    elif hasattr(libdevice, "fast_logf"):
         return libdevice.fast_logf(x)
+    else:
+        return tl.log(x)
 
 
 @triton.jit
@@ -472,4 +476,4 @@ def head_loss_7fef8addf6d59cde(
             tl.store(ws_ptr + 0, value_forward_kl)
             tl.store(ws_ptr + 1, weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "428bdf6c625eaa4a1a3b067416033878d7c229db09ef18df03168466b23b3e9e"
+TEXT_HASH = "13070535f5276ee043db0e0f577728f7ba32054f0f72b5635e16ba5eb8b379fc"

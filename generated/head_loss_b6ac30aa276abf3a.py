@@ -47,7 +47,7 @@ from triton.language.extra import libdevice
 
 KEY = "b6ac30aa276abf3a"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "0dbe7827b0d5"
+CODEGEN = "9ba324f83b40"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss', 'entropy', 'token_accuracy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -122,11 +122,15 @@ TINY = tl.constexpr(1.1754943508222875e-38)
 
 @triton.jit
 def _log(x):
-    # the natural log from lg2.approx, one instruction (tl.log is a long libdevice routine)
+    # the natural log from lg2.approx, one instruction (tl.log is a long libdevice routine). The
+    # target's libdevice is known when the kernel compiles: AMD's lacks fast_logf, and its tl.log is
+    # already one instruction (v_log_f32)
     if INTERPRET:
         return tl.log(x)
-    else:
+    elif hasattr(libdevice, "fast_logf"):
         return libdevice.fast_logf(x)
+    else:
+        return tl.log(x)
 
 
 @triton.jit
@@ -500,4 +504,4 @@ def head_loss_b6ac30aa276abf3a(
             tl.store(ws_ptr + 3, value_token_accuracy)
             tl.store(ws_ptr + 4, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "1877d50d251104711e8638deb138152b8760575652f0d62022b4c9ff267d2d4c"
+TEXT_HASH = "bb575745310a3834d2a7e5c10c4ec458a35bc9d5c64e1a5d195886f84947a860"

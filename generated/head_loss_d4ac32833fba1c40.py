@@ -43,7 +43,7 @@ from triton.language.extra import libdevice
 
 KEY = "d4ac32833fba1c40"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "0dbe7827b0d5"
+CODEGEN = "9ba324f83b40"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['topk_forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -119,11 +119,15 @@ TINY = tl.constexpr(1.1754943508222875e-38)
 
 @triton.jit
 def _log(x):
-    # the natural log from lg2.approx, one instruction (tl.log is a long libdevice routine)
+    # the natural log from lg2.approx, one instruction (tl.log is a long libdevice routine). The
+    # target's libdevice is known when the kernel compiles: AMD's lacks fast_logf, and its tl.log is
+    # already one instruction (v_log_f32)
     if INTERPRET:
         return tl.log(x)
-    else:
+    elif hasattr(libdevice, "fast_logf"):
         return libdevice.fast_logf(x)
+    else:
+        return tl.log(x)
 
 
 @triton.jit
@@ -471,4 +475,4 @@ def head_loss_d4ac32833fba1c40(
             tl.store(ws_ptr + 0, value_topk_forward_kl)
             tl.store(ws_ptr + 1, weight_topk_forward_kl * value_topk_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "24d755e62419be0f61e69fd350696fe9da70b771e83cae9a95fa81294ccac0e8"
+TEXT_HASH = "2d036744fc2dd80ac1b0937bb48476fe9e39a965ced1172d9114889f6fa714fe"

@@ -21,11 +21,9 @@ from losscodegen import load
 from losscodegen.__main__ import manifest_heads
 from losscodegen.backends.triton import portable, tiles, tune
 
-WORKING = ("sm_90a", "sm_100a", "sm_120a")      # the targets the installed Triton builds every kernel for
-AMD = ("gfx942", "gfx950")
-# what stops the AMD builds: the head kernels' _log calls CUDA's libdevice.fast_logf (lg2.approx),
-# which HIP's libdevice does not have (templates/triton/_functions.j2)
-AMD_STOP = "has no attribute 'fast_logf'"
+# the targets the installed Triton builds every kernel for (AMD's: the head kernels' _log is tl.log
+# there, a v_log_f32, for its libdevice has no fast_logf: templates/triton/_functions.j2)
+WORKING = ("sm_90a", "sm_100a", "sm_120a", "gfx942", "gfx950")
 
 
 def _without_interpreter(tmp_path) -> dict:
@@ -36,10 +34,13 @@ def _without_interpreter(tmp_path) -> dict:
 
 # each working target with a manifest head and the calls it is driven through: the teacher-stream
 # mix; GSPO (its segment kernel); the softcap (libdevice's tanh) at the widest tile (32768 x 32
-# warps), and its vocab-parallel launch exchanging stats in-kernel (atomics across GPUs)
+# warps), and its vocab-parallel launch exchanging stats in-kernel (atomics across GPUs); on AMD (a
+# wavefront of 64), CE and GSPO (its segment kernel)
 PLAN = {"sm_90a": ("HeadLoss(CrossEntropy(), ZLoss(), ForwardKL(), metrics=(Entropy(),))", ("grad",)),
         "sm_100a": ("HeadLoss(GSPO(), metrics=(Entropy(),))", ("grad",)),
-        "sm_120a": ("HeadLoss(CrossEntropy(), softcap=30.0)", ("grad", "exchange"))}
+        "sm_120a": ("HeadLoss(CrossEntropy(), softcap=30.0)", ("grad", "exchange")),
+        "gfx942": ("HeadLoss(CrossEntropy())", ("grad",)),
+        "gfx950": ("HeadLoss(GSPO(), metrics=(Entropy(),))", ("grad",))}
 BUILD = """
 import dataclasses, json, sys
 from losscodegen.__main__ import manifest_heads
@@ -54,7 +55,7 @@ print(json.dumps([dataclasses.asdict(r) for r in out]))
 """
 
 
-def test_a_manifest_kernel_compiles_for_hopper_and_blackwell_without_a_gpu(tmp_path):
+def test_a_manifest_kernel_compiles_for_hopper_blackwell_and_amd_without_a_gpu(tmp_path):
     manifest = load.GENERATED / "manifest"
     assert all(line in manifest.read_text() for line, _ in PLAN.values())   # (manifest heads)
     done = subprocess.run([sys.executable, "-c", BUILD, json.dumps(PLAN), str(manifest)],
@@ -67,34 +68,17 @@ def test_a_manifest_kernel_compiles_for_hopper_and_blackwell_without_a_gpu(tmp_p
         assert [r for r in mine if r.problem] == [], target
         kernels = {r.kernel.split(" ")[0] for r in mine}
         assert {f"head_loss_{heads[line].key}", "_prologue", "_scale_rows"} <= kernels, (target, kernels)
-        # what ptxas gave each binary, read back from it (cuobjdump): a block's registers fit the 64K
-        # of a multiprocessor, its shared memory the target's
-        assert all(r.registers is not None and r.registers * r.num_warps * 32 <= 65536 for r in mine), mine
+        # what the compiler gave each binary (ptxas's, read back with cuobjdump; AMD's from its
+        # metadata): on NVIDIA a block's registers fit the 64K of a multiprocessor, on AMD a lane's
+        # VGPRs the 512 a wavefront can have; the shared memory the target's
+        nvidia = portable.TARGETS[target].backend == "cuda"
+        assert all(r.registers is not None and (r.registers * r.num_warps * 32 <= 65536 if nvidia else r.registers <= 512)
+                   for r in mine), mine
         assert all(r.shared <= portable.TARGETS[target].shared_bytes for r in mine)
-    assert any(r.kernel.startswith("segments_") for r in results if r.target == "sm_100a")
+    assert all(any(r.kernel.startswith("segments_") for r in results if r.target == t) for t in ("sm_100a", "gfx950"))
     widest = [r for r in results if r.target == "sm_120a" and r.block_v == 32768]
     assert widest and all(r.num_warps == 32 for r in widest)          # the rule's tile for CE
     assert any("EXCHANGE" in r.kernel for r in results if r.target == "sm_120a")
-
-
-def test_amd_builds_stop_only_where_the_kernels_call_cudas_fast_log(tmp_path):
-    """The command, for MI300 and MI355: the helpers and the segment kernel compile; every head kernel
-    stops at ``libdevice.fast_logf``, and at nothing else. When the templates give AMD a log of its
-    own this fails: then gfx942 and gfx950 join WORKING (and docs/api.md, "Portable builds")."""
-    manifest = tmp_path / "manifest"
-    manifest.write_text("HeadLoss(GSPO(), metrics=(Entropy(),))\n")
-    env = dict(_without_interpreter(tmp_path), TRITON_INTERPRET="1")   # (the command starts again without)
-    done = subprocess.run([sys.executable, "-m", "losscodegen", "build", "--manifest", str(manifest),
-                           "--targets", ",".join(AMD)], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
-    lines = [line for line in done.stdout.splitlines() if line.split(" ")[0] in AMD]
-    failed = [line for line in lines if "FAILED" in line]
-    assert failed and all(AMD_STOP in line and "head_loss_" in line for line in failed), failed
-    for target in AMD:
-        compiled = [line.split()[1] for line in lines if line.startswith(target) and "FAILED" not in line]
-        assert all(any(k.startswith(name) for k in compiled) for name in ("_prologue", "_scale_rows", "segments_")), compiled
-        summary = next(line for line in done.stdout.splitlines() if line.startswith(f"{target} ("))
-        assert "FAILED" in summary and AMD_STOP in summary, summary
 
 
 @pytest.mark.skipif(os.environ.get("LOSSCODEGEN_FULL_BUILD") != "1",
@@ -106,7 +90,7 @@ def test_every_manifest_kernel_compiles_for_every_working_target(tmp_path):
 
 
 def test_an_unknown_target_is_named_with_the_known_ones():
-    assert [t.name for t in portable.parse_targets("all")] == list(WORKING + AMD)
+    assert [t.name for t in portable.parse_targets("all")] == list(WORKING)
     with pytest.raises(ValueError, match="--targets: unknown target.*'sm_89'.*sm_90a, sm_100a, sm_120a, gfx942, gfx950"):
         portable.parse_targets("sm_90a,sm_89")
     with pytest.raises(ValueError, match="calls must be some of"):
