@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import sympy as sp
 
 from . import symbols as S
-from .stable import CANCELLATIONS, cancellations, sech2, stable_form
+from .stable import CANCELLATIONS, cancellations, in_order, sech2, stable_form
 
 # Row statistics of the first read.
 M = sp.Symbol("m", real=True)          # max_i z_i
@@ -598,9 +598,9 @@ def _run_time_temperatures(formula: sp.Expr) -> sp.Expr:
                                                          else (S.topk_logit,))}
         elements = (*at.values(), *S.vectors_in(red), S.topk_logprob)
         # the sums read inside it (row values here, though they hold the element symbols)
-        inner = {r: sp.Dummy(real=True) for r in red.args[0].atoms(S.vsum, S.topk_sum)}
+        inner = {r: sp.Dummy(real=True) for r in in_order(red.args[0].atoms(S.vsum, S.topk_sum))}
         body = red.args[0].xreplace(inner)
-        linear = {e: e.args[0] for e in body.atoms(sp.exp)
+        linear = {e: e.args[0] for e in in_order(body.atoms(sp.exp))
                   if all(not e.args[0].diff(x).has(*at) for x in at)}
         body = body.xreplace({e: sp.exp(sp.expand(a.xreplace({x: d + _MAXIMA[x] for x, d in at.items()})))
                               for e, a in linear.items()})
@@ -624,7 +624,7 @@ def _run_time_temperatures(formula: sp.Expr) -> sp.Expr:
         return (common * sp.Add(*[o / common for o in out])).xreplace({d: r for r, d in inner.items()})
     formula = formula.replace(lambda e: isinstance(e, (S.vsum, S.topk_sum)), shifted)
     # and the maxima's own parts as addends of the row math, where they cancel: (m*R + S)/R is m + S/R
-    sums = {r: sp.Dummy(real=True) for r in formula.atoms(S.vsum, S.topk_sum)}
+    sums = {r: sp.Dummy(real=True) for r in in_order(formula.atoms(S.vsum, S.topk_sum))}
     return sp.expand(formula.xreplace(sums), power_exp=False, log=False).xreplace({d: r for r, d in sums.items()})
 
 
@@ -717,7 +717,7 @@ def _derive_gradient(lw: _Lowering, loss: sp.Expr, *, teacher: bool = False):
     # exp(z / (tau*||z||))) moves with z_i through that summand too: its coefficient collects the path.
     totals = {r: derive(loss, r) for r in lw.red_of}
     for outer, (domain, body) in list(lw.red_of.items()):
-        for inner in body.free_symbols & set(totals):
+        for inner in in_order(body.free_symbols & set(totals)):
             totals[inner] += totals[outer] * lw.sum_of(domain, derive(body, inner))
     groups = _shared_coefficients(list(lw.reductions.items()), loss, totals)
     grad_vocab, grad_topk = sp.S.Zero, sp.S.Zero

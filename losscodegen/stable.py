@@ -92,12 +92,20 @@ def sech2(expr: sp.Expr) -> sp.Expr:
     return expr.replace(lambda e: isinstance(e, sp.Add) and e.has(sp.tanh), rewrite)
 
 
+def in_order(items) -> list:
+    """A set of sympy expressions in sympy's canonical order: a set's own order follows the hashes of
+    the symbols' names, which change with each process (PYTHONHASHSEED); a Dummy made while iterating
+    one takes its index from that order, and sympy's rewrites of what holds it can differ with it
+    (the same fuzzed formula lowered two ways in two processes). The generated code must not."""
+    return sorted(items, key=sp.default_sort_key)
+
+
 def _abs_of_real(u: sp.Expr) -> sp.Expr:
     """``|u|`` of a value the kernel computes (real): sympy, not knowing that ``log(acc)`` is real,
     writes ``Abs(exp(v))`` as ``exp(re(v))`` and expands ``re(tanh(...))`` into sinh, cosh and arg,
     which no backend prints (found by the fuzzer: ``exp(tanh(exp(tanh(lse))))``). Each exponential
     stands in as a positive symbol while sympy takes the absolute value."""
-    positive = {x: sp.Dummy(positive=True) for x in u.atoms(sp.exp)}
+    positive = {x: sp.Dummy(positive=True) for x in in_order(u.atoms(sp.exp))}
     return sp.Abs(u.xreplace(positive)).xreplace({d: x for x, d in positive.items()})
 
 
