@@ -14,7 +14,8 @@ import transformers
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
-from losscodegen.integrations.transformers_reading import Forward, NotStandard, read_class, slice_logits_to_keep, where_of
+from losscodegen.integrations.transformers_reading import (Forward, NotStandard, read_class, slice_logits_to_keep,
+                                                           where_of)
 
 # The model types tests/integrations/test_integration_models.py builds (tiny configs of the installed
 # transformers) and checks against their unpatched forward: loss, router loss and every gradient. Every

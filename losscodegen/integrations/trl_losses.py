@@ -24,7 +24,8 @@ LOGPROB = S.target_logit - S.lse
 OLD_LOGPROBS, ADVANTAGES = S.token("old_logprobs"), S.token("advantages")
 TOKEN_RATIO = S.exp(LOGPROB - OLD_LOGPROBS)
 RATIO = sp.Dummy("r")
-SEQUENCE_RATIO = S.exp(segment_mean(LOGPROB - OLD_LOGPROBS))    # GSPO's: the ratio of the mean over the sequence's tokens
+# GSPO's: the ratio of the mean over the sequence's tokens
+SEQUENCE_RATIO = S.exp(segment_mean(LOGPROB - OLD_LOGPROBS))
 POLICY_TERMS = {"cispo": T.CISPO, "sapo": T.SAPO}   # TRL's loss_type -> terms.py's term (else GRPO)
 # exp above this overflows fp32: TRL's phi_seq is then inf, which its nan_to_num makes 0
 LOG_FLOAT32_MAX = math.log(torch.finfo(torch.float32).max)
@@ -42,7 +43,9 @@ def of_ratio(factory: Any, **numbers: float) -> sp.Expr:
 def at_level(formula: sp.Expr, sequence: bool) -> sp.Expr:
     """A formula of the placeholder at the token level (r = exp(l - old)), or at the sequence level
     (GSPO: the sequence's ratio, and its advantage, the mean of its tokens')."""
-    return formula.xreplace({RATIO: SEQUENCE_RATIO, ADVANTAGES: segment_mean(ADVANTAGES)} if sequence else {RATIO: TOKEN_RATIO})
+    if sequence:
+        return formula.xreplace({RATIO: SEQUENCE_RATIO, ADVANTAGES: segment_mean(ADVANTAGES)})
+    return formula.xreplace({RATIO: TOKEN_RATIO})
 
 
 def summed(formula: sp.Expr, weight: Any, *, sequence: bool, segments: bool) -> sp.Expr:
@@ -100,7 +103,8 @@ def grpo_head(*, loss_type: str, sequence: bool, old_given: bool, off_policy: bo
         # TRL's get_gamma_weights: log w = clamp(sum_t clamp(log_ratio, -20, 20) + sum_t log(IS ratio),
         # log 1e-8, 20), phi = exp(log_gamma) (0 where it overflows), detached; loss -phi * A * logp
         n, A_s = S.token("seq_len"), segment_mean(ADVANTAGES)
-        log_w = S.clamp(segment_mean(n * S.clamp(LOGPROB - OLD_LOGPROBS, -20, 20)) + segment_mean(S.token("log_is")), sp.Float(math.log(1e-8)), 20)
+        log_w = S.clamp(segment_mean(n * S.clamp(LOGPROB - OLD_LOGPROBS, -20, 20)) + segment_mean(S.token("log_is")),
+                        sp.Float(math.log(1e-8)), 20)
         k = S.Piecewise((S.param("k_pos"), A_s >= 0), (S.param("k_neg"), True))
         lam = S.Piecewise((S.param("lambda_pos"), A_s >= 0), (S.param("lambda_neg"), True))
         log_phi = log_gamma(log_w, k, lam, S.exp)
