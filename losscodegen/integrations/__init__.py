@@ -8,7 +8,7 @@
   ``generalized_jsd_loss`` (TRL's GKD loss, fused), and ``add_fused_lm_head`` / ``replace_fused_lm_heads``:
   TRL's fused LM head on ``head.linear``, under TRL's own loss code (``losscodegen.integrations.trl_lm_head``);
   its SFT, DPO and KTO trainers; ``trl_gkd``, ``trl_cpo`` and ``trl_orpo`` (TRL's experimental GKD, CPO and
-  ORPO trainers), each in one fused call.
+  ORPO trainers), each in one fused call. One module per trainer over ``trl_base``; the losses in ``trl_losses``.
 
 Importing this package imports neither transformers nor trl (``pip install "losscodegen[hf]"``).
 """

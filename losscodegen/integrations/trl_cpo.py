@@ -3,7 +3,7 @@
 CPO loss (``cpo_loss`` of its ``loss_type`` averaged over the pairs, plus ``cpo_alpha`` times the chosen
 responses' NLL) and the metrics TRL logs in one ``head.linear`` call on the policy's hidden states and
 output layer: no ``[2B, T, V]`` logits. (A module of its own: importing ``trl.experimental`` warns.)
-``trl_orpo.ORPOTrainer`` shares its pair forward (``fused_pair_forward``)."""
+Its pair forward (``fused_pair_forward``) is ``trl_base``'s, shared with ``trl_orpo.ORPOTrainer``."""
 from __future__ import annotations
 
 from typing import Any
@@ -12,7 +12,7 @@ import torch
 
 import losscodegen as lcg
 from losscodegen import preference as P
-from losscodegen.integrations.trl import add_fused_objective, final_logit_transform
+from losscodegen.integrations.trl_base import fused_pair_forward, fused_pair_trainer, global_mean
 
 try:
     from trl.experimental.cpo import CPOTrainer as _TRLCPOTrainer
@@ -20,53 +20,6 @@ except ImportError as e:  # pragma: no cover - the message is the point
     raise ImportError('losscodegen.integrations.trl_cpo needs trl>=1.16: pip install "losscodegen[hf]"') from e
 
 __all__ = ["CPOTrainer"]
-
-
-def fused_pair_trainer(trainer: Any, name: str, refused: list[str]) -> tuple[Any, float]:
-    """Check a TRL pair trainer (CPO, ORPO) built: refuse what one fused call on the policy's hidden states
-    cannot compute (with ``refused``, the trainer's own), patch its model for ``add_fused_objective``, and
-    return the patched model and its logit scale."""
-    target = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
-    softcap, scale = final_logit_transform(target)
-    if trainer.is_encoder_decoder:
-        refused.append("an encoder-decoder model")
-    if softcap is not None:
-        refused.append(f"a final-logit softcap ({softcap * abs(scale)}: TRL's logits/chosen, a mean of the full "
-                       "logits, is then no function of the hidden states' mean)")
-    if trainer.aux_loss_enabled and trainer.aux_loss_coef != 0.0:
-        refused.append(f"router_aux_loss_coef={trainer.aux_loss_coef} (a mixture-of-experts load-balancing loss)")
-    if refused:
-        raise ValueError(f"losscodegen's {name} cannot fuse " + "; ".join(refused)
-                         + f": use trl.experimental.{name[:-len('Trainer')].lower()}.{name} for these")
-    add_fused_objective(target, cast_lm_head_to_fp32=False)
-    return target, scale
-
-
-def fused_pair_forward(model: Any, target: Any, scale: float, cat: dict, head: lcg.HeadLoss, labels: torch.Tensor,
-                       call: dict) -> tuple[lcg.HeadOutput, torch.Tensor]:
-    """One ``head.linear`` call on TRL's concatenated batch ``cat`` (labels ``[2B, T - 1]``, shifted), and
-    each position's mean logit over the vocabulary ``[2B, T]`` (TRL logs means of the full logits): linear
-    in the hidden state, ``h . mean(W) + mean(b)`` times the logit scale, from the backbone's output."""
-    hidden = []
-    hook = target.base_model.register_forward_hook(
-        lambda module, inputs, output: hidden.append(output.last_hidden_state.detach()))
-    try:
-        out = model(cat["concatenated_input_ids"], attention_mask=cat["concatenated_attention_mask"],
-                    use_cache=False, losscodegen=(head, labels, call, labels.shape[1]))
-    finally:
-        hook.remove()
-    lm_head = target.get_output_embeddings()
-    with torch.no_grad():
-        mean_logit = hidden[0].float() @ lm_head.weight.float().mean(0)
-        if lm_head.bias is not None:
-            mean_logit = mean_logit + lm_head.bias.float().mean()
-    return out, mean_logit * scale
-
-
-def gathered_mean(acc: Any, total: torch.Tensor, count: float) -> float:
-    """``total / count`` summed over the processes (``acc``: the accelerator)."""
-    totals = acc.gather_for_metrics(torch.stack([total.float(), total.new_tensor(count)])[None]).reshape(-1, 2).sum(0)
-    return (totals[0] / totals[1]).item()
 
 
 class CPOTrainer(_TRLCPOTrainer):
@@ -103,7 +56,7 @@ class CPOTrainer(_TRLCPOTrainer):
                                              P.pair_inputs(head, labels))
 
         def mean(total: torch.Tensor, count: float) -> float:
-            return gathered_mean(acc, total, count)
+            return global_mean(acc.gather_for_metrics, total, count)
 
         prefix = "eval_" if train_eval == "eval" else ""
         chosen, rejected = self.beta * out.terms["reward_chosen"] * B, self.beta * out.terms["reward_rejected"] * B

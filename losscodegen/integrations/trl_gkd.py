@@ -9,7 +9,9 @@ from typing import Any
 
 import torch
 
-from losscodegen.integrations.trl import add_fused_objective, final_logit_transform, jsd_head
+from losscodegen.integrations.trl_base import add_fused_objective, policy_model
+from losscodegen.integrations.trl_lm_head import final_logit_transform
+from losscodegen.integrations.trl_losses import jsd_head
 
 try:
     from trl.experimental.gkd import GKDTrainer as _TRLGKDTrainer
@@ -38,7 +40,7 @@ class GKDTrainer(_TRLGKDTrainer):
                              "use trl's GKDTrainer for it")
         self._lcg_head = jsd_head(float(self.beta), 1.0, cap, scale)
         self._lcg_teacher_scale = teacher_scale
-        student = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        student = policy_model(self.model)
         add_fused_objective(student, cast_lm_head_to_fp32=False)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import losscodegen as lcg
-from losscodegen import symbols as S
+from losscodegen.integrations.trl_losses import LogSumSqProbs, MeanLogits
 
 try:
     from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
@@ -41,10 +41,6 @@ __all__ = ["add_fused_lm_head", "replace_fused_lm_heads", "final_logit_transform
 FUSED_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 _IGNORE_INDEX = -100
 
-# TRL's fields without a gradient (TRL marks them non-differentiable): metrics of the head. log_probs
-# and entropy have one (GRPO's entropy bonus differentiates the entropy): terms of the head.
-_LogSumSqProbs = lcg.declare_term("log_sum_sq_probs", S.log(S.vsum(S.softmax ** 2)), metric_only=True)
-_MeanLogits = lcg.declare_term("mean_logits", S.vsum(S.logit) / S.vocab_size, metric_only=True)
 _ROWS = dict(log_probs="logprob", entropy="entropy", log_sum_sq_probs="log_sum_sq_probs",
              mean_logits="mean_logits", is_top1="token_accuracy")   # field -> the head's row name
 
@@ -76,7 +72,7 @@ def final_logit_transform(model: nn.Module, temperature: float = 1.0) -> tuple[f
 
 def _head(outputs: tuple[str, ...], softcap: float | None, logit_scale: float,
           objective: lcg.HeadLoss | None) -> lcg.HeadLoss:
-    metrics = [m() for name, m in (("log_sum_sq_probs", _LogSumSqProbs), ("mean_logits", _MeanLogits),
+    metrics = [m() for name, m in (("log_sum_sq_probs", LogSumSqProbs), ("mean_logits", MeanLogits),
                                    ("is_top1", lcg.TokenAccuracy)) if name in outputs]
     if objective is None:
         terms = [lcg.LogProb()] + ([lcg.Entropy()] if "entropy" in outputs else [])

@@ -19,8 +19,8 @@ import torch
 
 import losscodegen as lcg
 from losscodegen import preference as P
-from losscodegen import symbols as S
-from losscodegen.integrations.trl_cpo import fused_pair_forward, fused_pair_trainer, gathered_mean
+from losscodegen.integrations.trl_base import fused_pair_forward, fused_pair_trainer, global_mean
+from losscodegen.integrations.trl_losses import on_completions
 
 try:
     from trl.experimental.orpo import ORPOTrainer as _TRLORPOTrainer
@@ -29,23 +29,12 @@ except ImportError as e:  # pragma: no cover - the message is the point
 
 __all__ = ["ORPOTrainer"]
 
-_COMPLETION = S.token("completion")   # 1 on a response's rows, 0 on its prompt's
-
-
-def _on_completions(term: lcg.Term) -> lcg.Term:
-    """``term``, a pair term of ``preference`` in segment sums, with the sums over the completion rows."""
-    if not term.formula.has(S.segment_mean):
-        raise ValueError(f"{term.name}: not a term of segment sums")
-    formula = term.formula.replace(S.segment_mean, lambda x: S.segment_mean(_COMPLETION * x))
-    return lcg.declare_term(term.name, formula, defaults=dict(term.params))(weight=term.weight)
-
-
 class ORPOTrainer(_TRLORPOTrainer):
     """``trl.experimental.orpo.ORPOTrainer`` with the same constructor; the loss is ``preference.ORPO(beta)``
     over the responses' tokens plus ``ChosenNLL()`` over every token of the chosen sequences, one pair a
     segment, and ``orpo_statistics`` give the logged rewards, log-probs and log odds. TRL's
     ``logits/chosen`` / ``logits/rejected`` (means of the full logits) come from the backbone's output
-    (``trl_cpo.fused_pair_forward``). Refused at construction: an encoder-decoder model, a softcapped model,
+    (``trl_base.fused_pair_forward``). Refused at construction: an encoder-decoder model, a softcapped model,
     a mixture-of-experts load-balancing loss, a negative ``beta``; at a step, a response without a
     completion token (TRL's average log-probability is then NaN)."""
 
@@ -53,9 +42,9 @@ class ORPOTrainer(_TRLORPOTrainer):
         super().__init__(*args, **kwargs)
         refused = [f"beta={self.beta} (a negative weight of the odds ratio)"] if self.beta < 0 else []
         self._lcg_target, self._lcg_scale = fused_pair_trainer(self, "ORPOTrainer", refused)
-        statistics = {t.name: t for t in map(_on_completions, P.orpo_statistics())}
+        statistics = {t.name: t for t in map(on_completions, P.orpo_statistics())}
         log_odds_ratio = lcg.declare_term("log_odds_ratio", P.logsigmoid(statistics["log_odds"].formula))
-        self._lcg_head = lcg.HeadLoss(_on_completions(P.ORPO(beta=self.beta)), P.ChosenNLL(), *statistics.values(),
+        self._lcg_head = lcg.HeadLoss(on_completions(P.ORPO(beta=self.beta)), P.ChosenNLL(), *statistics.values(),
                                       log_odds_ratio(weight=0.0), logit_scale=self._lcg_scale)
 
     def get_batch_loss_metrics(self, model, batch, train_eval="train"):
@@ -75,7 +64,7 @@ class ORPOTrainer(_TRLORPOTrainer):
         out, mean_logit = fused_pair_forward(model, self._lcg_target, self._lcg_scale, cat, head, labels, call)
 
         def mean(total: torch.Tensor, count: float) -> float:
-            return gathered_mean(acc, total, count)
+            return global_mean(acc.gather_for_metrics, total, count)
 
         logps_chosen, logps_rejected = out.terms["logps_chosen"] * B, out.terms["logps_rejected"] * B
         # TRL's accuracy compares the rewards, beta times the log-probs: none where beta is 0

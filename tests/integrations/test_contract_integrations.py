@@ -154,11 +154,12 @@ def test_register_model_type_declares_an_unknown_type():
 
 def test_registered_type_is_listed_in_supported_model_types():
     from losscodegen.integrations import transformers as lt
+    from losscodegen.integrations import transformers_model_types
     lt.register_model_type("contract_listed_type")
     try:
         assert "contract_listed_type" in lt.SUPPORTED_MODEL_TYPES
     finally:
-        lt._MODEL_TYPES.pop("contract_listed_type")
+        transformers_model_types._MODEL_TYPES.pop("contract_listed_type")
 
 
 def test_auto_model_from_config_comes_back_patched_with_the_given_head():

@@ -15,7 +15,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from losscodegen.integrations import transformers as integration  # noqa: E402
+from losscodegen.integrations import transformers_model_types as integration  # noqa: E402
 from losscodegen.integrations.transformers import (SUPPORTED_MODEL_TYPES, apply_losscodegen,  # noqa: E402
                                                    register_model_type)
 

@@ -247,8 +247,9 @@ def test_the_trainers_policy_terms_are_terms_pys_declarations(loss_type, factory
     from losscodegen import terms as T
     params = dict(dapo=dict(eps_low=0.2, eps_high=0.28, delta=float("inf")), cispo=dict(eps_high=4.0),
                   sapo=dict(temperature_pos=1.0, temperature_neg=1.05))[loss_type]
-    head = lcg_trl._head(loss_type=loss_type, sequence=False, old_given=True, off_policy=False, sampling_given=False,
-                         beta=True, bias_corrected=False, entropy=False, params=params, softcap=None, logit_scale=1.0)
+    from losscodegen.integrations.trl_losses import grpo_head
+    head = grpo_head(loss_type=loss_type, sequence=False, old_given=True, off_policy=False, sampling_given=False,
+                     beta=True, bias_corrected=False, entropy=False, params=params, softcap=None, logit_scale=1.0)
     (policy,) = head.loss_terms
     want = (S.token("w_pol") * getattr(T, factory).formula.xreplace({S.param("kl_beta"): 0})
             + S.token("w_kl") * T.RefKL.formula.xreplace({S.param("kl_bias_correction"): 0}))
