@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "39f035c152db4d19"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "9abc6608f43f"
+CODEGEN = "a69a416dbe24"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_fraction']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -503,4 +503,4 @@ def head_loss_39f035c152db4d19(
             tl.store(ws_ptr + 2, value_clip_fraction)
             tl.store(ws_ptr + 3, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "ddcb0fdcdea0ae39f4efb6a4e877b610a4f34ca94cb2835b260f0886ef1131e7"
+TEXT_HASH = "1d14633c9a30c6b0c6a3253070e8414bde63ee3baffaf9835a524ca5f0595bc8"

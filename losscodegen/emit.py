@@ -560,7 +560,9 @@ class Phases:
       ``grad_means`` (the segment means a row term of segment statistics' direct path reads);
     - the segments: ``segments`` (each segment term's value and gradients in the means),
       ``seg_coefs``, ``seg_mean_rows``, and the divisors they use (``uses_div``: the segments',
-      ``uses_div_seq``: the sequences');
+      ``uses_div_seq``: the sequences', ``uses_div_rows``: a row term's), ``seg_row_weights`` (each
+      row term of segment statistics' weight in the gradient read: ``uses_seq_scale`` where one is
+      divided by the sequences);
     - and what the template declares only where read: ``uses_label``, ``uses_zym``,
       ``uses_vocab_size``, ``uses_is_y``, ``uses_is_argmax``, ``uses_argmax`` (the first read keeps
       the argmax), ``grad_uses_teacher`` (the gradient read loads the teacher), ``uses_vocab_start``
@@ -606,8 +608,9 @@ def phases(plan: Plan, spec: KernelSpec, printer: ArrayPrinter, statements: Stat
         temps, (value, *grads) = statements([seg.formula, *seg.dformula], f"{seg.name}_u")
         segments.append(dict(name=seg.name, temps=temps, value=value, slot=lw.outputs.index(seg.name),
                              per_sequence=norm[seg.name] == "sequence",
-                             # its divisor: a row term of segment statistics is divided as a row term is
-                             div="div_rows" if seg.rows else "div_seq" if norm[seg.name] == "sequence" else "div",
+                             # its divisor: a row term of segment statistics is divided as a row term is,
+                             # unless normalised by sequence (each row then over its segment's rows: terms.bind)
+                             div="div_seq" if norm[seg.name] == "sequence" else "div_rows" if seg.rows else "div",
                              grads=[(seg_means.index(U.name), g) for U, g in zip(seg.means, grads)],
                              # a row term of segment statistics: its row values, read row by row
                              rows=[(p.name, row_names.index(p.name)) for p in seg.rows],
@@ -643,6 +646,9 @@ def phases(plan: Plan, spec: KernelSpec, printer: ArrayPrinter, statements: Stat
         grad_label=None if grad_label == 0 else printer.doprint(grad_label),
         topk_grad=None if lw.grad_topk == 0 else topk_grad_expr, topk_grad_temps=topk_grad_temps,
         grad_means=[(U.name, seg_means.index(U.name)) for seg in lw.segments if seg.rows for U in seg.means],
+        # a row term of segment statistics' direct path: its weight over its divisor, as its value's
+        seg_row_weights=[(n, f"weight_{n} * {'seq_scale' if norm[n] == 'sequence' else 'grad_scale'}")
+                         for n in spec.segment_row_terms],
         segments=segments, seg_coefs=[c.name for s in lw.segments for c in s.coefs],
         seg_mean_rows=[row_names.index(u) for u in seg_means],
         uses_label=any(e.has(S.label) for _, e in lw.row_values),
@@ -656,6 +662,8 @@ def phases(plan: Plan, spec: KernelSpec, printer: ArrayPrinter, statements: Stat
         uses_ninf=neg_inf["exact"]["gone"] or neg_inf["grad"]["gone"],
         uses_value_scale="tokens" in norm.values(), uses_count_scale="mean" in norm.values(),
         uses_div=any(s["div"] == "div" for s in segments), uses_div_seq=any(s["per_sequence"] for s in segments),
+        uses_div_rows=any(s["div"] == "div_rows" for s in segments),
+        uses_seq_scale=any(norm[n] == "sequence" for n in spec.segment_row_terms),
         flag_slots={name: i for i, name in enumerate(FLAG_SLOTS)},
     )
     return Phases(body, grad_dense, grad_topk, context, *grad_teacher)

@@ -441,10 +441,13 @@ def _declared(gen: Generator, i: int, metric: bool) -> TermSpec:
         weight = r.choice(["1.0", "0.3", _TENSOR.format(0.8)])
         params.insert(0, f"weight={weight}")
         if _row_of_segments(code):
-            pass   # a row term of segment statistics: normalize= other than tokens is not yet allowed
+            # normalize='sequence' for a third of them, decided by u (the draw that chose the formula: a
+            # draw of their own would move every later case's); batch quantiles alone take tokens only
+            if u < 0.05 and "row_quantile" not in code:
+                params.append("normalize='sequence'")   # each segment's mean of its rows, over the segments
         elif r.random() < 0.15:
             params.append("normalize='sum'")
-        elif gen.segments and r.random() < 0.2 and "segment" not in code:
+        elif gen.segments and r.random() < 0.2:
             params.append("normalize='sequence'")   # the mean over each segment's rows
     return TermSpec(", ".join(params), name=f"f{i}", formula=formula, metric=metric)
 

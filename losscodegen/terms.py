@@ -132,9 +132,7 @@ class TermFactory:
         if normalize not in NORMALIZE:
             raise ValueError(f"{self.name}: normalize must be one of {NORMALIZE}, got {normalize!r}")
         if normalize != "tokens" and self.formula.has(S.segment_mean):
-            raise ValueError(f"{self.name}: a term of segment means (or batch quantiles) is normalised per "
-                             f"segment already, or, reading row quantities beside them, divided as a row term "
-                             f"(by divisor= or the valid rows); normalize={normalize!r} is for row terms")
+            self._check_statistics_normalize(normalize)
         if class_weight is not None:
             self._check_class_weight(class_weight, normalize)
         values = {**self.defaults, **params}
@@ -168,6 +166,19 @@ class TermFactory:
         names = ["weight", *self.defaults, *sorted(self._param_names() - set(self.defaults))]
         raise TypeError(f"{public} takes its options by keyword: {', '.join(f'{n}=...' for n in names)} "
                         f"(also normalize=..., class_weight=...); got positional {positional!r}")
+
+    def _check_statistics_normalize(self, normalize: str) -> None:
+        """A formula of segment statistics takes ``normalize="sequence"`` (the mean over the segments of
+        each one's mean over its valid rows: ``bind``); ``"sum"`` it does not take, and a row term of
+        batch quantiles alone is not one of segments (the call may give no ``segment_ids``: one segment)."""
+        if normalize == "sum":
+            raise ValueError(f"{self.name}: a term of segment statistics is divided by its segments (a "
+                             "segment term) or as a row term is (divisor= or the valid rows); it takes "
+                             "normalize='tokens' or 'sequence', not 'sum' (reduction='sum' drops the division)")
+        if all(isinstance(m, S.row_quantile) for m in self.formula.atoms(S.segment_mean)):
+            raise ValueError(f"{self.name}: normalize='sequence' averages each segment's rows, and this term "
+                             "reads batch quantiles (S.row_quantile) alone, no segment statistic: a head of "
+                             "them takes no segment_ids (its rows are one segment); it takes normalize='tokens'")
 
     def _check_class_weight(self, class_weight: Any, normalize: str) -> None:
         """``class_weight``: a [V] float tensor of finite, non-negative values (looked at once, here:
@@ -430,7 +441,8 @@ def _sign(value: Any) -> int:
 def bind(term: Term, head_terms: tuple[Term, ...]) -> sp.Expr:
     """The term's formula as the kernel computes it: each runtime parameter a symbol the kernel
     reads from its scalars (``S.runtime``, named after the term that owns the value), the others
-    substituted as numbers; a term with ``normalize="sequence"`` becomes the mean over its segment.
+    substituted as numbers; a term with ``normalize="sequence"`` becomes the mean over its segment (a
+    row term of segment statistics its value over its segment's valid rows).
     A parameter's value (a tensor's, as it is now) where the formula is undefined is refused
     (``_check_defined``); a division by a parameter that a product cancels is cancelled first, so
     that the formula has its limit there (``_limit_form``)."""
@@ -445,7 +457,23 @@ def bind(term: Term, head_terms: tuple[Term, ...]) -> sp.Expr:
     formula = formula.xreplace(values)
     if term.class_weight is not None:
         formula = S.class_weight(term.name) * formula
-    return S.segment_mean(formula) if term.normalize == "sequence" else formula
+    if term.normalize != "sequence":
+        return formula
+    if not formula.has(S.segment_mean):
+        return S.segment_mean(formula)
+    # a row term of segment statistics: each valid row's value over its segment's valid rows, so that
+    # the rows' sum is the sum of the segments' means (the kernel then divides by the segments); a
+    # formula of segment statistics alone is the same on every row of its segment: its mean already
+    return formula / S.segment_count if reads_rows(formula) else formula
+
+
+def reads_rows(formula: sp.Expr) -> bool:
+    """Whether a formula of segment statistics reads row quantities outside them (GSPO-token): a row
+    term of segment statistics, evaluated row by row (lower.SegmentTerm's ``rows``)."""
+    outside = formula.replace(lambda e: isinstance(e, S.segment_mean), lambda e: sp.Dummy(real=True))
+    return bool(outside.atoms(S.LSE, S.vsum, S.topk_sum)) or any(
+        not s.name.startswith(S.RUNTIME_PREFIX) and s not in S.SEGMENT_SYMBOLS and not isinstance(s, sp.Dummy)
+        for s in outside.free_symbols)
 
 
 def _limit_form(formula: sp.Expr) -> sp.Expr:

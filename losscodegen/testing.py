@@ -21,6 +21,7 @@ from . import symbols as S
 from .emit import TorchPrinter
 from .head import HeadLoss
 from .inputs import STANDARD_INPUTS
+from .terms import reads_rows as _reads_rows
 
 __all__ = ["reference", "assert_parity", "random_inputs", "TOLERANCES"]
 
@@ -198,6 +199,8 @@ class Reference:
                 per_row = _evaluate(_row_means(formula, ns, valid, seg), ns)
                 per_row = torch.where(valid, torch.as_tensor(per_row, dtype=torch.float64).expand(R, 1)[:, 0], 0.0)
                 div = 1.0 if reduction == "sum" else float(divisor) if divisor is not None else n_valid
+                if normalize[name] == "sequence":   # (each row over its segment's rows: terms.bind)
+                    div = 1.0 if reduction == "sum" else _num_segments(inputs.get("num_segments"), seg[valid])
                 value = per_row.sum() / div
             elif formula.has(S.segment_mean):
                 value = _segment_term(formula, ns, valid, inputs["segment_ids"].reshape(-1), divisor, reduction,
@@ -214,14 +217,6 @@ class Reference:
             values[name] = value.detach()
             loss = loss + weight * value
         return x, per_row_loss.reshape(shape) if reduction == "none" else loss, values, rows
-
-
-def _reads_rows(formula: sp.Expr) -> bool:
-    """Whether a formula of segment means reads row quantities outside them (GSPO-token)."""
-    outside = formula.replace(lambda e: isinstance(e, S.segment_mean), lambda e: sp.Dummy(real=True))
-    return bool(outside.atoms(S.LSE, S.vsum, S.topk_sum)) or any(
-        not s.name.startswith(S.RUNTIME_PREFIX) and s not in S.SEGMENT_SYMBOLS and not isinstance(s, sp.Dummy)
-        for s in outside.free_symbols)
 
 
 def _row_means(formula, ns, valid, seg) -> sp.Expr:
@@ -263,10 +258,16 @@ def _segment_term(formula, ns, valid, seg, divisor, reduction, sequence) -> torc
         ns[means[mean].name] = per_seg
     total = torch.as_tensor(_evaluate(formula.xreplace(means), ns), dtype=ns["z"].dtype).sum()
     if sequence is not False:
-        n_seg = sequence if sequence is not None else (max(ids) + 1 if ids else 0)
-        return total / (1.0 if reduction == "sum" else max(n_seg, 1))
+        return total / (1.0 if reduction == "sum" else _num_segments(sequence, seg[valid]))
     div = float(divisor) if divisor is not None else 1.0 if reduction == "sum" else max(len(ids), 1)
     return total / div
+
+
+def _num_segments(given: int | None, valid_ids: torch.Tensor) -> float:
+    """A normalize="sequence" term's divisor: ``num_segments``, else the largest valid row's segment id
+    plus one (an empty segment counts); at least 1."""
+    n_seg = given if given is not None else (int(valid_ids.max()) + 1 if valid_ids.numel() else 0)
+    return float(max(n_seg, 1))
 
 
 def reference(head: HeadLoss) -> Reference:

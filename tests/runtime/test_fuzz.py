@@ -168,6 +168,10 @@ _NEW_CONSTRUCTS = {
     "segment_sums_and_a_row_term_of_them": ((
         _T("weight=1.0", name="f0", formula=fuzz.Node("S.segment_sum(S.lse - S.target_logit) / S.segment_count")),
         _T("weight=0.5", name="f1", formula=fuzz.Node("(S.lse - S.target_logit) / S.segment_mean(1 + S.token('a')**2)"))), ""),
+    "terms_of_segment_statistics_by_sequence": ((
+        _T("weight=1.0, normalize='sequence'", name="f0", formula=fuzz.Node(
+            "(S.lse - S.target_logit) * S.exp(S.segment_mean(S.target_logit - S.lse - S.token('old_logprobs')))")),
+        _T("weight=0.5, normalize='sequence'", name="f1", formula=fuzz.Node("S.segment_mean(S.lse - S.target_logit) ** 2"))), ""),
     "dpo_orpo_and_statistics": ((_T("P.DPO(loss_type='sigmoid', beta=0.5, use_weighting=True)"), _T("P.ORPO(beta=0.1)"),
                                  _T("*P.pair_statistics()")), "pairs"),
     "sorted_segment_sums": ((_T("weight=1.0", name="f0", formula=fuzz.Node(

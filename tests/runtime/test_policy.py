@@ -4,7 +4,8 @@ import torch
 
 import losscodegen as lcg
 from losscodegen import symbols as S
-from helpers import check_head, make_inputs, policy_inputs
+from helpers import DEVICE, check_head, make_inputs, policy_inputs
+from losscodegen.testing import compare
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -146,3 +147,118 @@ def test_segment_ids_must_be_shaped_like_labels():
     with pytest.raises(ValueError, match=r"segment_ids must have shape \(2, 3\)"):
         lcg.HeadLoss(lcg.GSPO())(logits, labels, old_logprobs=torch.zeros(2, 3), advantages=torch.zeros(2, 3),
                                  segment_ids=torch.zeros(3, 2, dtype=torch.long))
+
+
+# GSPO-token (arXiv 2507.18071, eq. 13): per token s = sg(R_seq) * pi(y_t) / sg(pi(y_t)), R_seq the
+# sequence's geometric-mean ratio; each token's clipped objective, with no length of its own: its
+# sequence's mean over its tokens comes from normalize="sequence"
+_l = S.target_logit - S.lse
+_s = S.stop_gradient(S.exp(S.segment_mean(_l - S.token("old_logprobs")))) * S.exp(_l - S.stop_gradient(_l))
+_A = S.token("advantages")
+GSPOToken = lcg.declare_term(
+    "gspo_token", -S.Min(_s * _A, S.clamp(_s, 1 - S.param("eps_low"), 1 + S.param("eps_high")) * _A),
+    defaults={"eps_low": 0.2, "eps_high": 0.28})
+
+
+def _seq_mean_token_mean(logits, labels, seg, A, old, n_seg, *, token=True, reduction="mean",
+                         eps_low=0.2, eps_high=0.28):
+    """verl's "seq-mean-token-mean" in float64 torch (not losscodegen's reference): each sequence's
+    mean over its valid tokens of GSPO-token's per-token loss (``token=False``: GSPO's, whose ratio
+    and advantage are the sequence's), then the mean over ``n_seg`` sequences, an empty one counting
+    0 (``reduction="sum"``: their sum)."""
+    l = torch.log_softmax(logits, -1).gather(1, labels.clamp_min(0)[:, None])[:, 0]
+    total = logits.new_zeros(())
+    for s in range(n_seg):
+        rows = (seg == s) & (labels != -100)
+        if not rows.any():
+            continue
+        ratio = torch.exp((l[rows] - old[rows]).mean())
+        if token:
+            r, adv = ratio.detach() * torch.exp(l[rows] - l[rows].detach()), A[rows]
+        else:
+            r, adv = ratio, A[rows].mean()
+        total = total + (-torch.minimum(r * adv, r.clamp(1 - eps_low, 1 + eps_high) * adv)).mean()
+    return total if reduction == "sum" else total / n_seg
+
+
+def _sequences(dtype, R=26, V=64, H=16):
+    """Rows of 7 sequences (ids 0..6 of valid rows): ignored rows, sequence 2 with no row and 4 with
+    only ignored ones (both empty, both counted); old log-probs 0.3 away, so that ratios clip."""
+    g = torch.Generator().manual_seed(11)
+    hidden = torch.randn(R, H, generator=g, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=g, dtype=torch.float64) * 0.5
+    labels = torch.randint(0, V, (R,), generator=g)
+    seg = torch.tensor([0] * 5 + [1] * 2 + [3] * 7 + [4] * 3 + [5] * 6 + [6] * 3)
+    labels[[1, 8, 20]] = -100
+    labels[seg == 4] = -100
+    logits = (hidden @ weight.t()).to(dtype).double()
+    with torch.no_grad():
+        lp = torch.log_softmax(logits, -1).gather(1, labels.clamp_min(0)[:, None])[:, 0]
+    old = (lp + 0.3 * torch.randn(R, generator=g, dtype=torch.float64)).float()
+    A = torch.randn(R, generator=g).float()
+    return hidden.to(dtype), weight.to(dtype), labels, seg, A, old
+
+
+@pytest.mark.parametrize("dtype,backend", [(torch.float32, "triton"), (torch.float32, "torch"),
+                                           (torch.bfloat16, "triton"), (torch.bfloat16, "torch")],
+                         indirect=["backend"])
+def test_gspo_token_with_sequence_mean_normalization(dtype, backend):
+    """TRL/verl's GSPO-token with "seq-mean-token-mean": normalize="sequence" on a row term that reads
+    its sequence's mean ratio; by num_segments (a trailing empty sequence), else the largest valid
+    sequence id + 1; reduction="sum"; head(...) and head.linear; value and gradient."""
+    hidden, weight, labels, seg, A, old = _sequences(dtype)
+    head = lcg.HeadLoss(GSPOToken(normalize="sequence"))
+    inputs = dict(segment_ids=seg.to(DEVICE), advantages=A.to(DEVICE), old_logprobs=old.to(DEVICE))
+    rtol, atol, grad_tol = lcg.testing.TOLERANCES[dtype]
+    for kw, n_seg in ((dict(num_segments=8), 8), ({}, 7), (dict(reduction="sum"), 7)):
+        x64 = (hidden.double() @ weight.double().t()).to(dtype).double().requires_grad_()
+        want = _seq_mean_token_mean(x64, labels, seg, A.double(), old.double(), n_seg,
+                                    reduction=kw.get("reduction", "mean"))
+        want.backward()
+        x = x64.detach().to(dtype).to(DEVICE).requires_grad_()
+        out = head(x, labels.to(DEVICE), **inputs, **kw)
+        out.loss.backward()
+        compare("loss", out.loss, want.detach(), dtype)
+        compare("gspo_token", out.terms["gspo_token"], want.detach(), dtype)
+        compare("gradient", x.grad, x64.grad, dtype)
+
+        h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+        _seq_mean_token_mean(h64 @ w64.t(), labels, seg, A.double(), old.double(), n_seg,
+                             reduction=kw.get("reduction", "mean")).backward()
+        h, w = hidden.to(DEVICE).clone().requires_grad_(), weight.to(DEVICE).clone().requires_grad_()
+        fused = head.linear(h, w, labels.to(DEVICE), chunk_rows=8, **inputs, **kw)
+        fused.loss.backward()
+        # (bf16: the fused head's logits are rounded from the product; the reference's are not)
+        tol = dict(tolerances=(1e-2, 1e-2, 3e-2)) if dtype == torch.bfloat16 else {}
+        compare("loss", fused.loss, want.detach(), dtype, **tol)
+        compare("gradient of hidden", h.grad, h64.grad, dtype, **tol)
+        compare("gradient of weight", w.grad, w64.grad, dtype, **tol)
+    # normalised by tokens it is another loss (the sequences' lengths differ): the option is read
+    by_tokens = lcg.HeadLoss(GSPOToken())(x.detach(), labels.to(DEVICE), **inputs).loss.item()
+    by_sequence = head(x.detach(), labels.to(DEVICE), **inputs).loss.item()
+    assert abs(by_tokens - by_sequence) > 10 * (atol + rtol * abs(by_sequence)), (by_tokens, by_sequence)
+
+
+@pytest.mark.parametrize("dtype,backend", [(torch.float32, "torch"), (torch.bfloat16, "triton")],
+                         indirect=["backend"])
+def test_gspo_with_sequence_mean_normalization_counts_every_sequence(dtype, backend):
+    """GSPO (a term of sequence statistics alone) with normalize="sequence": divided by every sequence,
+    the empty ones too, where by default it is divided by the non-empty ones; and the public float64
+    reference (assert_parity) agrees for it and for GSPO-token."""
+    hidden, weight, labels, seg, A, old = _sequences(dtype)
+    head = lcg.HeadLoss(lcg.GSPO(normalize="sequence", eps_low=0.2, eps_high=0.28))
+    inputs = dict(segment_ids=seg.to(DEVICE), advantages=A.to(DEVICE), old_logprobs=old.to(DEVICE))
+    x64 = (hidden.double() @ weight.double().t()).to(dtype).double().requires_grad_()
+    want = _seq_mean_token_mean(x64, labels, seg, A.double(), old.double(), 8, token=False)
+    want.backward()
+    x = x64.detach().to(dtype).to(DEVICE).requires_grad_()
+    out = head(x, labels.to(DEVICE), num_segments=8, **inputs)
+    out.loss.backward()
+    compare("loss", out.loss, want.detach(), dtype)
+    compare("gradient", x.grad, x64.grad, dtype)
+    by_default = lcg.HeadLoss(lcg.GSPO(eps_low=0.2, eps_high=0.28))(x.detach(), labels.to(DEVICE), num_segments=8,
+                                                                    **inputs).loss
+    compare("loss", by_default * 5 / 8, want.detach(), dtype)   # (5 sequences with a valid row, of 8)
+    for term in (lcg.GSPO(normalize="sequence"), GSPOToken(normalize="sequence")):
+        lcg.testing.assert_parity(lcg.HeadLoss(term, lcg.CrossEntropy(weight=0.1)), rows=20, vocab=48,
+                                  dtypes=(dtype,), regimes=("randn", "policy_edges"))

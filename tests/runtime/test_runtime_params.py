@@ -189,6 +189,10 @@ def test_normalize_sequence_matches_trl_grpo_with_an_empty_completion(dtype):
 def test_normalize_is_checked():
     with pytest.raises(ValueError, match="normalize must be one of"):
         lcg.CrossEntropy(normalize="batch")
-    with pytest.raises(ValueError, match="normalised per segment already"):
-        lcg.GSPO(normalize="sequence")
+    # a term of segment statistics: by sequence (test_policy.py), not "sum"; nor where no segment is read
+    assert lcg.HeadLoss(lcg.GSPO(normalize="sequence")).key != lcg.HeadLoss(lcg.GSPO()).key
+    with pytest.raises(ValueError, match="gspo: a term of segment statistics .* not 'sum'"):
+        lcg.GSPO(normalize="sum")
+    with pytest.raises(ValueError, match="grpo: normalize='sequence' .* batch quantiles"):
+        lcg.GRPO(top_entropy_quantile=0.8, normalize="sequence")
     assert lcg.HeadLoss(lcg.CrossEntropy(normalize="sum")).key != lcg.HeadLoss(lcg.CrossEntropy()).key
