@@ -12,7 +12,7 @@
     vocabulary, kept in ``$LOSSCODEGEN_CACHE/tiles.json`` (which the runtime reads) or written to
     ``--out`` (the form shipped as losscodegen/backends/triton/tiles.json).
 ``python -m losscodegen fuzz [--minutes N] [--seed S] [--device cpu|cuda]``
-    the differential fuzzer (losscodegen/fuzz.py): random formulas and heads under every plan,
+    the differential fuzzer (losscodegen/fuzz/): random formulas and heads under every plan,
     against the float64 reference; each mismatch printed as a minimal regression test.
 ``python -m losscodegen build [--manifest FILE] [--targets sm_90a,sm_100a,...|all] [--vocab V]``
     every kernel variant of a manifest's heads compiled for GPUs this machine need not have

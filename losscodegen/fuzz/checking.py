@@ -396,7 +396,7 @@ class Ranks:
 def nan_workspaces() -> None:
     """Every call's workspace starts as NaN, not as whatever memory held: a launch that reads a slot
     nothing wrote gives NaN, which no comparison passes (tests/conftest.py does the same)."""
-    from . import launch
+    from .. import launch
     launch.workspace = lambda size, device: torch.full((size,), float("nan"), device=device)
 
 
