@@ -12,7 +12,7 @@
     vocabulary, kept in ``$LOSSCODEGEN_CACHE/tiles.json`` (which the runtime reads) or written to
     ``--out`` (the form shipped as losscodegen/backends/triton/tiles.json).
 ``python -m losscodegen fuzz [--minutes N] [--seed S] [--device cpu|cuda]``
-    the differential fuzzer (losscodegen/fuzz.py): random formulas and heads under every plan,
+    the differential fuzzer (losscodegen/fuzz/): random formulas and heads under every plan,
     against the float64 reference; each mismatch printed as a minimal regression test.
 ``python -m losscodegen build [--manifest FILE] [--targets sm_90a,sm_100a,...|all] [--vocab V]``
     every kernel variant of a manifest's heads compiled for GPUs this machine need not have
@@ -33,8 +33,11 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib.abc
+import importlib.util
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import NoReturn
 
@@ -81,28 +84,59 @@ def manifest_heads(manifest: Path) -> list[tuple[str, losscodegen.HeadLoss]]:
     return [(line, head) for _, line, head in _manifest_entries(manifest)]
 
 
+_HEAD = "__losscodegen_head__"   # (the name the manifest's expressions are handed to)
+
+
+class _ManifestLoader(importlib.abc.SourceLoader):
+    """Runs a manifest as a module (its own file name and line numbers in a traceback), each of its
+    top-level expressions handed to ``_HEAD`` with its line number: the heads, in order."""
+
+    def __init__(self, path: Path, source: str) -> None:
+        self.path, self.source = path, source
+
+    def get_filename(self, fullname: str) -> str:
+        return str(self.path)
+
+    def get_data(self, path: str) -> bytes:
+        return self.source.encode()
+
+    def source_to_code(self, data, path, *, _optimize=-1):
+        tree = ast.parse(data, filename=path)
+        for i, node in enumerate(tree.body):
+            if isinstance(node, ast.Expr):
+                call = ast.Call(ast.Name(_HEAD, ast.Load()), [ast.Constant(node.lineno), node.value], [])
+                tree.body[i] = ast.copy_location(ast.Expr(call), node)
+        return compile(ast.fix_missing_locations(tree), path, "exec", dont_inherit=True, optimize=_optimize)
+
+
 def _manifest_entries(manifest: Path) -> list[tuple[int, str, losscodegen.HeadLoss]]:
     """Each head of the manifest with its line number and text; an error in a line exits naming
     ``file:line``."""
-    namespace = {name: getattr(losscodegen, name) for name in losscodegen.__all__}
-    namespace["S"] = losscodegen.symbols
-    heads = []
-    for number, line in enumerate(_read_manifest(manifest).splitlines(), 1):
-        line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        try:
-            tree = ast.parse(line)
-            if len(tree.body) == 1 and isinstance(tree.body[0], ast.Expr):
-                head = eval(line, namespace)
-                if not isinstance(head, losscodegen.HeadLoss):
-                    raise TypeError(f"a head line must make a HeadLoss, this one makes {type(head).__name__}")
-                heads.append((number, line, head))
-            else:
-                exec(line, namespace)
-        except Exception as exc:
-            raise SystemExit(f"{manifest}:{number}: {type(exc).__name__}: {exc}") from exc
+    source = _read_manifest(manifest)
+    lines = source.splitlines()
+    heads: list[tuple[int, str, losscodegen.HeadLoss]] = []
+
+    def take(number: int, head: object) -> None:
+        if not isinstance(head, losscodegen.HeadLoss):
+            raise TypeError(f"a head line must make a HeadLoss, this one makes {type(head).__name__}")
+        heads.append((number, lines[number - 1].split("#", 1)[0].strip(), head))
+    loader = _ManifestLoader(manifest, source)
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader("losscodegen_manifest", loader))
+    vars(module).update({name: getattr(losscodegen, name) for name in losscodegen.__all__},
+                        S=losscodegen.symbols, **{_HEAD: take})
+    try:
+        loader.exec_module(module)
+    except Exception as exc:
+        raise SystemExit(f"{manifest}:{_line_of(exc, manifest)}: {type(exc).__name__}: {exc}") from exc
     return heads
+
+
+def _line_of(exc: Exception, manifest: Path) -> int:
+    """The manifest's line where ``exc`` was raised (its innermost frame in the manifest)."""
+    if isinstance(exc, SyntaxError) and exc.filename == str(manifest):
+        return exc.lineno or 0
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == str(manifest)]
+    return frames[-1].lineno if frames else 0
 
 
 def generate(out: Path, manifest: Path, *, check: bool = False) -> int:

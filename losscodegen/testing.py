@@ -1,7 +1,7 @@
 """Parity tests for your own heads: ``assert_parity(head)`` and the float64 ``reference(head)``.
 
-The reference evaluates the head's declared formulas directly in float64 torch: each formula is
-printed by the torch printer, with ``lse_at(T)`` as a logsumexp, ``vsum`` a sum over the
+The reference evaluates the head's declared formulas directly in float64 torch: a walk over each
+formula's tree, each construct the torch op a user would write (``_OPS``), with ``lse_at(T)`` as a logsumexp, ``vsum`` a sum over the
 vocabulary, ``topk_sum`` a gather and a sum, ``segment_mean`` a mean over a segment's valid rows
 (``segment_sorted``: their sums, torch.sort's; ``row_quantile``: torch.quantile over the valid rows);
 the terms are reduced as the head's contract says (divisor, weights, metrics), and the gradient is
@@ -10,18 +10,22 @@ code or sympy derivative), so it checks all of them.
 """
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from dataclasses import dataclass
 from typing import Any
 
 import sympy as sp
 import torch
+from sympy.core.mul import _keep_coeff
+from sympy.core.relational import Relational
+from sympy.logic.boolalg import BooleanFalse, BooleanTrue
 
 from . import symbols as S
-from .emit import TorchPrinter
 from .head import HeadLoss
 from .inputs import STANDARD_INPUTS
-from .terms import reads_rows as _reads_rows
+from .terms import reads_rows
 
 __all__ = ["reference", "assert_parity", "random_inputs", "TOLERANCES"]
 
@@ -32,58 +36,6 @@ TOLERANCES = {torch.float32: (1e-4, 1e-5, 2e-4), torch.bfloat16: (2e-3, 2e-3, 1e
 
 
 _Z_ROW, _T_ROW = sp.Symbol("z_row", real=True), sp.Symbol("t_row", real=True)
-
-
-class _Printer(TorchPrinter):
-    """Formulas over whole rows: element symbols are [rows, V] (or [rows, K]) tensors, row
-    symbols [rows, 1], reductions keep the row dimension. Each construct is the torch op a user
-    would write (``Min``/``Max`` as torch.minimum/maximum, or amin/amax of more than two, ``clamp``
-    as torch.clamp, ``Abs`` as torch.abs, ``Piecewise`` as torch.where, ``stop_gradient`` as
-    ``.detach()``), so that autograd's derivative at a kink is torch's own."""
-
-    def _tensor(self, expr: sp.Expr) -> str:
-        return f"z.new_tensor({self._print(expr)})" if expr.is_number else self._print(expr)
-
-    def _extremum(self, fn: str, args) -> str:
-        # torch.maximum/minimum of two; amax/amin of the stacked arguments for more (equal split of a tie)
-        printed = ", ".join(self._tensor(a) for a in args)
-        if len(args) == 2:
-            return f"torch.{fn}imum({printed})"
-        return f"torch.stack(torch.broadcast_tensors({printed})).a{fn}(0)"
-
-    def _print_Min(self, expr) -> str:
-        return self._extremum("min", expr.args)
-
-    def _print_Max(self, expr) -> str:
-        return self._extremum("max", expr.args)
-
-    def _print_clamp(self, expr) -> str:
-        return "torch.clamp(" + ", ".join(self._tensor(a) for a in expr.args) + ")"
-
-    def _print_Pow(self, expr, rational: bool = False) -> str:
-        # torch.pow, as a user writes x ** a: its derivative a * x**(a - 1), 0 at x = 0 for a > 1
-        # (exp(a * log(x)), the kernels' way for a general exponent, has autograd's 0 * inf there)
-        base, e = expr.args
-        if e == sp.S.Half:
-            return f"torch.sqrt({self._tensor(base)})"
-        return f"torch.pow({self._tensor(base)}, {self._print(e)})"
-
-    def _print_stop_gradient(self, expr) -> str:
-        return f"({self._print(expr.args[0])}).detach()"
-
-    def _print_LSE(self, expr) -> str:
-        # over the whole rows (z_row, t_row), also inside a vsum (whose summand takes z, t)
-        alpha, beta = expr.args
-        return f"torch.logsumexp({self._print(alpha * _Z_ROW + beta * _T_ROW)}, -1, keepdim=True)"
-
-    def _print_vsum(self, expr) -> str:
-        return f"_sum(lambda z, t: ({self._print(expr.args[0])}) + torch.zeros_like(z), z, t)"
-
-    def _print_topk_sum(self, expr) -> str:
-        return f"_sum(lambda z_k, l_k: ({self._print(expr.args[0])}) + torch.zeros_like(z_k), z_k, l_k)"
-
-
-_PRINT = _Printer()
 
 
 def _sum(summand, a: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -101,9 +53,129 @@ def _sum(summand, a: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     return summand(a, b).masked_fill(zero, 0.0).sum(-1, keepdim=True)
 
 
-def _evaluate(expr: sp.Expr, namespace: dict[str, Any]) -> torch.Tensor:
-    # one dict: the summands of _sum are lambdas, which see globals only
-    return eval(_PRINT.doprint(expr), {"torch": torch, "_sum": _sum, **namespace})
+def _evaluate(expr: sp.Expr, ns: dict[str, Any]) -> torch.Tensor | float:
+    """``expr`` over whole rows: element symbols are [rows, V] (or [rows, K]) tensors, row symbols
+    [rows, 1], reductions keep the row dimension; ``ns``: each symbol's value by name. Each
+    construct is the torch op a user would write (``_OPS``), so that autograd's derivative at a kink
+    is torch's own; sums and products in sympy's printed order (its ordered terms and factors, a
+    product's denominators divided last), numbers as Python floats."""
+    if isinstance(expr, sp.Symbol):
+        return ns[expr.name]
+    if isinstance(expr, (sp.Number, sp.NumberSymbol)) or (isinstance(expr, (sp.Pow, sp.Function)) and expr.is_number):
+        try:
+            return float(expr)    # sqrt(pi), erf(1): a number
+        except TypeError:
+            pass                  # not a plain number: LSE(1, 0)
+    for kind in type(expr).__mro__:
+        if kind in _OPS:
+            return _OPS[kind](expr, ns)
+    raise NotImplementedError(f"no reference evaluation of {type(expr).__name__}: {expr}")
+
+
+def _tensor(expr: sp.Expr, ns: dict[str, Any]) -> torch.Tensor:
+    """``expr``'s value as a tensor of the logits' dtype (a number too: an argument of a torch op)."""
+    value = _evaluate(expr, ns)
+    return ns["z"].new_tensor(value) if isinstance(value, float) else value
+
+
+def _add(expr: sp.Add, ns: dict[str, Any]):
+    total = None
+    for term in expr.as_ordered_terms():
+        value = _evaluate(term, ns)
+        total = value if total is None else total + value
+    return total
+
+
+def _mul(expr: sp.Mul, ns: dict[str, Any]):
+    # as sympy prints a product: a negative coefficient taken out, the factors with negative
+    # rational exponents divided last (a/b, not a*b**-1)
+    c, rest = expr.as_coeff_Mul()
+    negative = c < 0
+    if negative:
+        expr = _keep_coeff(-c, rest)
+    numerator, denominator = [], []
+    for f in expr.as_ordered_factors():
+        if f.is_Pow and f.exp.is_Rational and f.exp.is_negative:
+            denominator.append(sp.Pow(f.base, -f.exp, evaluate=f.exp == -1))
+        else:
+            numerator.append(f)
+    value = _product(numerator, ns) if numerator else 1.0
+    if denominator:
+        value = value / _product(denominator, ns)
+    return -value if negative else value
+
+
+def _product(factors: list[sp.Expr], ns: dict[str, Any]):
+    return functools.reduce(operator.mul, (_evaluate(f, ns) for f in factors))
+
+
+def _pow(expr: sp.Pow, ns: dict[str, Any]) -> torch.Tensor:
+    # torch.pow, as a user writes x ** a: its derivative a * x**(a - 1), 0 at x = 0 for a > 1
+    # (exp(a * log(x)), the kernels' way for a general exponent, has autograd's 0 * inf there)
+    base, e = expr.args
+    if e == sp.S.Half:
+        return torch.sqrt(_tensor(base, ns))
+    return torch.pow(_tensor(base, ns), _evaluate(e, ns))
+
+
+def _extremum(fn: str):
+    # torch.minimum/maximum of two; amin/amax of the stacked arguments for more (equal split of a tie)
+    def evaluate(expr, ns):
+        args = [_tensor(a, ns) for a in expr.args]
+        if len(args) == 2:
+            return getattr(torch, f"{fn}imum")(*args)
+        return getattr(torch.stack(torch.broadcast_tensors(*args)), f"a{fn}")(0)
+    return evaluate
+
+
+def _piecewise(expr: sp.Piecewise, ns: dict[str, Any]):
+    out = None
+    for value, cond in reversed(expr.args):
+        if out is None or cond == sp.true:
+            out = _evaluate(value, ns)
+        else:
+            out = torch.where(_evaluate(cond, ns), _evaluate(value, ns), out)
+    return out
+
+
+def _sum_over(*names: str):
+    # vsum over the row's elements (z, t), topk_sum over its top-k entries (z_k, l_k)
+    def evaluate(expr, ns):
+        a, b = names
+        return _sum(lambda x, y: _evaluate(expr.args[0], {**ns, a: x, b: y}) + torch.zeros_like(x), ns[a], ns[b])
+    return evaluate
+
+
+def _unary(fn):
+    return lambda expr, ns: fn(_evaluate(expr.args[0], ns))
+
+
+_RELATIONS = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge, "==": operator.eq,
+              "!=": operator.ne}
+
+# each construct of a formula (symbols.FUNCTIONS, the package's own functions, arithmetic, the
+# conditions of a Piecewise) as the torch op a user would write
+_OPS = {
+    sp.Add: _add, sp.Mul: _mul, sp.Pow: _pow,
+    sp.exp: _unary(torch.exp), sp.log: _unary(torch.log), sp.tanh: _unary(torch.tanh), sp.sin: _unary(torch.sin),
+    sp.cos: _unary(torch.cos), sp.erf: _unary(torch.erf), sp.Abs: _unary(torch.abs),
+    sp.sign: _unary(lambda a: torch.where(a > 0, 1.0, torch.where(a < 0, -1.0, 0.0))),
+    sp.Min: _extremum("min"), sp.Max: _extremum("max"),
+    S.clamp: lambda expr, ns: torch.clamp(*(_tensor(a, ns) for a in expr.args)),
+    sp.Piecewise: _piecewise,
+    Relational: lambda expr, ns: _RELATIONS[expr.rel_op](_evaluate(expr.lhs, ns), _evaluate(expr.rhs, ns)),
+    sp.And: lambda expr, ns: functools.reduce(operator.and_, (_evaluate(a, ns) for a in expr.args)),
+    sp.Or: lambda expr, ns: functools.reduce(operator.or_, (_evaluate(a, ns) for a in expr.args)),
+    sp.Not: _unary(operator.invert),
+    sp.ITE: lambda expr, ns: _evaluate(sp.Or(sp.And(expr.args[0], expr.args[1]),
+                                             sp.And(sp.Not(expr.args[0]), expr.args[2])), ns),
+    BooleanTrue: lambda expr, ns: True, BooleanFalse: lambda expr, ns: False,
+    S.stop_gradient: _unary(lambda a: a.detach()),
+    # over the whole rows (z_row, t_row), also inside a vsum (whose summand takes z, t)
+    S.LSE: lambda expr, ns: torch.logsumexp(_evaluate(expr.args[0] * _Z_ROW + expr.args[1] * _T_ROW, ns), -1,
+                                            keepdim=True),
+    S.vsum: _sum_over("z", "t"), S.topk_sum: _sum_over("z_k", "l_k"),
+}
 
 
 @dataclass
@@ -192,7 +264,7 @@ class Reference:
         values, rows, per_row_loss, loss = {}, {}, z.new_zeros(R), z.new_zeros(())
         for name, formula, is_metric in head._bound:
             weight = 0.0 if is_metric else ns[f"weight_{name}"]
-            if formula.has(S.segment_mean) and _reads_rows(formula):
+            if formula.has(S.segment_mean) and reads_rows(formula):
                 # a row term of segment statistics: each row's formula with its segment's means
                 seg = inputs.get("segment_ids")    # (none for batch quantiles alone: one segment)
                 seg = torch.zeros(R, dtype=torch.long) if seg is None else seg.reshape(-1)

@@ -60,3 +60,14 @@ def test_generate_names_the_line_of_a_head_whose_kernel_fails_to_generate(tmp_pa
     assert _message(["generate", "--manifest", str(manifest), "--out", str(out)]) == (
         f"{manifest}:3: NotImplementedError generating its kernel: no triton printing for Foo: foo(x)")
     assert not out.exists()     # (nothing written: every kernel is generated before any is written)
+
+
+def test_a_manifest_line_that_fails_is_named_as_file_and_line(tmp_path):
+    # (the manifest runs as a module, no exec of a line: its traceback's line in the file is the one named)
+    manifest = tmp_path / "manifest"
+    manifest.write_text("HeadLoss(CrossEntropy())\n# a comment\nTsallis = nosuch + 1\n")
+    assert _message(["generate", "--manifest", str(manifest), "--out", str(tmp_path)]) == (
+        f"{manifest}:3: NameError: name 'nosuch' is not defined")
+    manifest.write_text("HeadLoss(CrossEntropy())\n1 + 2\n")
+    assert _message(["generate", "--manifest", str(manifest), "--out", str(tmp_path)]) == (
+        f"{manifest}:2: TypeError: a head line must make a HeadLoss, this one makes int")

@@ -9,6 +9,7 @@ import torch
 
 import losscodegen as lcg
 from losscodegen import fuzz
+from losscodegen import preference as P
 from losscodegen import symbols as S
 from losscodegen.testing import REGIMES, compare
 
@@ -44,26 +45,28 @@ def test_generated_formulas_are_well_typed_and_print_as_code():
         case = fuzz.generate_case(rng)
         for spec in case.terms:
             if spec.formula is not None:
-                formula = eval(spec.formula.code(), {"S": S})
+                formula = spec.formula.expr()
                 assert isinstance(sp.sympify(formula), sp.Expr)
+                # (the printed code is the formula: a test may eval it, the fuzzer builds from the objects)
+                assert sp.sympify(eval(spec.formula.code(), {"S": S})) == sp.sympify(formula), spec.formula.code()
         ast.parse(case.code())
 
 
 def test_a_wrong_result_is_shrunk_and_printed_as_a_failing_test(monkeypatch):
     """A wrong gradient injected wherever a head sums over the vocabulary: the shrinker drops the
     other terms and the parts of the formula that do not sum, and prints a test that fails."""
-    run_here = fuzz._run_here
+    run_here = fuzz.checking._run_here
 
     def wrong(head, plan, logits, labels, kw, up):
         loss, values, rows, grad = run_here(head, plan, logits, labels, kw, up)
         if any(f.has(S.vsum) for _, f, _ in head._bound):
             grad = grad * 1.1
         return loss, values, rows, grad
-    monkeypatch.setattr(fuzz, "_run_here", wrong)
-    T0 = "(S.lse_at(2) + S.vsum(S.softmax * S.Abs(S.logit)))"
-    formula = fuzz.Node("({0} * {1})", (fuzz.Node(T0), fuzz.Node("S.target_logit")))
-    case = fuzz.Case((fuzz.TermSpec("lcg.CrossEntropy()"),
-                      fuzz.TermSpec("weight=0.5", name="f1", formula=formula)),
+    monkeypatch.setattr(fuzz.checking, "_run_here", wrong)
+    T0 = fuzz.Node(lambda S: S.lse_at(2) + S.vsum(S.softmax * S.Abs(S.logit)))
+    formula = fuzz.Node(lambda S, a, b: a * b, (T0, fuzz.Node(lambda S: S.target_logit)))
+    case = fuzz.Case((fuzz.TermSpec.builtin(lcg.CrossEntropy),
+                      fuzz.TermSpec.declared("f1", formula, weight=0.5)),
                      fuzz.Plan(reduction="sum", tile=(16, 4, True)), rows=8, vocab=40, seed=3)
     small, message = fuzz.shrink(case, budget=25)
     assert "gradient" in message
@@ -157,33 +160,33 @@ def test_the_generator_writes_each_construct_of_the_language():
         assert construct in codes, construct
 
 
-_T = fuzz.TermSpec
+_B, _D, _N = fuzz.TermSpec.builtin, fuzz.TermSpec.declared, fuzz.Node
 _NEW_CONSTRUCTS = {
-    "logit_norm": ((_T("lcg.CrossEntropy()"), _T("weight=0.5, tau=0.5", name="f1", formula=fuzz.Node(fuzz._LOGIT_NORM))), ""),
-    "nested_sums": ((_T("weight=1.0", name="f0", formula=fuzz.Node(
-        "S.vsum(S.softmax * S.Abs(S.logit - S.vsum(S.softmax * S.logit)))"
-        " + S.vsum(S.softmax * S.tanh(S.logit * S.vsum(S.logit**2) / 64))")),), ""),
-    "row_max_and_a_vector": ((_T("weight=1.0", name="f0", formula=fuzz.Node(
-        "S.row_max**2 / 10 + S.vsum(S.vector('u') * S.softmax * S.logit)")),), ""),
+    "logit_norm": ((_B(lcg.CrossEntropy), _D("f1", _N(fuzz.grammar._logit_norm), weight=0.5, tau=0.5)), ""),
+    "nested_sums": ((_D("f0", _N(lambda S: S.vsum(S.softmax * S.Abs(S.logit - S.vsum(S.softmax * S.logit)))
+                                 + S.vsum(S.softmax * S.tanh(S.logit * S.vsum(S.logit**2) / 64))), weight=1.0),), ""),
+    "row_max_and_a_vector": ((_D("f0", _N(lambda S: S.row_max**2 / 10 + S.vsum(S.vector('u') * S.softmax * S.logit)),
+                                 weight=1.0),), ""),
     "segment_sums_and_a_row_term_of_them": ((
-        _T("weight=1.0", name="f0", formula=fuzz.Node("S.segment_sum(S.lse - S.target_logit) / S.segment_count")),
-        _T("weight=0.5", name="f1", formula=fuzz.Node("(S.lse - S.target_logit) / S.segment_mean(1 + S.token('a')**2)"))), ""),
+        _D("f0", _N(lambda S: S.segment_sum(S.lse - S.target_logit) / S.segment_count), weight=1.0),
+        _D("f1", _N(lambda S: (S.lse - S.target_logit) / S.segment_mean(1 + S.token('a')**2)), weight=0.5)), ""),
     "terms_of_segment_statistics_by_sequence": ((
-        _T("weight=1.0, normalize='sequence'", name="f0", formula=fuzz.Node(
-            "(S.lse - S.target_logit) * S.exp(S.segment_mean(S.target_logit - S.lse - S.token('old_logprobs')))")),
-        _T("weight=0.5, normalize='sequence'", name="f1", formula=fuzz.Node("S.segment_mean(S.lse - S.target_logit) ** 2"))), ""),
-    "dpo_orpo_and_statistics": ((_T("P.DPO(loss_type='sigmoid', beta=0.5, use_weighting=True)"), _T("P.ORPO(beta=0.1)"),
-                                 _T("*P.pair_statistics()")), "pairs"),
-    "sorted_segment_sums": ((_T("weight=1.0", name="f0", formula=fuzz.Node(
-        "-S.log(1 + S.exp(S.segment_sorted(S.token('old_logprobs')) - S.segment_sorted(S.target_logit - S.lse)))")),
-        _T("P.DPO(loss_type='aot_unpaired', beta=0.5, label_smoothing=0.1)")), "pairs"),
-    "batch_quantiles": ((_T("lcg.CrossEntropy()"), _T("weight=0.5", name="f1", formula=fuzz.Node(
-        "(S.lse - S.target_logit) * S.Piecewise((1, S.token('a') >= S.row_quantile(S.token('a'), 0.7)), (0, True))"
-        " + S.row_quantile(S.lse - S.target_logit, 0.5) * S.target_logit / 8"))), ""),
-    "kto": ((_T("P.KTO(loss_type='kto', beta=0.5, kl=torch.tensor(0.05, device=device))"),), "sequences"),
-    "run_time_temperatures": ((_T("lcg.ForwardKL(temperature=torch.tensor(1.5, device=device))"), _T(
-        "weight=0.5, T=torch.tensor(2.5, device=device)", name="f1", formula=fuzz.Node(
-            "S.lse_at(S.param('T')) + S.vsum(S.softmax_at(1 + S.token('a')**2) * S.logit)"))), ""),
+        _D("f0", _N(lambda S: (S.lse - S.target_logit) * S.exp(S.segment_mean(S.target_logit - S.lse - S.token('old_logprobs')))),
+           weight=1.0, normalize='sequence'),
+        _D("f1", _N(lambda S: S.segment_mean(S.lse - S.target_logit) ** 2), weight=0.5, normalize='sequence')), ""),
+    "dpo_orpo_and_statistics": ((_B(P.DPO, loss_type='sigmoid', beta=0.5, use_weighting=True), _B(P.ORPO, beta=0.1),
+                                 _B(P.pair_statistics, star=True)), "pairs"),
+    "sorted_segment_sums": ((_D("f0", _N(lambda S: -S.log(1 + S.exp(S.segment_sorted(S.token('old_logprobs'))
+                                                                      - S.segment_sorted(S.target_logit - S.lse)))),
+                                weight=1.0),
+                             _B(P.DPO, loss_type='aot_unpaired', beta=0.5, label_smoothing=0.1)), "pairs"),
+    "batch_quantiles": ((_B(lcg.CrossEntropy), _D("f1", _N(
+        lambda S: (S.lse - S.target_logit) * S.Piecewise((1, S.token('a') >= S.row_quantile(S.token('a'), 0.7)), (0, True))
+        + S.row_quantile(S.lse - S.target_logit, 0.5) * S.target_logit / 8), weight=0.5)), ""),
+    "kto": ((_B(P.KTO, loss_type='kto', beta=0.5, kl=fuzz.Tensor(0.05)),), "sequences"),
+    "run_time_temperatures": ((_B(lcg.ForwardKL, temperature=fuzz.Tensor(1.5)), _D("f1", _N(
+        lambda S: S.lse_at(S.param('T')) + S.vsum(S.softmax_at(1 + S.token('a')**2) * S.logit)),
+        weight=0.5, T=fuzz.Tensor(2.5))), ""),
 }
 
 
@@ -199,15 +202,16 @@ def test_a_formula_sympy_itself_cannot_build_is_no_mismatch():
     building a condition that compares another Piecewise, inside the formula's own text, before
     losscodegen sees it; the fuzzer reported it as the compiler's crash. Such a case is left out
     (counted), and a shrink step that writes one does not count as still failing."""
-    text = ("S.Piecewise((S.row_max, S.Piecewise((S.lse, S.lse > 0), (S.token('a'), True)) > 0), "
-            "(S.vsum(S.softmax * S.vector('u')), True))")
+    def formula(S):
+        return S.Piecewise((S.row_max, S.Piecewise((S.lse, S.lse > 0), (S.token('a'), True)) > 0),
+                           (S.vsum(S.softmax * S.vector('u')), True))
     with pytest.raises(KeyError):
-        eval(text, {"S": S})
-    term = fuzz.TermSpec("weight=0.3", name="f0", formula=fuzz.Node(text))
+        formula(S)
+    term = fuzz.TermSpec.declared("f0", fuzz.Node(formula), weight=0.3)
     case = fuzz.Case((term,), rows=7, vocab=64, seed=887)
     assert not fuzz.sympy_builds(case)
-    assert fuzz._fails(case, {}) is None
-    plain = fuzz.Case((fuzz.TermSpec("weight=0.3", name="f0", formula=fuzz.Node("S.lse - S.target_logit")),))
+    assert fuzz.shrinking._fails(case, {}) is None
+    plain = fuzz.Case((fuzz.TermSpec.declared("f0", fuzz.Node(lambda S: S.lse - S.target_logit), weight=0.3),))
     assert fuzz.sympy_builds(plain)
 
 
@@ -264,3 +268,23 @@ def test_fuzz_case_a_cancelling_gradient_through_head_linear_on_large_hidden_sta
     T0 = lcg.declare_term('f0', S.vsum(S.softmax_at(S.param('T')) * S.param('c'))**2)
     head = lcg.HeadLoss(T0(weight=0.3, c=0.7, T=0.8))
     fuzz.check(head, fuzz.Plan(kind='linear'), rows=3, vocab=61, seed=834, regime='one_column')
+
+
+def test_a_cases_printed_head_code_builds_the_head_the_fuzzer_ran():
+    """Issue 46: the fuzzer builds each head from the case's objects (no exec); the printed code a
+    mismatch's test holds must be that head. A test may exec it: the same key, weights and options."""
+    rng = random.Random(11)
+    compared = 0
+    while compared < 6:
+        case = fuzz.generate_case(rng)
+        try:
+            head = fuzz.build_head(case)
+        except (ValueError, TypeError):   # refused at declaration, as the printed code would be
+            continue
+        namespace = {"lcg": lcg, "S": S, "P": P, "torch": torch, "device": case.device}
+        exec("\n".join(case.head_code()), namespace)
+        printed = namespace["head"]
+        assert printed.key == head.key, case.code()
+        assert {k: float(v) for k, v in printed.scalars.items()} == {k: float(v) for k, v in head.scalars.items()}
+        assert (printed.softcap, printed.logit_scale) == (head.softcap, head.logit_scale)
+        compared += 1
