@@ -118,7 +118,7 @@ def resolve(name: str) -> str:
     """A head's ``backend=`` option as a backend's name: ``"auto"`` is Triton where it can run (a
     CUDA device, or Triton's interpreter with TRITON_INTERPRET=1, and triton importable), torch
     elsewhere: on a ROCm build of torch too, whose "cuda" device is an AMD GPU, for which the Triton
-    kernels do not compile yet (their fast log is CUDA's libdevice's: docs/api.md, "Portable builds")."""
+    kernels compile but have never run (docs/api.md, "Portable builds"): ``backend="triton"`` asks for them."""
     if name not in NAMES:
         raise ValueError(f"backend must be one of {NAMES}, got {name!r}")
     if name != "auto":
