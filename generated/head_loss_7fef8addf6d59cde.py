@@ -43,7 +43,7 @@ from triton.language.extra import libdevice
 
 KEY = "7fef8addf6d59cde"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "0dbe7827b0d5"
+CODEGEN = "12f8a32c92fb"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -472,4 +472,4 @@ def head_loss_7fef8addf6d59cde(
             tl.store(ws_ptr + 0, value_forward_kl)
             tl.store(ws_ptr + 1, weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "428bdf6c625eaa4a1a3b067416033878d7c229db09ef18df03168466b23b3e9e"
+TEXT_HASH = "92cbf5021ae6a56f95982bc3b96c7726d51adcc3343446254564ea2b27fdeeca"

@@ -3,7 +3,7 @@ reference's printer: the same ops, here on fp32 tensors), laid out by the Jinja2
 ``templates/head_loss_torch.py.j2``.
 
 The kernel file it writes is a plain Python module of torch ops with the interface of
-``emit.signatures`` (the arguments the runtime binds by name) and the constants the runtime reads,
+``interface.signatures`` (the arguments the runtime binds by name) and the constants the runtime reads,
 as the Triton backend's file has them. Every decision is made here; the template places the
 printed statements into the loops over a chunk of rows and a block of the vocabulary.
 """
@@ -15,10 +15,11 @@ import jinja2
 import sympy as sp
 
 from ... import symbols as S
-from ...emit import (M_REF, MT_REF, KernelSource, TorchPrinter, check_interface, cse_statements, kernel_spec,
-                     online_exponent, online_groups, phases, seal, wrap)
+from ...emit import (M_REF, MT_REF, KernelSource, TorchPrinter, cse_statements, online_exponent, online_groups, phases,
+                     wrap)
+from ...interface import check_interface, kernel_spec, seal, weight_name
 from ...lower import IS_ARGMAX, IS_Y, M, MT, TM, ZM, base_of, shift
-from ...plan import Plan
+from ...plan import Merge, Plan
 from ...resources import TEMPLATES
 
 TEMPLATE = "head_loss_torch.py.j2"
@@ -50,13 +51,13 @@ def _merge(plan: Plan) -> list[str]:
     rank_max = {M: sp.Symbol("m_r", real=True), MT: sp.Symbol("m_t_r", real=True)}
     lines = []
     for c in plan.columns:
-        if c.merge == "max":
+        if c.merge is Merge.MAX:
             lines += [f"{c.name}_r = part[:, :, {at[c.name]}:{at[c.name] + 1}]", f"{c.name} = {c.name}_r.amax(0)"]
     for c in plan.columns:
         part = f"part[:, :, {at[c.name]}:{at[c.name] + 1}]"
-        if c.merge == "sum":
+        if c.merge is Merge.SUM:
             lines.append(f"{c.name} = {part}.sum(0)")
-        elif c.merge == "scaled":
+        elif c.merge is Merge.SCALED:
             acc = accs.get(c.name)
             cz, ct = shift(acc) if acc is not None and acc.online else (0, 0)
             if (cz, ct) != (0, 0):
@@ -67,7 +68,7 @@ def _merge(plan: Plan) -> list[str]:
                 part = f"({part} + torch.where({base} > 0.0, ({moved}) * {base}, 0.0))"
             rescale = _PRINT.doprint(sp.exp(c.alpha * (rank_max[M] - M) + c.beta * (rank_max[MT] - MT)))
             lines.append(f"{c.name} = ({part} * {rescale}).sum(0)")
-        elif c.merge == "argmax":
+        elif c.merge is Merge.ARGMAX:
             # strictly greater, rank by rank: the first rank that holds the maximum wins
             lines += [f"{c.name} = torch.zeros_like(m)", "best = torch.full_like(m, float(\"-inf\"))",
                       "for r in range(world):",
@@ -81,7 +82,7 @@ def render(plan: Plan, key: str, header: str, codegen: str,
     """The kernel file of a plan. ``normalize``: each loss term's normalisation ("tokens" where not
     given; a "sequence" term arrives as a segment term); metrics are means over the valid rows."""
     lw = plan.lowered
-    # the file's contract (emit.kernel_spec), and the plan's expressions printed by phase (emit.phases):
+    # the file's contract (interface.kernel_spec), and the plan's expressions printed by phase (emit.phases):
     # the same for every backend
     spec = kernel_spec(plan, key, dict(normalize or {}))
     printed = phases(plan, spec, _PRINT, _statements)
@@ -115,7 +116,7 @@ def render(plan: Plan, key: str, header: str, codegen: str,
         grad_expr=_per_element(printed.grad_vocab, common["grad_expr"]),
         teacher_grad=common["teacher_grad"] and _per_element(printed.grad_teacher, common["teacher_grad"]),
         merge=_merge(plan),
-        per_row_loss=" + ".join(f"weight_{n} * v[{row_names.index(n)}]" for n in spec.row_loss_terms) or "0.0",
+        per_row_loss=" + ".join(f"{weight_name(n)} * v[{row_names.index(n)}]" for n in spec.row_loss_terms) or "0.0",
     )
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), keep_trailing_newline=True,
                              trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)

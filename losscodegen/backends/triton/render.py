@@ -5,8 +5,8 @@ values, the gradient, an ignored row, the finish, the segment kernel), each read
 
 Every decision is made here in Python (and in ``emit.phases``); the templates only place the printed
 statements into loops, loads and stores. They read the file's ``KernelSpec`` and the printed phases,
-nothing of the ``Plan``. What any backend shares (the kernel interface, the header, the file's seal) is in
-``losscodegen/emit.py``.
+nothing of the ``Plan``. What any backend shares is in ``losscodegen/interface.py`` (the kernel
+interface, the file's contract and seal) and ``losscodegen/emit.py`` (the phases, the header).
 """
 from __future__ import annotations
 
@@ -18,13 +18,14 @@ import jinja2
 import sympy as sp
 
 from ... import symbols as S
-from ...emit import (TINY, ArrayPrinter, KernelSource, Once, Signature, check_interface, cse_arranged, cse_statements,
-                     kernel_spec, phases, seal, vanishes_at_neg_inf, wrap)
+from ...emit import (TINY, ArrayPrinter, KernelSource, Once, cse_arranged, cse_statements, phases, vanishes_at_neg_inf,
+                     wrap)
 from ...emit import M_REF as _M_REF, MT_REF as _MT_REF, online_exponent as _online_exponent, \
     online_groups as _group_online, printed_bodies as _printed, printed_gradient as _printed_gradient, \
     stats_relative as _stats_relative
+from ...interface import Signature, check_interface, kernel_spec, seal, weight_name
 from ...lower import M, MT, TM, ZM, base_of, shift
-from ...plan import Plan, pow2
+from ...plan import Merge, Plan, pow2
 from ...resources import TEMPLATES
 
 _LOG2E = sp.Float(1 / math.log(2))
@@ -250,15 +251,15 @@ def _merge(plan: Plan) -> dict[str, list[str]]:
     init, maxima, sums = [], [], ["at = part + r * step"]
     rank_max = {M: sp.Symbol("m_r", real=True), MT: sp.Symbol("m_t_r", real=True)}
     for c in plan.columns:
-        if c.merge == "max":
+        if c.merge is Merge.MAX:
             init.append(f"{c.name} = float(\"-inf\")")
             maxima.append(f"{c.name} = tl.maximum({c.name}, tl.load(part + r * step + {at[c.name]}))")
             sums.append(f"{c.name}_r = tl.load(at + {at[c.name]})")
     for c in plan.columns:
-        if c.merge == "sum":
+        if c.merge is Merge.SUM:
             init.append(f"{c.name} = 0.0")
             sums.append(f"{c.name} += tl.load(at + {at[c.name]})")
-        elif c.merge == "scaled":
+        elif c.merge is Merge.SCALED:
             rescale = _TL.doprint(sp.exp(c.alpha * (rank_max[M] - M) + c.beta * (rank_max[MT] - MT)))
             init.append(f"{c.name} = 0.0")
             acc = accs.get(c.name)
@@ -270,7 +271,7 @@ def _merge(plan: Plan) -> dict[str, list[str]]:
                 moved = _TL.doprint(cz * (rank_max[M] - M) + ct * (rank_max[MT] - MT))
                 part = f"({part} + tl.where({base} > 0.0, ({moved}) * {base}, 0.0))"
             sums.append(f"{c.name} += {part} * {rescale}")
-        elif c.merge == "argmax":
+        elif c.merge is Merge.ARGMAX:
             init += [f"{c.name} = 0.0", "best = float(\"-inf\")"]
             sums += [f"{c.name} = tl.where(m_r > best, tl.load(at + {at[c.name]}), {c.name})",
                      "best = tl.maximum(best, m_r)"]
@@ -307,7 +308,7 @@ def render(plan: Plan, key: str, header: str, codegen: str,
     name = f"head_loss_{key}"
     # (the later reads see elements relative to their maxima: zm = z - m is -inf where z is)
     vocab = (*S.ELEMENT_SYMBOLS, ZM, TM)
-    # the file's contract (emit.kernel_spec), and the plan's expressions printed by phase (emit.phases):
+    # the file's contract (interface.kernel_spec), and the plan's expressions printed by phase (emit.phases):
     # the same for every backend
     spec = kernel_spec(plan, key, dict(normalize or {}))
     printed = phases(plan, spec, _TL, _statements)
@@ -343,7 +344,7 @@ def render(plan: Plan, key: str, header: str, codegen: str,
     seg_exprs = [e for seg in lw.segments for e in (seg.formula, *seg.dformula)]
 
     def loads(exprs: list[sp.Expr], weights: list[str] = ()) -> list[str]:
-        used = {s.name for e in exprs for s in e.free_symbols} | {f"weight_{w}" for w in weights}
+        used = {s.name for e in exprs for s in e.free_symbols} | set(map(weight_name, weights))
         return [f"{n} = tl.load(scalars_ptr + {i})" for i, n in enumerate(scalars) if n in used]
     scalar_loads = dict(reads=loads(reads_exprs), rows=loads([e for _, e in lw.row_values], row_loss_terms),
                         grad=loads(grad_exprs, row_loss_terms + list(spec.segment_row_terms)),
@@ -384,7 +385,7 @@ def render(plan: Plan, key: str, header: str, codegen: str,
         stats_tile_sums=_tile_sums([acc for group in online for acc in group["accs"]], not pad["stats"]),
         exact_tile_sums=_tile_sums(common["exact"], not pad["exact"]),
         rows_p2=pow2(len(row_names)), pad=pad, relative_floor=relative_floor, merge=_merge(plan), scalar_loads=scalar_loads,
-        per_row_loss=" + ".join(f"weight_{n} * v{row_names.index(n)}" for n in row_loss_terms) or "0.0",
+        per_row_loss=" + ".join(f"{weight_name(n)} * v{row_names.index(n)}" for n in row_loss_terms) or "0.0",
     )
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), keep_trailing_newline=True,
                              trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
