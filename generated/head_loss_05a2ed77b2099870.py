@@ -42,7 +42,7 @@ from triton.language.extra import libdevice
 
 KEY = "05a2ed77b2099870"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "12f8a32c92fb"
+CODEGEN = "0dbcddabb8f2"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'token_accuracy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -466,4 +466,4 @@ def head_loss_05a2ed77b2099870(
             tl.store(ws_ptr + 1, value_token_accuracy)
             tl.store(ws_ptr + 2, weight_cross_entropy * value_cross_entropy)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "4c52e8fd868ad56336596136681d9f1ea64671d8140606ce1f992666150b3bf2"
+TEXT_HASH = "b04df7418b32a34721f040af2e9ad605660f2ec88cf07cf61ad462c71ab3a2d7"

@@ -42,7 +42,7 @@ from triton.language.extra import libdevice
 
 KEY = "2e7b8aa488a0d8ec"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "12f8a32c92fb"
+CODEGEN = "0dbcddabb8f2"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -457,4 +457,4 @@ def head_loss_2e7b8aa488a0d8ec(
             tl.store(ws_ptr + 1, value_z_loss)
             tl.store(ws_ptr + 2, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "8a6aa899ceb0161ff30c3c8cecc4a1ade4a5c34c971d7e5d9a32a26a0d97bd96"
+TEXT_HASH = "1fff87b93abd8b0514294df023b7deb231c95dd517a4955da119f51a53e8374b"

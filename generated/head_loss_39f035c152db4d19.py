@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "39f035c152db4d19"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "12f8a32c92fb"
+CODEGEN = "0dbcddabb8f2"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_fraction']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -499,4 +499,4 @@ def head_loss_39f035c152db4d19(
             tl.store(ws_ptr + 2, value_clip_fraction)
             tl.store(ws_ptr + 3, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "a386e35ce0c6b99c1f067b3eaf14d64adc25a2cb60612360b8eda6167e712978"
+TEXT_HASH = "2d1297d580fcf918977a0a095a7a9ea39d89fe4b42518a4785943af7deaa09bc"

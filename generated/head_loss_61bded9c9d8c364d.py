@@ -43,7 +43,7 @@ from triton.language.extra import libdevice
 
 KEY = "61bded9c9d8c364d"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "12f8a32c92fb"
+CODEGEN = "0dbcddabb8f2"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['reverse_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -475,4 +475,4 @@ def head_loss_61bded9c9d8c364d(
             tl.store(ws_ptr + 0, value_reverse_kl)
             tl.store(ws_ptr + 1, weight_reverse_kl * value_reverse_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "663cc6c5e71a279b30547f9558fb9a7236b93590dc38f2ec1ab75cb1a171d996"
+TEXT_HASH = "094b6364d3803863921f3873fe44dacd3e2c9be1f5f0035f712bdd4a332efec1"

@@ -40,7 +40,7 @@ from triton.language.extra import libdevice
 
 KEY = "c642f27271603bf7"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "12f8a32c92fb"
+CODEGEN = "0dbcddabb8f2"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -443,4 +443,4 @@ def head_loss_c642f27271603bf7(
             tl.store(ws_ptr + 0, value_cross_entropy)
             tl.store(ws_ptr + 1, weight_cross_entropy * value_cross_entropy)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "b8035b2b0bda9e5ef0c53cf8a12dab795405df066055a3d11bf19bc5b8e81377"
+TEXT_HASH = "f80ef9f4bce5cb15069806e1b5090ad3b23476f08c803601e850a1f1ce9b9cc0"

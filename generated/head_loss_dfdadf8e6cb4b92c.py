@@ -40,7 +40,7 @@ from triton.language.extra import libdevice
 
 KEY = "dfdadf8e6cb4b92c"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "12f8a32c92fb"
+CODEGEN = "0dbcddabb8f2"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -443,4 +443,4 @@ def head_loss_dfdadf8e6cb4b92c(
             tl.store(ws_ptr + 0, value_cross_entropy)
             tl.store(ws_ptr + 1, weight_cross_entropy * value_cross_entropy)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "cd5fa0e0bc2549979e72b17c6a06b17934effc20af46f1ddc76970d4ed3b7a8b"
+TEXT_HASH = "e3b2e59fb89e5a024fda8819933ab95a5fe228b1689e73e0cb39864bb0a0f15f"

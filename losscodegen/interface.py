@@ -160,8 +160,8 @@ _STANDARD = (X_PTR, X_STRIDE, GRAD_PTR, GRAD_STRIDE, Y_PTR, MASK_PTR, T_PTR, T_S
              *TOPK, SEG_PTR, N_SEG, WS_PTR, GATHERED_PTR, PEERS_PTR, EPOCH, DIV_PTR, FLAG_PTR, UP_LOSS_PTR,
              UP_ROWS_PTR, ROW_OFFSET, N_ROWS, *OFF.values(), WORLD, SCALARS_PTR, LOGIT_SCALE, SOFTCAP, V,
              VOCAB_START, N_VOCAB, IGNORE_INDEX)
-# The integer arguments that change between calls (Triton compiles no variant for each of their
-# values), in the order the kernel files list them.
+# The head kernel's integer arguments that change between calls (Triton compiles no variant for
+# each of their values), in the order its files list them.
 VARYING = (ROW_OFFSET, N_ROWS, EPOCH, OFF[Region.ROWS], OFF[Region.LOSS_ROWS], OFF[Region.STATS],
            OFF[Region.EXACT], VOCAB_START, N_VOCAB, N_SEG, OFF[Region.SEG_SUMS], OFF[Region.SEG_COEFS])
 
@@ -178,6 +178,7 @@ class Signature:
 
     name: str                  # the jitted function
     params: tuple[Arg, ...]    # in signature order: each launch's own, the fixed ones, the constexprs
+    varying: tuple[Arg, ...] = ()  # integer arguments that change between calls: no variant each
 
     def _of(self, role: Role) -> tuple[str, ...]:
         return tuple(a.name for a in self.params if a.role is role)
@@ -200,8 +201,7 @@ class Signature:
 
     @property
     def unspecialized(self) -> tuple[str, ...]:
-        """Its integer arguments that change between calls (``VARYING``): no variant each."""
-        return tuple(a.name for a in VARYING if a in self.params)
+        return tuple(a.name for a in self.varying)
 
 
 def signatures(plan: Plan, key: str, reads_scalars: bool, per_sequence: tuple[str, ...] = (),
@@ -233,7 +233,8 @@ def signatures(plan: Plan, key: str, reads_scalars: bool, per_sequence: tuple[st
              IGNORE_INDEX]
     constexprs = _constexprs("SUM", "PER_ROW", "STATS", "EXCHANGE", "MERGE", "EXACT", "STORE_STATS", "ROWS", "GRAD",
                              "BLOCK_V", "BLOCK_K", "BLOCK_R")
-    out = {"head_loss": Signature(f"head_loss_{key}", (*args, *fixed, *constexprs))}
+    out = {"head_loss": Signature(f"head_loss_{key}", (*args, *fixed, *constexprs),
+                                  tuple(a for a in VARYING if a in args + fixed))}
     if segments:
         seg_args = (WS_PTR, OFF[Region.SEG_SUMS], OFF[Region.SEG_COEFS], N_SEG,
                     *((DIV_PTR,) if set(segments) - set(per_sequence) else ()),
@@ -241,7 +242,9 @@ def signatures(plan: Plan, key: str, reads_scalars: bool, per_sequence: tuple[st
         # (PER_ROW: reduction="none", where a row term of batch quantiles adds its rows to the per-row loss)
         out["segments"] = Signature(f"segments_{key}", (*seg_args, SCALARS_PTR,
                                                          *_constexprs("SUM", *(("PER_ROW",) if by_rows else ()),
-                                                                      "BLOCK_S")))
+                                                                      "BLOCK_S")),
+                                    (N_SEG, OFF[Region.SEG_SUMS], OFF[Region.SEG_COEFS],
+                                     *((OFF[Region.ROWS], OFF[Region.LOSS_ROWS], N_ROWS) if by_rows else ())))
     return out
 
 
