@@ -345,8 +345,9 @@ class Launcher:
         gathered, peers, epoch = (self.gathered if launch.merge else None), None, 0
         if launch.exchange:
             gathered, peers, epoch = self.exchange.next(x.shape[0], len(self.spec.columns))
-        kernel(x.shape[0], *self.layout.bind(self.values + (
-            x, x.stride(0), x if grad is None else grad, 0 if grad is None else grad.stride(0),
+        # (the call's values, then the launch's in ``_LAUNCH``'s order: one tuple, made at once)
+        kernel(x.shape[0], *self.layout.bind((
+            *self.values, x, x.stride(0), x if grad is None else grad, 0 if grad is None else grad.stride(0),
             teacher, 0 if teacher is None else teacher.stride(0),
             teacher if tgrad is None else tgrad, 0 if tgrad is None else tgrad.stride(0),
             gathered, peers, epoch, up_loss, up_rows, row_offset)))
