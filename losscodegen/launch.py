@@ -279,12 +279,17 @@ class Launcher:
                 spec, call.rows, per_row=call.reduction == "none", keep_stats=len(layout.steps) > 1, n_seg=self.n_seg)
         regions, zeroed, size = offsets
         self.ws = Workspace(workspace(size, call.device), call.rows, spec, *regions)
-        # the call's values a launch may pass (``_CALL``, then as ``binding`` reads them)
-        topk = call.topk_ids
-        self.values = (call.labels, call.mask, topk, call.topk_logprobs, 0 if topk is None else topk.stride(0),
-                       0 if topk is None else topk.shape[1], call.segment_ids, self.n_seg, self.ws.t, call.divisor,
-                       flags, call.rows, *regions, *call.tokens, *call.vectors)
+        self.values = self.call_values()
         layout.prologue(1, self.ws.t, zeroed, call.labels, call.mask, call.rows, head.ignore_index, spec.slots["count"])
+
+    def call_values(self) -> tuple:
+        """The call's values a launch may pass, in ``_CALL``'s order, then the workspace's offsets, the
+        tokens and the vectors (as ``binding`` reads them)."""
+        call, ws, topk = self.call, self.ws, self.call.topk_ids
+        return (call.labels, call.mask, topk, call.topk_logprobs, 0 if topk is None else topk.stride(0),
+                0 if topk is None else topk.shape[1], call.segment_ids, self.n_seg, ws.t, call.divisor, self.flags,
+                call.rows, ws.off_seg_sums, ws.off_rows, ws.off_loss_rows, ws.off_stats, ws.off_exact,
+                ws.off_seg_coefs, *call.tokens, *call.vectors)
 
     def run(self, launches: tuple[tuple[Launch, Launchable], ...], x: torch.Tensor, teacher: torch.Tensor | None,
             grad: torch.Tensor | None, row_offset: int = 0, up_loss: torch.Tensor | None = None,
@@ -381,6 +386,9 @@ def backward(launcher: Launcher, grad_loss: torch.Tensor | None, grad_rows: list
     upstream gradients on its per-row loss and on each loss term's rows (``grad_rows``, in
     ROW_LOSS_TERMS' order), in one pass."""
     call = launcher.call
+    # the call's inputs as they are now: under torch.compile, autograd gives back the saved ones
+    # (autograd._head_grad_op puts them into the call)
+    launcher.values = launcher.call_values()
     # (laid out for the kernel, [rows, V] with unit column stride, whatever the logits' strides)
     grad = call.x if inplace else torch.empty(call.x.shape, dtype=call.x.dtype, device=call.device)
     launcher.tgrad = _teacher_grad(call)
