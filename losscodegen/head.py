@@ -351,8 +351,8 @@ class HeadLoss(torch.nn.Module):
             for name in names:
                 value = self.scalars[name]
                 if is_tensor(value) and value.device != device:
-                    raise ValueError(f"{self._scalar_labels[name]} is a tensor on {value.device}, but the logits are on "
-                                     f"{device}: a tensor weight or parameter must be on the logits' device")
+                    raise ValueError(f"{self._scalar_labels[name]} is a tensor on {value.device}, but the logits are "
+                                     f"on {device}: a tensor weight or parameter must be on the logits' device")
             values = [self.scalars[n] for n in names]
             buf = torch.tensor([0.0 if is_tensor(v) else float(v) for v in values], dtype=torch.float32,
                                device=device)

@@ -162,7 +162,7 @@ def _layout(head, sig: LayoutKey) -> _Layout:
     count = "mean" in norms or ("tokens" in norms and not sig.divisor and sig.reduction != "sum")
     return _Layout(world, n_vocab, tuple(zip(launches, kernels)), cut, deferred, count,
                    backend.prologue(count), binding(spec, spec.args, name),
-                   binding(spec, spec.segment_args, f"segments_{spec.key}", per_launch=False) if spec.segments else None,
+                   binding(spec, spec.segment_args, seg_name, per_launch=False) if spec.segments else None,
                    segment_kernel)
 
 
