@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "3d268cb74e027a19"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "a69a416dbe24"
+CODEGEN = "69dd85e8f8d7"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['gspo', 'entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -568,4 +568,4 @@ def segments_3d268cb74e027a19(
     loss += weight_gspo * (gspo / div)
     tl.store(ws_ptr + 2, loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "0bab6c2908701db362b250b84f7d2509f7d077eaf76b6abe32b2ae28ca64a3c9"
+TEXT_HASH = "182cd183cef7268829e03b7fa274f0579e5079ff727ce056510c04dded6a531c"

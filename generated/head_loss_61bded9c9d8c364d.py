@@ -43,7 +43,7 @@ from triton.language.extra import libdevice
 
 KEY = "61bded9c9d8c364d"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "a69a416dbe24"
+CODEGEN = "69dd85e8f8d7"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['reverse_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -479,4 +479,4 @@ def head_loss_61bded9c9d8c364d(
             tl.store(ws_ptr + 0, value_reverse_kl)
             tl.store(ws_ptr + 1, weight_reverse_kl * value_reverse_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "a5386c0dbb5685b44a334f492b93035e8d38ed5000b72c6e6d9b7ef7c23da56a"
+TEXT_HASH = "837441d231ffeddba83a165f256796c03b1e63ee56c2f403a8abdb3bba505a4d"

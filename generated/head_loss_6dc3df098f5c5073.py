@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "6dc3df098f5c5073"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "a69a416dbe24"
+CODEGEN = "69dd85e8f8d7"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cispo', 'entropy', 'cispo_clip_ratio']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -487,4 +487,4 @@ def head_loss_6dc3df098f5c5073(
             tl.store(ws_ptr + 2, value_cispo_clip_ratio)
             tl.store(ws_ptr + 3, weight_cispo * value_cispo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "aa9ee5683086cabc9423c9819aee95e54c50209827acbb1a7e02c995e9989dce"
+TEXT_HASH = "45da307bc3b979a28b48780e25d65bddf9ad549d74a73405738d060b01edf8ee"

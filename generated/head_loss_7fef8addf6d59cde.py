@@ -43,7 +43,7 @@ from triton.language.extra import libdevice
 
 KEY = "7fef8addf6d59cde"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "a69a416dbe24"
+CODEGEN = "69dd85e8f8d7"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -476,4 +476,4 @@ def head_loss_7fef8addf6d59cde(
             tl.store(ws_ptr + 0, value_forward_kl)
             tl.store(ws_ptr + 1, weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "d1dad4a958e54ff68f1a8306a24b38f62f27c9d889f35c94ed3e41e1733297e3"
+TEXT_HASH = "37a8f0125af6e54fb20252aa6df7d640edd0a7ca3ea2b5d336b45981346c7acf"

@@ -1,25 +1,23 @@
 """Stage 4, emit: what every backend's rendering shares. The base printer of sympy expressions for
 an array module (``ArrayPrinter``; ``TorchPrinter`` for the float64 reference), how a read keeps
-``0 * log 0 = 0`` at -inf inputs (``neg_inf_handling``), the generated file's header, the kernel
-interface declared once (``signatures``, ``check_interface``), the flag slots, and the seal of a
-kernel file.
+``0 * log 0 = 0`` at -inf inputs (``neg_inf_handling``), the reads' printed summands, the plan's
+expressions printed and grouped by phase (``phases``), and the generated file's header. The kernel
+interface (``Signature``, ``FileSpec``, ``KernelSpec``, the flag slots, the seal) is interface.py's.
 
 A backend's renderer (``losscodegen/backends/<name>/``) prints the plan with its own printer and
 lays it out with its template.
 """
 from __future__ import annotations
 
-import ast
-import builtins
-import hashlib
-import re
-from dataclasses import dataclass, field, fields
+import enum
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import sympy as sp
 from sympy.printing.pycode import PythonCodePrinter, _print_known_const, _print_known_func
 
 from . import symbols as S
+from .interface import FLAG_SLOTS, KernelSpec, token_arg, vector_arg, weight_name
 from .lower import IS_ARGMAX, IS_Y, M, MT, TM, ZM, ZYM
 from .plan import Plan
 
@@ -538,6 +536,16 @@ def cse_statements(printer: ArrayPrinter, exprs: list[sp.Expr], prefix: str,
     return [f"{s} = {printer.doprint(e)}" for s, e, _ in temps], [printer.doprint(e) for e in reduced]
 
 
+class Divisor(enum.StrEnum):
+    """What a segment term's sum is divided by, each the segment kernel's variable of that name: the
+    call's divisor or the valid segments (``div``), the one a row term's is (``div_rows``: a row term
+    of segment statistics), or the sequences (``div_seq``: a term normalised by sequence)."""
+
+    SEGMENTS = "div"
+    ROWS = "div_rows"
+    SEQUENCES = "div_seq"
+
+
 @dataclass(frozen=True)
 class Phases:
     """A plan's expressions as one backend prints them, grouped by the phase of its kernels that
@@ -566,7 +574,9 @@ class Phases:
     - and what the template declares only where read: ``uses_label``, ``uses_zym``,
       ``uses_vocab_size``, ``uses_is_y``, ``uses_is_argmax``, ``uses_argmax`` (the first read keeps
       the argmax), ``grad_uses_teacher`` (the gradient read loads the teacher), ``uses_vocab_start``
-      (an index placed in the vocab shard), ``flag_slots``.
+      (an index placed in the vocab shard), ``flag_slots``;
+    - the interface's names (interface.py's): ``token_loads``/``vector_loads`` (each input's value
+      and its pointer argument), ``weights`` (each loss term's weight scalar).
 
     With the ``KernelSpec``, this is all a template reads: nothing of the ``Plan`` or ``Lowered``.
 
@@ -610,7 +620,8 @@ def phases(plan: Plan, spec: KernelSpec, printer: ArrayPrinter, statements: Stat
                              per_sequence=norm[seg.name] == "sequence",
                              # its divisor: a row term of segment statistics is divided as a row term is,
                              # unless normalised by sequence (each row then over its segment's rows: terms.bind)
-                             div="div_seq" if norm[seg.name] == "sequence" else "div_rows" if seg.rows else "div",
+                             div=Divisor.SEQUENCES if norm[seg.name] == "sequence" else Divisor.ROWS if seg.rows
+                             else Divisor.SEGMENTS, weight=weight_name(seg.name),
                              grads=[(seg_means.index(U.name), g) for U, g in zip(seg.means, grads)],
                              # a row term of segment statistics: its row values, read row by row
                              rows=[(p.name, row_names.index(p.name)) for p in seg.rows],
@@ -638,8 +649,8 @@ def phases(plan: Plan, spec: KernelSpec, printer: ArrayPrinter, statements: Stat
         finish=[(n, row_names.index(n), lw.outputs.index(n),
                  {"tokens": " * value_scale", "mean": " * count_scale", "sum": ""}[norm[n]])
                 for n in lw.outputs if n not in spec.segments],
-        finish_loss=" + ".join(f"weight_{n} * value_{n}" for n in spec.row_loss_terms),
-        grad_weights=[(n, f"weight_{n} * grad_scale" if norm[n] == "tokens" else f"weight_{n}")
+        finish_loss=" + ".join(f"{weight_name(n)} * value_{n}" for n in spec.row_loss_terms),
+        grad_weights=[(n, f"{weight_name(n)} * grad_scale" if norm[n] == "tokens" else weight_name(n))
                       for n in spec.row_loss_terms],
         coef_temps=coef_temps, coefs=list(zip([s.name for s, _ in lw.grad_coefs], coef_exprs)),
         grad_temps=grad_temps, grad_expr=grad_expr, teacher_grad=teacher_expr[0] if teacher_expr else None,
@@ -647,7 +658,7 @@ def phases(plan: Plan, spec: KernelSpec, printer: ArrayPrinter, statements: Stat
         topk_grad=None if lw.grad_topk == 0 else topk_grad_expr, topk_grad_temps=topk_grad_temps,
         grad_means=[(U.name, seg_means.index(U.name)) for seg in lw.segments if seg.rows for U in seg.means],
         # a row term of segment statistics' direct path: its weight over its divisor, as its value's
-        seg_row_weights=[(n, f"weight_{n} * {'seq_scale' if norm[n] == 'sequence' else 'grad_scale'}")
+        seg_row_weights=[(n, f"{weight_name(n)} * {'seq_scale' if norm[n] == 'sequence' else 'grad_scale'}")
                          for n in spec.segment_row_terms],
         segments=segments, seg_coefs=[c.name for s in lw.segments for c in s.coefs],
         seg_mean_rows=[row_names.index(u) for u in seg_means],
@@ -661,10 +672,15 @@ def phases(plan: Plan, spec: KernelSpec, printer: ArrayPrinter, statements: Stat
         floor_topk=neg_inf["topk"]["floor"] or neg_inf["topk"]["gone"],
         uses_ninf=neg_inf["exact"]["gone"] or neg_inf["grad"]["gone"],
         uses_value_scale="tokens" in norm.values(), uses_count_scale="mean" in norm.values(),
-        uses_div=any(s["div"] == "div" for s in segments), uses_div_seq=any(s["per_sequence"] for s in segments),
-        uses_div_rows=any(s["div"] == "div_rows" for s in segments),
+        uses_div=any(s["div"] is Divisor.SEGMENTS for s in segments),
+        uses_div_seq=any(s["per_sequence"] for s in segments),
+        uses_div_rows=any(s["div"] is Divisor.ROWS for s in segments),
         uses_seq_scale=any(norm[n] == "sequence" for n in spec.segment_row_terms),
         flag_slots={name: i for i, name in enumerate(FLAG_SLOTS)},
+        # each input the kernels load, (the value's name in the formulas, its pointer argument)
+        token_loads=[(S.token(t).name, token_arg(t).name) for t in spec.tokens],
+        vector_loads=[(S.vector(v).name, vector_arg(v).name) for v in spec.vectors],
+        weights={n: weight_name(n) for n in spec.row_loss_terms + spec.segments},
     )
     return Phases(body, grad_dense, grad_topk, context, *grad_teacher)
 
@@ -690,23 +706,6 @@ class KernelSource:
         return f"{self.name} ({len(self.text.splitlines())} lines)"
 
 
-@dataclass(frozen=True)
-class Signature:
-    """One jitted kernel's interface, the single declaration of its arguments: the template writes
-    the kernel's signature from it, the generated file records it (``ARGS``, ``FIXED``,
-    ``CONSTEXPRS``) and launch.py passes every argument by these names."""
-
-    name: str                    # the jitted function
-    args: tuple[str, ...]        # each launch's own, first
-    fixed: tuple[str, ...]       # then those that are the same at every launch of a head on one vocab shard
-    constexprs: tuple[str, ...]  # then the constexprs
-    unspecialized: tuple[str, ...] = ()  # integer arguments that change between calls: no variant each
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return self.args + self.fixed + self.constexprs
-
-
 def wrap(items: list[str], indent: str, width: int = 100) -> list[str]:
     """``items`` joined into lines of at most ``width`` characters, each starting with ``indent``."""
     out, line = [], indent
@@ -718,359 +717,3 @@ def wrap(items: list[str], indent: str, width: int = 100) -> list[str]:
     if line.strip():
         out.append(line.rstrip())
     return out
-
-
-def signatures(plan: Plan, key: str, reads_scalars: bool, per_sequence: tuple[str, ...] = (),
-               row_terms: bool = True) -> dict[str, Signature]:
-    """The interface of each kernel of a head's file, in signature order. ``reads_scalars``: whether
-    the head's kernel reads runtime scalars (the segment kernel always does: its terms' weights);
-    ``per_sequence``: the segment terms normalised by sequence (which take no divisor); ``row_terms``:
-    whether the head has loss terms reduced over rows (which take per-row upstream gradients, on the
-    loss and on their rows; a row term of segment statistics takes the one on the loss)."""
-    lw = plan.lowered
-    segments = [seg.name for seg in lw.segments]
-    args = ["x_ptr", "x_stride", "grad_ptr", "grad_stride", "y_ptr", "mask_ptr"]
-    if lw.uses_teacher:
-        args += ["t_ptr", "t_stride"]
-    if lw.teacher_grad:     # (the variant for teacher logits that require grad: their gradient)
-        args += ["tgrad_ptr", "tgrad_stride"]
-    args += [f"tok_{tok}_ptr" for tok in lw.tokens]
-    args += [f"vec_{vec}_ptr" for vec in lw.vectors]
-    if lw.uses_topk:
-        args += ["topk_id_ptr", "topk_lp_ptr", "topk_stride", "K"]
-    if segments:
-        args += ["seg_ptr", "n_seg", "off_seg_sums", "off_seg_coefs"]
-    args += ["ws_ptr", "off_rows", "off_loss_rows", "off_stats", *(["off_exact"] if plan.exact else []),
-             "gathered_ptr", "peers_ptr", "epoch", "div_ptr", "flag_ptr",
-             *(["up_loss_ptr"] if row_terms or any(seg.rows for seg in lw.segments) else []),
-             *(["up_rows_ptr"] if row_terms else []), "row_offset", "n_rows"]
-    fixed = ["world", *(["scalars_ptr"] if reads_scalars else []), "logit_scale", "softcap", "V", "vocab_start",
-             "n_vocab", "ignore_index"]
-    constexprs = ["SUM", "PER_ROW", "STATS", "EXCHANGE", "MERGE", "EXACT", "STORE_STATS", "ROWS", "GRAD",
-                  "BLOCK_V", "BLOCK_K", "BLOCK_R"]
-    varying = ("row_offset", "n_rows", "epoch", "off_rows", "off_loss_rows", "off_stats", "off_exact",
-               "vocab_start", "n_vocab", "n_seg", "off_seg_sums", "off_seg_coefs")
-    out = {"head_loss": Signature(f"head_loss_{key}", tuple(args), tuple(fixed), tuple(constexprs),
-                                  tuple(a for a in varying if a in args + fixed))}
-    if segments:
-        by_rows = any(seg.rows for seg in lw.segments)   # row terms of segment statistics
-        seg_args = ("ws_ptr", "off_seg_sums", "off_seg_coefs", "n_seg",
-                    *(("div_ptr",) if set(segments) - set(per_sequence) else ()),
-                    *(("seg_ptr", "off_rows", "off_loss_rows", "n_rows") if by_rows else ()))
-        # (PER_ROW: reduction="none", where a row term of batch quantiles adds its rows to the per-row loss)
-        out["segments"] = Signature(f"segments_{key}", seg_args, ("scalars_ptr",),
-                                    ("SUM", *(("PER_ROW",) if by_rows else ()), "BLOCK_S"),
-                                    ("n_seg", "off_seg_sums", "off_seg_coefs",
-                                     *(("off_rows", "off_loss_rows", "n_rows") if by_rows else ())))
-    return out
-
-
-def _recorded(constant: str, *, only_with: str = "") -> Any:
-    """A field of ``FileSpec``: written as the module constant ``constant``; ``only_with``: the field
-    whose value decides whether the file writes it at all (the segment kernel's interface)."""
-    return field(metadata={"constant": constant, "only_with": only_with})
-
-
-def _names(value: Any) -> tuple[str, ...]:
-    if not isinstance(value, (list, tuple)) or not all(isinstance(n, str) for n in value):
-        raise TypeError(f"a list of names, not {value!r}")
-    return tuple(value)
-
-
-def _flag(value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"True or False, not {value!r}")
-    return value
-
-
-def _text(value: Any) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"a string, not {value!r}")
-    return value
-
-
-def _pairs(value: Any) -> tuple[tuple[str, str], ...]:
-    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
-        raise TypeError(f"a dict of names, not {value!r}")
-    return tuple(value.items())
-
-
-def _state(value: Any) -> tuple[str, int, int]:
-    if not (isinstance(value, tuple) and len(value) == 3 and isinstance(value[0], str)
-            and all(isinstance(n, int) for n in value[1:])):
-        raise TypeError(f"(streams, running sums, exact sums), not {value!r}")
-    return value
-
-
-def _quantiles(value: Any) -> tuple[tuple[str, float], ...]:
-    if not isinstance(value, (list, tuple)) or not all(
-            isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], float) for p in value):
-        raise TypeError(f"a list of (name, q) pairs, not {value!r}")
-    return tuple(value)
-
-
-# how a constant's value is read back into its field, by the field's type
-_READERS: dict[str, Callable[[Any], Any]] = {
-    "str": _text, "bool": _flag, "tuple[str, ...]": _names, "tuple[tuple[str, str], ...]": _pairs,
-    "tuple[str, int, int]": _state, "tuple[tuple[str, float], ...]": _quantiles}
-
-
-@dataclass(frozen=True)
-class FileSpec:
-    """What the runtime reads of a head's kernel file, whatever its backend: each field one constant
-    of the file (named in the field's ``constant``), which both backends' templates write
-    (``templates/_spec_constants.j2``, from a ``KernelSpec``), and which ``load`` reads back into
-    this, the module's ``SPEC`` (``FileSpec.read``). The runtime reads these fields, never a
-    constant by its name."""
-
-    key: str = _recorded("KEY")                         # the head's key: its kernels are head_loss_<key>, segments_<key>
-    outputs: tuple[str, ...] = _recorded("OUTPUTS")     # the terms, then the metrics
-    row_values: tuple[str, ...] = _recorded("ROW_VALUES")  # row terms, metrics, segment terms' row quantities
-    columns: tuple[str, ...] = _recorded("COLUMNS")     # the first read's packed per-row stats
-    exact: tuple[str, ...] = _recorded("EXACT")         # the exact read's sums
-    tokens: tuple[str, ...] = _recorded("TOKENS")       # per-row inputs (S.token), each passed as tok_<name>_ptr
-    vectors: tuple[str, ...] = _recorded("VECTORS")     # per-class [V] inputs (S.vector), each passed as vec_<name>_ptr
-    uses_labels: bool = _recorded("USES_LABELS")        # which inputs its kernels read
-    uses_teacher: bool = _recorded("USES_TEACHER")
-    uses_topk: bool = _recorded("USES_TOPK")
-    row_loss_terms: tuple[str, ...] = _recorded("ROW_LOSS_TERMS")  # loss terms reduced over rows (the others are segment terms)
-    normalize: tuple[tuple[str, str], ...] = _recorded("NORMALIZE")  # each output's: tokens, sequence, sum or mean
-    scalars: tuple[str, ...] = _recorded("SCALARS")     # the fp32 runtime scalars: each loss term's weight, then parameters
-    segments: tuple[str, ...] = _recorded("SEGMENTS")   # segment terms
-    segment_means: tuple[str, ...] = _recorded("SEGMENT_MEANS")  # the row values whose per-segment sums they read, in order
-    segment_row_terms: tuple[str, ...] = _recorded("SEGMENT_ROW_TERMS")  # the segment terms that are row terms of segment statistics
-    segment_sorted: tuple[str, ...] = _recorded("SEGMENT_SORTED")  # the segment means that are sorted sums (S.segment_sorted)
-    # those that are batch quantiles (S.row_quantile), each with its q
-    segment_quantiles: tuple[tuple[str, float], ...] = _recorded("SEGMENT_QUANTILES")
-    state: tuple[str, int, int] = _recorded("STATE")    # what decides the tile: Plan.state
-    # each kernel's interface (emit.signatures): each launch's arguments, the fixed ones, the constexprs
-    args: tuple[str, ...] = _recorded("ARGS")
-    fixed: tuple[str, ...] = _recorded("FIXED")
-    constexprs: tuple[str, ...] = _recorded("CONSTEXPRS")
-    segment_args: tuple[str, ...] = _recorded("SEGMENT_ARGS", only_with="segments")
-    segment_fixed: tuple[str, ...] = _recorded("SEGMENT_FIXED", only_with="segments")
-    segment_constexprs: tuple[str, ...] = _recorded("SEGMENT_CONSTEXPRS", only_with="segments")
-
-    @property
-    def normalization(self) -> dict[str, str]:
-        return dict(self.normalize)
-
-    @property
-    def teacher_grad(self) -> bool:
-        """Whether the head's kernel writes dL/dteacher_logits (its variant for teacher logits that
-        require grad, whose interface takes the gradient's pointer)."""
-        return "tgrad_ptr" in self.args
-
-    @property
-    def has_exact(self) -> bool:
-        """Whether a launch after the first read's merge computes sums (the exact read's, or top-k
-        sums of the final normalisers): plan.launch_sequence's ``has_exact``."""
-        return bool(self.exact)
-
-    @property
-    def slots(self) -> dict[str, int]:
-        """The workspace's fixed slots after each output's value: the loss, the valid-row count, the
-        finished-row count; ``fixed``: where the regions given per call start."""
-        n = len(self.outputs)
-        return dict(loss=n, count=n + 1, done=n + 2, fixed=n + 3)
-
-    @property
-    def segment_raw(self) -> tuple[str, ...]:
-        """The segment statistics the segment step writes as they are read (sorted sums, quantiles),
-        not as sums that the count divides."""
-        return self.segment_sorted + tuple(name for name, _ in self.segment_quantiles)
-
-    @classmethod
-    def read(cls, module: Any) -> FileSpec:
-        """The contract a kernel module's constants record. A constant missing (or written where its
-        ``only_with`` field is empty), of the wrong type, or disagreeing with what the others imply
-        (``DERIVED_CONSTANTS``) is a ValueError naming it."""
-        values: dict[str, Any] = {}
-        for f in fields(cls):
-            const, only_with = f.metadata["constant"], f.metadata["only_with"]
-            written = not only_with or bool(values[only_with])
-            if not written:
-                if hasattr(module, const):
-                    raise ValueError(f"the constant {const} is written, with no {only_with.upper()}")
-                values[f.name] = ()
-                continue
-            if not hasattr(module, const):
-                raise ValueError(f"no constant {const} (FileSpec.{f.name}): the file is not one this "
-                                 "version of losscodegen writes")
-            try:
-                values[f.name] = _READERS[f.type](getattr(module, const))
-            except TypeError as e:
-                raise ValueError(f"the constant {const} (FileSpec.{f.name}) is not {e}") from None
-        spec = cls(**values)
-        for const, derive in DERIVED_CONSTANTS.items():
-            if getattr(module, const, None) != derive(spec):
-                raise ValueError(f"the constant {const} is {getattr(module, const, 'missing')!r}, where "
-                                 f"the file's other constants make it {derive(spec)!r}")
-        return spec
-
-
-# The constants a file writes that follow from its FileSpec's fields: checked when it is read.
-DERIVED_CONSTANTS: dict[str, Callable[[FileSpec], Any]] = {
-    "HAS_EXACT": lambda s: s.has_exact, "LOSS": lambda s: s.slots["loss"], "COUNT": lambda s: s.slots["count"],
-    "DONE": lambda s: s.slots["done"], "FIXED_SLOTS": lambda s: s.slots["fixed"]}
-
-
-@dataclass(frozen=True)
-class KernelSpec(FileSpec):
-    """A head's kernel file's contract (``FileSpec``, what it records), derived from its plan once,
-    here, for every backend, with what the renderers alone read: each renderer takes the file's
-    contract from it, and its template writes the ``FileSpec`` part as the file's constants. Two
-    backends' files of one head agree on all of it by construction."""
-
-    head_scalars: tuple[str, ...] = ()     # the scalars the head's kernel reads
-    segment_scalars: tuple[str, ...] = ()  # those the segment kernel reads
-    signatures: tuple[Signature, ...] = ()  # the head's kernel, then the segment kernel if any
-
-    @property
-    def sigs(self) -> dict[str, Signature]:
-        """``emit.signatures``' form: by kernel kind (``head_loss``, ``segments``)."""
-        return dict(zip(("head_loss", "segments"), self.signatures))
-
-    @property
-    def recorded(self) -> FileSpec:
-        """What the file records of it: what ``FileSpec.read`` gives back from the file."""
-        return FileSpec(**{f.name: getattr(self, f.name) for f in fields(FileSpec)})
-
-
-def kernel_spec(plan: Plan, key: str, normalize: dict[str, str] | None = None) -> KernelSpec:
-    """The contract of a plan's kernel file. ``normalize``: each loss term's normalisation ("tokens"
-    where not given; a "sequence" term is a segment term); metrics are means over the valid rows."""
-    lw = plan.lowered
-    segments = tuple(seg.name for seg in lw.segments)
-    loss_terms = [w.name[len("w_"):] for w in lw.weights]
-    row_loss_terms = tuple(n for n in loss_terms if n not in segments)
-    norm = {n: (dict(normalize or {}).get(n, "tokens") if n in loss_terms else "mean") for n in lw.outputs}
-    head_exprs = ([a.body for a in lw.accumulators] + [e for _, e in lw.grad_coefs + lw.row_values]
-                  + [lw.grad_vocab, lw.grad_topk, lw.grad_teacher])
-    seg_exprs = [e for seg in lw.segments for e in (seg.formula, *seg.dformula)]
-
-    def names(exprs: list[sp.Expr]) -> set[str]:
-        return {s.name for e in exprs for s in e.free_symbols}
-    scalars = tuple(f"weight_{n}" for n in loss_terms) + tuple(sorted(
-        n for n in names(head_exprs + seg_exprs) if n.startswith(S.RUNTIME_PREFIX)))
-    segment_row_terms = tuple(seg.name for seg in lw.segments if seg.rows)
-    # (a row term of segment statistics has its direct path in the head's gradient, its weight with it)
-    head_scalars = tuple(n for n in scalars if n in names(head_exprs)
-                         | {f"weight_{t}" for t in row_loss_terms + segment_row_terms})
-    sigs = signatures(plan, key, bool(head_scalars), tuple(n for n in segments if norm[n] == "sequence"),
-                      bool(row_loss_terms))
-    head_sig, seg_sig = sigs["head_loss"], sigs.get("segments", Signature("", (), (), ()))
-    return KernelSpec(
-        key=key, outputs=tuple(lw.outputs), row_values=tuple(n for n, _ in lw.row_values),
-        columns=tuple(c.name for c in plan.columns), exact=tuple(plan.exact), tokens=tuple(lw.tokens),
-        vectors=tuple(lw.vectors), uses_labels=lw.uses_labels, uses_teacher=lw.uses_teacher,
-        uses_topk=lw.uses_topk, row_loss_terms=row_loss_terms, normalize=tuple(norm.items()), scalars=scalars,
-        segments=segments, segment_means=tuple(U.name for seg in lw.segments for U in seg.means),
-        segment_row_terms=segment_row_terms, state=plan.state,
-        args=head_sig.args, fixed=head_sig.fixed, constexprs=head_sig.constexprs,
-        segment_args=seg_sig.args, segment_fixed=seg_sig.fixed, segment_constexprs=seg_sig.constexprs,
-        head_scalars=head_scalars,
-        segment_scalars=tuple(n for n in scalars if n in names(seg_exprs) | {f"weight_{t}" for t in segments}),
-        signatures=tuple(sigs.values()),
-        segment_sorted=tuple(U.name for seg in lw.segments for U in seg.sorted),
-        segment_quantiles=tuple((U.name, q) for seg in lw.segments for U, q in seg.quantiles))
-
-
-def check_interface(text: str, sigs: dict[str, Signature]) -> None:
-    """Refuse a rendered kernel file whose kernels disagree with their declared interface: a kernel
-    whose parameters are not the declaration's, or that reads a name it neither takes, assigns, nor
-    finds in the file or the builtins (a template that renamed or dropped an argument). Raised here,
-    when the file is generated, not when a launch first compiles it."""
-    tree = ast.parse(text)
-    module_names = set(dir(builtins))
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            module_names.add(node.name)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            module_names.update((a.asname or a.name).split(".")[0] for a in node.names)
-        else:
-            module_names.update(n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store))
-    functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
-    for sig in sigs.values():
-        fn = functions.get(sig.name)
-        if fn is None:
-            raise ValueError(f"the template wrote no kernel {sig.name}")
-        params = tuple(a.arg for a in fn.args.args)
-        if params != sig.names:
-            raise ValueError(f"{sig.name}: the template's parameters {params} are not its declared "
-                             f"interface {sig.names} (emit.signatures)")
-        known = module_names | set(params) | {n.id for n in ast.walk(fn)
-                                              if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-        unknown = sorted({n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
-                         - known)
-        if unknown:
-            raise ValueError(f"{sig.name} reads {unknown}, which is no argument of its declared interface "
-                             f"(emit.signatures) and nothing it assigns")
-        unused = sorted(set(sig.args + sig.fixed) - {n.id for n in ast.walk(fn) if isinstance(n, ast.Name)})
-        if unused:
-            raise ValueError(f"{sig.name}: declared arguments {unused} are never read by the template")
-        out_of_scope = _read_out_of_scope(fn, module_names | set(params))
-        if out_of_scope:
-            raise ValueError(f"{sig.name} reads {out_of_scope} where no assignment reaches (a value "
-                             "computed inside a loop is gone after it, in Triton's compiler; its "
-                             "interpreter, which runs the loop as Python, would not say so)")
-
-
-def _read_out_of_scope(fn: ast.FunctionDef, known: set[str]) -> list[str]:
-    """The names (with their line) a kernel reads where, in Triton's scoping, nothing defines them:
-    a name first assigned inside a loop does not outlive the loop. (The branches of an ``if`` are
-    taken as both defining what either does: most conditions are constexprs.)"""
-    found: list[str] = []
-
-    def read(node: ast.AST, defined: set[str]) -> None:
-        found.extend(f"{n.id} (line {n.lineno})" for n in ast.walk(node)
-                     if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id not in defined)
-
-    def stored(node: ast.AST) -> set[str]:
-        return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-
-    def block(stmts: list[ast.stmt], defined: set[str]) -> set[str]:
-        for st in stmts:
-            if isinstance(st, (ast.For, ast.While)):
-                read(st.iter if isinstance(st, ast.For) else st.test, defined)
-                block(st.body, defined | (stored(st.target) if isinstance(st, ast.For) else set()))
-            elif isinstance(st, ast.If):
-                read(st.test, defined)
-                defined = defined | block(st.body, set(defined)) | block(st.orelse, set(defined))
-            elif isinstance(st, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
-                if st.value is not None:
-                    read(st.value, defined)
-                targets = st.targets if isinstance(st, ast.Assign) else [st.target]
-                if isinstance(st, ast.AugAssign) and isinstance(st.target, ast.Name) and st.target.id not in defined:
-                    found.append(f"{st.target.id} (line {st.lineno})")
-                for t in targets:   # (a subscript or attribute target reads its base)
-                    if not isinstance(t, ast.Name):
-                        read(t, defined)
-                defined = defined | set().union(*(stored(t) for t in targets))
-            else:
-                read(st, defined)
-        return defined
-
-    block(fn.body, set(known))
-    return sorted(set(found))
-
-
-# The kernel's flag buffer: one slot a kind of bad value, in this order (validation.py reads them).
-FLAG_SLOTS = ("label", "segment_id", "topk_id", "topk_repeated")
-_TEXT_HASH = re.compile(rb'\nTEXT_HASH = "([0-9a-f]{64})"\n\Z')
-
-
-def seal(text: str) -> str:
-    """A kernel file's text ending with the sha256 of everything before that line: a loader tells a
-    damaged file (truncated, edited, not text) from an intact one before running it."""
-    text = text if text.endswith("\n") else text + "\n"
-    text += "# TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)\n"
-    return f'{text}TEXT_HASH = "{hashlib.sha256(text.encode()).hexdigest()}"\n'
-
-
-def intact(data: bytes) -> bool:
-    """Whether a kernel file's bytes match the hash ``seal`` wrote at their end."""
-    found = _TEXT_HASH.search(data)
-    return found is not None and hashlib.sha256(data[:found.start() + 1]).hexdigest() == found.group(1).decode()
-
-

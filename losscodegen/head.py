@@ -18,6 +18,7 @@ from . import load as _load
 from . import symbols as S
 from .emit import KernelSource, header
 from .inputs import Call, check_call
+from .interface import weight_name
 from .lower import Lowered, lower
 from .plan import Launch, Plan, launch_sequence, plan
 from .stable import numerics_report
@@ -148,6 +149,12 @@ class HeadLoss(torch.nn.Module):
         # and their fp32 buffer on each device (``scalar_buffer``)
         self.scalars = scalar_values(terms, metrics)
         self.tensor_scalars = any(is_tensor(v) for v in self.scalars.values())
+        # what each scalar's name is of, for learnable weights and messages (made from the terms as
+        # the kernel names its scalars: each term's weight, each term's parameters)
+        self._weight_terms = {weight_name(t.name): t.name for t in terms}
+        self._scalar_labels = {**{S.runtime(t.name, key).name: f"parameter {key} of {t.name}"
+                                  for t in head for key, _ in t.params},
+                               **{w: f"the weight of {t}" for w, t in self._weight_terms.items()}}
         # each class-weighted term's [V] weights: a buffer ``class_weight_<term>`` (head.to(device)
         # moves it, as nn.CrossEntropyLoss's weight) left out of state_dict (a head inside a model
         # leaves its checkpoints as they were). By the per-row token it fills (inputs.py): the
@@ -292,12 +299,12 @@ class HeadLoss(torch.nn.Module):
         learnable = []
         for name, value in self.scalars.items():
             if is_tensor(value) and value.requires_grad:
-                if not name.startswith("weight_"):
+                if name not in self._weight_terms:
                     raise ValueError(
-                        f"{_scalar_label(name)} is a tensor that requires grad, but a parameter inside a "
+                        f"{self._scalar_labels[name]} is a tensor that requires grad, but a parameter inside a "
                         "formula gets no gradient (only a term's weight does): pass it .detach(), or "
                         "make the learnable factor a term's weight")
-                learnable.append((name[len("weight_"):], value))
+                learnable.append((self._weight_terms[name], value))
         return tuple(learnable)
 
     def _output(self, loss: torch.Tensor, values: torch.Tensor, rows: dict[str, torch.Tensor], call: Call,
@@ -344,8 +351,8 @@ class HeadLoss(torch.nn.Module):
             for name in names:
                 value = self.scalars[name]
                 if is_tensor(value) and value.device != device:
-                    raise ValueError(f"{_scalar_label(name)} is a tensor on {value.device}, but the logits are on "
-                                     f"{device}: a tensor weight or parameter must be on the logits' device")
+                    raise ValueError(f"{self._scalar_labels[name]} is a tensor on {value.device}, but the logits are "
+                                     f"on {device}: a tensor weight or parameter must be on the logits' device")
             values = [self.scalars[n] for n in names]
             buf = torch.tensor([0.0 if is_tensor(v) else float(v) for v in values], dtype=torch.float32,
                                device=device)
@@ -406,10 +413,3 @@ class HeadLoss(torch.nn.Module):
                 input_name, lambda f: f.has(S.token(input_name)) or f.has(S.vector(input_name)))
         return ", ".join(n for n, f, _ in self._bound if reads(f))
 
-
-def _scalar_label(name: str) -> str:
-    """A runtime scalar's name as the user wrote it: ``weight_<term>`` or ``p_<term>__<param>``."""
-    if name.startswith("weight_"):
-        return f"the weight of {name[len('weight_'):]}"
-    term, _, param = name[len(S.RUNTIME_PREFIX):].partition("__")
-    return f"parameter {param} of {term}"

@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 
 from . import segments
-from .emit import FileSpec
+from .interface import FileSpec
 from .symbols import STANDARD_INPUTS  # (declared with the formula language: no token takes these names)
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)

@@ -6,26 +6,28 @@ on the device (the head's kernels, the prologue, the tiles) comes from the head'
 A default call on one device is: one allocation (the workspace), the backend's one-program
 prologue, and one launch of the head's kernel, whose last program writes the terms, the metrics and
 the loss. Nothing waits for the device. What a call's shapes decide (tiles, launches, each launch's
-compiled kernel) is worked out once per signature and kept by the head.
+compiled kernel, where each argument of a launch comes from) is worked out once per signature and
+kept by the head.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from operator import itemgetter
 from typing import Any, Callable, NamedTuple
 
 import torch
 
 from . import collectives, segments
 from .backends import Launchable
-from .emit import FileSpec
-from .plan import Launch, pow2
+from .interface import Arg, FileSpec, Region, Role, Value, resolve
+from .plan import Launch, Then, pow2
 
 _BLOCK_R = 256      # rows a tile when the last program reduces the rows' values
 _MAX_OFFSETS = 64   # workspace layouts a layout keeps, by row count
 
 
 def by_name(values: dict[str, Any], names: tuple[str, ...], kernel: str) -> list[Any]:
-    """``values`` in the order of ``names`` (a kernel's declared FIXED or CONSTEXPRS), each required."""
+    """``values`` in the order of ``names`` (a kernel's declared CONSTEXPRS), each required."""
     missing = [n for n in names if n not in values]
     if missing:
         raise TypeError(f"{kernel} takes {missing}, which the launcher does not provide")
@@ -49,46 +51,52 @@ class LayoutKey(NamedTuple):
     teacher_grad: bool         # the kernel that writes the teacher's gradient too (HeadLoss.kernel_for)
 
 
-# How the launcher passes each per-launch argument a kernel may declare (its ARGS), by name: an
-# expression in the values below (``bind``'s parameters). Besides these, ``off_<region>`` is the
-# workspace's offset of that region and ``tok_<name>_ptr`` the per-row token ``name``.
-_BIND_PARAMS = ("x, teacher, grad, call, ws, n_seg, gathered, peers, epoch, flags, row_offset, up_loss, up_rows, "
-                "tgrad=None")
-_LAUNCH_VALUES = {
-    "x_ptr": "x", "x_stride": "x.stride(0)",
-    "grad_ptr": "x if grad is None else grad", "grad_stride": "0 if grad is None else grad.stride(0)",
-    # (the teacher's gradient: only a teacher-gradient kernel takes it, HeadLoss.kernel_for)
-    "tgrad_ptr": "teacher if tgrad is None else tgrad", "tgrad_stride": "0 if tgrad is None else tgrad.stride(0)",
-    "y_ptr": "call.labels", "mask_ptr": "call.mask",
-    "t_ptr": "teacher", "t_stride": "teacher.stride(0)",
-    "topk_id_ptr": "call.topk_ids", "topk_lp_ptr": "call.topk_logprobs",
-    "topk_stride": "call.topk_ids.stride(0)", "K": "call.topk_ids.shape[1]",
-    "seg_ptr": "call.segment_ids", "n_seg": "n_seg",
-    "ws_ptr": "ws.t", "gathered_ptr": "gathered", "peers_ptr": "peers", "epoch": "epoch",
-    "div_ptr": "call.divisor", "flag_ptr": "flags", "row_offset": "row_offset", "n_rows": "call.rows",
-    "up_loss_ptr": "up_loss", "up_rows_ptr": "up_rows",
-}
+# Where the launcher takes each per-launch argument (``Arg.value``) from: one tuple a launch, the
+# call's values (``Launcher.values``: those of ``_CALL``, then the workspace's offsets in Region's
+# order, the tokens in TOKENS' and the vectors in VECTORS' order), then the launch's (``_LAUNCH``,
+# ``Launcher._launch``). A kernel's arguments are picked from it by position (``binding``).
+_CALL = (Value.LABELS, Value.MASK, Value.TOPK_IDS, Value.TOPK_LOGPROBS, Value.TOPK_STRIDE, Value.TOPK_COUNT,
+         Value.SEGMENT_IDS, Value.N_SEG, Value.WORKSPACE, Value.DIVISOR, Value.FLAGS, Value.N_ROWS)
+_LAUNCH = (Value.LOGITS, Value.LOGITS_STRIDE, Value.GRAD, Value.GRAD_STRIDE, Value.TEACHER, Value.TEACHER_STRIDE,
+           Value.TEACHER_GRAD, Value.TEACHER_GRAD_STRIDE, Value.GATHERED, Value.PEERS, Value.EPOCH, Value.UP_LOSS,
+           Value.UP_ROWS, Value.ROW_OFFSET)
 
 
-def binder(spec: FileSpec, names: tuple[str, ...]) -> Callable[..., tuple]:
-    """A function of ``_BIND_PARAMS`` that returns the arguments ``names`` (a kernel's ARGS) in
-    their order: compiled once per kernel, so that a launch looks nothing up by name. A name the
-    launcher does not know how to pass fails here, at a head's first call, naming it."""
-    exprs = []
-    for name in names:
-        if name in _LAUNCH_VALUES:
-            exprs.append(_LAUNCH_VALUES[name])
-        elif name.startswith("off_") and name in Workspace.__slots__:
-            exprs.append(f"ws.{name}")
-        elif name.startswith("tok_") and name.endswith("_ptr") and name[4:-4] in spec.tokens:
-            exprs.append(f"call.tokens[{spec.tokens.index(name[4:-4])}]")
-        elif name.startswith("vec_") and name.endswith("_ptr") and name[4:-4] in spec.vectors:
-            exprs.append(f"call.vectors[{spec.vectors.index(name[4:-4])}]")
-        else:
-            raise TypeError(f"head_loss_{spec.key} takes an argument {name!r} that launch.py does not know how to pass")
-    namespace: dict[str, Any] = {}
-    exec(f"def bind({_BIND_PARAMS}):\n    return ({', '.join(exprs)},)\n", namespace)
-    return namespace["bind"]
+def binding(spec: FileSpec, names: tuple[str, ...], kernel: str, *,
+            per_launch: bool = True) -> Callable[[tuple], tuple]:
+    """A function of a launch's values (``Launcher.values`` then, where ``per_launch``, the launch's,
+    as ``_CALL`` and ``_LAUNCH`` order them) that returns the arguments ``names`` (a kernel's ARGS)
+    in their order, by position: worked out once a layout, so that a launch looks nothing up. A
+    name the launcher does not know how to pass fails here, at a head's first call, naming it."""
+    regions, call = tuple(Region), len(_CALL) + len(Region) + len(spec.tokens) + len(spec.vectors)
+
+    def position(a: Arg) -> int:
+        if a.role is not Role.ARG:
+            raise TypeError(f"{kernel} takes {a.name!r} among each launch's arguments, where it is {a.role.value}")
+        if a.value is Value.OFFSET:
+            return len(_CALL) + regions.index(a.item)
+        if a.value is Value.TOKEN:
+            return len(_CALL) + len(Region) + spec.tokens.index(a.item)
+        if a.value is Value.VECTOR:
+            return len(_CALL) + len(Region) + len(spec.tokens) + spec.vectors.index(a.item)
+        if a.value in _CALL:
+            return _CALL.index(a.value)
+        if not per_launch:
+            raise TypeError(f"{kernel} takes {a.name!r}, a value of each launch, but it is launched once a call")
+        return call + _LAUNCH.index(a.value)
+    positions = [position(a) for a in resolve(names, spec.tokens, spec.vectors, kernel)]
+    if len(positions) == 1:   # (itemgetter of one position returns the value, not a tuple)
+        return lambda values: (values[positions[0]],)
+    return itemgetter(*positions)
+
+
+def fixed_values(spec: FileSpec, names: tuple[str, ...], values: dict[Value, Any], kernel: str) -> list[Any]:
+    """The fixed arguments ``names`` (a kernel's FIXED) from ``values``, in their order."""
+    args = resolve(names, spec.tokens, spec.vectors, kernel)
+    wrong = [a.name for a in args if a.role is not Role.FIXED]
+    if wrong:
+        raise TypeError(f"{kernel} takes {wrong} among its fixed arguments, where they are each launch's")
+    return [values[a.value] for a in args]
 
 
 @dataclass(frozen=True)
@@ -105,8 +113,8 @@ class _Layout:
     deferred: bool                 # the last step is the gradient, run in backward (reduction="none")
     count: bool                    # whether a launch counts the valid rows (the default divisor)
     prologue: Launchable           # the backend's prologue (zeroes, and counts if ``count``)
-    bind: Callable[..., tuple]     # the head kernel's per-launch arguments (``binder``)
-    bind_segments: Callable[..., tuple] | None  # the segment kernel's
+    bind: Callable[[tuple], tuple]  # the head kernel's per-launch arguments (``binding``)
+    bind_segments: Callable[[tuple], tuple] | None  # the segment kernel's (of the call's values alone)
     segment_kernel: Callable[[int], Launchable] | None  # the segment kernel for a BLOCK_S
     offsets: dict = field(default_factory=dict, compare=False)  # _offsets by (rows, segments)
     segment_kernels: dict = field(default_factory=dict, compare=False)  # by BLOCK_S
@@ -123,25 +131,25 @@ def _layout(head, sig: LayoutKey) -> _Layout:
     deferred = sig.grad and sig.reduction == "none"
     launches = head.launches(sharded=sharded, grad=sig.grad, split=config.split, exchange=sig.exchange,
                              deferred=deferred, teacher_grad=sig.teacher_grad)
-    cut = next((i + 1 for i, launch in enumerate(launches) if launch.then == "segments"), len(launches))
+    cut = next((i + 1 for i, launch in enumerate(launches) if launch.then is Then.SEGMENTS), len(launches))
     name = f"head_loss_{spec.key}"
     options = config.launch(sig.V_local, sig.element_size)
     vocab_start, n_vocab = head.shard_columns(sig.group, sig.V_local, sig.device)   # (shards of any width)
-    fixed = dict(world=world, logit_scale=head.logit_scale, softcap=float(head.softcap or 1.0), V=sig.V_local,
-                 vocab_start=vocab_start, n_vocab=n_vocab, ignore_index=head.ignore_index,
-                 scalars_ptr=head.scalar_buffer(sig.device))
+    fixed = {Value.WORLD: world, Value.LOGIT_SCALE: head.logit_scale, Value.SOFTCAP: float(head.softcap or 1.0),
+             Value.VOCAB: sig.V_local, Value.VOCAB_START: vocab_start, Value.N_VOCAB: n_vocab,
+             Value.IGNORE_INDEX: head.ignore_index, Value.SCALARS: head.scalar_buffer(sig.device)}
     constexprs = dict(SUM=sig.reduction == "sum", PER_ROW=sig.reduction == "none", BLOCK_V=options.pop("BLOCK_V"),
                       BLOCK_K=pow2(sig.topk) if sig.topk else 1, BLOCK_R=_BLOCK_R)
     kernels = []
     for launch in launches:
         phases = {f.name.upper(): getattr(launch, f.name) for f in fields(Launch) if f.name != "then"}
-        kernels.append(backend.kernel(getattr(k, name), by_name(fixed, spec.fixed, name),
+        kernels.append(backend.kernel(getattr(k, name), fixed_values(spec, spec.fixed, fixed, name),
                                       dict(zip(spec.constexprs, by_name({**constexprs, **phases}, spec.constexprs, name))),
                                       options))
     segment_kernel = None
     if spec.segments:
         seg_name = f"segments_{spec.key}"
-        seg_fixed = by_name(fixed, spec.segment_fixed, seg_name)
+        seg_fixed = fixed_values(spec, spec.segment_fixed, fixed, seg_name)
 
         def segment_kernel(block: int) -> Launchable:
             values = by_name(dict(SUM=sig.reduction == "sum", PER_ROW=sig.reduction == "none", BLOCK_S=block),
@@ -153,31 +161,33 @@ def _layout(head, sig: LayoutKey) -> _Layout:
     norms = {spec.normalization[n] for n in spec.outputs if n not in spec.segments or n in spec.segment_row_terms}
     count = "mean" in norms or ("tokens" in norms and not sig.divisor and sig.reduction != "sum")
     return _Layout(world, n_vocab, tuple(zip(launches, kernels)), cut, deferred, count,
-                   backend.prologue(count), binder(spec, spec.args),
-                   binder(spec, spec.segment_args) if spec.segments else None, segment_kernel)
+                   backend.prologue(count), binding(spec, spec.args, name),
+                   binding(spec, spec.segment_args, seg_name, per_launch=False) if spec.segments else None,
+                   segment_kernel)
 
 
 # The workspace after the kernel's fixed slots, region by region in this order (fp32 each); the
 # prologue zeroes the fixed slots and the segment sums (what the kernel adds into), every other
 # region is written before it is read.
-def _regions(spec: FileSpec, n_rows: int, *, per_row: bool, keep_stats: bool, n_seg: int) -> dict[str, int]:
+def _regions(spec: FileSpec, n_rows: int, *, per_row: bool, keep_stats: bool, n_seg: int) -> dict[Region, int]:
     segs = max(n_seg, 1) if spec.segments else 0
-    return {"off_seg_sums": segs * (len(spec.segment_means) + 1),
-            "off_rows": n_rows * len(spec.row_values), "off_loss_rows": n_rows if per_row else 0,
-            "off_stats": n_rows * len(spec.columns) if keep_stats else 0,
-            "off_exact": n_rows * len(spec.exact) if keep_stats else 0,
-            "off_seg_coefs": segs * len(spec.segment_means)}
+    return {Region.SEG_SUMS: segs * (len(spec.segment_means) + 1),
+            Region.ROWS: n_rows * len(spec.row_values), Region.LOSS_ROWS: n_rows if per_row else 0,
+            Region.STATS: n_rows * len(spec.columns) if keep_stats else 0,
+            Region.EXACT: n_rows * len(spec.exact) if keep_stats else 0,
+            Region.SEG_COEFS: segs * len(spec.segment_means)}
 
 
 def _offsets(spec: FileSpec, n_rows: int, **kw: Any) -> tuple[tuple[int, ...], int, int]:
-    """The workspace's offsets, in the order of ``Workspace``'s fields after ``spec`` (each call passes
-    them by position: keywords cost a call host time), where its zeroed part ends, and its size."""
+    """The workspace's offsets, in Region's order (that of ``Workspace``'s fields after ``spec``: each
+    call passes them by position, keywords cost a call host time), where its zeroed part ends, and
+    its size."""
     if n_rows >= 1 << 24:
         raise ValueError(f"a call takes fewer than 2**24 rows (its counts are exact fp32), got {n_rows}")
     offsets, at = {}, spec.slots["fixed"]
     for region, size in _regions(spec, n_rows, **kw).items():
         offsets[region], at = at, at + size
-    return tuple(offsets[name] for name in Workspace.__slots__[3:]), offsets["off_rows"], at
+    return tuple(offsets[region] for region in Region), offsets[Region.ROWS], at
 
 
 def workspace(size: int, device: torch.device) -> torch.Tensor:
@@ -190,7 +200,7 @@ def workspace(size: int, device: torch.device) -> torch.Tensor:
 class Workspace:
     """One call's fp32 scratch: the kernel's fixed slots (each output's value, the loss, the
     valid-row count, the finished-row count), then the regions of ``_regions``, each at its offset
-    (a field named as the kernel's argument that takes it)."""
+    (a field a region, in Region's order)."""
 
     t: torch.Tensor
     n_rows: int
@@ -269,7 +279,17 @@ class Launcher:
                 spec, call.rows, per_row=call.reduction == "none", keep_stats=len(layout.steps) > 1, n_seg=self.n_seg)
         regions, zeroed, size = offsets
         self.ws = Workspace(workspace(size, call.device), call.rows, spec, *regions)
+        self.values = self.call_values()
         layout.prologue(1, self.ws.t, zeroed, call.labels, call.mask, call.rows, head.ignore_index, spec.slots["count"])
+
+    def call_values(self) -> tuple:
+        """The call's values a launch may pass, in ``_CALL``'s order, then the workspace's offsets, the
+        tokens and the vectors (as ``binding`` reads them)."""
+        call, ws, topk = self.call, self.ws, self.call.topk_ids
+        return (call.labels, call.mask, topk, call.topk_logprobs, 0 if topk is None else topk.stride(0),
+                0 if topk is None else topk.shape[1], call.segment_ids, self.n_seg, ws.t, call.divisor, self.flags,
+                call.rows, ws.off_seg_sums, ws.off_rows, ws.off_loss_rows, ws.off_stats, ws.off_exact,
+                ws.off_seg_coefs, *call.tokens, *call.vectors)
 
     def run(self, launches: tuple[tuple[Launch, Launchable], ...], x: torch.Tensor, teacher: torch.Tensor | None,
             grad: torch.Tensor | None, row_offset: int = 0, up_loss: torch.Tensor | None = None,
@@ -281,12 +301,12 @@ class Launcher:
         gradient launch."""
         for launch, kernel in launches:
             self._launch(launch, kernel, x, teacher, grad, row_offset, up_loss, up_rows, tgrad)
-            if launch.then == "gather":
+            if launch.then is Then.GATHER:
                 n = x.shape[0]
                 gathered = torch.empty(self.layout.world * n * len(self.spec.columns), device=x.device)
                 collectives.gather(gathered, self.ws.stats(row_offset, row_offset + n), self.call.group)
                 self.gathered = gathered
-            elif launch.then == "sum_exact":
+            elif launch.then is Then.SUM_EXACT:
                 collectives.all_reduce(self.ws.exact(row_offset, row_offset + x.shape[0]), self.call.group)
 
     def passes(self) -> tuple[tuple[tuple[Launch, Launchable], ...], tuple[tuple[Launch, Launchable], ...]]:
@@ -322,17 +342,20 @@ class Launcher:
             kernel = layout.segment_kernels.get(block)
             if kernel is None:
                 kernel = layout.segment_kernels[block] = layout.segment_kernel(block)
-            segments.run(self.call, self.ws, self.n_seg, kernel, layout.bind_segments(
-                None, None, None, self.call, self.ws, self.n_seg, None, None, 0, self.flags, 0, None, None),
-                self.head.ignore_index)
+            segments.run(self.call, self.ws, self.n_seg, kernel, layout.bind_segments(self.values),
+                         self.head.ignore_index)
 
     def _launch(self, launch: Launch, kernel: Launchable, x, teacher, grad, row_offset: int, up_loss, up_rows,
                 tgrad) -> None:
         gathered, peers, epoch = (self.gathered if launch.merge else None), None, 0
         if launch.exchange:
             gathered, peers, epoch = self.exchange.next(x.shape[0], len(self.spec.columns))
-        kernel(x.shape[0], *self.layout.bind(x, teacher, grad, self.call, self.ws, self.n_seg, gathered, peers,
-                                             epoch, self.flags, row_offset, up_loss, up_rows, tgrad))
+        # (the call's values, then the launch's in ``_LAUNCH``'s order: one tuple, made at once)
+        kernel(x.shape[0], *self.layout.bind((
+            *self.values, x, x.stride(0), x if grad is None else grad, 0 if grad is None else grad.stride(0),
+            teacher, 0 if teacher is None else teacher.stride(0),
+            teacher if tgrad is None else tgrad, 0 if tgrad is None else tgrad.stride(0),
+            gathered, peers, epoch, up_loss, up_rows, row_offset)))
 
 
 def run(head, call, *, grad: bool, inplace: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Launcher]:
@@ -363,6 +386,9 @@ def backward(launcher: Launcher, grad_loss: torch.Tensor | None, grad_rows: list
     upstream gradients on its per-row loss and on each loss term's rows (``grad_rows``, in
     ROW_LOSS_TERMS' order), in one pass."""
     call = launcher.call
+    # the call's inputs as they are now: under torch.compile, autograd gives back the saved ones
+    # (autograd._head_grad_op puts them into the call)
+    launcher.values = launcher.call_values()
     # (laid out for the kernel, [rows, V] with unit column stride, whatever the logits' strides)
     grad = call.x if inplace else torch.empty(call.x.shape, dtype=call.x.dtype, device=call.device)
     launcher.tgrad = _teacher_grad(call)

@@ -12,9 +12,9 @@ searched in order:
 
 A file in 1 or 2 written by another code generator is never used: the kernel is generated into the
 cache, with one warning naming the stale file. A loaded module's constants are read once into its
-``SPEC`` (``emit.FileSpec``), what the runtime reads of it: a file lacking one is an error naming
+``SPEC`` (``interface.FileSpec``), what the runtime reads of it: a file lacking one is an error naming
 it. Every kernel file ends with the hash of its text
-(``TEXT_HASH``, ``emit.seal``): a cache file that does not match it is generated again, with one
+(``TEXT_HASH``, ``interface.seal``): a cache file that does not match it is generated again, with one
 warning naming it; in folders 1 and 2 a mismatch is an error naming the file.
 """
 from __future__ import annotations
@@ -35,14 +35,14 @@ from typing import Callable
 import sympy as sp
 
 from . import backends
-from .emit import FileSpec, intact
+from .interface import FileSpec, intact
 from .resources import GENERATED
 
 _PACKAGE = Path(__file__).resolve().parent
 # The compiler stages' sources: a change to any of them (or to the backend's) may change what the
 # code generator writes. (Not terms.py: a kernel's key hashes its bound formulas, so a new built-in
 # re-stamps nothing.)
-_CODEGEN_SOURCES = ("symbols.py", "lower.py", "stable.py", "plan.py", "emit.py", "program.py")
+_CODEGEN_SOURCES = ("symbols.py", "lower.py", "stable.py", "plan.py", "interface.py", "emit.py", "program.py")
 _CODEGEN_LINE = re.compile(r'^CODEGEN = "([0-9a-f]+)"$', re.M)
 
 

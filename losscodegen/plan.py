@@ -7,6 +7,7 @@ across launches (segment terms) costs one exchange of that tensor whatever the t
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import sympy as sp
@@ -14,14 +15,32 @@ import sympy as sp
 from .lower import Lowered
 
 
+class Merge(enum.StrEnum):
+    """How a packed statistic's partial values (one per vocab shard) combine."""
+
+    MAX = "max"
+    SUM = "sum"
+    ARGMAX = "argmax"    # the column of the largest maximum
+    SCALED = "scaled"    # a running sum: each rescaled to the merged maxima (``Column.alpha``, ``beta``), then summed
+
+
 @dataclass(frozen=True)
 class Column:
     """One packed statistic and how partial values of it (one per vocab shard) combine."""
 
     name: str
-    merge: str                 # "max" | "sum" | "argmax" | "scaled"
-    alpha: sp.Expr = sp.S.Zero  # for "scaled": rescale by exp(alpha*(m_r - m) + beta*(m_t,r - m_t))
+    merge: Merge
+    alpha: sp.Expr = sp.S.Zero  # for SCALED: rescale by exp(alpha*(m_r - m) + beta*(m_t,r - m_t))
     beta: sp.Expr = sp.S.Zero
+
+
+class Then(enum.StrEnum):
+    """What the host does after a launch."""
+
+    NOTHING = ""
+    GATHER = "gather"          # all-gather every rank's packed stats
+    SUM_EXACT = "sum_exact"    # all-reduce the exact sums
+    SEGMENTS = "segments"      # the segment step (it needs every row's values)
 
 
 @dataclass(frozen=True)
@@ -38,7 +57,7 @@ class Launch:
     store_stats: bool = False  # keep what this launch computed for a later launch
     rows: bool = False         # write per-row values (and segment sums), then finish
     grad: bool = False
-    then: str = ""             # "" | "gather" (all ranks' packed stats) | "sum_exact" | "segments"
+    then: Then = Then.NOTHING
 
 @dataclass(frozen=True)
 class Sweep:
@@ -81,7 +100,7 @@ class Plan:
         first read loads, its running values (sums, and the argmax, a second reduction of each tile),
         and the sums of the exact read."""
         accs = [a for a in self.lowered.accumulators if a.domain == "vocab"]
-        running = sum(a.online for a in accs) + sum(c.merge == "argmax" for c in self.columns)
+        running = sum(a.online for a in accs) + sum(c.merge is Merge.ARGMAX for c in self.columns)
         return ("".join(self.sweeps[0].streams), running, sum(not a.online for a in accs))
 
     @property
@@ -144,15 +163,16 @@ def launch_sequence(*, has_exact: bool, segments: bool, sharded: bool, grad: boo
     if sharded and exchange and not has_exact:
         first = dict(stats=True, exchange=True, merge=True)
     elif sharded or split:
-        out.append(Launch(stats=True, store_stats=True, then="gather" if sharded else ""))
+        out.append(Launch(stats=True, store_stats=True, then=Then.GATHER if sharded else Then.NOTHING))
         if has_exact:
-            out.append(Launch(merge=sharded, exact=True, store_stats=True, then="sum_exact" if sharded else ""))
+            out.append(Launch(merge=sharded, exact=True, store_stats=True,
+                              then=Then.SUM_EXACT if sharded else Then.NOTHING))
             first = {}
         else:
             first = dict(merge=True) if sharded else {}
     else:
         first = dict(stats=True, exact=True)
-    then = "segments" if segments else ""
+    then = Then.SEGMENTS if segments else Then.NOTHING
     if segments and grad:
         out += [Launch(**first, store_stats=bool(first), rows=True, then=then), Launch(grad=True)]
     else:
@@ -168,15 +188,15 @@ def _describe(launch: Launch, has_exact: bool) -> str:
 
 
 def plan(lowered: Lowered, *, softcap: bool) -> Plan:
-    cols = [Column("m", "max")]
+    cols = [Column("m", Merge.MAX)]
     if lowered.uses_teacher:
-        cols.append(Column("m_t", "max"))
+        cols.append(Column("m_t", Merge.MAX))
     if lowered.uses_labels:
-        cols.append(Column("z_y", "sum"))
+        cols.append(Column("z_y", Merge.SUM))
     if lowered.uses_argmax:
-        cols.append(Column("argmax", "argmax"))
+        cols.append(Column("argmax", Merge.ARGMAX))
     for acc in lowered.accumulators:
         if acc.online:
-            cols.append(Column(acc.name, "scaled", acc.alpha, acc.beta))
+            cols.append(Column(acc.name, Merge.SCALED, acc.alpha, acc.beta))
     exact = tuple(acc.name for acc in lowered.accumulators if not acc.online)
     return Plan(lowered, softcap, tuple(cols), exact)

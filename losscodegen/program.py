@@ -16,13 +16,13 @@ merge). Its template lays the printed steps into its loops; no decision is left 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import sympy as sp
 
 from .emit import M_REF, MT_REF, ArrayPrinter, online_exponent, online_groups
 from .lower import M, MT, base_of, shift
-from .plan import Plan
+from .plan import Merge, Plan
 
 # a rank's own maxima (one per rank of the merge), beside the global ones (M, MT)
 RANK_M, RANK_MT = sp.Symbol("m_r", real=True), sp.Symbol("m_t_r", real=True)
@@ -67,38 +67,37 @@ def online(plan: Plan, body: dict[str, sp.Expr]) -> tuple[OnlineGroup, ...]:
 
 
 @dataclass(frozen=True)
-class Merge:
-    """One packed column merged over the vocab shards: ``rule`` (the plan's ``max``, ``sum``,
-    ``scaled``, ``argmax``) at column ``at``; a scaled sum's ``rescale`` (the exponent taking a
+class MergeStep:
+    """One packed column merged over the vocab shards: ``rule`` (the plan's ``Merge``) at column ``at``; a scaled sum's ``rescale`` (the exponent taking a
     rank's sum from its maxima, ``RANK_M``/``RANK_MT``, to the global ones) and, for a sum of elements
     relative to the maxima, ``moved`` (the maxima's difference, times the column ``base_at``, its
     weights' sum)."""
     name: str
-    rule: str
+    rule: Merge
     at: int
     rescale: sp.Expr = sp.S.Zero
     moved: sp.Expr | None = None
     base_at: int | None = None
 
 
-def merge(plan: Plan) -> tuple[Merge, ...]:
+def merge(plan: Plan) -> tuple[MergeStep, ...]:
     """The merge of the shards' stats: every maximum first (the sums are rescaled to them), then the
     other columns in the packed order."""
     at = {c.name: i for i, c in enumerate(plan.columns)}
     accs = {a.name: a for a in plan.lowered.accumulators}
-    steps = [Merge(c.name, "max", at[c.name]) for c in plan.columns if c.merge == "max"]
+    steps = [MergeStep(c.name, Merge.MAX, at[c.name]) for c in plan.columns if c.merge is Merge.MAX]
     for c in plan.columns:
-        if c.merge == "scaled":
+        if c.merge is Merge.SCALED:
             acc = accs.get(c.name)
             cz, ct = shift(acc) if acc is not None and acc.online else (0, 0)
             moved, base_at = None, None
             if (cz, ct) != (0, 0):
                 moved = cz * (RANK_M - M) + ct * (RANK_MT - MT)
                 base_at = at[base_of(acc, plan.lowered.accumulators).name]
-            steps.append(Merge(c.name, "scaled", at[c.name], c.alpha * (RANK_M - M) + c.beta * (RANK_MT - MT),
+            steps.append(MergeStep(c.name, Merge.SCALED, at[c.name], c.alpha * (RANK_M - M) + c.beta * (RANK_MT - MT),
                                moved, base_at))
-        elif c.merge != "max":
-            steps.append(Merge(c.name, c.merge, at[c.name]))
+        elif c.merge is not Merge.MAX:
+            steps.append(MergeStep(c.name, c.merge, at[c.name]))
     return tuple(steps)
 
 
@@ -128,7 +127,7 @@ class Dialect:
         """The row's value ``index`` of the head's row values, as the kernel holds them."""
         raise NotImplementedError
 
-    def merge(self, steps: tuple[Merge, ...]) -> Any:
+    def merge(self, steps: tuple[MergeStep, ...]) -> Any:
         """The merge's statements, in whatever arrangement the backend's template places."""
         raise NotImplementedError
 
@@ -141,6 +140,6 @@ class Dialect:
                      shifts={s.acc: self.where(f"{s.base} > 0.0", self.print(s.moved), "0.0") for s in g.shifts})
                 for g in groups]
 
-    def row_loss(self, terms: tuple[tuple[str, int], ...], weight: Any) -> str:
+    def row_loss(self, terms: tuple[tuple[str, int], ...], weight: Callable[[str], str]) -> str:
         """The per-row loss: each term's weight (``weight(term)``: its name) times its row value."""
         return " + ".join(f"{weight(n)} * {self.row_value(i)}" for n, i in terms) or "0.0"

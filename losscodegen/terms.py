@@ -17,6 +17,7 @@ from sympy.functions.elementary.piecewise import ExprCondPair
 from sympy.logic.boolalg import BooleanAtom
 
 from . import symbols as S
+from .interface import weight_name
 
 
 @dataclass(frozen=True)
@@ -525,8 +526,8 @@ def kernel_normalize(term: Term) -> str:
 
 def scalar_values(terms: tuple[Term, ...], metrics: tuple[Term, ...]) -> dict[str, Any]:
     """Every runtime scalar a head's kernel may read, by its name there: each loss term's weight
-    (``weight_<term>``) and each runtime parameter (``S.runtime``); numbers or 0-dim tensors."""
-    out: dict[str, Any] = {f"weight_{t.name}": t.weight for t in terms}
+    (``interface.weight_name``) and each runtime parameter (``S.runtime``); numbers or 0-dim tensors."""
+    out: dict[str, Any] = {weight_name(t.name): t.weight for t in terms}
     head_terms = terms + metrics
     for term in head_terms:
         for key, _ in term.params:

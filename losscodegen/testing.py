@@ -25,6 +25,7 @@ from sympy.logic.boolalg import BooleanFalse, BooleanTrue
 from . import symbols as S
 from .head import HeadLoss
 from .inputs import STANDARD_INPUTS
+from .interface import weight_name
 from .terms import reads_rows
 
 __all__ = ["reference", "assert_parity", "random_inputs", "TOLERANCES"]
@@ -263,7 +264,7 @@ class Reference:
         normalize = {t.name: t.normalize for t in head.loss_terms}
         values, rows, per_row_loss, loss = {}, {}, z.new_zeros(R), z.new_zeros(())
         for name, formula, is_metric in head._bound:
-            weight = 0.0 if is_metric else ns[f"weight_{name}"]
+            weight = 0.0 if is_metric else ns[weight_name(name)]
             if formula.has(S.segment_mean) and reads_rows(formula):
                 # a row term of segment statistics: each row's formula with its segment's means
                 seg = inputs.get("segment_ids")    # (none for batch quantiles alone: one segment)

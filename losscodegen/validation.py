@@ -2,7 +2,7 @@
 
 The kernel checks every valid row's label, segment id and teacher top-k ids itself. A bad one makes
 that row's values and gradient NaN, so the call's loss is NaN, and the kernel writes the bad value
-into the flag buffer: one slot a kind of bad value (``emit.FLAG_SLOTS``), each holding its clear value
+into the flag buffer: one slot a kind of bad value (``interface.FLAG_SLOTS``), each holding its clear value
 (``CLEAR``) until a bad value comes (one 8-byte store, so a reader never sees half of one). A slot's
 clear value is one the kernel never writes there, so every bad value is seen, -2**63 too. On a GPU
 the buffer is pinned host memory that the kernel writes across the bus: no copy a call. On the CPU
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .emit import FLAG_SLOTS
+from .interface import FLAG_SLOTS
 
 # Each slot's value while it holds no bad value: one the kernel never writes there. 0 is a label and a
 # top-k id in range (V >= 1), and a segment id in range wherever there is a segment (num_segments=0

@@ -1,10 +1,11 @@
 """Backends: what turns the neutral plan into a kernel file, and launches that file's kernels.
 
-The compiler stages (symbols, terms, lower, plan, emit) know no backend: the ``Plan`` (plan.py) is
-the neutral IR, and emit.py holds what every backend's file shares (its header, the kernel interface
-``emit.signatures`` checked by ``emit.check_interface``, the flag slots, the seal). A backend is one
-subpackage, ``losscodegen/backends/<name>/``, whose ``BACKEND`` is a ``Backend``: it renders a plan
-into the source of a Python module (the kernel file, with the constants its template writes from the
+The compiler stages (symbols, terms, lower, plan, interface, emit) know no backend: the ``Plan``
+(plan.py) is the neutral IR, interface.py declares what every backend's file takes and records (the
+kernel interface ``interface.signatures`` checked by ``interface.check_interface``, the file's
+contract, the flag slots, the seal), and emit.py what every backend prints (the phases, the header).
+A backend is one subpackage, ``losscodegen/backends/<name>/``, whose ``BACKEND`` is a ``Backend``: it
+renders a plan into the source of a Python module (the kernel file, with the constants its template writes from the
 plan: ``ARGS``, ``FIXED``, ``CONSTEXPRS``, ``COLUMNS``...), names the files its rendering depends on
 (hashed into the file's ``CODEGEN`` by load.py, which finds or writes and imports the file), and
 launches the module's kernels with the arguments the runtime gives by the declared names. The runtime
@@ -63,7 +64,7 @@ class Backend(Protocol):
 
     def render(self, plan: Plan, key: str, header: str, codegen: str,
                normalize: Mapping[str, str] | None = None) -> KernelSource:
-        """The kernel file of ``plan``: its kernels take the interface of ``emit.signatures``."""
+        """The kernel file of ``plan``: its kernels take the interface of ``interface.signatures``."""
         ...
 
     def check_device(self, device: torch.device) -> None:

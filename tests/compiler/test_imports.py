@@ -1,7 +1,7 @@
 """The package's import graph, read from its source: no import circle anywhere; the compiler stages
-(declare, lower, plan, emit, and a backend's renderer) import neither the runtime nor torch/triton;
-and a backend is one folder: only its own modules import what it is written in (triton) or each
-other, and the runtime reaches it through ``losscodegen.backends`` alone."""
+(declare, lower, plan, interface, emit, and a backend's renderer) import neither the runtime nor
+torch/triton; and a backend is one folder: only its own modules import what it is written in
+(triton) or each other, and the runtime reaches it through ``losscodegen.backends`` alone."""
 from __future__ import annotations
 
 import argparse
@@ -19,7 +19,8 @@ from losscodegen import head
 
 PACKAGE = Path(lcg.__file__).resolve().parent
 COMPILER = {"losscodegen.symbols", "losscodegen.terms", "losscodegen.lower", "losscodegen.stable", "losscodegen.plan",
-            "losscodegen.emit", "losscodegen.program", "losscodegen.resources", "losscodegen.backends.triton.render",
+            "losscodegen.interface", "losscodegen.emit", "losscodegen.program", "losscodegen.resources",
+            "losscodegen.backends.triton.render",
             "losscodegen.backends.torch.render"}
 BACKENDS = "losscodegen.backends."
 # what each backend is written in: imported by that backend's folder and nowhere else in the package

@@ -1,14 +1,21 @@
-"""The kernel interface is declared once (emit.signatures): the template writes each kernel's
-signature from it, the generated file records it, and the launcher passes arguments by its names. A
-template or a declaration that disagrees fails when the kernel file is generated, not at a launch."""
+"""The kernel interface is declared once (interface.signatures), each argument a typed record
+(interface.Arg): the template writes each kernel's signature from it, the generated file records its
+names, and the launcher passes each argument by its record. A template or a declaration that
+disagrees fails when the kernel file is generated, not at a launch."""
+import ast
+import dataclasses
 import inspect
+import re
 import shutil
+from pathlib import Path
 
 import pytest
 
 import losscodegen as lcg
-from losscodegen import emit, launch, load
+from losscodegen import interface, launch, load
+from losscodegen import symbols as S
 from losscodegen.backends.triton import render
+from losscodegen.interface import Region, Role, Value
 
 
 def _head():
@@ -45,15 +52,16 @@ def test_a_template_reading_a_renamed_argument_fails_at_generation(tmp_path, mon
 
 
 def test_a_declaration_renaming_an_argument_fails_at_generation(monkeypatch):
-    declared = emit.signatures
+    declared = interface.signatures
 
     def renamed(*a, **kw):
         sigs = declared(*a, **kw)
         s = sigs["head_loss"]
-        sigs["head_loss"] = emit.Signature(s.name, tuple("x_row_stride" if n == "x_stride" else n for n in s.args),
-                                           s.fixed, s.constexprs, s.unspecialized)
+        sigs["head_loss"] = dataclasses.replace(s, params=tuple(
+            dataclasses.replace(p, name="x_row_stride") if p.name == "x_stride" else p for p in s.params))
         return sigs
-    monkeypatch.setattr(emit, "signatures", renamed)   # (what emit.kernel_spec declares every backend's files with)
+    # (what interface.kernel_spec declares every backend's files with)
+    monkeypatch.setattr(interface, "signatures", renamed)
     with pytest.raises(ValueError, match="x_stride"):
         _head().source()
 
@@ -69,12 +77,89 @@ def test_a_template_writing_its_own_signature_fails_at_generation(tmp_path, monk
 def test_an_argument_the_launcher_cannot_pass_is_named():
     spec = _head().kernel.SPEC
     with pytest.raises(TypeError, match="'w_ptr' that launch.py does not know how to pass"):
-        launch.binder(spec, spec.args + ("w_ptr",))
-    bind = launch.binder(spec, ("n_rows", "off_stats", "tok_advantages_ptr"))
-    call = type("Call", (), {"rows": 7, "tokens": ("a", "b", "c")})()
-    ws = type("Ws", (), {"off_stats": 42})()
-    position = spec.tokens.index("advantages")
-    assert bind(None, None, None, call, ws, 0, None, None, 0, None, 0, None, None) == (7, 42, call.tokens[position])
+        launch.binding(spec, spec.args + ("w_ptr",), "head_loss")
+    with pytest.raises(TypeError, match="takes 'world' among each launch's arguments"):
+        launch.binding(spec, spec.args + ("world",), "head_loss")
+    with pytest.raises(TypeError, match="'x_ptr', a value of each launch"):
+        launch.binding(spec, ("ws_ptr", "x_ptr"), "segments", per_launch=False)
+    with pytest.raises(TypeError, match=r"takes \['n_rows'\] among its fixed arguments"):
+        launch.fixed_values(spec, ("world", "n_rows"), {Value.WORLD: 1}, "head_loss")
+
+
+def test_each_argument_is_a_typed_record_named_by_the_interface_alone():
+    """A head's signature is of ``Arg`` records, each with its role and what the runtime passes; the
+    names made of the head's own (tokens, vectors, workspace regions, weights) come from
+    interface.py's functions, and the file records exactly the records' names."""
+    head = _head()
+    spec = head.kernel.SPEC
+    sig = spec_sig = interface.kernel_spec(head.plan(), head.key).sigs["head_loss"]
+    assert all(isinstance(a, interface.Arg) for a in sig.params)
+    assert (sig.args, sig.fixed, sig.constexprs) == (spec.args, spec.fixed, spec.constexprs)
+    assert all((a.value is None) == (a.role is Role.CONSTEXPR) for a in sig.params)
+    tokens = [a for a in spec_sig.params if a.value is Value.TOKEN]
+    assert [a.item for a in tokens] == list(spec.tokens) and spec.tokens
+    assert [a.name for a in tokens] == [interface.token_arg(t).name for t in spec.tokens]
+    assert interface.token_arg("advantages").name == "tok_advantages_ptr"   # (the name the files have always had)
+    assert interface.vector_arg("prior").name == "vec_prior_ptr"
+    assert interface.offset_arg(Region.STATS).name == "off_stats"
+    assert interface.weight_name("grpo") == "weight_grpo" and "weight_grpo" in spec.scalars
+    assert {a.item for a in sig.params if a.value is Value.OFFSET} <= set(Region)
+    # the records the runtime resolves from the file's names are the declaration's
+    assert interface.resolve(spec.args + spec.fixed, spec.tokens, spec.vectors, "k") == \
+        tuple(a for a in sig.params if a.role is not Role.CONSTEXPR)
+
+
+def test_binding_passes_each_argument_its_value():
+    """launch.binding, a round trip: each argument of the head's kernel comes from the value its
+    record names (the call's, in _CALL's order, the region offsets, tokens and vectors, then the
+    launch's), by position, with no name read apart and nothing compiled."""
+    prior = lcg.declare_term("prior_ce", S.vsum(S.vector("prior") * (S.lse - S.logit)))
+    head = lcg.HeadLoss(lcg.GRPO(), lcg.CrossEntropy(weight=0.1), prior())
+    spec = head.kernel.SPEC
+    assert spec.tokens and spec.vectors
+    call_values = (*[("call", v) for v in launch._CALL], *[("region", r) for r in Region],
+                   *[("token", t) for t in spec.tokens], *[("vector", v) for v in spec.vectors])
+    values = (*call_values, *[("launch", v) for v in launch._LAUNCH])
+    bound = launch.binding(spec, spec.args, "head_loss")(values)
+    want = []
+    for a in interface.resolve(spec.args, spec.tokens, spec.vectors, "head_loss"):
+        kind = {Value.OFFSET: "region", Value.TOKEN: "token", Value.VECTOR: "vector"}.get(a.value)
+        want.append((kind, a.item) if kind else ("call" if a.value in launch._CALL else "launch", a.value))
+    assert list(bound) == want
+    assert bound[spec.args.index("tok_advantages_ptr")] == ("token", "advantages")
+    assert bound[spec.args.index("off_rows")] == ("region", Region.ROWS)
+    assert bound[spec.args.index("x_stride")] == ("launch", Value.LOGITS_STRIDE)
+    # a kernel of one argument still gets a tuple
+    assert launch.binding(spec, ("n_rows",), "k")(values) == (("call", Value.N_ROWS),)
+
+
+# The modules still compiling code from strings, each being rewritten by another change (issue 46):
+# the fuzzer's cases, the float64 reference, the command line's heads, the transformers integration.
+_EXEC_PENDING = {"fuzz.py", "testing.py", "__main__.py", "integrations/transformers.py"}
+
+
+def test_no_module_compiles_code_from_strings():
+    """No call of ``exec``, ``eval`` or ``compile`` (a sympy Function's ``eval`` method is none)."""
+    package = Path(lcg.__file__).resolve().parent
+    found = [f"{path.relative_to(package)}:{node.lineno}" for path in sorted(package.rglob("*.py"))
+             if str(path.relative_to(package)) not in _EXEC_PENDING
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+             and node.func.id in ("exec", "eval", "compile")]
+    assert found == []
+
+
+def test_the_interface_names_are_made_in_interface_py_alone():
+    """The names made of a head's own (``tok_<name>_ptr``, ``vec_<name>_ptr``, ``off_<region>``,
+    ``weight_<term>``) are written nowhere else: the other modules call interface.py's functions,
+    and the templates read the names from their context."""
+    package = Path(lcg.__file__).resolve().parent
+    made = re.compile(r"""f["'](weight|off|tok|vec)_\{|["']weight_["']|_ptr["'].*(tok|vec)_""")
+    found = [str(p.relative_to(package)) for p in sorted(package.rglob("*.py"))
+             if p.name != "interface.py" and made.search(p.read_text())]
+    assert found == []
+    written = re.compile(r"(weight|tok|vec|off)_\{\{")
+    assert [p.name for p in sorted(render.TEMPLATES.rglob("*.j2")) if written.search(p.read_text())] == []
 
 
 _HEADS = [lambda **kw: lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(), lcg.ForwardKL(),
@@ -109,18 +194,18 @@ def test_templates_read_the_spec_and_the_printed_phases_only(backend, monkeypatc
         make().source(lcg.backends.get(backend))
     assert contexts
     for context in contexts:
-        assert isinstance(context["spec"], emit.KernelSpec)
+        assert isinstance(context["spec"], interface.KernelSpec)
         assert not [v for v in values(context) if isinstance(v, (Plan, Lowered))]
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_a_loaded_file_records_its_spec(backend, tmp_path, monkeypatch):
-    """load reads a kernel file's constants back into its SPEC (emit.FileSpec): the KernelSpec the
+    """load reads a kernel file's constants back into its SPEC (interface.FileSpec): the KernelSpec the
     file was rendered from, as both backends' templates write it."""
     monkeypatch.setenv("LOSSCODEGEN_CACHE", str(tmp_path))
     monkeypatch.setattr(load, "_modules", {})
     for make in _HEADS:
         head = make(backend=backend)
-        spec = emit.kernel_spec(head.plan(), head.key, {t.name: lcg.terms.kernel_normalize(t)
+        spec = interface.kernel_spec(head.plan(), head.key, {t.name: lcg.terms.kernel_normalize(t)
                                                         for t in head.loss_terms})
         assert head.kernel.SPEC == spec.recorded

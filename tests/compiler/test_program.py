@@ -9,7 +9,8 @@ import sympy as sp
 
 import losscodegen as lcg
 from losscodegen import emit, program
-from losscodegen.program import Dialect, Merge, OnlineGroup
+from losscodegen.plan import Merge
+from losscodegen.program import Dialect, MergeStep, OnlineGroup
 
 
 class NumpyPrinter(emit.ArrayPrinter):
@@ -28,13 +29,13 @@ class NumpyDialect(Dialect):
     def row_value(self, index: int) -> str:
         return f"v[:, {index}]"
 
-    def merge(self, steps: tuple[Merge, ...]) -> list[str]:
+    def merge(self, steps: tuple[MergeStep, ...]) -> list[str]:
         lines = []
         for c in steps:
             part = f"part[:, :, {c.at}:{c.at + 1}]"
-            if c.rule == "max":
+            if c.rule is Merge.MAX:
                 lines += [f"{c.name}_r = {part}", f"{c.name} = {c.name}_r.max(0)"]
-            elif c.rule == "scaled":
+            elif c.rule is Merge.SCALED:
                 if c.moved is not None:
                     base = f"part[:, :, {c.base_at}:{c.base_at + 1}]"
                     part = f"({part} + {self.where(f'{base} > 0.0', f'({self.print(c.moved)}) * {base}', '0.0')})"
@@ -130,6 +131,6 @@ def test_the_shipped_dialects_differ_only_in_their_primitives():
         assert [sorted(g["shifts"]) for g in printed] == [["acc1"], ["acc3", "acc4"]]
         assert all(f"{dialect.printer.module}.where(acc" in moved for g in printed for moved in g["shifts"].values())
     steps = program.merge(plan)
-    assert [s.rule for s in steps] == ["max", "max"] + ["scaled"] * 5
+    assert [s.rule for s in steps] == [Merge.MAX] * 2 + [Merge.SCALED] * 5
     assert TorchDialect().merge(steps)[0] == "m_r = part[:, :, 0:1]"
     assert TritonDialect().merge(steps)["maxima"][0] == "m = tl.maximum(m, tl.load(part + r * step + 0))"

@@ -382,16 +382,16 @@ def test_a_damaged_file_in_a_kernel_folder_is_an_error_naming_it(how, tmp_path, 
 ])
 def test_a_kernel_file_missing_a_constant_of_its_contract_fails_at_load_naming_it(old, new, named, tmp_path,
                                                                                    monkeypatch):
-    """load reads a file's constants once into its SPEC (emit.FileSpec); a file (sealed intact) whose
+    """load reads a file's constants once into its SPEC (interface.FileSpec); a file (sealed intact) whose
     constants are not the contract's fails there, naming the file and the constant, not later in a
     launch that reads it."""
-    from losscodegen import emit, load
+    from losscodegen import interface, load
     head = lcg.HeadLoss(lcg.CrossEntropy(label_smoothing=0.23))
     path = tmp_path / load.file_name(head.key)
     text = head.source().text
     assert old in text
     body = text[:text.index("# TEXT_HASH: ")]
-    path.write_text(emit.seal(body.replace(old, new)))
+    path.write_text(interface.seal(body.replace(old, new)))
     monkeypatch.setenv("LOSSCODEGEN_KERNELS", str(tmp_path))
     monkeypatch.setattr(load, "_modules", {})
     with pytest.raises(RuntimeError, match=rf"{path} is no kernel file this version reads: .*{named}"):

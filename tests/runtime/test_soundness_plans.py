@@ -10,7 +10,7 @@ import sympy as sp
 import torch
 
 import losscodegen as lcg
-from losscodegen import emit
+from losscodegen import interface
 from losscodegen import symbols as S
 from losscodegen.fuzz import Plan, check
 from losscodegen.testing import random_inputs, reference
@@ -35,7 +35,7 @@ def test_a_topk_gradient_kernel_keeps_its_values_in_scope():
     """The top-k part of the gradient reads nothing that the vocabulary loop computed: Triton's
     compiler refuses a name used after the loop that defines it (the interpreter does not)."""
     head = lcg.HeadLoss(Unlikelihood())
-    head.source()   # generation runs emit.check_interface, which refuses a name read out of its scope
+    head.source()   # generation runs interface.check_interface, which refuses a name read out of its scope
 
 
 def test_a_kernel_reading_a_loop_value_after_the_loop_is_refused_at_generation():
@@ -50,7 +50,7 @@ def test_a_kernel_reading_a_loop_value_after_the_loop_is_refused_at_generation()
             "        e = 1.0\n"
             "    return acc + d0 + e\n")
     fn = ast.parse(text).body[0]
-    assert emit._read_out_of_scope(fn, {"range"} | {"V", "BLOCK"}) == ["d0 (line 10)"]
+    assert interface._read_out_of_scope(fn, {"range"} | {"V", "BLOCK"}) == ["d0 (line 10)"]
 
 
 def test_a_kink_of_a_log_normaliser_and_a_number_builds(device):

@@ -213,18 +213,19 @@ def test_without_triton_every_head_computes_on_the_cpu(tmp_path):
 
 
 def test_a_declaration_renaming_an_argument_fails_at_generation(monkeypatch):
-    """The torch file's functions take emit.signatures' interface (through emit.kernel_spec, as
-    Triton's do): a renamed argument is refused when the file is written."""
-    from losscodegen import emit
-    declared = emit.signatures
+    """The torch file's functions take interface.signatures' interface (through interface.kernel_spec,
+    as Triton's do): a renamed argument is refused when the file is written."""
+    import dataclasses
+    from losscodegen import interface
+    declared = interface.signatures
 
     def renamed(*a, **kw):
         sigs = declared(*a, **kw)
         s = sigs["head_loss"]
-        sigs["head_loss"] = emit.Signature(s.name, tuple("x_row_stride" if n == "x_stride" else n for n in s.args),
-                                           s.fixed, s.constexprs, s.unspecialized)
+        sigs["head_loss"] = dataclasses.replace(s, params=tuple(
+            dataclasses.replace(p, name="x_row_stride") if p.name == "x_stride" else p for p in s.params))
         return sigs
-    monkeypatch.setattr(emit, "signatures", renamed)
+    monkeypatch.setattr(interface, "signatures", renamed)
     with pytest.raises(ValueError, match="x_stride"):
         lcg.HeadLoss(lcg.CrossEntropy(), backend="torch").source()
 

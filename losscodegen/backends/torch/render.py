@@ -3,7 +3,7 @@ reference's printer: the same ops, here on fp32 tensors), laid out by the Jinja2
 ``templates/head_loss_torch.py.j2``.
 
 The kernel file it writes is a plain Python module of torch ops with the interface of
-``emit.signatures`` (the arguments the runtime binds by name) and the constants the runtime reads,
+``interface.signatures`` (the arguments the runtime binds by name) and the constants the runtime reads,
 as the Triton backend's file has them. Every decision is made here; the template places the
 printed statements into the loops over a chunk of rows and a block of the vocabulary.
 """
@@ -15,12 +15,12 @@ import jinja2
 import sympy as sp
 
 from ... import symbols as S
-from ...emit import (M_REF, MT_REF, KernelSource, TorchPrinter, check_interface, cse_statements, kernel_spec,
-                     online_exponent, online_groups, phases, seal, wrap)
-from ...lower import IS_ARGMAX, IS_Y, M, MT, TM, ZM, base_of, shift
-from ...plan import Plan
 from ... import program
-from ...program import Dialect, Merge, OnlineGroup
+from ...emit import KernelSource, TorchPrinter, cse_statements, phases, wrap
+from ...interface import check_interface, kernel_spec, seal, weight_name
+from ...lower import IS_ARGMAX, IS_Y, TM, ZM
+from ...plan import Merge, Plan
+from ...program import Dialect, MergeStep, OnlineGroup
 from ...resources import TEMPLATES
 
 TEMPLATE = "head_loss_torch.py.j2"
@@ -55,20 +55,20 @@ class TorchDialect(Dialect):
     def row_value(self, index: int) -> str:
         return f"v[{index}]"
 
-    def merge(self, steps: tuple[Merge, ...]) -> list[str]:
+    def merge(self, steps: tuple[MergeStep, ...]) -> list[str]:
         lines = []
         for c in steps:
             part = f"part[:, :, {c.at}:{c.at + 1}]"
-            if c.rule == "max":
+            if c.rule is Merge.MAX:
                 lines += [f"{c.name}_r = {part}", f"{c.name} = {c.name}_r.amax(0)"]
-            elif c.rule == "sum":
+            elif c.rule is Merge.SUM:
                 lines.append(f"{c.name} = {part}.sum(0)")
-            elif c.rule == "scaled":
+            elif c.rule is Merge.SCALED:
                 if c.moved is not None:
                     base = f"part[:, :, {c.base_at}:{c.base_at + 1}]"
                     part = f"({part} + {self.where(f'{base} > 0.0', f'({self.print(c.moved)}) * {base}', '0.0')})"
                 lines.append(f"{c.name} = ({part} * {self.print(sp.exp(c.rescale))}).sum(0)")
-            elif c.rule == "argmax":
+            elif c.rule is Merge.ARGMAX:
                 # strictly greater, rank by rank: the first rank that holds the maximum wins
                 lines += [f"{c.name} = torch.zeros_like(m)", "best = torch.full_like(m, float(\"-inf\"))",
                           "for r in range(world):",
@@ -84,16 +84,13 @@ def render(plan: Plan, key: str, header: str, codegen: str,
            normalize: Mapping[str, str] | None = None) -> KernelSource:
     """The kernel file of a plan. ``normalize``: each loss term's normalisation ("tokens" where not
     given; a "sequence" term arrives as a segment term); metrics are means over the valid rows."""
-    lw = plan.lowered
-    # the file's contract (emit.kernel_spec), and the plan's expressions printed by phase (emit.phases):
+    # the file's contract (interface.kernel_spec), and the plan's expressions printed by phase (emit.phases):
     # the same for every backend
     spec = kernel_spec(plan, key, dict(normalize or {}))
     printed = phases(plan, spec, _PRINT, _statements)
     body, common = printed.body, printed.context
 
     online = _DIALECT.online(program.online(plan, body))
-
-    row_names = list(spec.row_values)
     ctx = dict(
         common,
         header=header, key=key, codegen=codegen, spec=spec, sigs=spec.sigs, online=online,
@@ -102,7 +99,7 @@ def render(plan: Plan, key: str, header: str, codegen: str,
         grad_expr=_per_element(printed.grad_vocab, common["grad_expr"]),
         teacher_grad=common["teacher_grad"] and _per_element(printed.grad_teacher, common["teacher_grad"]),
         merge=_DIALECT.merge(program.merge(plan)),
-        per_row_loss=_DIALECT.row_loss(program.row_loss(spec.row_loss_terms, spec.row_values), lambda n: f"weight_{n}"),
+        per_row_loss=_DIALECT.row_loss(program.row_loss(spec.row_loss_terms, spec.row_values), weight_name),
     )
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), keep_trailing_newline=True,
                              trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)

@@ -5,8 +5,8 @@ values, the gradient, an ignored row, the finish, the segment kernel), each read
 
 Every decision is made here in Python (and in ``emit.phases``); the templates only place the printed
 statements into loops, loads and stores. They read the file's ``KernelSpec`` and the printed phases,
-nothing of the ``Plan``. What any backend shares (the kernel interface, the header, the file's seal) is in
-``losscodegen/emit.py``.
+nothing of the ``Plan``. What any backend shares is in ``losscodegen/interface.py`` (the kernel
+interface, the file's contract and seal) and ``losscodegen/emit.py`` (the phases, the header).
 """
 from __future__ import annotations
 
@@ -17,16 +17,16 @@ from typing import Mapping
 import jinja2
 import sympy as sp
 
-from ... import symbols as S
-from ...emit import (TINY, ArrayPrinter, KernelSource, Once, Signature, check_interface, cse_arranged, cse_statements,
-                     kernel_spec, phases, seal, vanishes_at_neg_inf, wrap)
-from ...emit import M_REF as _M_REF, MT_REF as _MT_REF, online_exponent as _online_exponent, \
-    online_groups as _group_online, printed_bodies as _printed, printed_gradient as _printed_gradient, \
-    stats_relative as _stats_relative
-from ...lower import M, MT, TM, ZM, base_of, shift
-from ...plan import Plan, pow2
 from ... import program
-from ...program import Dialect, Merge, OnlineGroup
+from ... import symbols as S
+from ...emit import (TINY, ArrayPrinter, KernelSource, Once, cse_arranged, cse_statements, phases, vanishes_at_neg_inf,
+                     wrap)
+from ...emit import online_exponent as _online_exponent, online_groups as _group_online, \
+    printed_bodies as _printed, printed_gradient as _printed_gradient, stats_relative as _stats_relative
+from ...interface import Signature, check_interface, kernel_spec, seal, weight_name
+from ...lower import TM, ZM
+from ...plan import Merge, Plan, pow2
+from ...program import Dialect, MergeStep, OnlineGroup
 from ...resources import TEMPLATES
 
 _LOG2E = sp.Float(1 / math.log(2))
@@ -256,25 +256,25 @@ class TritonDialect(Dialect):
     def row_value(self, index: int) -> str:
         return f"v{index}"
 
-    def merge(self, steps: tuple[Merge, ...]) -> dict[str, list[str]]:
+    def merge(self, steps: tuple[MergeStep, ...]) -> dict[str, list[str]]:
         """``init`` (before the loop over ranks), ``maxima`` (a first loop), ``sums`` (a second)."""
         init, maxima, sums = [], [], ["at = part + r * step"]
         for c in steps:
             load = f"tl.load(at + {c.at})"
-            if c.rule == "max":
+            if c.rule is Merge.MAX:
                 init.append(f"{c.name} = float(\"-inf\")")
                 maxima.append(f"{c.name} = tl.maximum({c.name}, tl.load(part + r * step + {c.at}))")
                 sums.append(f"{c.name}_r = {load}")
-            elif c.rule == "sum":
+            elif c.rule is Merge.SUM:
                 init.append(f"{c.name} = 0.0")
                 sums.append(f"{c.name} += {load}")
-            elif c.rule == "scaled":
+            elif c.rule is Merge.SCALED:
                 init.append(f"{c.name} = 0.0")
                 if c.moved is not None:
                     base = f"tl.load(at + {c.base_at})"
                     load = f"({load} + {self.where(f'{base} > 0.0', f'({self.print(c.moved)}) * {base}', '0.0')})"
                 sums.append(f"{c.name} += {load} * {self.print(sp.exp(c.rescale))}")
-            elif c.rule == "argmax":
+            elif c.rule is Merge.ARGMAX:
                 init += [f"{c.name} = 0.0", "best = float(\"-inf\")"]
                 sums += [f"{c.name} = {self.where('m_r > best', load, c.name)}", "best = tl.maximum(best, m_r)"]
         return dict(init=init, maxima=maxima, sums=sums)
@@ -313,7 +313,7 @@ def render(plan: Plan, key: str, header: str, codegen: str,
     name = f"head_loss_{key}"
     # (the later reads see elements relative to their maxima: zm = z - m is -inf where z is)
     vocab = (*S.ELEMENT_SYMBOLS, ZM, TM)
-    # the file's contract (emit.kernel_spec), and the plan's expressions printed by phase (emit.phases):
+    # the file's contract (interface.kernel_spec), and the plan's expressions printed by phase (emit.phases):
     # the same for every backend
     spec = kernel_spec(plan, key, dict(normalize or {}))
     printed = phases(plan, spec, _TL, _statements)
@@ -331,7 +331,7 @@ def render(plan: Plan, key: str, header: str, codegen: str,
     seg_exprs = [e for seg in lw.segments for e in (seg.formula, *seg.dformula)]
 
     def loads(exprs: list[sp.Expr], weights: list[str] = ()) -> list[str]:
-        used = {s.name for e in exprs for s in e.free_symbols} | {f"weight_{w}" for w in weights}
+        used = {s.name for e in exprs for s in e.free_symbols} | set(map(weight_name, weights))
         return [f"{n} = tl.load(scalars_ptr + {i})" for i, n in enumerate(scalars) if n in used]
     scalar_loads = dict(reads=loads(reads_exprs), rows=loads([e for _, e in lw.row_values], row_loss_terms),
                         grad=loads(grad_exprs, row_loss_terms + list(spec.segment_row_terms)),
@@ -372,7 +372,7 @@ def render(plan: Plan, key: str, header: str, codegen: str,
         stats_tile_sums=_tile_sums([acc for group in online for acc in group["accs"]], not pad["stats"]),
         exact_tile_sums=_tile_sums(common["exact"], not pad["exact"]),
         rows_p2=pow2(len(row_names)), pad=pad, relative_floor=relative_floor, merge=_DIALECT.merge(program.merge(plan)), scalar_loads=scalar_loads,
-        per_row_loss=_DIALECT.row_loss(program.row_loss(spec.row_loss_terms, spec.row_values), lambda n: f"weight_{n}"),
+        per_row_loss=_DIALECT.row_loss(program.row_loss(spec.row_loss_terms, spec.row_values), weight_name),
     )
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), keep_trailing_newline=True,
                              trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)

@@ -41,7 +41,7 @@ from types import ModuleType
 import torch
 
 from ... import load
-from ...emit import FileSpec
+from ...interface import FileSpec
 from ...plan import pow2
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from . import tiles
-from ...emit import FileSpec
+from ...interface import FileSpec
 from ...head import HeadLoss
 from ...testing import random_inputs
 
