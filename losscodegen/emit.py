@@ -565,7 +565,9 @@ class Phases:
       its column: ``label_part``; None where the label's column has no part of its own, or a
       top-k part, whose ids may hold the label, is there), ``topk_grad_temps``/``topk_grad`` (None
       without a top-k part),
-      ``grad_means`` (the segment means a row term of segment statistics' direct path reads);
+      ``grad_means`` (the segment means a row term of segment statistics' direct path reads, each
+      with whether it is a mean: its sum over the segment's count, else the raw sum); ``seg_stats``
+      (every segment statistic: name, index, whether a mean);
     - the segments: ``segments`` (each segment term's value and gradients in the means),
       ``seg_coefs``, ``seg_mean_rows``, and the divisors they use (``uses_div``: the segments',
       ``uses_div_seq``: the sequences', ``uses_div_rows``: a row term's), ``seg_row_weights`` (each
@@ -613,6 +615,8 @@ def phases(plan: Plan, spec: KernelSpec, printer: ArrayPrinter, statements: Stat
     topk_grad_temps, (topk_grad_expr,) = statements([grad_topk], "dk")
 
     row_names, seg_means, norm = list(spec.row_values), list(spec.segment_means), spec.normalization
+    # the segment statistics that are means (a sum divided by its segment's valid rows), not raw sums
+    mean = set(seg_means) - set(spec.segment_raw)
     segments = []
     for seg in lw.segments:
         temps, (value, *grads) = statements([seg.formula, *seg.dformula], f"{seg.name}_u")
@@ -622,7 +626,7 @@ def phases(plan: Plan, spec: KernelSpec, printer: ArrayPrinter, statements: Stat
                              # unless normalised by sequence (each row then over its segment's rows: terms.bind)
                              div=Divisor.SEQUENCES if norm[seg.name] == "sequence" else Divisor.ROWS if seg.rows
                              else Divisor.SEGMENTS, weight=weight_name(seg.name),
-                             grads=[(seg_means.index(U.name), g) for U, g in zip(seg.means, grads)],
+                             grads=[(seg_means.index(U.name), g, U.name in mean) for U, g in zip(seg.means, grads)],
                              # a row term of segment statistics: its row values, read row by row
                              rows=[(p.name, row_names.index(p.name)) for p in seg.rows],
                              valid=row_names.index(seg.valid) if seg.valid else None))
@@ -656,7 +660,9 @@ def phases(plan: Plan, spec: KernelSpec, printer: ArrayPrinter, statements: Stat
         grad_temps=grad_temps, grad_expr=grad_expr, teacher_grad=teacher_expr[0] if teacher_expr else None,
         grad_label=None if grad_label == 0 else printer.doprint(grad_label),
         topk_grad=None if lw.grad_topk == 0 else topk_grad_expr, topk_grad_temps=topk_grad_temps,
-        grad_means=[(U.name, seg_means.index(U.name)) for seg in lw.segments if seg.rows for U in seg.means],
+        grad_means=[(U.name, seg_means.index(U.name), U.name in mean) for seg in lw.segments if seg.rows
+                    for U in seg.means],
+        seg_stats=[(U, j, U in mean) for j, U in enumerate(seg_means)],
         # a row term of segment statistics' direct path: its weight over its divisor, as its value's
         seg_row_weights=[(n, f"{weight_name(n)} * {'seq_scale' if norm[n] == 'sequence' else 'grad_scale'}")
                          for n in spec.segment_row_terms],
