@@ -42,7 +42,7 @@ _PACKAGE = Path(__file__).resolve().parent
 # The compiler stages' sources: a change to any of them (or to the backend's) may change what the
 # code generator writes. (Not terms.py: a kernel's key hashes its bound formulas, so a new built-in
 # re-stamps nothing.)
-_CODEGEN_SOURCES = ("symbols.py", "lower.py", "stable.py", "plan.py", "interface.py", "emit.py", "program.py")
+_CODEGEN_SOURCES = ("symbols.py", "lower.py", "derive.py", "stable.py", "plan.py", "interface.py", "emit.py", "program.py")
 _CODEGEN_LINE = re.compile(r'^CODEGEN = "([0-9a-f]+)"$', re.M)
 
 

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 import sympy as sp
 
 from . import symbols as S
-from .stable import CANCELLATIONS, cancellations, in_order, sech2, stable_form
+from .derive import derive, shared_coefficients, simpler, without_stop_gradient
+from .stable import (CANCELLATIONS, MAXIMA, TEACHER_MAX, cancellations, in_order, run_time_temperatures, sech2,
+                     stable_form)
 
 # Row statistics of the first read.
 M = sp.Symbol("m", real=True)          # max_i z_i
@@ -342,74 +344,6 @@ def _prune(accs: list[Accumulator], normalizers, exprs: list[sp.Expr]):
                  for a in kept), rename
 
 
-class _Extremum(sp.Function):
-    """Max or Min of its arguments as torch differentiates them (torch.maximum/minimum for two,
-    torch.amax/amin of the stacked arguments for more): the arguments that tie for the extremum
-    share its gradient equally. Unlike sympy's Max/Min, it is never simplified away."""
-
-    is_real = True
-    holds = None  # a relational: is the first argument at least as extreme as the second?
-
-    def fdiff(self, argindex=1):
-        a = self.args[argindex - 1]
-        others = self.args[:argindex - 1] + self.args[argindex:]
-        ties = sp.Add(*[sp.Piecewise((1, sp.Eq(b, a)), (0, True)) for b in others])
-        best = sp.And(*[self.holds(a, b) for b in others])
-        return sp.Piecewise((1 / (1 + ties), best), (0, True))
-
-
-class _Maximum(_Extremum):
-    holds = staticmethod(lambda a, b: a >= b)
-
-
-class _Minimum(_Extremum):
-    holds = staticmethod(lambda a, b: a <= b)
-
-
-class _Abs(sp.Function):
-    """torch.abs, for differentiating: derivative sign(x), 0 at 0."""
-
-    nargs = 1
-    is_real = True
-
-    def fdiff(self, argindex=1):
-        return sp.sign(self.args[0])
-
-
-class _Sign(sp.Function):
-    """torch.sign, for differentiating: derivative 0 (sympy's is 2*DiracDelta)."""
-
-    nargs = 1
-    is_real = True
-
-    def fdiff(self, argindex=1):
-        return sp.S.Zero
-
-
-_AS_TORCH = {sp.Max: _Maximum, sp.Min: _Minimum, sp.Abs: _Abs, sp.sign: _Sign}
-_AS_SYMPY = {v: k for k, v in _AS_TORCH.items()}
-
-
-def derive(expr: sp.Expr, x: sp.Symbol) -> sp.Expr:
-    """``d expr / d x`` with torch autograd's value at every kink (docs/api.md): ``Abs`` as
-    torch.abs (0 at 0), ``Max``/``Min`` as torch.maximum/minimum (torch.amax/amin of the stacked
-    arguments for more than two: a tie shares the gradient equally), ``clamp`` as torch.clamp (1 on
-    the closed interval), ``Piecewise`` as torch.where (the branch its condition picks), ``sign``
-    as torch.sign (0), nothing through ``stop_gradient``. (sympy's own rules differ: Abs'(0) is 1
-    through Piecewise, and it simplifies Min(Max(r, 1), 1) to the constant 1.)"""
-    kinks = tuple(_AS_TORCH)
-    d = expr.replace(lambda e: isinstance(e, kinks), lambda e: _AS_TORCH[type(e)](*e.args)).diff(x)
-    return d.replace(lambda e: type(e) in _AS_SYMPY, lambda e: _AS_SYMPY[type(e)](*e.args))
-
-
-def _without_stop_gradient(expr: sp.Expr) -> sp.Expr:
-    """The value of an expression, once its gradient is derived: ``stop_gradient(x)`` is ``x``
-    (at every depth: one ``replace`` leaves the inner of two nested ones)."""
-    while expr.has(S.stop_gradient):
-        expr = expr.replace(S.stop_gradient, lambda x: x)
-    return expr
-
-
 def _simplified(e: sp.Expr) -> sp.Expr | None:
     """``e`` by sympy's ``cancel``, else by its ``simplify``, or None where ``e`` holds conditions
     (Piecewise, sign: from Min, Max and Abs) that ``cancel`` leaves: sympy's simplify of a quotient
@@ -481,68 +415,6 @@ def _combine(accs: list[Accumulator], fixed: set[str], exprs: list[sp.Expr]):
     return accs, exprs
 
 
-def _known(k: sp.Expr) -> bool:
-    """Whether a row factor is known in every read: numbers, runtime parameters and tokens (not a
-    loss weight, which holds the upstream gradient under reduction="none", nor a row statistic)."""
-    return all(s.name.startswith((S.RUNTIME_PREFIX, S.TOKEN_PREFIX)) for s in k.free_symbols)
-
-
-def _shared_coefficients(reds, loss: sp.Expr, totals: dict[sp.Symbol, sp.Expr]):
-    """The reductions the gradient reads, grouped where ``dL/dR_j = C * k_j`` with one row factor
-    ``C`` and each ``k_j`` a polynomial in known factors: ``(domain, C, [(body_j, k_j)])``. A group
-    is differentiated as one sum ``sum_i sum_j k_j body_j``, where sympy can cancel between the
-    parts: JSD's two KL sums (weights beta and 1 - beta) have a gradient free of 1/m and of two
-    row sums once ``beta*p + (1 - beta)*q`` over ``m`` is seen to be 1. ``totals``: ``dL/dR`` with
-    the paths through nested sums (a reduction made since, by ``sum_of``, is read, not differentiated)."""
-    groups: list[tuple[str, list[tuple[sp.Expr, sp.Expr]]]] = []
-    for (domain, body), r in reds:
-        c = totals.get(r, sp.S.Zero)
-        if c == 0:
-            continue
-        for g_domain, members in groups:
-            if g_domain == domain and _known(sp.cancel(c / members[0][1])):
-                members.append((body, c))
-                break
-        else:
-            groups.append((domain, [(body, c)]))
-    out = []
-    for domain, members in groups:
-        C = members[0][1]
-        if len(members) > 1:
-            try:
-                C = sp.gcd_list([c for _, c in members])
-            except sp.PolynomialError:
-                C = sp.S.One
-            ks = [sp.cancel(c / C) for _, c in members]
-            if C == 1 or not all(_known(k) and sp.fraction(sp.together(k))[1].is_number for k in ks):
-                # 1/beta where beta may be 0 at run time: each reduction on its own
-                out += [(domain, c, [(body, sp.S.One)]) for body, c in members]
-                continue
-            out.append((domain, C, [(body, k) for (body, _), k in zip(members, ks)]))
-        else:
-            out.append((domain, C, [(members[0][0], sp.S.One)]))
-    return out
-
-
-def _cost(expr: sp.Expr) -> tuple[int, int]:
-    """(transcendental functions and divisions, all operations) of ``expr`` once its common
-    subexpressions are computed once: a neutral count, for choosing between equal forms."""
-    defs, (body,) = sp.cse(expr)
-    counts = [(op.name, int(n)) for e in [d for _, d in defs] + [body]
-              for op, n in sp.count_ops(e, visual=True).as_coefficients_dict().items() if op.is_Symbol]
-    return (sum(n for name, n in counts if name in ("EXP", "LOG", "DIV", "TANH", "POW")),
-            sum(n for _, n in counts))
-
-
-def _simpler(expr: sp.Expr) -> sp.Expr:
-    """``expr`` over one denominator with its common factors out, where that costs fewer operations
-    (a sum of parts of one group, where terms cancel), else ``expr``."""
-    if not isinstance(expr, sp.Add):
-        return expr
-    candidate = sp.factor_terms(sp.together(expr))
-    return candidate if _cost(candidate) < _cost(expr) else expr
-
-
 def _log_of_exp(expr: sp.Expr) -> sp.Expr:
     """``log(exp(E) * R)`` as ``E + log(R)`` (exp(E) > 0 for every real E): the log of a sum of
     exp(alpha*z) with no normaliser is ``alpha*m + log(acc)``, where ``log(exp(alpha*m)*acc)``
@@ -555,79 +427,6 @@ def _log_of_exp(expr: sp.Expr) -> sp.Expr:
     return expr.replace(sp.log, split)
 
 
-# the row maximum of the teacher logits (the first read's m_t), which a shifted exponent of t reads
-_TEACHER_MAX = sp.Symbol("t_max", real=True)
-_MAXIMA = {S.logit: S.stop_gradient(S.row_max), S.teacher_logit: S.stop_gradient(_TEACHER_MAX),
-           S.topk_logit: S.stop_gradient(S.row_max)}
-
-
-def _run_time_temperatures(formula: sp.Expr) -> sp.Expr:
-    """A formula whose exponents of the elements have coefficients known only at run time (a tensor
-    temperature, a per-row token ``exp(z / tau)``, ``lse_at(token)``) rewritten relative to the row
-    maxima, the same function: ``LSE(a, b)`` as ``a*m + b*m_t + log sum_i exp(a*(z_i - m) + b*(t_i - m_t))``,
-    and in every sum each ``exp(a*z + b*t + r)`` as ``exp(a*m + b*m_t + r) * exp(a*(z - m) + b*(t - m_t))``
-    with the first factor taken out of the sum (with every other row factor of its summand, so that a
-    sum read inside another becomes the other's row factor). Such a sum is an exact one (its exponent
-    is not known when the kernel is built): a read after the stats, where ``z - m <= 0``, so that no
-    exponential overflows for ``a, b >= 0`` (a temperature > 0; a negative one is exact until its
-    exponent passes 88, then inf). The maxima are stopped: the formula does not depend on them, so
-    the gradient is the formula's own. Other formulas are returned as they are (their lowering, and
-    so their kernels, unchanged)."""
-    def run_time_lse(e: sp.Expr) -> bool:
-        return isinstance(e, S.LSE) and any(not a.is_number for a in e.args)
-
-    def run_time_exp(e: sp.Expr) -> bool:
-        if not isinstance(e, sp.exp):
-            return False
-        # (a coefficient that reads an element itself is no temperature: exp(z**2) stays as written)
-        arg = e.args[0]
-        return any(not arg.diff(x).is_number and not arg.diff(x).has(*_MAXIMA) for x in _MAXIMA)
-
-    if not any(run_time_lse(e) for e in formula.atoms(S.LSE)) and not any(
-            run_time_exp(e) for red in formula.atoms(S.vsum, S.topk_sum) for e in red.atoms(sp.exp)):
-        return formula
-    m, m_t = _MAXIMA[S.logit], _MAXIMA[S.teacher_logit]
-    formula = formula.replace(run_time_lse, lambda e: e.args[0] * m + e.args[1] * m_t + sp.log(S.vsum(
-        sp.exp(e.args[0] * (S.logit - m) + e.args[1] * (S.teacher_logit - m_t)))))
-
-    def shifted(red: sp.Expr) -> sp.Expr:
-        # each element relative to its row maximum, x = d + max (d = x - max <= 0): a linear exponent
-        # splits into exp(a*d) and a row factor, and a linear factor's max part is a row factor too
-        # (it cancels the normaliser's a*m in the row math, where fp32 would round both)
-        at = {x: sp.Dummy(f"d{x}", real=True) for x in ((S.logit, S.teacher_logit) if isinstance(red, S.vsum)
-                                                         else (S.topk_logit,))}
-        elements = (*at.values(), *S.vectors_in(red), S.topk_logprob)
-        # the sums read inside it (row values here, though they hold the element symbols)
-        inner = {r: sp.Dummy(real=True) for r in in_order(red.args[0].atoms(S.vsum, S.topk_sum))}
-        body = red.args[0].xreplace(inner)
-        linear = {e: e.args[0] for e in in_order(body.atoms(sp.exp))
-                  if all(not e.args[0].diff(x).has(*at) for x in at)}
-        body = body.xreplace({e: sp.exp(sp.expand(a.xreplace({x: d + _MAXIMA[x] for x, d in at.items()})))
-                              for e, a in linear.items()})
-        body = body.xreplace({x: d + _MAXIMA[x] for x, d in at.items()})
-        out = []
-        for addend in sp.Add.make_args(sp.expand(body, power_exp=False, log=False)):
-            factors = []
-            for f in sp.Mul.make_args(addend):
-                if isinstance(f, sp.exp) and all(not f.args[0].diff(d).has(*at.values()) for d in at.values()):
-                    parts = sp.Add.make_args(f.args[0])
-                    factors += [sp.exp(sp.Add(*[p for p in parts if p.has(*elements)])),
-                                sp.exp(sp.Add(*[p for p in parts if not p.has(*elements)]))]
-                else:
-                    factors.append(f)
-            row, element = sp.Mul(*factors).as_independent(*elements, as_Add=False)
-            out.append(row * type(red)(element.xreplace({d: x - _MAXIMA[x] for x, d in at.items()})))
-        # the maxima's exponential shared by every part, outside their sum: a ratio of two sums of one
-        # temperature cancels it (exp(m / tau) overflows)
-        shared = [{f for f in sp.Mul.make_args(o) if isinstance(f, sp.exp)} for o in out]
-        common = sp.Mul(*set.intersection(*shared)) if shared else sp.S.One
-        return (common * sp.Add(*[o / common for o in out])).xreplace({d: r for r, d in inner.items()})
-    formula = formula.replace(lambda e: isinstance(e, (S.vsum, S.topk_sum)), shifted)
-    # and the maxima's own parts as addends of the row math, where they cancel: (m*R + S)/R is m + S/R
-    sums = {r: sp.Dummy(real=True) for r in in_order(formula.atoms(S.vsum, S.topk_sum))}
-    return sp.expand(formula.xreplace(sums), power_exp=False, log=False).xreplace({d: r for r, d in sums.items()})
-
-
 def _abstract_terms(lw: _Lowering, terms: tuple[tuple[str, sp.Expr, bool], ...]):
     """Pass 1: each term over placeholders of its sums (``_Lowering.abstract``): its row values, a
     segment term's means and its formula in them, each loss term's weight, and the loss they make
@@ -637,7 +436,7 @@ def _abstract_terms(lw: _Lowering, terms: tuple[tuple[str, sp.Expr, bool], ...])
     weights: list[sp.Symbol] = []
     loss = sp.S.Zero
     for name, formula, is_metric in terms:
-        formula = _run_time_temperatures(formula)
+        formula = run_time_temperatures(formula)
         if formula.has(S.segment_mean):
             # (never a metric: terms.check_metric refuses it when the head is built)
             # each statistic (a segment_mean, a segment_sorted: a sorted sum, a row_quantile) by its node
@@ -679,8 +478,8 @@ def _abstract_terms(lw: _Lowering, terms: tuple[tuple[str, sp.Expr, bool], ...])
                 row_values += [(p.name, a) for a, p in P.items()] + [(f"V_{name}", sp.S.One)]
                 loss += w * F
             segments.append(SegmentTerm(
-                name, tuple(means.values()), stable_form(_without_stop_gradient(F.xreplace(P))),
-                tuple(sp.S.Zero if U in dict(quantiles) else stable_form(_without_stop_gradient(derive(F, U).xreplace(P)))
+                name, tuple(means.values()), stable_form(without_stop_gradient(F.xreplace(P))),
+                tuple(sp.S.Zero if U in dict(quantiles) else stable_form(without_stop_gradient(derive(F, U).xreplace(P)))
                       for U in means.values()), coefs,
                 tuple(P.values()), f"V_{name}" if P else "", ordered, quantiles))
             continue
@@ -719,11 +518,11 @@ def _derive_gradient(lw: _Lowering, loss: sp.Expr, *, teacher: bool = False):
     for outer, (domain, body) in list(lw.red_of.items()):
         for inner in in_order(body.free_symbols & set(totals)):
             totals[inner] += totals[outer] * lw.sum_of(domain, derive(body, inner))
-    groups = _shared_coefficients(list(lw.reductions.items()), loss, totals)
+    groups = shared_coefficients(list(lw.reductions.items()), loss, totals)
     grad_vocab, grad_topk = sp.S.Zero, sp.S.Zero
     for domain, C, members in groups:
         elem = S.logit if domain == "vocab" else S.topk_logit
-        d = _simpler(sp.Add(*[k * derive(body, elem) for body, k in members]))
+        d = simpler(sp.Add(*[k * derive(body, elem) for body, k in members]))
         if d == 0:
             continue
         term = coef(C) * d
@@ -757,7 +556,7 @@ def _derive_gradient(lw: _Lowering, loss: sp.Expr, *, teacher: bool = False):
         # (no row symbol but the normalisers moves with t_i: the teacher's maximum in a run-time
         # temperature's rewrite is stopped, and no top-k summand reads the teacher's logits)
         for domain, C, members in groups:
-            d = _simpler(sp.Add(*[k * derive(body, S.teacher_logit) for body, k in members])) \
+            d = simpler(sp.Add(*[k * derive(body, S.teacher_logit) for body, k in members])) \
                 if domain == "vocab" else sp.S.Zero
             if d != 0:
                 grad_teacher += coef(C, reuse=True) * d
@@ -765,8 +564,8 @@ def _derive_gradient(lw: _Lowering, loss: sp.Expr, *, teacher: bool = False):
             total = through_sums(x) if beta != 0 else sp.S.Zero
             if total != 0:
                 grad_teacher += coef(total, reuse=True) * beta * sp.exp(alpha * S.logit + beta * S.teacher_logit - x)
-    return coefs, _without_stop_gradient(grad_vocab), _without_stop_gradient(grad_topk), \
-        _without_stop_gradient(grad_teacher)
+    return coefs, without_stop_gradient(grad_vocab), without_stop_gradient(grad_topk), \
+        without_stop_gradient(grad_teacher)
 
 
 def _accumulate(lw: _Lowering):
@@ -774,12 +573,12 @@ def _accumulate(lw: _Lowering):
     another's summand as one of the first read's; then each normaliser's sum. Returns each
     placeholder's value in the accumulators, and the normalisers."""
     nested = {r for _, body in lw.reductions for r in body.free_symbols if r in lw.red_of}
-    lowered_red = {r: lw.lower_reduction(domain, _without_stop_gradient(body))
+    lowered_red = {r: lw.lower_reduction(domain, without_stop_gradient(body))
                    for (domain, body), r in lw.reductions.items()}
     for r in nested:
         if any(not a.online for a in lw.accs.values() if sp.Symbol(a.name, real=True) in lowered_red[r].free_symbols):
             body = lw.red_of[r][1]
-            run_time = body.has(*_MAXIMA.values())
+            run_time = body.has(*MAXIMA.values())
             raise ValueError(f"a sum read inside another sum must be one of the first read (a sum of "
                              f"exp(a*z) times z, t or inputs), not {body}" + (
                                  ": a sum at a temperature known only at run time (a tensor parameter or a "
@@ -808,7 +607,7 @@ def _row_math(expr: sp.Expr, lowered_red: dict, normalizers: tuple[Normalizer, .
     (z_y stays itself where a kink or a condition reads it: zym + m need not round back to z_y,
     and a tie that torch sees, z_y == b, must stay one.)"""
     parts = {n.symbol: n.value for n in normalizers}
-    expr = _without_stop_gradient(expr).xreplace(lowered_red).xreplace(parts).xreplace({S.row_max: M, _TEACHER_MAX: MT})
+    expr = without_stop_gradient(expr).xreplace(lowered_red).xreplace(parts).xreplace({S.row_max: M, TEACHER_MAX: MT})
     if _only_smooth(expr, S.target_logit):
         expr = expr.xreplace({S.target_logit: ZYM + M})
     return _cancel_maxima(_log_of_exp(sp.powsimp(expr, deep=True, combine="exp")))
@@ -851,7 +650,7 @@ def _relative_to_maxima(lw: _Lowering, normalizers: tuple[Normalizer, ...], lowe
     ulp of itself, where z - N would carry the rounding of |N| (the gradient of a row with logits
     near 100 off by 5e-6 relative, 30x torch's). Returns the gradient's vocabulary part."""
     relative = {n.symbol: n.alpha * M + n.beta * MT + n.log_acc for n in normalizers}
-    relative.update({S.logit: ZM + M, S.teacher_logit: TM + MT, S.row_max: M, _TEACHER_MAX: MT})
+    relative.update({S.logit: ZM + M, S.teacher_logit: TM + MT, S.row_max: M, TEACHER_MAX: MT})
 
     def per_element(expr: sp.Expr) -> sp.Expr:
         return sp.powsimp(expr.xreplace(relative), deep=True, combine="exp")
@@ -936,7 +735,7 @@ def _lower(terms: tuple[tuple[str, sp.Expr, bool], ...], teacher_grad: bool = Fa
     grad_vocab = _relative_to_maxima(lw, normalizers, lowered_red, grad_vocab)
     # (the top-k entries are read as they are, z_k, not relative: only the maxima a run-time
     # temperature's rewrite put in their summand become the kernel's m and m_t)
-    grad_topk = grad_topk.xreplace({S.row_max: M, _TEACHER_MAX: MT})
+    grad_topk = grad_topk.xreplace({S.row_max: M, TEACHER_MAX: MT})
     accumulators, normalizers, row_values, coefs, grad_vocab, grad_topk, uncombined = _combine_and_prune(
         lw, normalizers, row_values, coefs, grad_vocab, grad_topk)
     grad_vocab, grad_teacher = grad_vocab

@@ -8,11 +8,14 @@ derived expressions' final form (``stable_form``, the last pass of lower.py): po
 product merged (sympy writes the derivative of ``x**a`` as ``a * x**a / x``, 0/0 where ``x`` is 0:
 printed ``a * x**(a - 1)``, as torch's pow differentiates). ``vanishing_quotients`` and
 ``numerics_report`` name what is left that can still be 0/0, for ``explain()`` and a warning when a
-user's term is declared.
+user's term is declared. And, before lowering, exponents whose coefficient is known only at run time
+written relative to the row maxima (``run_time_temperatures``), where ``exp(z / tau)`` would overflow.
 """
 from __future__ import annotations
 
 import sympy as sp
+
+from . import symbols as S
 
 
 class expm1(sp.Function):
@@ -186,3 +189,76 @@ def numerics_report(lowered) -> list[str]:
     return [f"the derived forms ({', '.join(names)}) divide by {base} with a factor that vanishes with it: "
             f"0/0 (NaN) on rows where {base} is 0, though the formula may be finite there"
             for base, names in holders.items()]
+
+
+# the row maximum of the teacher logits (the first read's m_t), which a shifted exponent of t reads
+TEACHER_MAX = sp.Symbol("t_max", real=True)
+MAXIMA = {S.logit: S.stop_gradient(S.row_max), S.teacher_logit: S.stop_gradient(TEACHER_MAX),
+           S.topk_logit: S.stop_gradient(S.row_max)}
+
+
+def run_time_temperatures(formula: sp.Expr) -> sp.Expr:
+    """A formula whose exponents of the elements have coefficients known only at run time (a tensor
+    temperature, a per-row token ``exp(z / tau)``, ``lse_at(token)``) rewritten relative to the row
+    maxima, the same function: ``LSE(a, b)`` as ``a*m + b*m_t + log sum_i exp(a*(z_i - m) + b*(t_i - m_t))``,
+    and in every sum each ``exp(a*z + b*t + r)`` as ``exp(a*m + b*m_t + r) * exp(a*(z - m) + b*(t - m_t))``
+    with the first factor taken out of the sum (with every other row factor of its summand, so that a
+    sum read inside another becomes the other's row factor). Such a sum is an exact one (its exponent
+    is not known when the kernel is built): a read after the stats, where ``z - m <= 0``, so that no
+    exponential overflows for ``a, b >= 0`` (a temperature > 0; a negative one is exact until its
+    exponent passes 88, then inf). The maxima are stopped: the formula does not depend on them, so
+    the gradient is the formula's own. Other formulas are returned as they are (their lowering, and
+    so their kernels, unchanged)."""
+    def run_time_lse(e: sp.Expr) -> bool:
+        return isinstance(e, S.LSE) and any(not a.is_number for a in e.args)
+
+    def run_time_exp(e: sp.Expr) -> bool:
+        if not isinstance(e, sp.exp):
+            return False
+        # (a coefficient that reads an element itself is no temperature: exp(z**2) stays as written)
+        arg = e.args[0]
+        return any(not arg.diff(x).is_number and not arg.diff(x).has(*MAXIMA) for x in MAXIMA)
+
+    if not any(run_time_lse(e) for e in formula.atoms(S.LSE)) and not any(
+            run_time_exp(e) for red in formula.atoms(S.vsum, S.topk_sum) for e in red.atoms(sp.exp)):
+        return formula
+    m, m_t = MAXIMA[S.logit], MAXIMA[S.teacher_logit]
+    formula = formula.replace(run_time_lse, lambda e: e.args[0] * m + e.args[1] * m_t + sp.log(S.vsum(
+        sp.exp(e.args[0] * (S.logit - m) + e.args[1] * (S.teacher_logit - m_t)))))
+
+    def shifted(red: sp.Expr) -> sp.Expr:
+        # each element relative to its row maximum, x = d + max (d = x - max <= 0): a linear exponent
+        # splits into exp(a*d) and a row factor, and a linear factor's max part is a row factor too
+        # (it cancels the normaliser's a*m in the row math, where fp32 would round both)
+        at = {x: sp.Dummy(f"d{x}", real=True) for x in ((S.logit, S.teacher_logit) if isinstance(red, S.vsum)
+                                                         else (S.topk_logit,))}
+        elements = (*at.values(), *S.vectors_in(red), S.topk_logprob)
+        # the sums read inside it (row values here, though they hold the element symbols)
+        inner = {r: sp.Dummy(real=True) for r in in_order(red.args[0].atoms(S.vsum, S.topk_sum))}
+        body = red.args[0].xreplace(inner)
+        linear = {e: e.args[0] for e in in_order(body.atoms(sp.exp))
+                  if all(not e.args[0].diff(x).has(*at) for x in at)}
+        body = body.xreplace({e: sp.exp(sp.expand(a.xreplace({x: d + MAXIMA[x] for x, d in at.items()})))
+                              for e, a in linear.items()})
+        body = body.xreplace({x: d + MAXIMA[x] for x, d in at.items()})
+        out = []
+        for addend in sp.Add.make_args(sp.expand(body, power_exp=False, log=False)):
+            factors = []
+            for f in sp.Mul.make_args(addend):
+                if isinstance(f, sp.exp) and all(not f.args[0].diff(d).has(*at.values()) for d in at.values()):
+                    parts = sp.Add.make_args(f.args[0])
+                    factors += [sp.exp(sp.Add(*[p for p in parts if p.has(*elements)])),
+                                sp.exp(sp.Add(*[p for p in parts if not p.has(*elements)]))]
+                else:
+                    factors.append(f)
+            row, element = sp.Mul(*factors).as_independent(*elements, as_Add=False)
+            out.append(row * type(red)(element.xreplace({d: x - MAXIMA[x] for x, d in at.items()})))
+        # the maxima's exponential shared by every part, outside their sum: a ratio of two sums of one
+        # temperature cancels it (exp(m / tau) overflows)
+        shared = [{f for f in sp.Mul.make_args(o) if isinstance(f, sp.exp)} for o in out]
+        common = sp.Mul(*set.intersection(*shared)) if shared else sp.S.One
+        return (common * sp.Add(*[o / common for o in out])).xreplace({d: r for r, d in inner.items()})
+    formula = formula.replace(lambda e: isinstance(e, (S.vsum, S.topk_sum)), shifted)
+    # and the maxima's own parts as addends of the row math, where they cancel: (m*R + S)/R is m + S/R
+    sums = {r: sp.Dummy(real=True) for r in in_order(formula.atoms(S.vsum, S.topk_sum))}
+    return sp.expand(formula.xreplace(sums), power_exp=False, log=False).xreplace({d: r for r, d in sums.items()})

@@ -245,7 +245,7 @@ def check_exponentials(name: str, formula: sp.Expr) -> None:
     ``d arg / d t_i``) reads a row value (a token, the label, a log-normaliser, an inner sum, ...)
     and the element itself: ``exp(z**2 / token)`` has no maximum the kernel knows. An exponent linear
     in the element, ``a*z + b*t + r`` with ``a, b`` row values (``exp(z / token("tau"))``, a per-row
-    temperature), is read relative to the row maxima (lower._run_time_temperatures)."""
+    temperature), is read relative to the row maxima (stable.run_time_temperatures)."""
     for red in formula.atoms(vsum):
         for e in red.args[0].atoms(sp.exp):
             # inner reductions and normalisers are row values here, not functions of the element

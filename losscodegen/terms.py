@@ -401,7 +401,7 @@ def planned_params(formula: sp.Expr) -> set[str]:
     inside a log-normaliser (a temperature: ``lse_at(T)`` is read as its own sum) or in the exponent
     of an element-level ``exp`` (which decides whether a sum is kept online). Given a tensor, such a
     parameter is a kernel argument like any other, and its sums are read relative to the row maxima
-    in a read after the stats (lower._run_time_temperatures)."""
+    in a read after the stats (stable.run_time_temperatures)."""
     found: set[sp.Symbol] = set()
     for lse in formula.atoms(S.LSE):
         found |= lse.free_symbols

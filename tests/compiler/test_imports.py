@@ -18,10 +18,9 @@ import losscodegen as lcg
 from losscodegen import head
 
 PACKAGE = Path(lcg.__file__).resolve().parent
-COMPILER = {"losscodegen.symbols", "losscodegen.terms", "losscodegen.lower", "losscodegen.stable", "losscodegen.plan",
-            "losscodegen.interface", "losscodegen.emit", "losscodegen.program", "losscodegen.resources",
-            "losscodegen.backends.triton.render",
-            "losscodegen.backends.torch.render"}
+COMPILER = {"losscodegen.symbols", "losscodegen.terms", "losscodegen.lower", "losscodegen.derive", "losscodegen.stable",
+            "losscodegen.plan", "losscodegen.interface", "losscodegen.emit", "losscodegen.program",
+            "losscodegen.resources", "losscodegen.backends.triton.render", "losscodegen.backends.torch.render"}
 BACKENDS = "losscodegen.backends."
 # what each backend is written in: imported by that backend's folder and nowhere else in the package
 # (torch: the runtime's own language, so nothing to keep out of the other modules but the folder itself)
