@@ -127,29 +127,30 @@ def _forward_standing_in(model: nn.Module, path: tuple[str, ...], forward: Calla
     module = model
     for name in path:
         module = getattr(module, name)
-    had = vars(module).get("forward", _NONE)
-    object.__setattr__(module, "forward", forward)
-    try:
+    with _instance_attribute(module, "forward", forward):
         yield
-    finally:
-        if had is _NONE:
-            del module.__dict__["forward"]
-        else:
-            object.__setattr__(module, "forward", had)
 
 
 @contextlib.contextmanager
 def head_loss_as_loss_function(model: nn.Module, loss: Callable[..., Any]) -> Iterator[None]:
     """``model.loss_function`` is ``loss`` inside (transformers' property reads ``_loss_function``)."""
-    had = vars(model).get("_loss_function", _NONE)
-    object.__setattr__(model, "_loss_function", loss)
+    with _instance_attribute(model, "_loss_function", loss):
+        yield
+
+
+@contextlib.contextmanager
+def _instance_attribute(obj: object, name: str, value: Any) -> Iterator[None]:
+    """``obj.<name>`` set on the instance inside (past nn.Module's __setattr__), then as it was: the
+    instance's own value back, or none (the class's again)."""
+    had = vars(obj).get(name, _NONE)
+    object.__setattr__(obj, name, value)
     try:
         yield
     finally:
         if had is _NONE:
-            del model.__dict__["_loss_function"]
+            del obj.__dict__[name]
         else:
-            object.__setattr__(model, "_loss_function", had)
+            object.__setattr__(obj, name, had)
 
 
 _NONE = object()
