@@ -109,6 +109,7 @@ def _generate_and_run(cache, barrier, results):
     results.put(float(loss))
 
 
+@pytest.mark.slow   # (four fresh interpreters at once; the writes' atomicity alone: test_a_full_disk_leaves_no_temporary_file_in_the_cache)
 def test_many_processes_generating_one_kernel_leave_one_valid_file(tmp_path):
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(4), ctx.Queue()

@@ -96,6 +96,7 @@ class _RecordTensorDevices(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+@pytest.mark.slow   # (60 generated cases: half a minute on 2 cores)
 def test_a_case_for_a_gpu_creates_its_tensor_weights_and_parameters_on_that_gpu():
     """The fuzzer's GPU run built tensor weights on the CPU (``torch.tensor(0.8)``) for CUDA logits:
     68 of its 74 mismatches were the harness. Each tensor a case's head holds is made on the

@@ -120,7 +120,7 @@ def test_an_input_changed_in_place_before_a_per_row_backward_raises_as_torch_doe
         out.loss.sum().backward()
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
 def test_a_class_prior_changed_in_place_before_a_per_row_backward_raises_as_torch_does(compiled):
     # (an S.vector input is read again by the deferred gradient launch like the per-row inputs; it was
     # not among what backward saved, nor an argument of the compiled op: found by the H100 fuzz run)
@@ -830,6 +830,7 @@ def test_declare_term_refuses_naming_the_construct(formula, what):
         lcg.HeadLoss(T(**({"labels": 1.0} if what == "labels" else {})))
 
 
+@pytest.mark.slow   # (a wide vocabulary under every reduction; 3-D rows and each reduction at a small one: test_reduction_none_sum_and_divisor)
 def test_wide_vocab_and_3d_rows_with_every_reduction():
     """V = 300 (more than one vocabulary tile on small tiles), rows [2, 16], teacher + top-k + policy."""
     gen = torch.Generator().manual_seed(20)
