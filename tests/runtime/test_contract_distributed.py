@@ -271,6 +271,7 @@ def test_on_two_gloo_ranks(world2, case):
     assert not bad, "\n".join(bad)
 
 
+@pytest.mark.slow   # (a spawn of its own; a 2-D mesh on four ranks in the default tier: tests/runtime/test_dtensor.py)
 def test_two_dimensional_mesh_on_four_gloo_ranks():
     bad = _check(_spawn(_world4, 4))
     assert not bad, bad
