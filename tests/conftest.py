@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 # The tests live in one folder per stage (compiler/, runtime/, integrations/, gpu/); the helpers they
-# share (helpers.py, reference.py, contract_reference.py, this file) stay here, importable by name from
+# share (helpers.py, reference.py, this file) stay here, importable by name from
 # any of them, whatever pytest's import mode (spawned ranks inherit sys.path).
 if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

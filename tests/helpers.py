@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import socket
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -168,3 +169,17 @@ class TorchOps(TorchDispatchMode):
         self.ops.append((str(func), [tuple(t.shape) for t in torch.utils._pytree.tree_leaves(out)
                                      if isinstance(t, torch.Tensor)]))
         return out
+
+
+def both_backends(default: str) -> list:
+    """For a test that names its backends (``parametrize("backend", both_backends(...), indirect=True)``):
+    both, the one that is not ``default`` marked ``slow`` (run by the slow tier, which CI runs too)."""
+    return [pytest.param(b, marks=() if b == default else pytest.mark.slow) for b in ("triton", "torch")]
+
+
+def run_backward(head: lcg.HeadLoss, logits: torch.Tensor, labels, **kwargs) -> tuple:
+    """The head's output on a copy of ``logits`` and the copy's gradient after ``out.loss.backward()``."""
+    x = logits.detach().clone().requires_grad_(True)
+    out = head(x, labels, **kwargs)
+    out.loss.backward()
+    return out, x.grad

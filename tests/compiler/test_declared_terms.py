@@ -24,7 +24,8 @@ def _ref(name, x, y, valid):
     lse = torch.logsumexp(z, -1)
     zy = z.gather(-1, y.clamp_min(0)[:, None])[:, 0]
     py = torch.exp(zy - lse)
-    per_row = {"poly1": lse - zy + 2.0 * (1 - py), "focal": -(1 - py) ** 2 * (zy - lse)}[name]
+    per_row = {"poly1": lse - zy + 2.0 * (1 - py), "focal": -(1 - py) ** 2 * (zy - lse),
+               "collision": (torch.softmax(z, -1) ** 2).sum(-1)}[name]
     return torch.where(valid, per_row, 0.0).sum() / valid.sum()
 
 
@@ -34,7 +35,8 @@ def test_declared_term_parity(term):
 
 
 @pytest.mark.cpu
-@pytest.mark.parametrize("term,name", [(Poly1(eps=2.0), "poly1"), (Focal(gamma=2.0), "focal")])
+@pytest.mark.parametrize("term,name", [(Poly1(eps=2.0), "poly1"), (Focal(gamma=2.0), "focal"),
+                                       (Collision(), "collision")])
 def test_declared_term_vs_hand_written_autograd(term, name):
     """The checker's check: a reference written by hand, with autograd for the gradient."""
     logits, labels, _ = make_inputs(R=16, V=500)

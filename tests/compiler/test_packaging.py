@@ -1,6 +1,7 @@
-"""Installable like a library: build-time generation for downstream projects (generate --check,
-LOSSCODEGEN_KERNELS), stale files, many processes generating at once, an unwritable cache, and a
-wheel that carries the templates and the prebuilt kernels."""
+"""Installable like a library (CONTRACT.md "Build-time generation"): build-time generation for downstream
+projects (generate --check, a generated folder in LOSSCODEGEN_KERNELS), stale files, many processes
+generating at once, an unwritable cache, and a wheel that carries the templates and the prebuilt
+kernels. A damaged file in the cache or in a kernel folder is tests/runtime/test_robustness.py's."""
 import errno
 import importlib.metadata
 import multiprocessing as mp
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 import losscodegen as lcg
-from losscodegen import load
+from losscodegen import emit, load
 from losscodegen import symbols as S
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,6 +49,20 @@ def test_generate_then_check_names_what_differs(tmp_path):
     assert done.returncode == 1, done.stdout
     assert f"stale: {files[0]}" in done.stdout and f"missing: {files[1]}" in done.stdout
     assert "not in the manifest" in done.stdout and "head_loss_0000000000000000.py" in done.stdout
+
+
+def test_a_generated_folder_serves_its_heads_before_the_cache(tmp_path, monkeypatch):
+    # (``generate`` through the command line's own main(): its exit status as a process is the test's above)
+    from losscodegen.__main__ import main
+    manifest = tmp_path / "manifest"
+    manifest.write_text("HeadLoss(CrossEntropy(label_smoothing=0.1), JSD(beta=0.25, temperature=3.0))\n")
+    out = tmp_path / "kernels"
+    assert main(["generate", "--manifest", str(manifest), "--out", str(out)]) == 0
+    head = lcg.HeadLoss(lcg.CrossEntropy(label_smoothing=0.1), lcg.JSD(beta=0.25, temperature=3.0))
+    monkeypatch.setenv("LOSSCODEGEN_KERNELS", str(out))
+    monkeypatch.setenv("LOSSCODEGEN_CACHE", str(tmp_path / "cache"))
+    assert load.module_path(head.key) == out / load.file_name(head.key)   # (the file the manifest's line made)
+    assert emit.intact(load.module_path(head.key).read_bytes())
 
 
 def _own_kernel(name: str, c: int):
@@ -94,6 +109,7 @@ def _generate_and_run(cache, barrier, results):
     results.put(float(loss))
 
 
+@pytest.mark.slow   # (four fresh interpreters at once; the writes' atomicity alone: test_a_full_disk_leaves_no_temporary_file_in_the_cache)
 def test_many_processes_generating_one_kernel_leave_one_valid_file(tmp_path):
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(4), ctx.Queue()
@@ -107,6 +123,7 @@ def test_many_processes_generating_one_kernel_leave_one_valid_file(tmp_path):
     assert len(set(losses)) == 1
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert len(files) == 1 and files[0].suffix == ".py", files
+    assert emit.intact(files[0].read_bytes()), "the one file is whole: a later process uses it as it is"
 
 
 def test_an_unwritable_cache_is_named(tmp_path, monkeypatch):

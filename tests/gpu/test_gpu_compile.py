@@ -5,9 +5,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "sm90_compile.py"
 
 
+# (every variant, a minute of CPU: the slow tier; tests/compiler/test_portable_builds.py compiles one manifest
+# kernel for sm_90 and sm_100 in the default tier)
+@pytest.mark.slow
 def test_manifest_kernels_compile_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["LOSSCODEGEN_CACHE"] = str(tmp_path)

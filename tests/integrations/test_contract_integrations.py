@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-import contract_reference as R
+import reference as R
 
 FP32 = 5e-5
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -11,6 +11,7 @@ import losscodegen as lcg
 from losscodegen import backends
 from losscodegen import symbols as S
 from losscodegen.testing import assert_parity
+import reference as R
 
 
 @pytest.fixture
@@ -114,3 +115,8 @@ def test_both_backends_write_one_contract_for_each_construct(formula):
     term = lcg.declare_term("t", formula)
     _same_contract(lcg.HeadLoss(term(), lcg.CrossEntropy(), backend="triton").kernel,
                    lcg.HeadLoss(term(), lcg.CrossEntropy(), backend="torch").kernel)
+
+
+def test_backend_option_is_validated_naming_it():
+    with pytest.raises(ValueError, match="backend"):
+        lcg.HeadLoss(lcg.CrossEntropy(), backend="cuda")

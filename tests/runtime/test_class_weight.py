@@ -217,6 +217,7 @@ def test_vocab_parallel():
 
 @pytest.mark.cpu
 @BOTH
+@pytest.mark.slow   # (torch.compile of a class-weighted head: half a minute on 2 cores; compiled heads stay in the default tier)
 def test_compiled_equals_eager():
     z, y, w, _ = _data(6)
     head = lcg.HeadLoss(lcg.CrossEntropy(class_weight=w), lcg.ZLoss(weight=1e-2))

@@ -2,7 +2,7 @@
 (one spawn for the 2-rank cases, one for the 4-rank mesh, one for FSDP2's): DTensor logits
 Shard(-1) / Shard(0) / Replicate, a 2-D mesh, Partial refused naming it, head.linear with a Shard(0)
 DTensor weight, and process_group vocab shards of unequal widths. Values against float64 torch
-formulas written from the contract (tests/contract_reference.py), gradients by torch.autograd."""
+formulas written from the contract (tests/reference.py), gradients by torch.autograd."""
 import os
 import socket
 import tempfile
@@ -11,7 +11,7 @@ import traceback
 import pytest
 import torch
 
-import contract_reference as R
+import reference as R
 from helpers import rank_process, rank_queue
 
 FP32 = 5e-5
@@ -271,6 +271,7 @@ def test_on_two_gloo_ranks(world2, case):
     assert not bad, "\n".join(bad)
 
 
+@pytest.mark.slow   # (a spawn of its own; a 2-D mesh on four ranks in the default tier: tests/runtime/test_dtensor.py)
 def test_two_dimensional_mesh_on_four_gloo_ranks():
     bad = _check(_spawn(_world4, 4))
     assert not bad, bad

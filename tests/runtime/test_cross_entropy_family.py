@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import losscodegen as lcg
-from helpers import check_head, make_inputs
+from helpers import both_backends, check_head, make_inputs, run_backward
+import reference as R
 
 # every test here runs on both backends (conftest's ``backend``: the heads built with backend="auto")
 pytestmark = pytest.mark.usefixtures("backend")
@@ -174,3 +175,27 @@ def test_no_grad_call_computes_values():
     valid = labels != -100
     want = torch.nn.functional.cross_entropy(logits.double()[valid], labels[valid])
     torch.testing.assert_close(out.loss.double(), want, rtol=1e-5, atol=1e-6)
+
+
+# ---- against the hand-written formulas (tests/reference.py), both backends: the second in the slow tier ----
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("backend", both_backends("triton"), indirect=True)
+def test_ce_family_with_metrics_matches_formulas(backend):
+    x, y, _ = R.rows_in(16, 64, seed=1)
+    head = lcg.HeadLoss(lcg.CrossEntropy(label_smoothing=0.1), lcg.ZLoss(weight=1e-2),
+                        metrics=(lcg.Entropy(), lcg.TokenAccuracy()), backend=backend)
+    out, g = run_backward(head, x, y)
+    v = R.valid_rows(y)
+
+    def loss(z):
+        return R.mean_over(R.ce_rows(z, y, 0.1), v) + 1e-2 * R.mean_over(R.z_loss_rows(z), v)
+    R.close(out.loss, loss(x.double()), R.FP32, "loss")
+    R.close(out.terms["cross_entropy"], R.mean_over(R.ce_rows(x.double(), y, 0.1), v), R.FP32, "cross_entropy")
+    R.close(out.terms["z_loss"], R.mean_over(R.z_loss_rows(x.double()), v), R.FP32, "z_loss (unweighted)")
+    R.close(out.metrics["entropy"], R.mean_over(R.entropy_rows(x.double()), v), R.FP32, "entropy")
+    R.close(out.metrics["token_accuracy"], R.mean_over(R.accuracy_rows(x.double(), y), v), 1e-6, "token_accuracy")
+    R.close(g, R.grad(loss, x), R.FP32, "grad")
+    assert out.loss.dtype == torch.float32 and out.loss.dim() == 0
+    assert not out.terms["z_loss"].requires_grad and not out.metrics["entropy"].requires_grad

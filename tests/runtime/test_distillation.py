@@ -3,7 +3,8 @@ import pytest
 import torch
 
 import losscodegen as lcg
-from helpers import check_head, make_inputs
+from helpers import both_backends, check_head, make_inputs, run_backward
+import reference as R
 
 # every test here runs on both backends (conftest's ``backend``: the heads built with backend="auto")
 pytestmark = pytest.mark.usefixtures("backend")
@@ -84,3 +85,71 @@ def test_missing_teacher_is_named():
         lcg.HeadLoss(lcg.TopKForwardKL())(logits, labels)
     with pytest.raises(ValueError, match="teacher_logits"):
         lcg.HeadLoss(lcg.ForwardKL())(logits, labels, teacher_logits=logits[:, :10])
+
+
+# ---- against the hand-written formulas (tests/reference.py), both backends: the second in the slow tier ----
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("backend", both_backends("torch"), indirect=True)
+def test_distillation_terms_with_temperature_match_formulas(backend):
+    x, y, t = R.rows_in(12, 50, seed=2)
+    head = lcg.HeadLoss(lcg.ForwardKL(weight=0.5, temperature=2.0), lcg.ReverseKL(weight=0.3, temperature=0.7),
+                        lcg.JSD(beta=0.3, temperature=1.5), backend=backend)
+    out, g = run_backward(head, x, y, teacher_logits=t)
+    v = R.valid_rows(y)
+    parts = {"forward_kl": lambda z: R.forward_kl_rows(z, t, 2.0), "reverse_kl": lambda z: R.reverse_kl_rows(z, t, 0.7),
+             "jsd": lambda z: R.jsd_rows(z, t, 0.3, 1.5)}
+    weights = {"forward_kl": 0.5, "reverse_kl": 0.3, "jsd": 1.0}
+
+    def loss(z):
+        return sum(weights[k] * R.mean_over(f(z), v) for k, f in parts.items())
+    for k, f in parts.items():
+        R.close(out.terms[k], R.mean_over(f(x.double()), v), R.FP32, k)
+    R.close(out.loss, loss(x.double()), R.FP32, "loss")
+    R.close(g, R.grad(loss, x), R.FP32, "grad")
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("backend", both_backends("triton"), indirect=True)
+def test_topk_forward_kl_matches_formula(backend):
+    x, y, t = R.rows_in(10, 40, seed=3)
+    g0 = torch.Generator().manual_seed(0)
+    ids = torch.stack([torch.randperm(40, generator=g0)[:5] for _ in range(10)])
+    lps = torch.log_softmax(t, -1).gather(1, ids)
+    head = lcg.HeadLoss(lcg.TopKForwardKL(temperature=1.3), backend=backend)
+    out, g = run_backward(head, x, y, teacher_topk_ids=ids, teacher_topk_logprobs=lps)
+    v = R.valid_rows(y)
+
+    def loss(z):
+        return R.mean_over(R.topk_forward_kl_rows(z, ids, lps, 1.3), v)
+    R.close(out.loss, loss(x.double()), R.FP32, "loss")
+    R.close(g, R.grad(loss, x), R.FP32, "grad")
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("backend", both_backends("torch"), indirect=True)
+def test_distillation_only_head_without_labels_uses_loss_mask(backend):
+    x, _, t = R.rows_in(10, 40, seed=12)
+    mask = torch.arange(10) % 3 != 0
+    head = lcg.HeadLoss(lcg.ReverseKL(), backend=backend)
+    xx = x.clone().requires_grad_(True)
+    out = head(xx, None, teacher_logits=t, loss_mask=mask)
+    out.loss.backward()
+
+    def loss(z):
+        return R.mean_over(R.reverse_kl_rows(z, t), mask)
+    R.close(out.loss, loss(x.double()), R.FP32, "loss")
+    R.close(xx.grad, R.grad(loss, x), R.FP32, "grad")
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("backend", both_backends("triton"), indirect=True)
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+def test_jsd_at_beta_limits_is_zero(backend, beta):
+    x, y, t = R.rows_in(8, 30, seed=20)
+    xx = x.clone().requires_grad_(True)
+    out = lcg.HeadLoss(lcg.JSD(beta=beta), backend=backend)(xx, y, teacher_logits=t)
+    out.loss.backward()
+    R.close(out.loss, R.mean_over(R.jsd_rows(x.double(), t, beta), R.valid_rows(y)), R.FP32, "jsd")
+    assert not torch.isnan(xx.grad).any() and xx.grad.abs().max() < 1e-6

@@ -8,8 +8,9 @@ import torch
 import torch.distributed as dist
 
 import losscodegen as lcg
-from helpers import policy_inputs, run_ranks, spec, topk_inputs
+from helpers import both_backends, policy_inputs, run_backward, run_ranks, spec, topk_inputs
 from reference import head_reference
+import reference as R
 
 # the tests on one process run on both backends (conftest's ``backend``: the heads built with backend="auto")
 BOTH = pytest.mark.usefixtures("backend")
@@ -202,3 +203,35 @@ def test_vocab_parallel_linear(world):
         assert abs(loss - ref_loss) <= 1e-5 * max(1.0, abs(ref_loss)), (name, rank, loss, ref_loss)
         assert value_err <= 1e-5, (name, rank, value_err)
         assert max(h_err, w_err, b_err) <= 2e-4, (name, rank, h_err, w_err, b_err)
+
+
+# ---- against the hand-written formulas (tests/reference.py), both backends: the second in the slow tier ----
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("backend", both_backends("triton"), indirect=True)
+def test_linear_head_matches_logits_head_with_any_chunk(backend):
+    gen = torch.Generator().manual_seed(18)
+    h = torch.randn(13, 16, generator=gen)
+    w = torch.randn(50, 16, generator=gen) * 0.5
+    b = torch.randn(50, generator=gen) * 0.1
+    th, tw = torch.randn(13, 8, generator=gen), torch.randn(50, 8, generator=gen)
+    y = torch.randint(0, 50, (13,), generator=gen)
+    y[[0, 7]] = R.IGNORE
+    v = R.valid_rows(y)
+    head = lcg.HeadLoss(lcg.CrossEntropy(), lcg.ForwardKL(weight=0.5, temperature=2.0), backend=backend)
+
+    def loss(hh, ww, bb):
+        z = hh @ ww.T + bb
+        t = th.double() @ tw.double().T
+        return R.mean_over(R.ce_rows(z, y), v) + 0.5 * R.mean_over(R.forward_kl_rows(z, t, 2.0), v)
+    hd, wd, bd = (a.double().requires_grad_(True) for a in (h, w, b))
+    want = loss(hd, wd, bd)
+    want.backward()
+    for chunk in (None, 1, 5, 13):
+        hh, ww, bb = (a.clone().requires_grad_(True) for a in (h, w, b))
+        out = head.linear(hh, ww, y, bias=bb, teacher_hidden=th, teacher_weight=tw, chunk_rows=chunk)
+        out.loss.backward()
+        R.close(out.loss, want, R.FP32, f"loss chunk={chunk}")
+        for got, ref, n in ((hh.grad, hd.grad, "hidden"), (ww.grad, wd.grad, "weight"), (bb.grad, bd.grad, "bias")):
+            R.close(got, ref, 1e-4, f"{n} grad chunk={chunk}")

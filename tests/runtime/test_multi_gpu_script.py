@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -23,6 +25,7 @@ def _run(tmp_path, ranks: int, *args: str, env: dict[str, str], pythonpath: str 
     return proc.returncode, proc.stdout, json.loads(records[0].read_text()) | {"path": str(records[0])}
 
 
+@pytest.mark.slow   # (every part of the script; it runs on two ranks in the default tier: test_multi_gpu_script_fails_a_wrong_sharded_result)
 def test_multi_gpu_script_runs_every_part_and_its_checks_pass_on_two_cpu_ranks(tmp_path):
     # (two of the script's heads, CE and GSPO with its sequence-parallel rows, and its linear head:
     # each head's sharded values are tests/runtime/test_vocab_parallel.py's and test_dtensor.py's)
@@ -53,6 +56,7 @@ def test_multi_gpu_script_runs_every_part_and_its_checks_pass_on_two_cpu_ranks(t
     assert f"{len(checks)} of {len(checks)} checks passed" in table
 
 
+@pytest.mark.slow   # (a third rank count for the script; two ranks run every part in the default tier)
 def test_multi_gpu_script_checks_sequence_parallel_gspo_on_three_cpu_ranks(tmp_path):
     rc, stdout, record = _run(tmp_path, 3, "--parts", "correctness",
                               env={"MGPU_SHAPES": "12x1008", "MGPU_HEADS": "GSPO", "MGPU_B2B_REPEATS": "0"})

@@ -10,9 +10,10 @@ import torch
 import torch.distributed as dist
 
 import losscodegen as lcg
-from helpers import run_ranks
+from helpers import both_backends, run_backward, run_ranks
 from losscodegen.backends.triton import tiles
 from losscodegen.testing import TOLERANCES, reference
+import reference as hand
 
 # the parity tests run on both backends (conftest's ``backend``: the heads built with backend="auto")
 BOTH = pytest.mark.usefixtures("backend")
@@ -316,3 +317,45 @@ def test_the_columns_past_a_rows_end_are_neg_inf_only_where_every_sum_vanishes()
     assert 'z = tl.where(in_row, z, float("-inf"))' not in masked.source().text
     for head in (padded, masked):
         lcg.testing.assert_parity(head, rows=12, vocab=300)
+
+
+# ---- against the hand-written formulas (tests/reference.py), both backends: the second in the slow tier ----
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("backend", both_backends("triton"), indirect=True)
+def test_minus_inf_logits_follow_zero_log_zero(backend):
+    x, y, t = hand.rows_in(8, 32, seed=15)
+    x[:, 5:9] = float("-inf")
+    t[:, 5:12] = float("-inf")   # the teacher is 0 wherever the student is
+    y[y.ge(5) & y.lt(9)] = 0
+    # (no ReverseKL: q = 0 where p > 0 makes it +inf by its formula)
+    head = lcg.HeadLoss(lcg.CrossEntropy(), lcg.ForwardKL(), lcg.JSD(), metrics=(lcg.Entropy(),), backend=backend)
+    out, g = run_backward(head, x, y, teacher_logits=t)
+    v = hand.valid_rows(y)
+    hand.close(out.terms["cross_entropy"], hand.mean_over(hand.ce_rows(x.double(), y), v), hand.FP32, "cross_entropy")
+    hand.close(out.terms["forward_kl"], hand.mean_over(hand.forward_kl_rows(x.double(), t), v), hand.FP32, "forward_kl")
+    hand.close(out.terms["jsd"], hand.mean_over(hand.jsd_rows(x.double(), t), v), hand.FP32, "jsd")
+    hand.close(out.metrics["entropy"], hand.mean_over(hand.entropy_rows(x.double()), v), hand.FP32, "entropy")
+    assert not torch.isnan(g).any()
+    assert torch.all(g[:, 5:9] == 0), "the gradient of a -inf logit is 0"
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("backend", both_backends("torch"), indirect=True)
+def test_minus_inf_logits_without_teacher_are_finite_with_exact_gradient(backend):
+    x, y, _ = hand.rows_in(8, 32, seed=16)
+    x[:, 20:] = float("-inf")
+    y = y % 20
+    y[3] = hand.IGNORE
+    head = lcg.HeadLoss(lcg.CrossEntropy(label_smoothing=0.0), lcg.ZLoss(weight=0.1), metrics=(lcg.Entropy(),), backend=backend)
+    out, g = run_backward(head, x, y)
+    v = hand.valid_rows(y)
+    keep = x[:, :20]
+
+    def loss(z):
+        return hand.mean_over(hand.ce_rows(z, y), v) + 0.1 * hand.mean_over(hand.z_loss_rows(z), v)
+    hand.close(out.loss, loss(keep.double()), hand.FP32, "loss")
+    hand.close(g[:, :20], hand.grad(loss, keep), hand.FP32, "grad")
+    assert torch.all(g[:, 20:] == 0)
+    hand.close(out.metrics["entropy"], hand.mean_over(hand.entropy_rows(keep.double()), v), hand.FP32, "entropy")

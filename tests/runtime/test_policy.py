@@ -4,7 +4,8 @@ import torch
 
 import losscodegen as lcg
 from losscodegen import symbols as S
-from helpers import DEVICE, check_head, make_inputs, policy_inputs
+from helpers import DEVICE, both_backends, check_head, make_inputs, policy_inputs, run_backward
+import reference as R
 from losscodegen.testing import compare
 
 
@@ -262,3 +263,77 @@ def test_gspo_with_sequence_mean_normalization_counts_every_sequence(dtype, back
     for term in (lcg.GSPO(normalize="sequence"), GSPOToken(normalize="sequence")):
         lcg.testing.assert_parity(lcg.HeadLoss(term, lcg.CrossEntropy(weight=0.1)), rows=20, vocab=48,
                                   dtypes=(dtype,), regimes=("randn", "policy_edges"))
+
+
+# ---- against the hand-written formulas (tests/reference.py), both backends: the second in the slow tier ----
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("backend", both_backends("torch"), indirect=True)
+def test_grpo_with_kl_and_policy_metrics_match_formulas(backend):
+    x, y, _ = R.rows_in(16, 48, seed=4)
+    gen = torch.Generator().manual_seed(5)
+    l = torch.log_softmax(x, -1).gather(1, y.clamp_min(0)[:, None])[:, 0]
+    old = l + 0.4 * torch.randn(16, generator=gen)
+    ref = l + 0.2 * torch.randn(16, generator=gen)
+    adv = torch.randn(16, generator=gen)
+    head = lcg.HeadLoss(lcg.GRPO(eps_low=0.2, eps_high=0.28, kl_beta=0.05),
+                        metrics=(lcg.RatioMean(), lcg.ClipFraction(), lcg.KLNewOld(), lcg.LogProb()), backend=backend)
+    out, g = run_backward(head, x, y, advantages=adv, old_logprobs=old, ref_logprobs=ref)
+    v = R.valid_rows(y)
+
+    def loss(z):
+        return R.mean_over(R.grpo_rows(z, y, adv, old, ref, 0.2, 0.28, 0.05), v)
+    R.close(out.loss, loss(x.double()), R.FP32, "loss")
+    R.close(g, R.grad(loss, x), R.FP32, "grad")
+    lp = R.logprob_rows(x.double(), y)
+    r = torch.exp(lp - old.double())
+    R.close(out.metrics["ratio_mean"], R.mean_over(r, v), R.FP32, "ratio_mean")
+    R.close(out.metrics["clip_fraction"], R.mean_over(((r < 0.8) | (r > 1.28)).double(), v), 1e-6, "clip_fraction")
+    R.close(out.metrics["kl_new_old"], R.mean_over(r - torch.log(r) - 1, v), R.FP32, "kl_new_old")
+    R.close(out.metrics["logprob"], R.mean_over(lp, v), R.FP32, "logprob")
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("backend", both_backends("triton"), indirect=True)
+def test_gspo_divides_by_non_empty_segments(backend):
+    x, y, _ = R.rows_in(16, 40, seed=6, ignored=(1, 6, 7))
+    gen = torch.Generator().manual_seed(7)
+    l = torch.log_softmax(x, -1).gather(1, y.clamp_min(0)[:, None])[:, 0]
+    old = l + 0.001 * torch.randn(16, generator=gen)
+    adv = torch.randn(16, generator=gen)
+    # segments 0..4 plus a huge global sample index; segment 3 holds only ignored rows (6, 7)
+    seg = torch.tensor([0, 0, 0, 1, 1, 2, 3, 3, 4, 4, 4, 4, 10**9, 10**9, 2, 2])
+    head = lcg.HeadLoss(lcg.GSPO(), backend=backend)
+    out, g = run_backward(head, x, y, advantages=adv, old_logprobs=old, segment_ids=seg)
+    v = R.valid_rows(y)
+
+    def loss(z):
+        return R.gspo_total(z, y, adv, old, seg, v)
+    R.close(out.loss, loss(x.double()), R.FP32, "loss")
+    R.close(g, R.grad(loss, x), R.FP32, "grad")
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("backend", both_backends("torch"), indirect=True)
+def test_clip_fraction_without_grpo_uses_0_2_and_tensor_eps_is_read_each_call(backend):
+    x, y, _ = R.rows_in(16, 30, seed=19)
+    gen = torch.Generator().manual_seed(19)
+    l = torch.log_softmax(x, -1).gather(1, y.clamp_min(0)[:, None])[:, 0]
+    old = l + 0.3 * torch.randn(16, generator=gen)
+    adv = torch.randn(16, generator=gen)
+    v = R.valid_rows(y)
+    r = torch.exp(R.logprob_rows(x.double(), y) - old.double())
+    out = lcg.HeadLoss(lcg.LogProb(), metrics=(lcg.ClipFraction(),), backend=backend)(x, y, old_logprobs=old)
+    R.close(out.metrics["clip_fraction"], R.mean_over(((r < 0.8) | (r > 1.2)).double(), v), 1e-6, "clip_fraction eps 0.2")
+    eps_high = torch.tensor(0.1)
+    head = lcg.HeadLoss(lcg.GRPO(eps_high=eps_high), metrics=(lcg.ClipFraction(),), backend=backend)
+    for e in (0.1, 0.5):
+        eps_high.fill_(e)
+        xx = x.clone().requires_grad_(True)
+        out = head(xx, y, advantages=adv, old_logprobs=old, ref_logprobs=l)
+        out.loss.backward()
+        ref = lambda z: R.mean_over(R.grpo_rows(z, y, adv, old, l, 0.2, e), v)  # noqa: E731
+        R.close(out.loss, ref(x.double()), R.FP32, f"grpo eps_high={e}")
+        R.close(xx.grad, R.grad(ref, x), R.FP32, f"grpo grad eps_high={e}")
+        R.close(out.metrics["clip_fraction"], R.mean_over(((r < 0.8) | (r > 1 + e)).double(), v), 1e-6, f"clip_fraction {e}")

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 
 import losscodegen as lcg
 from losscodegen import symbols as S
+import reference as R
+from helpers import both_backends, run_backward
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS32 = torch.finfo(torch.float32).eps
@@ -402,3 +404,39 @@ def test_kl_penalty_for_small_log_ratios_is_precise_to_a_few_ulps():
     want_grad = -torch.expm1(dd)[:, None] * (onehot - p)
     bar = (8 * EPS32 * torch.expm1(dd).abs() + dd.exp() * d_err)[:, None] * ((onehot - p).abs() + p)
     assert ((xx.grad.double() - want_grad).abs() <= bar).all(), ((xx.grad.double() - want_grad).abs() / bar).max()
+
+
+# ---- against the hand-written formulas (tests/reference.py), both backends: the second in the slow tier ----
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("backend", both_backends("triton"), indirect=True)
+@pytest.mark.parametrize("transform", [{"softcap": 5.0}, {"logit_scale": 0.5}])
+def test_softcap_and_logit_scale_apply_to_student_only(backend, transform):
+    x, y, t = R.rows_in(10, 40, seed=13, scale=4.0)
+    head = lcg.HeadLoss(lcg.CrossEntropy(), lcg.ForwardKL(weight=0.5), backend=backend, **transform)
+    out, g = run_backward(head, x, y, teacher_logits=t)
+    v = R.valid_rows(y)
+
+    def loss(z):
+        z = R.transform(z, **transform)
+        return R.mean_over(R.ce_rows(z, y), v) + 0.5 * R.mean_over(R.forward_kl_rows(z, t), v)
+    R.close(out.loss, loss(x.double()), R.FP32, "loss")
+    R.close(g, R.grad(loss, x), R.FP32, "grad")
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("backend", both_backends("torch"), indirect=True)
+def test_bf16_logits_computed_in_fp32(backend):
+    x, y, t = R.rows_in(12, 64, seed=14, dtype=torch.bfloat16)
+    head = lcg.HeadLoss(lcg.CrossEntropy(), lcg.ReverseKL(weight=0.5), metrics=(lcg.Entropy(),), backend=backend)
+    out, g = run_backward(head, x, y, teacher_logits=t)
+    assert out.loss.dtype == torch.float32 and g.dtype == torch.bfloat16
+    v = R.valid_rows(y)
+
+    def loss(z):
+        return R.mean_over(R.ce_rows(z, y), v) + 0.5 * R.mean_over(R.reverse_kl_rows(z, t), v)
+    R.close(out.loss, loss(x.double()), 1e-4, "loss")
+    R.close(out.metrics["entropy"], R.mean_over(R.entropy_rows(x.double()), v), 1e-4, "entropy")
+    want = R.grad(loss, x)
+    R.close(g, want, 1e-2 * max(1.0, 1 / float(want.abs().max())), "grad")

@@ -85,6 +85,7 @@ def test_create_graph_through_a_head_is_an_error():
     assert g.grad_fn is None and torch.isfinite(g).all()
 
 
+@pytest.mark.slow   # (torch.compile; create_graph through an eager head: test_create_graph_through_a_head_raises_or_is_correct)
 def test_create_graph_through_a_compiled_head_is_an_error():
     head = _ce_z()
     hidden = torch.randn(6, 16, device=DEVICE, requires_grad=True)
@@ -137,6 +138,7 @@ for path in sys.argv[1:]:
 """
 
 
+@pytest.mark.slow   # (a second interpreter; copies in this process: test_copies_of_a_head_compute_its_values_before_and_after_its_first_call)
 def test_a_head_saved_before_and_after_its_first_call_loads_in_another_process(tmp_path):
     logits, labels, _ = make_inputs(R=6, V=64)
     head = lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(weight=7.0))

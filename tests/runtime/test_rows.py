@@ -8,7 +8,8 @@ import torch.nn.functional as F
 import losscodegen as lcg
 from losscodegen import symbols as S
 from losscodegen.testing import compare
-from helpers import DEVICE, make_inputs
+from helpers import DEVICE, both_backends, make_inputs, run_backward
+import reference as R
 
 # every test here runs on both backends (conftest's ``backend``: the heads built with backend="auto")
 pytestmark = pytest.mark.usefixtures("backend")
@@ -131,3 +132,72 @@ def test_a_declared_term_and_a_second_backward():
     compare("gradient", x.grad, z.grad, torch.float32)
     with pytest.raises(RuntimeError, match="backward ran twice"):
         out.loss.sum().backward()
+
+
+# ---- against the hand-written formulas (tests/reference.py), both backends: the second in the slow tier ----
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("backend", both_backends("triton"), indirect=True)
+def test_zero_valid_rows_give_zero_and_zero_gradient(backend):
+    x, y, t = R.rows_in(8, 32, seed=8, ignored=range(8))
+    head = lcg.HeadLoss(lcg.CrossEntropy(), lcg.ForwardKL(), metrics=(lcg.Entropy(), lcg.TokenAccuracy()), backend=backend)
+    out, g = run_backward(head, x, y, teacher_logits=t)
+    for name, val in [("loss", out.loss), *out.terms.items(), *out.metrics.items()]:
+        assert float(val) == 0.0, (name, val)
+    assert torch.equal(g, torch.zeros_like(g))
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("backend", both_backends("torch"), indirect=True)
+def test_reduction_none_sum_and_divisor(backend):
+    x, y, _ = R.rows_in(3 * 5, 40, seed=9, ignored=(2, 9))
+    x, y = x.reshape(3, 5, 40), y.reshape(3, 5)
+    v = R.valid_rows(y)
+    head = lcg.HeadLoss(lcg.CrossEntropy(), lcg.ZLoss(weight=0.1), backend=backend)
+
+    def rows(z):
+        return torch.where(v, R.ce_rows(z, y) + 0.1 * R.z_loss_rows(z), torch.zeros(()).double())
+    # none: labels' shape, 0 on invalid rows, differentiable with any upstream gradient
+    up = torch.randn(3, 5, dtype=torch.float64)
+    xx = x.clone().requires_grad_(True)
+    out = head(xx, y, reduction="none")
+    assert out.loss.shape == (3, 5)
+    R.close(out.loss, rows(x.double()), R.FP32, "rows")
+    out.loss.backward(up.float())
+    R.close(xx.grad, R.grad(lambda z: (rows(z) * up).sum(), x), R.FP32, "none grad")
+    # sum: no divisor
+    out, g = run_backward(head, x, y, reduction="sum")
+    R.close(out.loss, rows(x.double()).sum(), R.FP32, "sum")
+    R.close(g, R.grad(lambda z: rows(z).sum(), x), R.FP32, "sum grad")
+    # divisor: a global token count
+    out, g = run_backward(head, x, y, divisor=37)
+    R.close(out.loss, rows(x.double()).sum() / 37, R.FP32, "divisor")
+    R.close(out.terms["z_loss"], R.mean_over(R.z_loss_rows(x.double()), v, 37), R.FP32, "divisor term")
+    R.close(g, R.grad(lambda z: rows(z).sum() / 37, x), R.FP32, "divisor grad")
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("backend", both_backends("triton"), indirect=True)
+def test_metrics_stay_means_over_valid_rows_whatever_divisor(backend):
+    x, y, _ = R.rows_in(12, 40, seed=10)
+    v = R.valid_rows(y)
+    head = lcg.HeadLoss(lcg.CrossEntropy(), metrics=(lcg.Entropy(),), backend=backend)
+    for kw in ({"divisor": 100}, {"reduction": "sum"}, {"reduction": "none"}):
+        out = head(x, y, **kw)
+        R.close(out.metrics["entropy"], R.mean_over(R.entropy_rows(x.double()), v), R.FP32, f"entropy {kw}")
+
+
+@pytest.mark.cpu
+@pytest.mark.parametrize("backend", both_backends("torch"), indirect=True)
+def test_loss_mask_marks_rows_invalid(backend):
+    x, y, t = R.rows_in(12, 40, seed=11)
+    mask = torch.tensor([True, True, False, True, False, True, True, True, False, True, True, True])
+    head = lcg.HeadLoss(lcg.CrossEntropy(), lcg.ForwardKL(), backend=backend)
+    out, g = run_backward(head, x, y, teacher_logits=t, loss_mask=mask)
+    v = R.valid_rows(y, mask)
+
+    def loss(z):
+        return R.mean_over(R.ce_rows(z, y), v) + R.mean_over(R.forward_kl_rows(z, t), v)
+    R.close(out.loss, loss(x.double()), R.FP32, "loss")
+    R.close(g, R.grad(loss, x), R.FP32, "grad")
