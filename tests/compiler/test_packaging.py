@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import losscodegen as lcg
-from losscodegen import emit, load
+from losscodegen import interface, load
 from losscodegen import symbols as S
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,7 +62,7 @@ def test_a_generated_folder_serves_its_heads_before_the_cache(tmp_path, monkeypa
     monkeypatch.setenv("LOSSCODEGEN_KERNELS", str(out))
     monkeypatch.setenv("LOSSCODEGEN_CACHE", str(tmp_path / "cache"))
     assert load.module_path(head.key) == out / load.file_name(head.key)   # (the file the manifest's line made)
-    assert emit.intact(load.module_path(head.key).read_bytes())
+    assert interface.intact(load.module_path(head.key).read_bytes())
 
 
 def _own_kernel(name: str, c: int):
@@ -123,7 +123,7 @@ def test_many_processes_generating_one_kernel_leave_one_valid_file(tmp_path):
     assert len(set(losses)) == 1
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert len(files) == 1 and files[0].suffix == ".py", files
-    assert emit.intact(files[0].read_bytes()), "the one file is whole: a later process uses it as it is"
+    assert interface.intact(files[0].read_bytes()), "the one file is whole: a later process uses it as it is"
 
 
 def test_an_unwritable_cache_is_named(tmp_path, monkeypatch):

@@ -95,7 +95,7 @@ def test_each_backend_writes_its_own_file():
 
 
 def _same_contract(triton_kernel, torch_kernel) -> None:
-    # every constant the runtime reads, as load read them (emit.FileSpec; those that follow from the
+    # every constant the runtime reads, as load read them (interface.FileSpec; those that follow from the
     # others, LOSS, COUNT, DONE, FIXED_SLOTS and HAS_EXACT, checked against them there)
     assert torch_kernel.SPEC == triton_kernel.SPEC
 
@@ -110,7 +110,7 @@ _l = S.target_logit - S.lse
     S.vsum(S.vector("prior") * (S.lse - S.logit)),                            # a per-class vector
 ], ids=["row_segment", "segment_sum", "row_max", "vector"])
 def test_both_backends_write_one_contract_for_each_construct(formula):
-    """emit.KernelSpec is the file's contract for both backends: every constant the runtime reads
+    """interface.KernelSpec is the file's contract for both backends: every constant the runtime reads
     (segment row terms, vectors and the segment kernel's interface included) is the same."""
     term = lcg.declare_term("t", formula)
     _same_contract(lcg.HeadLoss(term(), lcg.CrossEntropy(), backend="triton").kernel,
