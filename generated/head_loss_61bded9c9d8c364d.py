@@ -43,7 +43,7 @@ from triton.language.extra import libdevice
 
 KEY = "61bded9c9d8c364d"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "210558adfd18"
+CODEGEN = "dd6f2b0dedfa"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['reverse_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -479,4 +479,4 @@ def head_loss_61bded9c9d8c364d(
             tl.store(ws_ptr + 0, value_reverse_kl)
             tl.store(ws_ptr + 1, weight_reverse_kl * value_reverse_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "8cc93bba3d2b7c2248fe8c605ddb31f037a866de2fa255fb1794c730656c01dc"
+TEXT_HASH = "d37ca3928ced9208a1d20b5bf5db99b28cae72509aff90932f9a599adf8901cb"

@@ -295,7 +295,7 @@ def _finite_at_neg_inf(expr: sp.Expr, elements: tuple[sp.Symbol, ...], *, floore
         return True
     if expr in elements:
         return floored
-    if isinstance(expr, (sp.Max, sp.Min, sp.Abs)):
+    if isinstance(expr, (sp.Max, sp.Min, sp.Abs, sp.sign)):
         return all(_finite_at_neg_inf(a, elements, floored=floored) for a in expr.args)
     if isinstance(expr, sp.Piecewise):   # (a condition that reads a NaN is false, never NaN)
         return all(_finite_at_neg_inf(v, elements, floored=floored) for v, _ in expr.args)
@@ -311,11 +311,23 @@ def _finite_at_neg_inf(expr: sp.Expr, elements: tuple[sp.Symbol, ...], *, floore
         return all(_finite_at_neg_inf(a, elements, floored=floored) for a in expr.args)
     if isinstance(expr, sp.Pow) and expr.exp.is_Integer and expr.exp > 0:
         return _finite_at_neg_inf(expr.base, elements, floored=floored)
+    if isinstance(expr, sp.Pow) and expr.exp.is_Integer and expr.exp < 0 and _at_least_a_positive_number(expr.base):
+        return _finite_at_neg_inf(expr.base, elements, floored=floored)
     if isinstance(expr, sp.log) or (isinstance(expr, sp.Pow) and expr.exp.is_negative):
         # the log or a reciprocal of a sum plus TINY (no_underflow_nan): finite where the sum is
         arg = expr.args[0]
         return TINY in sp.Add.make_args(arg) and _finite_at_neg_inf(arg, elements, floored=floored)
     return False
+
+
+def _at_least_a_positive_number(base: sp.Expr) -> bool:
+    """Whether ``base`` is a positive number plus conditions of numbers >= 0 (a tie's share of a
+    Max's or Min's gradient, ``1/(1 + [a == b])``): its reciprocal is finite wherever its conditions
+    are decided, NaN inputs included (a comparison with NaN is false)."""
+    parts = sp.Add.make_args(base)
+    return any(p.is_number and p > 0 for p in parts) and all(
+        (p.is_number and p >= 0) or (isinstance(p, sp.Piecewise) and all(v.is_number and v >= 0 for v, _ in p.args))
+        for p in parts)
 
 
 def vanishes_at_neg_inf(expr: sp.Expr, elements: tuple[sp.Symbol, ...], *, floored: bool) -> bool:

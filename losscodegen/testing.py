@@ -139,11 +139,13 @@ def _piecewise(expr: sp.Piecewise, ns: dict[str, Any]):
     return out
 
 
-def _sum_over(*names: str):
-    # vsum over the row's elements (z, t), topk_sum over its top-k entries (z_k, l_k)
+def _sum_over(a: str, b: str, rows: tuple[str, str]):
+    # vsum over the row's elements (z, t), topk_sum over its top-k entries (z_k, l_k). The sum is over
+    # the whole rows (``rows``: a sum inside another's summand sums the row, not the outer summand's
+    # elements, which _sum evaluates a second time with its -inf entries set to 0)
     def evaluate(expr, ns):
-        a, b = names
-        return _sum(lambda x, y: _evaluate(expr.args[0], {**ns, a: x, b: y}) + torch.zeros_like(x), ns[a], ns[b])
+        return _sum(lambda x, y: _evaluate(expr.args[0], {**ns, a: x, b: y}) + torch.zeros_like(x),
+                    ns[rows[0]], ns[rows[1]])
     return evaluate
 
 
@@ -175,7 +177,7 @@ _OPS = {
     # over the whole rows (z_row, t_row), also inside a vsum (whose summand takes z, t)
     S.LSE: lambda expr, ns: torch.logsumexp(_evaluate(expr.args[0] * _Z_ROW + expr.args[1] * _T_ROW, ns), -1,
                                             keepdim=True),
-    S.vsum: _sum_over("z", "t"), S.topk_sum: _sum_over("z_k", "l_k"),
+    S.vsum: _sum_over("z", "t", rows=("z_row", "t_row")), S.topk_sum: _sum_over("z_k", "l_k", rows=("z_k", "l_k")),
 }
 
 

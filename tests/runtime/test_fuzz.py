@@ -304,3 +304,21 @@ def test_fuzz_command_line_takes_minutes_seed_and_device(capsys):
     stdout = capsys.readouterr().out
     for opt in ("--minutes", "--seed", "--device"):
         assert opt in stdout, stdout
+
+
+def test_fuzz_case_a_sum_finite_at_masked_columns_beside_a_tie_share_counts_them():
+    """Found by the CPU fuzz (one_column: every logit -inf but one): vsum(min(p, a)) is a at each masked
+    column (p = 0 there), so 61 * a over the row, as torch sums it. The gradient's sum of the tie's
+    share, 1 / (1 + [p == a]), had made the whole exact read drop masked columns (it is finite there)."""
+    T0 = lcg.declare_term('f0', S.vsum(S.Min(S.softmax, S.token('a'))))
+    head = lcg.HeadLoss(T0(weight=torch.tensor(0.8)))
+    fuzz.check(head, fuzz.Plan(), rows=3, vocab=61, seed=117, regime='one_column')
+
+
+def test_fuzz_case_a_sum_inside_a_sum_is_over_the_whole_row_in_the_reference():
+    """Found by the CPU fuzz (one_column): the float64 reference evaluated vsum(u * p) inside another
+    sum's summand over the outer summand's elements, which it evaluates a second time with the masked
+    columns set to 0; the sum is over the row (the kernels were right: 2.04 against 200.8)."""
+    T0 = lcg.declare_term('f0', S.vsum(S.softmax * S.Abs(S.logit - S.vsum(S.vector('u') * S.softmax))))
+    head = lcg.HeadLoss(T0(weight=1.0))
+    fuzz.check(head, fuzz.Plan(), rows=3, vocab=64, seed=937, regime='one_column')
