@@ -413,9 +413,12 @@ def sequence_inputs(head: Any, labels: torch.Tensor, *, desirable: torch.Tensor,
         raise ValueError(f"desirable must have shape ({B},), got {tuple(desirable.shape)}")
     valid = _valid(head, labels, ignore_index, loss_mask)
     expand = [B] + [1] * (labels.dim() - 1)
-    return _for(head, {
+    out: dict[str, Any] = {
         "segment_ids": torch.arange(B, device=labels.device).reshape(expand).expand(labels.shape).contiguous(),
         "num_segments": B,
         "chosen": desirable.float().reshape(expand).expand(labels.shape).contiguous(),
-        "ref_logprobs": _ref_rows(labels, valid, ref_logprobs, ref_logps, "ref_logprobs", "ref_logps"),
-    })
+    }
+    # (as pair_inputs: none for a head that reads no reference; _for names the terms that do)
+    if ref_logprobs is not None or ref_logps is not None:
+        out["ref_logprobs"] = _ref_rows(labels, valid, ref_logprobs, ref_logps, "ref_logprobs", "ref_logps")
+    return _for(head, out)

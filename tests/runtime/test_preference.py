@@ -496,3 +496,15 @@ def test_pair_and_sequence_inputs_read_the_heads_ignore_index():
     _compare(out, x.grad.double(), want.detach(), x64.grad)
     with pytest.raises(ValueError, match=r"ignore_index=-100 is not the head's ignore_index=-1"):
         P.sequence_inputs(kto, y, desirable=desirable, ref_logps=refs, ignore_index=-100)
+
+
+def test_sequence_inputs_need_no_reference_for_a_head_that_reads_none():
+    """As pair_inputs for the reference-free losses: a head of GSPO on KTO's layout takes the sequences
+    as segments without reference log-probs (found by the fuzzer, which shrank a KTO case to it); a
+    head whose terms read them still names them."""
+    labels = torch.randint(0, 40, (4, 3))
+    desirable = torch.tensor([True, False, True, False])
+    given = P.sequence_inputs(lcg.HeadLoss(lcg.GSPO()), labels, desirable=desirable)
+    assert set(given) == {"segment_ids", "num_segments"} and given["num_segments"] == 4
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        P.sequence_inputs(lcg.HeadLoss(P.KTO(loss_type="kto", beta=0.5, kl=0.0)), labels, desirable=desirable)
