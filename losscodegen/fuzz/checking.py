@@ -62,7 +62,9 @@ def _inputs(head: lcg.HeadLoss, case: Case, device: str):
     plan = case.plan
     logits, labels, kw = random_inputs(head, case.rows, case.vocab, _dtype(plan.dtype), device, case.seed,
                                        regime=case.regime)
-    if case.layout and head.kernel.SPEC.segments:
+    # (a preference layout's inputs come from the labels: a head that reads none, as a shrunk case's
+    # can be, keeps the random segments)
+    if case.layout and head.kernel.SPEC.segments and labels is not None:
         kw.update(_preference_inputs(head, case.layout, labels, kw))
     if plan.reduction != "mean":
         kw["reduction"] = plan.reduction

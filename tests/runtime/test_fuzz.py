@@ -322,3 +322,35 @@ def test_fuzz_case_a_sum_inside_a_sum_is_over_the_whole_row_in_the_reference():
     T0 = lcg.declare_term('f0', S.vsum(S.softmax * S.Abs(S.logit - S.vsum(S.vector('u') * S.softmax))))
     head = lcg.HeadLoss(T0(weight=1.0))
     fuzz.check(head, fuzz.Plan(), rows=3, vocab=64, seed=937, regime='one_column')
+
+
+def test_fuzz_case_a_preference_layout_for_a_head_that_reads_no_labels():
+    """Found by the CPU fuzz: a case on KTO's layout whose head reads no labels (a token's row term by
+    sequence) had no labels to lay out; it keeps the random segments."""
+    T0 = lcg.declare_term('f1', 1 + S.token('a')**2)
+    head = lcg.HeadLoss(T0(weight=torch.tensor(0.8), normalize='sequence'))
+    fuzz.check(head, fuzz.Plan(), rows=3, vocab=64, seed=389, layout='sequences')
+
+
+# ---- open: mismatches of the last CPU fuzz run (2026-12-07, seed 4848), not fixed yet -------------
+# Each fails today (strict): fixed, it passes and its mark goes. docs/decisions.md, "Numerics".
+
+
+@pytest.mark.xfail(strict=True, reason="open: the gradient of a top-k log(1 - p) under softcap on one-column rows (-1.109 against -0.986; the run first saw NaN where torch gives -0)")
+def test_fuzz_case_a_top_k_log_of_one_minus_p_at_masked_logits_under_softcap():
+    T0 = lcg.declare_term('f3', 1 - S.exp(S.target_logit - S.lse) + S.topk_sum(S.log(1 - S.exp(S.topk_logit - S.lse))))
+    head = lcg.HeadLoss(T0(weight=1.0, normalize='sum'), softcap=20.0)
+    fuzz.check(head, fuzz.Plan(), rows=12, vocab=40, seed=84, regime='one_column')
+
+
+@pytest.mark.xfail(strict=True, reason="open: the teacher's gradient at temperature 0.05 on spread rows (0.125 against 0)")
+def test_fuzz_case_forward_kl_teacher_gradient_at_a_low_temperature_on_spread_rows():
+    head = lcg.HeadLoss(lcg.ForwardKL(temperature=0.05))
+    fuzz.check(head, fuzz.Plan(reduction='none', teacher_grad=True), rows=12, vocab=40, seed=728, regime='spread')
+
+
+@pytest.mark.xfail(strict=True, reason="open: a mixture's log under softcap on one-column rows, 10x torch's error at 1e-6")
+def test_fuzz_case_a_log_of_a_mixture_under_softcap_on_one_column_rows():
+    T0 = lcg.declare_term('f0', S.vsum(S.softmax * S.log(S.softmax / 2 + S.teacher_prob / 2 + S.teacher_prob / 4)))
+    head = lcg.HeadLoss(T0(weight=1.0, normalize='sum'), softcap=20.0)
+    fuzz.check(head, fuzz.Plan(), rows=3, vocab=61, seed=927, regime='one_column')
