@@ -515,6 +515,17 @@ def test_tensor_parameter_that_requires_grad_gets_its_gradient():
 
 # ---- backward uses the forward's values -------------------------------------------------------------
 
+def _forward_values_or_an_inplace_error(out, xx, x, loss) -> None:
+    """``out.loss.backward()`` raises autograd's in-place error, or gives ``xx`` the gradient of
+    ``loss`` (the hand-written formulas, on the forward's inputs) at ``x``."""
+    try:
+        out.loss.backward()
+    except RuntimeError as e:
+        assert "inplace" in str(e) or "in-place" in str(e), str(e)
+        return
+    R.close(xx.grad, R.grad(loss, x), R.FP32, "grad")
+
+
 def test_backward_after_inplace_change_of_logits_uses_forward_values_or_raises():
     x, y, _ = R.rows_in(10, 40, seed=4)
     xx = x.clone().requires_grad_(True)
@@ -523,12 +534,7 @@ def test_backward_after_inplace_change_of_logits_uses_forward_values_or_raises()
     with torch.no_grad():
         z.mul_(3.0)
     v = R.valid_rows(y)
-    try:
-        out.loss.backward()
-    except RuntimeError as e:
-        assert "inplace" in str(e) or "in-place" in str(e), str(e)
-        return
-    R.close(xx.grad, R.grad(lambda q: R.mean_over(R.ce_rows(q, y) + 0.1 * R.z_loss_rows(q), v), x), R.FP32, "grad")
+    _forward_values_or_an_inplace_error(out, xx, x, lambda q: R.mean_over(R.ce_rows(q, y) + 0.1 * R.z_loss_rows(q), v))
 
 
 @pytest.mark.parametrize("which", ["teacher_logits", "labels"])
@@ -542,12 +548,7 @@ def test_backward_after_inplace_change_of_an_input_uses_forward_values_or_raises
     else:
         tt.mul_(-2.0)
     v = R.valid_rows(y)
-    try:
-        out.loss.backward()
-    except RuntimeError as e:
-        assert "inplace" in str(e) or "in-place" in str(e), str(e)
-        return
-    R.close(xx.grad, R.grad(lambda q: R.mean_over(R.ce_rows(q, y) + R.forward_kl_rows(q, t), v), x), R.FP32, "grad")
+    _forward_values_or_an_inplace_error(out, xx, x, lambda q: R.mean_over(R.ce_rows(q, y) + R.forward_kl_rows(q, t), v))
 
 
 def test_backward_after_inplace_change_of_policy_tokens_uses_forward_values_or_raises():
@@ -561,12 +562,7 @@ def test_backward_after_inplace_change_of_policy_tokens_uses_forward_values_or_r
     adv.neg_()
     old.add_(1.0)
     v = R.valid_rows(y)
-    try:
-        out.loss.backward()
-    except RuntimeError as e:
-        assert "inplace" in str(e) or "in-place" in str(e), str(e)
-        return
-    R.close(xx.grad, R.grad(lambda q: R.mean_over(R.grpo_rows(q, y, adv0, old0, l), v), x), R.FP32, "grad")
+    _forward_values_or_an_inplace_error(out, xx, x, lambda q: R.mean_over(R.grpo_rows(q, y, adv0, old0, l), v))
 
 
 def test_each_backward_uses_its_own_forwards_tensor_weight():
