@@ -81,6 +81,17 @@ def add_fused_objective(model: Any, cast_lm_head_to_fp32: bool) -> None:
 
     model.forward = types.MethodType(functools.wraps(type(model).forward)(forward), model)
 
+def fused_policy(trainer: Any, name: str, refused: list[str]) -> tuple[Any, float | None, float]:
+    """Check a TRL trainer of sequences built (DPO, KTO): refuse, with ``refused`` (the trainer's own), a
+    vision dataset (its images' inputs are not checked through the fused forward); return the policy model
+    and its final-logit transform (softcap, scale)."""
+    if trainer._is_vision_dataset:
+        refused.append("a vision dataset (the images' inputs are not checked through the fused forward)")
+    refuse_unfused(refused, name)
+    target = policy_model(trainer.model)
+    return (target, *final_logit_transform(target))
+
+
 def fused_pair_trainer(trainer: Any, name: str, refused: list[str]) -> tuple[Any, float]:
     """Check a TRL pair trainer (CPO, ORPO) built: refuse what one fused call on the policy's hidden states
     cannot compute (with ``refused``, the trainer's own), patch its model for ``add_fused_objective``, and

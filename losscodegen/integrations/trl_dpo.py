@@ -9,9 +9,8 @@ import torch
 
 import losscodegen as lcg
 from losscodegen import preference as P
-from losscodegen.integrations.trl_base import (add_fused_objective, empty_sequences_error, global_mean, policy_model,
+from losscodegen.integrations.trl_base import (add_fused_objective, empty_sequences_error, fused_policy, global_mean,
                                                refuse_unfused, router_loss_options)
-from losscodegen.integrations.trl_lm_head import final_logit_transform
 from losscodegen.integrations.trl_losses import RESPONSE_TOKEN_METRICS
 
 try:
@@ -44,11 +43,7 @@ class DPOTrainer(trl.DPOTrainer):
             refuse_unfused(unfused_dpo_options(config), "DPOTrainer")
         super().__init__(*args, **kwargs)
         refused = unfused_dpo_options(self.args, self.model)
-        if self._is_vision_dataset:
-            refused.append("a vision dataset (the images' inputs are not checked through the fused forward)")
-        refuse_unfused(refused, "DPOTrainer")
-        target = policy_model(self.model)
-        softcap, scale = final_logit_transform(target)
+        target, softcap, scale = fused_policy(self, "DPOTrainer", refused)
         losses = [P.DPO(loss_type=t, beta=self.beta, label_smoothing=self.label_smoothing,
                         f_divergence_type=self.f_divergence_type, f_alpha_divergence_coef=self.f_alpha_divergence_coef,
                         discopop_tau=self.args.discopop_tau, use_weighting=self.use_weighting, weight=float(w))

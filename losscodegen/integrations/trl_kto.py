@@ -9,9 +9,8 @@ import torch
 
 import losscodegen as lcg
 from losscodegen import preference as P
-from losscodegen.integrations.trl_base import (add_fused_objective, empty_sequences_error, global_mean, policy_model,
-                                               refuse_unfused, router_loss_options)
-from losscodegen.integrations.trl_lm_head import final_logit_transform
+from losscodegen.integrations.trl_base import (add_fused_objective, empty_sequences_error, fused_policy, global_mean,
+                                               router_loss_options)
 from losscodegen.integrations.trl_losses import RESPONSE_TOKEN_METRICS
 
 try:
@@ -37,11 +36,7 @@ class KTOTrainer(trl.KTOTrainer):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         refused = router_loss_options(self.args, self.model)
-        if self._is_vision_dataset:
-            refused.append("a vision dataset (the images' inputs are not checked through the fused forward)")
-        refuse_unfused(refused, "KTOTrainer")
-        target = policy_model(self.model)
-        softcap, scale = final_logit_transform(target)
+        target, softcap, scale = fused_policy(self, "KTOTrainer", refused)
         self._lcg_kl = torch.zeros((), device=self.accelerator.device)
         loss = P.KTO(loss_type=self.loss_type, beta=self.beta, kl=self._lcg_kl, desirable_weight=self.desirable_weight,
                      undesirable_weight=self.undesirable_weight)
