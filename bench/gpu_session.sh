@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One device call for a session's GPU checks, each step with its own time limit so that the call ends
 # inside the device tool's 10 minutes and leaves what it finished under $OUT:
-#   bash bench/gpu_session.sh [STEP...]     (steps: gluon numerics gpu-tests host ab fuzz; default: all)
+#   bash bench/gpu_session.sh [STEP...]     (steps: gluon numerics gpu-tests host ab fuzz tests+fuzz;
+#                                            default: all but tests+fuzz)
+# tests+fuzz runs the fuzzer in the background on the same GPU while gpu-tests runs, for the call's
+# whole time (the fuzz's small shapes fit beside the tests; the tests' time is then a loaded one).
 # TRL and its `datasets` travel as wheels in .whl (the device README's way; carry ".whl"), so that the
 # TRL GPU tests run rather than skip. The package is installed editable without its dependencies
 # (the image's torch and triton are used as they are). The steps host and ab compare with a baseline
@@ -23,6 +26,11 @@ if [ -d .base ]; then
     && python3 -m pip install -q --no-deps --no-index --target /tmp/base /tmp/basewhl/*.whl > /dev/null 2>&1 \
     || echo "the baseline in .base did not build"
 fi
+fuzz() {   # the fuzzer for $1 seconds of the call (25 of them to finish and print)
+  minutes=$(python3 -c "print(round(($1 - 25) / 60, 2))")
+  timeout "$1" python3 -m losscodegen fuzz --device cuda --minutes "$minutes" --seed "${FUZZ_SEED:-4545}" \
+    > "$out/fuzz.txt" 2>&1
+}
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(gluon numerics gpu-tests host ab fuzz)
 summary=()
@@ -52,9 +60,15 @@ for step in "${steps[@]}"; do
     fuzz)       # the differential fuzzer on the GPU for what is left of the call
       left=$(( 570 - SECONDS ))
       [ "$left" -lt 30 ] && { summary+=("fuzz: no time left"); continue; }
-      minutes=$(python3 -c "print(round(($left - 25) / 60, 2))")
-      timeout "$left" python3 -m losscodegen fuzz --device cuda --minutes "$minutes" --seed "${FUZZ_SEED:-4545}" \
-        > "$out/fuzz.txt" 2>&1; rc=$? ;;
+      fuzz "$left"; rc=$? ;;
+    tests+fuzz) # gpu-tests with the fuzzer beside it on the same GPU, for what is left of the call
+      left=$(( 570 - SECONDS ))
+      fuzz "$left" & fuzz_pid=$!
+      timeout 480 python3 -m pytest -q -p no:cacheprovider -m gpu tests --all-backends --durations=15 \
+        > "$out/gpu-tests.txt" 2>&1; rc=$?
+      summary+=("gpu-tests: rc=$rc in $(( SECONDS - t0 )) s (the fuzz beside it): $(tail -1 "$out/gpu-tests.txt" | cut -c1-160)")
+      echo "${summary[-1]}"
+      wait "$fuzz_pid"; rc=$?; step=fuzz ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
   summary+=("$step: rc=$rc in $(( SECONDS - t0 )) s: $(tail -1 "$out/${step%%-*}"*.txt 2>/dev/null | cut -c1-160)")
