@@ -3,14 +3,13 @@
 (log_softmax, kl_div, tanh, ...) in fp32 on the same inputs.
 
 Triton's interpreter sums a tile one element after another (numpy along the tile's axis), an error
-that grows with the tile's length; the GPU sums a tile as a tree, like torch. On the CPU this module
-has the interpreter sum pairwise (numpy's pairwise summation along a contiguous axis), so that what
-it measures is the kernel's arithmetic, not the interpreter's order of additions.
+that grows with the tile's length; the GPU sums a tile as a tree, like torch. The Triton backend has
+the interpreter sum pairwise while its kernels run (backends/triton/dispatch.py, ``_tree_sums``), so
+that what this module measures on the CPU is the kernel's arithmetic, not the interpreter's order of
+additions.
 """
 import math
-import os
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,28 +22,6 @@ from helpers import both_backends, run_backward
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS32 = torch.finfo(torch.float32).eps
 FLOOR = 1e-9   # an absolute floor under torch's error, for the values it gets exactly right
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _tree_sums():
-    if os.environ.get("TRITON_INTERPRET", "0") in ("0", ""):
-        yield
-        return
-    from triton.runtime import interpreter
-    plain = interpreter.ReduceOps.sum
-
-    def pairwise(self, input):
-        data = input.handle.data
-        if self.axis is None:
-            total = np.sum(data.ravel())
-        else:
-            total = np.ascontiguousarray(np.moveaxis(data, self.axis, -1)).sum(-1)
-            if self.keep_dims:
-                total = np.expand_dims(total, self.axis)
-        return self.to_tensor(np.asarray(total, dtype=data.dtype), input.dtype)
-    interpreter.ReduceOps.sum = pairwise
-    yield
-    interpreter.ReduceOps.sum = plain
 
 
 def _err(ours: torch.Tensor, ref64: torch.Tensor) -> float:

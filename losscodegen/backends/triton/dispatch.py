@@ -17,8 +17,9 @@ its next launch on.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Any
+from typing import Any, Iterator
 
 import triton
 from triton import knobs
@@ -50,6 +51,40 @@ def _spec(arg: Any) -> Any:
     return arg.dtype, arg.data_ptr() % 16 == 0        # a tensor
 
 
+@contextlib.contextmanager
+def _tree_sums() -> Iterator[None]:
+    """Triton's interpreter summing a block as a GPU does, pairwise, while one of our kernels runs.
+    Its ``tl.sum`` is numpy's, which adds along any axis but the last one element after another: the
+    tile sums of a joined ``[BLOCK_V, 2, ...]`` tile (render.py's one reduction for all of a read's
+    sums) then lose a half-ulp of their largest element for each small one added to it, up to
+    ``BLOCK_V`` of them (a row of one finite logit under softcap: 60 elements of 3e-7 beside 0.6,
+    an error of 1.7e-6, 9 times plain torch's; found by the fuzzer). A GPU sums a tile as a tree,
+    as torch does: numpy's pairwise summation along a contiguous axis is that order of error, so
+    that the CPU measures the kernel's arithmetic, not the emulator's order of additions."""
+    import numpy
+    from triton.runtime import interpreter
+    ops = getattr(interpreter, "ReduceOps", None)
+    plain = getattr(ops, "sum", None)
+    if plain is None:       # (an interpreter laid out otherwise sums as it does)
+        yield
+        return
+
+    def pairwise(self, input):
+        data = input.handle.data
+        if self.axis is None:
+            total = numpy.sum(data.ravel())
+        else:
+            total = numpy.ascontiguousarray(numpy.moveaxis(data, self.axis, -1)).sum(-1)
+            if self.keep_dims:
+                total = numpy.expand_dims(total, self.axis)
+        return self.to_tensor(numpy.asarray(total, dtype=data.dtype), input.dtype)
+    ops.sum = pairwise
+    try:
+        yield
+    finally:
+        ops.sum = plain
+
+
 class Kernel:
     """A jitted kernel launched over a 1-D grid: its last parameters are the constexprs (and launch
     options) given here by name; before them, the ``fixed`` values, the same at every launch (not
@@ -78,7 +113,7 @@ class Kernel:
             # that is not taken included (-inf - -inf, log(0)): numpy's warnings of that arithmetic,
             # which the kernel means, would read like errors in a user's output. A wrong value still
             # shows in the outputs, as on a GPU (which has no such warnings); numpy elsewhere still warns.
-            with _INTERPRETING, numpy.errstate(all="ignore"):
+            with _INTERPRETING, numpy.errstate(all="ignore"), _tree_sums():
                 self.jit(grid, *args)
             return
         driver = triton.runtime.driver.active
