@@ -633,12 +633,16 @@ def _move_maxima_factors(coefs: list[tuple[sp.Symbol, sp.Expr]], grad_vocab: sp.
     normaliser: exp(-alpha*m)/acc) goes to the elements it multiplies, to meet their
     exp(alpha*z) = exp(alpha*m + alpha*zm) in one exponential: apart, past alpha*m = 88 one
     underflows to 0 and the other overflows to inf. (``coefs`` is rewritten in place; returns the
-    gradient's two parts.)"""
+    gradient's two parts.) The coefficient keeps its other factors, not ``e / factor``: sympy
+    writes ``exp(z_y - m) / exp(z_y - m)`` as ``exp(z_y - m) * exp(m - z_y)``, 0 * inf on a spread
+    row (a clamp of ``1 - p_y``, whose kink keeps ``z_y`` itself; found by the fuzzer)."""
     moved = {}
     for i, (sym, e) in enumerate(coefs):
-        factor = sp.Mul(*[f for f in sp.Mul.make_args(e) if isinstance(f, sp.exp) and f.has(M, MT)])
-        if factor != 1:
-            coefs[i], moved[sym] = (sym, e / factor), sym * factor
+        moves = [isinstance(f, sp.exp) and f.has(M, MT) for f in sp.Mul.make_args(e)]
+        if any(moves):
+            kept = sp.Mul(*[f for f, move in zip(sp.Mul.make_args(e), moves) if not move])
+            factor = sp.Mul(*[f for f, move in zip(sp.Mul.make_args(e), moves) if move])
+            coefs[i], moved[sym] = (sym, kept), sym * factor
     return grad_vocab.xreplace(moved), sp.powsimp(grad_topk.xreplace(moved), deep=True, combine="exp")
 
 

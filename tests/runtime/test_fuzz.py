@@ -343,6 +343,16 @@ def test_fuzz_case_a_top_k_log_of_one_minus_p_at_masked_logits_under_softcap():
     fuzz.check(head, fuzz.Plan(), rows=12, vocab=40, seed=84, regime='one_column')
 
 
+def test_fuzz_case_a_clamp_of_one_minus_p_y_on_spread_rows():
+    """Found by the CPU fuzz: the kink keeps z_y itself, and the coefficient lost its factor
+    exp(z_y - m) as ``e / factor``, which sympy writes exp(z_y - m) * exp(m - z_y): 0 * inf, a NaN
+    gradient where torch gives 0 (lower._move_maxima_factors keeps the other factors instead)."""
+    T0 = lcg.declare_term('f0', S.clamp(1 - S.exp(S.target_logit - S.lse), -1, 2))
+    for backend in ("triton", "torch"):
+        fuzz.check(lcg.HeadLoss(T0(weight=1.0), backend=backend), fuzz.Plan(), rows=3, vocab=64, seed=904,
+                   regime='spread')
+
+
 def test_fuzz_case_forward_kl_teacher_gradient_at_a_low_temperature_on_spread_rows():
     """Found by the CPU fuzz: a one-hot teacher's gradient cancels parts of 20 * 2.2 * 35557 (1/T, the
     upstream gradient, the row's log-ratio) to 0; ours keeps 0.7 ulp of them (0.125), plain torch
