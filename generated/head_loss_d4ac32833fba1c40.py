@@ -7,7 +7,7 @@
 # lowered:
 #   row values:
 #     topk_forward_kl = acc0*(m + log(acc2)) + acc1
-#   normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima):
+#   normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, zkm = z_k - m, L_N = N - its maxima):
 #     N0 = m + log(acc2)
 #   accumulators (3; 4 before combining the sums that share a weight):
 #     acc0 = sum_k 1 * exp(l_k)    [online]
@@ -43,7 +43,7 @@ from triton.language.extra import libdevice
 
 KEY = "d4ac32833fba1c40"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "dd6f2b0dedfa"
+CODEGEN = "34645703811b"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['topk_forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -475,4 +475,4 @@ def head_loss_d4ac32833fba1c40(
             tl.store(ws_ptr + 0, value_topk_forward_kl)
             tl.store(ws_ptr + 1, weight_topk_forward_kl * value_topk_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "cbc2df8e6e66c8ea6fc6de27d46b593331d0eba95229e7f76b41aedcadad467f"
+TEXT_HASH = "3fa88c3c762c0d0f9484e9cdc45b4fc3e947ad6b51950272a75033da9c8338fe"
