@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "3d268cb74e027a19"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "0235b9af9acc"
+CODEGEN = "13db64c0129c"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['gspo', 'entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -568,4 +568,4 @@ def segments_3d268cb74e027a19(
     loss += weight_gspo * (gspo / div)
     tl.store(ws_ptr + 2, loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "636e058de0987f96c856d95db6c9aeedca2257e1d5d3ebdf8879bb2669ba6e0d"
+TEXT_HASH = "cc32acbf24704021b5cc8541625cf4512ed58a4559f1a043aa547cf1a00b119f"

@@ -7,7 +7,7 @@
 # lowered:
 #   row values:
 #     topk_forward_kl = acc0*(m + log(acc2)) + acc1
-#   normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima):
+#   normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, zkm = z_k - m, L_N = N - its maxima):
 #     N0 = m + log(acc2)
 #   accumulators (3; 4 before combining the sums that share a weight):
 #     acc0 = sum_k 1 * exp(l_k)    [online]
@@ -43,7 +43,7 @@ from triton.language.extra import libdevice
 
 KEY = "d4ac32833fba1c40"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "0235b9af9acc"
+CODEGEN = "13db64c0129c"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['topk_forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -475,4 +475,4 @@ def head_loss_d4ac32833fba1c40(
             tl.store(ws_ptr + 0, value_topk_forward_kl)
             tl.store(ws_ptr + 1, weight_topk_forward_kl * value_topk_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "a72598e1f104679e541cbec8d20e604a492eccb7bf3bb9a0c061e0df5046b4c1"
+TEXT_HASH = "a527dc2ba6e258fd2fb1dfbab13055d7ca78aa2a7bce58f6796587017ad43acf"

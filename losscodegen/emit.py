@@ -18,7 +18,7 @@ from sympy.printing.pycode import PythonCodePrinter, _print_known_const, _print_
 
 from . import symbols as S
 from .interface import FLAG_SLOTS, KernelSpec, token_arg, vector_arg, weight_name
-from .lower import IS_ARGMAX, IS_Y, M, MT, TM, ZM, ZYM
+from .lower import IS_ARGMAX, IS_Y, M, MT, TM, ZKM, ZM, ZYM
 from .plan import Plan
 
 
@@ -382,7 +382,7 @@ def printed_bodies(lw) -> tuple[dict[str, sp.Expr], tuple[sp.Expr, sp.Expr]]:
     """Each sum's summand and the gradient's vocabulary and top-k parts as printed: a sum of
     exponentials under a log or a reciprocal plus TINY (no_underflow_nan), and in the gradient, the
     log of a mixture of two exponentials from the larger exponent (mixtures_in_log_space)."""
-    vocab, topk = (*S.ELEMENT_SYMBOLS, ZM, TM), S.TOPK_SYMBOLS
+    vocab, topk = (*S.ELEMENT_SYMBOLS, ZM, TM), (*S.TOPK_SYMBOLS, ZKM)
     # the log of a mixture from the larger exponent in the gradient only, where log(p / M) enters a
     # difference that cancels (JSD's beta p (log(p / M) - KL)); in a sum its error averages out, and
     # there the plain log is 12 operations an element fewer (measured: JSD 4.74 ms with both reads
@@ -449,7 +449,7 @@ def _elementwise(s: sp.Symbol) -> bool:
     return s in _ELEMENTWISE or s.name.startswith(S.VECTOR_PREFIX)
 
 
-_ELEMENTWISE = frozenset((*S.ELEMENT_SYMBOLS, *S.TOPK_SYMBOLS, ZM, TM, IS_Y, IS_ARGMAX, X))
+_ELEMENTWISE = frozenset((*S.ELEMENT_SYMBOLS, *S.TOPK_SYMBOLS, ZM, TM, ZKM, IS_Y, IS_ARGMAX, X))
 
 
 class Once(sp.Function):
@@ -585,7 +585,8 @@ class Phases:
       ``uses_div_seq``: the sequences', ``uses_div_rows``: a row term's), ``seg_row_weights`` (each
       row term of segment statistics' weight in the gradient read: ``uses_seq_scale`` where one is
       divided by the sequences);
-    - and what the template declares only where read: ``uses_label``, ``uses_zym``,
+    - and what the template declares only where read: ``uses_label``, ``uses_zym``, ``uses_zkm``
+      (the top-k entries relative to the row's maximum),
       ``uses_vocab_size``, ``uses_is_y``, ``uses_is_argmax``, ``uses_argmax`` (the first read keeps
       the argmax), ``grad_uses_teacher`` (the gradient read loads the teacher), ``uses_vocab_start``
       (an index placed in the vocab shard), ``flag_slots``;
@@ -608,7 +609,7 @@ def phases(plan: Plan, spec: KernelSpec, printer: ArrayPrinter, statements: Stat
     """The plan's expressions printed with ``printer`` (``statements`` for a group with common
     subexpressions), by phase; the same grouping for every backend."""
     lw = plan.lowered
-    vocab, topk = (*S.ELEMENT_SYMBOLS, ZM, TM), S.TOPK_SYMBOLS
+    vocab, topk = (*S.ELEMENT_SYMBOLS, ZM, TM), (*S.TOPK_SYMBOLS, ZKM)
     transform = LOGIT_SCALE * (SOFTCAP * sp.tanh(X / SOFTCAP) if plan.softcap else X)
     body, (grad_vocab, grad_topk) = printed_bodies(lw)
     grad_dense, grad_label = label_part(grad_vocab) if grad_topk == 0 else (grad_vocab, sp.S.Zero)
@@ -682,6 +683,7 @@ def phases(plan: Plan, spec: KernelSpec, printer: ArrayPrinter, statements: Stat
         seg_mean_rows=[row_names.index(u) for u in seg_means],
         uses_label=any(e.has(S.label) for _, e in lw.row_values),
         uses_zym=any(e.has(ZYM) for _, e in lw.row_values + lw.grad_coefs),
+        uses_zkm=lw.grad_topk.has(ZKM) or any(a.body.has(ZKM) for a in topk_exact),
         uses_vocab_size=any(e.has(S.vocab_size) for e in head_exprs),
         uses_is_y=grad_dense.has(IS_Y), uses_is_argmax=lw.grad_vocab.has(IS_ARGMAX),
         uses_argmax=lw.uses_argmax, grad_uses_teacher=lw.grad_uses_teacher,

@@ -31,6 +31,7 @@ IS_ARGMAX = sp.Symbol("is_argmax", real=True)  # element: [i == argmax_j z_j] (f
 ZM = sp.Symbol("zm", real=True)        # element: z_i - m, exact in fp32 near the max (the reads after the first)
 TM = sp.Symbol("tm", real=True)        # element: t_i - m_t
 ZYM = sp.Symbol("zym", real=True)      # row: z_y - m
+ZKM = sp.Symbol("zkm", real=True)      # top-k entry: z_k - m
 
 # row symbols known before the first read (not the target logit: on a vocab shard it is known only
 # after the shards' stats are merged, so a vocabulary sum that reads it is an exact one)
@@ -154,7 +155,8 @@ class Lowered:
             if seg.quantiles:
                 lines.append(f"    quantiles over the valid rows (the segment step, torch.sort on the device; "
                              f"detached): {', '.join(f'{U.name} (q={q})' for U, q in seg.quantiles)}")
-        lines.append("normalisers (zm = z - m, tm = t - m_t, zym = z_y - m, L_N = N - its maxima):")
+        topk = ", zkm = z_k - m" if self.uses_topk else ""
+        lines.append(f"normalisers (zm = z - m, tm = t - m_t, zym = z_y - m{topk}, L_N = N - its maxima):")
         lines += [f"  {n.symbol} = {n.value}" for n in self.normalizers]
         count = f"accumulators ({len(self.accumulators)}"
         if self.uncombined > len(self.accumulators):
@@ -647,21 +649,27 @@ def _move_maxima_factors(coefs: list[tuple[sp.Symbol, sp.Expr]], grad_vocab: sp.
 
 
 def _relative_to_maxima(lw: _Lowering, normalizers: tuple[Normalizer, ...], lowered_red: dict,
-                        grad_vocab: sp.Expr) -> sp.Expr:
+                        grad_vocab: sp.Expr, grad_topk: sp.Expr) -> tuple[sp.Expr, sp.Expr]:
     """Pass 6: the per-element expressions of the reads after the first (the gradient's, the exact
     sums' summands, in ``lw.accs``) see each element relative to the final maxima and each
     normaliser as maxima + log(acc): exp(z - N) is exp(zm - L_N), whose exponent is exact up to an
     ulp of itself, where z - N would carry the rounding of |N| (the gradient of a row with logits
-    near 100 off by 5e-6 relative, 30x torch's). Returns the gradient's vocabulary part."""
+    near 100 off by 5e-6 relative, 30x torch's). The top-k entries too, as zkm = z_k - m, where the
+    expression reads z_k only smoothly (as _row_math's z_y: a tie torch sees must stay one): with
+    z_k - N rounded at |m| (20 under softcap), a p_k of 1 - 1e-6 was exactly 1 and log(1 - p_k)
+    -inf (found by the fuzzer). Returns the gradient's vocabulary and top-k parts."""
     relative = {n.symbol: n.alpha * M + n.beta * MT + n.log_acc for n in normalizers}
     relative.update({S.logit: ZM + M, S.teacher_logit: TM + MT, S.row_max: M, TEACHER_MAX: MT})
 
     def per_element(expr: sp.Expr) -> sp.Expr:
         return sp.powsimp(expr.xreplace(relative), deep=True, combine="exp")
+
+    def per_entry(expr: sp.Expr) -> sp.Expr:
+        return expr.xreplace({S.topk_logit: ZKM + M}) if _only_smooth(expr, S.topk_logit) else expr
     lw.accs = {k: (a if a.online else Accumulator(a.name, a.domain, False, a.alpha, a.beta,
-                                                  per_element(a.body.xreplace(lowered_red))))
+                                                  per_element(per_entry(a.body.xreplace(lowered_red)))))
                for k, a in lw.accs.items()}
-    return per_element(grad_vocab)
+    return per_element(grad_vocab), per_element(per_entry(grad_topk))
 
 
 def _combine_and_prune(lw: _Lowering, normalizers: tuple[Normalizer, ...], row_values, coefs, grad_vocab,
@@ -736,10 +744,7 @@ def _lower(terms: tuple[tuple[str, sp.Expr, bool], ...], teacher_grad: bool = Fa
     row_values = [(n, _row_math(e, lowered_red, normalizers)) for n, e in row_values]
     coefs = [(s, sech2(_row_math(e, lowered_red, normalizers))) for s, e in coefs]
     grad_vocab, grad_topk = _move_maxima_factors(coefs, grad_vocab, grad_topk)
-    grad_vocab = _relative_to_maxima(lw, normalizers, lowered_red, grad_vocab)
-    # (the top-k entries are read as they are, z_k, not relative: only the maxima a run-time
-    # temperature's rewrite put in their summand become the kernel's m and m_t)
-    grad_topk = grad_topk.xreplace({S.row_max: M, TEACHER_MAX: MT})
+    grad_vocab, grad_topk = _relative_to_maxima(lw, normalizers, lowered_red, grad_vocab, grad_topk)
     accumulators, normalizers, row_values, coefs, grad_vocab, grad_topk, uncombined = _combine_and_prune(
         lw, normalizers, row_values, coefs, grad_vocab, grad_topk)
     grad_vocab, grad_teacher = grad_vocab

@@ -27,7 +27,7 @@ def evaluate(lowered, z, y, teacher=None, ids=None, lps=None, tokens=()):
         m_t = teacher.max(-1, keepdim=True).values
         ns.update(t=teacher, m_t=m_t, tm=teacher - m_t)
     if ids is not None:
-        ns.update(z_k=z.gather(1, ids), l_k=lps)
+        ns.update(z_k=z.gather(1, ids), zkm=z.gather(1, ids) - m, l_k=lps)
     for w in lowered.weights:
         ns[w.name] = 1.0
     for acc in (a for a in lowered.accumulators if a.online):
