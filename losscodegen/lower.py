@@ -21,7 +21,7 @@ import sympy as sp
 from . import symbols as S
 from .derive import derive, shared_coefficients, simpler, without_stop_gradient
 from .stable import (CANCELLATIONS, MAXIMA, TEACHER_MAX, cancellations, in_order, run_time_temperatures, sech2,
-                     stable_form)
+                     shared_exponentials, stable_form)
 
 # Row statistics of the first read.
 M = sp.Symbol("m", real=True)          # max_i z_i
@@ -749,7 +749,7 @@ def _lower(terms: tuple[tuple[str, sp.Expr, bool], ...], teacher_grad: bool = Fa
         lw, normalizers, row_values, coefs, grad_vocab, grad_topk)
     grad_vocab, grad_teacher = grad_vocab
     # the printed forms finite wherever the formulas are (stable.py), last: no pass above expands them again
-    row_values = [(n, stable_form(e)) for n, e in row_values]
+    row_values = [(n, shared_exponentials(stable_form(e))) for n, e in row_values]
     coefs = [(s, stable_form(e)) for s, e in coefs]
     grad_vocab, grad_topk, grad_teacher = stable_form(grad_vocab), stable_form(grad_topk), stable_form(grad_teacher)
     accumulators = tuple(a if a.online else Accumulator(a.name, a.domain, False, a.alpha, a.beta, stable_form(a.body))

@@ -150,6 +150,22 @@ def stable_form(expr: sp.Expr) -> sp.Expr:
                         masked)
 
 
+def shared_exponentials(expr: sp.Expr) -> sp.Expr:
+    """A row value's ``a*exp(E) + b*exp(E)`` as ``exp(E)*(a + b)``: apart, where ``exp(E)`` overflows
+    (a sum of ``z*exp(z/T)`` relative to the row maximum is ``acc0*exp(m/T) + m*acc1*exp(m/T)``) the
+    two inf products of opposite signs make NaN where torch's own sum is inf (and a clamp of it 2;
+    found by the fuzzer). Row values only: the gradient's forms keep their order of operations."""
+    def shared(add: sp.Add) -> sp.Expr:
+        terms = [sp.Mul.make_args(a) for a in add.args]
+        common = [f for f in terms[0] if isinstance(f, sp.exp) and not f.args[0].is_number
+                  and all(f in t for t in terms[1:])]
+        if not common:
+            return add
+        rest = sp.Add(*[sp.Mul(*[f for f in t if f not in common]) for t in terms])
+        return sp.Mul(*common, rest, evaluate=False)
+    return expr.replace(lambda e: isinstance(e, sp.Add), shared)
+
+
 def _may_vanish(base: sp.Expr) -> bool:
     """Whether a divisor can be 0 on a finite row: a cancellation (``expm1``, ``log1p``, a log, a
     difference with an exponential in it), not a sum of exponentials (every normaliser's, kept
