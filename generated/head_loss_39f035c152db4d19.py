@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "39f035c152db4d19"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "e232f2ef2417"
+CODEGEN = "4482f68d93c4"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_fraction']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -268,6 +268,7 @@ def head_loss_39f035c152db4d19(
             # First read: the running max and every online accumulator, rescaled when the max grows.
             m = float("-inf")
             acc0 = 0.0
+            acc0_lo = 0.0
             acc1 = 0.0
             # Tiles first to last, each loaded one iteration ahead (its loads overlap the math).
             n_blocks = tl.cdiv(V, BLOCK_V)
@@ -298,9 +299,16 @@ def head_loss_39f035c152db4d19(
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
                 part0 = tl.sum(tl.join(s0, s0*zm), 0)
                 acc0_tile, acc1_tile = tl.split(part0)
-                acc0 = acc0 * r0 + acc0_tile
+                # (compensated: what rounding each tile's addition drops is kept, and added back after the read)
+                acc0_a = acc0 * r0
+                acc0_lo = acc0_lo * r0
+                acc0_s = acc0_a + acc0_tile
+                acc0_b = acc0_s - acc0_a
+                acc0_lo = acc0_lo + ((acc0_a - (acc0_s - acc0_b)) + (acc0_tile - acc0_b))
+                acc0 = acc0_s
                 acc1 = (acc1 + acc1_moved) * r0 + acc1_tile
                 m = m_new
+            acc0 = acc0 + acc0_lo
             z_y = tl.where(y_here, _logits(tl.load(x_row + y_local, mask=y_here, other=0.0).to(tl.float32),
                                            logit_scale, softcap), 0.0)
             if EXCHANGE:
@@ -503,4 +511,4 @@ def head_loss_39f035c152db4d19(
             tl.store(ws_ptr + 2, value_clip_fraction)
             tl.store(ws_ptr + 3, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "48b9adef42b575b4f22529ba52c27ba0206be30e58d26407db69c917889836c3"
+TEXT_HASH = "fce350c6ce813c0d611e5febed95e9759b8f3b50babd7e9af2ab32290139792e"

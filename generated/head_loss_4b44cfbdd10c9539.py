@@ -49,7 +49,7 @@ from triton.language.extra import libdevice
 
 KEY = "4b44cfbdd10c9539"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "e232f2ef2417"
+CODEGEN = "4482f68d93c4"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_fraction', 'ratio_mean', 'kl_new_old']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -270,6 +270,7 @@ def head_loss_4b44cfbdd10c9539(
             # First read: the running max and every online accumulator, rescaled when the max grows.
             m = float("-inf")
             acc0 = 0.0
+            acc0_lo = 0.0
             acc1 = 0.0
             # Tiles first to last, each loaded one iteration ahead (its loads overlap the math).
             n_blocks = tl.cdiv(V, BLOCK_V)
@@ -300,9 +301,16 @@ def head_loss_4b44cfbdd10c9539(
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
                 part0 = tl.sum(tl.join(s0, s0*zm), 0)
                 acc0_tile, acc1_tile = tl.split(part0)
-                acc0 = acc0 * r0 + acc0_tile
+                # (compensated: what rounding each tile's addition drops is kept, and added back after the read)
+                acc0_a = acc0 * r0
+                acc0_lo = acc0_lo * r0
+                acc0_s = acc0_a + acc0_tile
+                acc0_b = acc0_s - acc0_a
+                acc0_lo = acc0_lo + ((acc0_a - (acc0_s - acc0_b)) + (acc0_tile - acc0_b))
+                acc0 = acc0_s
                 acc1 = (acc1 + acc1_moved) * r0 + acc1_tile
                 m = m_new
+            acc0 = acc0 + acc0_lo
             z_y = tl.where(y_here, _logits(tl.load(x_row + y_local, mask=y_here, other=0.0).to(tl.float32),
                                            logit_scale, softcap), 0.0)
             if EXCHANGE:
@@ -513,4 +521,4 @@ def head_loss_4b44cfbdd10c9539(
             tl.store(ws_ptr + 4, value_kl_new_old)
             tl.store(ws_ptr + 5, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "318393a439cc5e2dde5fd458d6ebb50789924f199ecd4bb03c3d460748367602"
+TEXT_HASH = "a4c92ded54230398855c99d0f88010efd64b5858e08918dcba6eae8be0a2d1ef"

@@ -49,7 +49,7 @@ from triton.language.extra import libdevice
 
 KEY = "b50bef4a7e9d9783"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "e232f2ef2417"
+CODEGEN = "4482f68d93c4"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_ratio_low', 'clip_ratio_high', 'clip_ratio_region']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -272,6 +272,7 @@ def head_loss_b50bef4a7e9d9783(
             # First read: the running max and every online accumulator, rescaled when the max grows.
             m = float("-inf")
             acc0 = 0.0
+            acc0_lo = 0.0
             acc1 = 0.0
             # Tiles first to last, each loaded one iteration ahead (its loads overlap the math).
             n_blocks = tl.cdiv(V, BLOCK_V)
@@ -302,9 +303,16 @@ def head_loss_b50bef4a7e9d9783(
                 # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
                 part0 = tl.sum(tl.join(s0, s0*zm), 0)
                 acc0_tile, acc1_tile = tl.split(part0)
-                acc0 = acc0 * r0 + acc0_tile
+                # (compensated: what rounding each tile's addition drops is kept, and added back after the read)
+                acc0_a = acc0 * r0
+                acc0_lo = acc0_lo * r0
+                acc0_s = acc0_a + acc0_tile
+                acc0_b = acc0_s - acc0_a
+                acc0_lo = acc0_lo + ((acc0_a - (acc0_s - acc0_b)) + (acc0_tile - acc0_b))
+                acc0 = acc0_s
                 acc1 = (acc1 + acc1_moved) * r0 + acc1_tile
                 m = m_new
+            acc0 = acc0 + acc0_lo
             z_y = tl.where(y_here, _logits(tl.load(x_row + y_local, mask=y_here, other=0.0).to(tl.float32),
                                            logit_scale, softcap), 0.0)
             if EXCHANGE:
@@ -524,4 +532,4 @@ def head_loss_b50bef4a7e9d9783(
             tl.store(ws_ptr + 4, value_clip_ratio_region)
             tl.store(ws_ptr + 5, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "05074ec71b9ad1a1b3367f66989ee460c84314426f1b75b9e2018d34b3ad19a2"
+TEXT_HASH = "57c8fbf5d2eb3240e25d526e9456c32edf1a9e147fb3d19d9e5f26b5b1e5aa5a"

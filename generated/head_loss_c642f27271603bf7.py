@@ -40,7 +40,7 @@ from triton.language.extra import libdevice
 
 KEY = "c642f27271603bf7"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "e232f2ef2417"
+CODEGEN = "4482f68d93c4"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -447,4 +447,4 @@ def head_loss_c642f27271603bf7(
             tl.store(ws_ptr + 0, value_cross_entropy)
             tl.store(ws_ptr + 1, weight_cross_entropy * value_cross_entropy)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "d3fc469b3397c73141a84ee676cba7e811666b507263ef66bc00ebcd3293d8cb"
+TEXT_HASH = "03b159e330dbc82248e434e4e3ed500dd9673f59e699acce8c49ae84d89eb44f"

@@ -42,7 +42,7 @@ from triton.language.extra import libdevice
 
 KEY = "fd019664248f6778"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "e232f2ef2417"
+CODEGEN = "4482f68d93c4"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -465,4 +465,4 @@ def head_loss_fd019664248f6778(
             tl.store(ws_ptr + 0, value_cross_entropy)
             tl.store(ws_ptr + 1, weight_cross_entropy * value_cross_entropy)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "bc7260688bd44179e01ecad86c8a94622913404e826ac8060442d4d99f7f0681"
+TEXT_HASH = "a0ad45fab40e065094e95f6eca7548acbbbf9e4824bf96cb339b2f1da8293086"

@@ -7,7 +7,8 @@ subclassed) and a few primitives (a select, a row value, how the shards' stats a
 merge). Its template lays the printed steps into its loops; no decision is left to the template.
 
 - ``online``: the first read's online sums, grouped by exponent, with each group's rescale when the
-  running maxima grow and the shift of a sum of elements relative to the maxima (``Shift``);
+  running maxima grow, the shift of a sum of elements relative to the maxima (``Shift``) and the
+  sums added up compensated (``two_sum``: stable.compensated_sums);
 - ``merge``: the vocab shards' packed stats merged, by each column's rule (``Merge``: the maxima
   first, then the sums, each rank's rescaled from its maxima to the global ones, the argmax of the
   first rank that holds the maximum);
@@ -23,6 +24,7 @@ import sympy as sp
 from .emit import M_REF, MT_REF, ArrayPrinter, online_exponent, online_groups
 from .lower import M, MT, base_of, shift
 from .plan import Merge, Plan
+from .stable import compensated_sums
 
 # a rank's own maxima (one per rank of the merge), beside the global ones (M, MT)
 RANK_M, RANK_MT = sp.Symbol("m_r", real=True), sp.Symbol("m_t_r", real=True)
@@ -42,17 +44,19 @@ class Shift:
 class OnlineGroup:
     """The online sums sharing one exponent: ``exponent`` (0: no exponential), each sum's summand
     (``accs``: name, body), ``rescale`` (the exponent of the factor the sums so far take when the
-    maxima grow; 0: none) and the sums that move (``shifts``)."""
+    maxima grow; 0: none), the sums that move (``shifts``) and those added up compensated
+    (``compensated``: a normaliser's, none of which moves)."""
     index: int
     exponent: sp.Expr
     rescale: sp.Expr
     accs: tuple[tuple[str, sp.Expr], ...]
     shifts: tuple[Shift, ...]
+    compensated: tuple[str, ...] = ()
 
 
 def online(plan: Plan, body: dict[str, sp.Expr]) -> tuple[OnlineGroup, ...]:
     """The first read's online groups; ``body``: each sum's summand as printed (emit.printed_bodies)."""
-    out = []
+    out, compensated = [], compensated_sums(plan.lowered)
     for i, ((alpha, beta), accs) in enumerate(online_groups(plan).items()):
         shifts = []
         for a in accs:
@@ -62,8 +66,20 @@ def online(plan: Plan, body: dict[str, sp.Expr]) -> tuple[OnlineGroup, ...]:
                 moved = (cz * (M - M_REF) + ct * (MT - MT_REF)) * sp.Symbol(base, real=True)
                 shifts.append(Shift(a.name, base, moved))
         out.append(OnlineGroup(i, online_exponent(alpha, beta), alpha * (M - M_REF) + beta * (MT - MT_REF),
-                               tuple((a.name, body[a.name]) for a in accs), tuple(shifts)))
+                               tuple((a.name, body[a.name]) for a in accs), tuple(shifts),
+                               tuple(a.name for a in accs if a.name in compensated)))
     return tuple(out)
+
+
+def two_sum(acc: str, tile: str, rescale: str | None) -> list[str]:
+    """The statements adding a tile's sum ``tile`` to the running sum ``acc`` (times ``rescale``,
+    the group's factor when the maxima grow; None: none), compensated: ``acc_lo`` keeps what the
+    fp32 addition rounds away (Knuth's two-sum, exact in any order of magnitudes), and the read folds
+    it in once, after its last tile (``acc = acc + acc_lo``). Plain arithmetic: every dialect's."""
+    r = f" * {rescale}" if rescale else ""
+    return [f"{acc}_a = {acc}{r}", f"{acc}_lo = {acc}_lo{r}", f"{acc}_s = {acc}_a + {tile}",
+            f"{acc}_b = {acc}_s - {acc}_a",
+            f"{acc}_lo = {acc}_lo + (({acc}_a - ({acc}_s - {acc}_b)) + ({tile} - {acc}_b))", f"{acc} = {acc}_s"]
 
 
 @dataclass(frozen=True)
@@ -131,13 +147,20 @@ class Dialect:
         """The merge's statements, in whatever arrangement the backend's template places."""
         raise NotImplementedError
 
+    # the name of an online group's rescale factor in the dialect's template (``index``: the group's)
+    rescale_name = "r{index}"
+
     def online(self, groups: tuple[OnlineGroup, ...]) -> list[dict[str, Any]]:
         """Each online group printed: ``scale`` (its exponential; None without one), ``rescale``
-        (None: none), ``accs`` (name, printed summand), ``shifts`` (name -> printed move)."""
+        (None: none), ``accs`` (name, printed summand), ``shifts`` (name -> printed move),
+        ``compensated`` (name -> the statements adding its tile sum, ``<name>_tile``: ``two_sum``)."""
         return [dict(index=g.index, scale=None if g.exponent == 0 else self.print(sp.exp(g.exponent)),
                      rescale=None if g.rescale == 0 else self.print(sp.exp(g.rescale)),
                      accs=[(name, self.summand(g, body)) for name, body in g.accs],
-                     shifts={s.acc: self.where(f"{s.base} > 0.0", self.print(s.moved), "0.0") for s in g.shifts})
+                     shifts={s.acc: self.where(f"{s.base} > 0.0", self.print(s.moved), "0.0") for s in g.shifts},
+                     compensated={name: two_sum(name, f"{name}_tile", None if g.rescale == 0 or g.exponent == 0
+                                                else self.rescale_name.format(index=g.index))
+                                  for name in g.compensated})
                 for g in groups]
 
     def row_loss(self, terms: tuple[tuple[str, int], ...], weight: Callable[[str], str]) -> str:

@@ -166,6 +166,37 @@ def shared_exponentials(expr: sp.Expr) -> sp.Expr:
     return expr.replace(lambda e: isinstance(e, sp.Add), shared)
 
 
+def compensated_sums(lowered) -> tuple[str, ...]:
+    """The normalisers' online sums that the first read adds up compensated (a second fp32 part
+    holding what each tile's addition rounds away): those whose log a cancellation reads,
+    ``expm1(zym - log(acc))`` (``log(1 - p_y)``) or ``1 - exp(zkm - L_N)``. On a confident row the
+    sum is 1 (the maximum) plus a rest of 1e-6 spread over the vocabulary, and a tile's share of the
+    rest is below half an ulp of 1: added tile after tile, the rest is rounded away (p = 1,
+    ``log(1 - p) = -inf``) where torch's one tree sum over the row keeps it. A head that reads no
+    such cancellation keeps the plain sum (its kernel unchanged). A condition's cancellation
+    (ClipFraction's ``|expm1(log ratio)| > eps``) compares with a threshold and is left out."""
+    forms = [e for _, e in lowered.row_values] + [e for _, e in lowered.grad_coefs] + [
+        lowered.grad_vocab, lowered.grad_topk] + [a.body for a in lowered.accumulators if not a.online]
+
+    def values(e: sp.Basic):
+        if isinstance(e, sp.logic.boolalg.Boolean):
+            return
+        yield e
+        for a in e.args:
+            yield from values(a)
+
+    def reads_log_of(node: sp.Expr, n) -> bool:
+        return node.has(n.log_acc) or node.has(sp.log(sp.Symbol(n.acc, real=True)))
+
+    def cancels(node: sp.Expr, n) -> bool:
+        if isinstance(node, CANCELLATIONS):
+            return reads_log_of(node.args[0], n)
+        return isinstance(node, sp.Add) and any(t.is_number for t in node.args) and any(
+            isinstance(f, sp.exp) and reads_log_of(f.args[0], n) for t in node.args for f in sp.Mul.make_args(t))
+    return tuple(n.acc for n in lowered.normalizers
+                 if any(cancels(node, n) for e in forms for node in values(e)))
+
+
 def _may_vanish(base: sp.Expr) -> bool:
     """Whether a divisor can be 0 on a finite row: a cancellation (``expm1``, ``log1p``, a log, a
     difference with an exponential in it), not a sum of exponentials (every normaliser's, kept

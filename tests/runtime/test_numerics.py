@@ -84,6 +84,34 @@ def test_the_focal_loss_through_head_linear_keeps_dw_and_dh_finite_at_saturated_
     lcg.testing.compare("gradient of weight", w.grad, G.T @ hidden.float().double(), torch.float32)
 
 
+def test_log_of_one_minus_p_y_on_a_confident_row_over_many_tiles(backend):
+    """A confident row at a large vocabulary: the label's logit 0, the 32767 others at -25 (each
+    1.4e-11 of the mass, 1 - p_y = 4.5e-7). Tiles of 4096 columns each add 5.7e-8 to the
+    normaliser's sum, below half an ulp of 1: added tile after tile, the rest of the mass was
+    rounded away, p_y was 1 and log(1 - p_y) -inf, where torch's one sum over the row keeps it
+    (found by the fuzzer on 16-column tiles). The normaliser's sum is compensated."""
+    from losscodegen.backends.triton import tiles
+    unlikely = lcg.declare_term("unlikely", -S.log(1 - p_y))
+    head = lcg.HeadLoss(unlikely())
+    head.tile_override = tiles.Config(4096, 4, split=False)
+    V = 32768
+    z = torch.full((2, V), -25.0)
+    z[:, 7] = 0.0
+    z[1, 100] = -3.0     # (a second row less confident)
+    labels = torch.tensor([7, 7])
+    x = z.clone().requires_grad_()
+    out = head(x, labels, reduction="none")
+    out.loss.sum().backward()
+    z64 = z.double().requires_grad_()
+    want = -torch.log(-torch.expm1(torch.log_softmax(z64, -1)[:, 7]))
+    want.sum().backward()
+    z32 = z.clone().requires_grad_()
+    plain = -torch.log(1 - torch.softmax(z32, -1)[:, 7])
+    plain.sum().backward()
+    lcg.testing.compare("loss", out.loss, want.detach(), torch.float32, plain=plain.detach())
+    lcg.testing.compare("gradient", x.grad, z64.grad, torch.float32, plain=z32.grad)
+
+
 def _docs_heads() -> dict:
     """Each head docs/adding-a-loss.md and docs/examples.md build (``head = lcg.HeadLoss(...)``) and
     each term they declare (built with its defaults, where it has them): every top-level statement

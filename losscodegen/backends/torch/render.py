@@ -47,6 +47,7 @@ class TorchDialect(Dialect):
     tensor; the shards' stats a [world, rows, columns] tensor (``part``), merged over its first dim."""
 
     printer = _PRINT
+    rescale_name = "rescale{index}"
 
     def summand(self, group: OnlineGroup, body: sp.Expr) -> str:
         # (a summand free of the elements, without an exponential to broadcast it: broadcast here)
