@@ -11,7 +11,6 @@ code or sympy derivative), so it checks all of them.
 from __future__ import annotations
 
 import functools
-import math
 import operator
 from dataclasses import dataclass
 from typing import Any

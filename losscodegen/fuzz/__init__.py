@@ -43,11 +43,11 @@ from typing import Iterator
 
 from .cases import Case, Plan, Tensor, TermSpec, build_head, generate_case, plans
 from .checking import Mismatch, Ranks, Refused, Skip, check, nan_workspaces, refused
-from .grammar import Generator, Node, leaf
+from .grammar import Node
 from .shrinking import regression_test, shrink, sympy_builds
 
-__all__ = ["Case", "Plan", "Mismatch", "Skip", "Refused", "check", "refused", "sympy_builds", "generate_case", "shrink",
-           "regression_test", "fuzz"]
+__all__ = ["Case", "Plan", "Tensor", "TermSpec", "Node", "Mismatch", "Skip", "Refused", "check", "refused",
+           "sympy_builds", "generate_case", "build_head", "shrink", "regression_test", "fuzz"]
 
 
 @dataclass
