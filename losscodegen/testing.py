@@ -594,7 +594,8 @@ def compare(name: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype
     ``plain``: the same output computed by plain torch in fp32 (``Reference.evaluate(precision=
     torch.float32)``), the oracle: wherever it is finite, ``got`` must be finite too, and no further
     from ``want`` than the bound or ``PEER_FACTOR`` times plain torch's own largest error (a formula
-    whose value or derivative cancels in any fp32 evaluation is held to torch's digits). Elements
+    whose value or derivative cancels in any fp32 evaluation is held to torch's digits); where plain
+    torch is not finite, ``got`` is held to the bound (a gradient: plus ``floor``). Elements
     where the float64 reference is not finite are then not compared. Raises ``AssertionError``
     naming the output, the worst element and the bound."""
     rtol, atol, grad_tol = tolerances or TOLERANCES[dtype]
@@ -621,8 +622,12 @@ def compare(name: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype
         # (where plain torch is not finite either, a non-finite result is on par with it)
         err_own = (got - want).abs().nan_to_num(float("inf")).masked_fill(
             yardstick | ~compared | ~torch.isfinite(got), 0.0)
+        # (and a finite gradient there is held to the bound plus the rounding of its parts, ``floor``:
+        # plain torch, which would be the yardstick of a cancellation, has no value there; JSD at
+        # temperature 0.05, whose row gradient of 1.8e-5 cancels parts of 7, found by the fuzzer)
+        own_bound = bound + floor if name.startswith("gradient") else bound
         worst = max(float(err_plain.max()) if err_plain.numel() else 0.0, 0.0)
-        if worst <= max(bound, PEER_FACTOR * plain_err) and not (err_own > bound).any():
+        if worst <= max(bound, PEER_FACTOR * plain_err) and not (err_own > own_bound).any():
             return
     err, at, got_at, want_at = _worst(got.masked_fill(~compared, 0.0), want.masked_fill(~compared, 0.0))
     if not err <= bound or plain is not None:
