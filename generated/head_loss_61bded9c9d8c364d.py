@@ -43,7 +43,7 @@ from triton.language.extra import libdevice
 
 KEY = "61bded9c9d8c364d"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "31ae972c2df0"
+CODEGEN = "6110dbeaf4c5"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['reverse_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -479,4 +479,4 @@ def head_loss_61bded9c9d8c364d(
             tl.store(ws_ptr + 0, value_reverse_kl)
             tl.store(ws_ptr + 1, weight_reverse_kl * value_reverse_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "cb5e95ab275d884775be7c31bc0906164431f6c5853d505d2bee6b1bf9403717"
+TEXT_HASH = "9758c4cf4250f368f401d39f358ba57fdf30d5e8f405fb0b0289001b8fa5ac9e"

@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "6dc3df098f5c5073"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "31ae972c2df0"
+CODEGEN = "6110dbeaf4c5"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cispo', 'entropy', 'cispo_clip_ratio']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -487,4 +487,4 @@ def head_loss_6dc3df098f5c5073(
             tl.store(ws_ptr + 2, value_cispo_clip_ratio)
             tl.store(ws_ptr + 3, weight_cispo * value_cispo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "2850d771f0e6e73d34b605d154d93c0b78414a412bc57cc7229937776b5d8484"
+TEXT_HASH = "2383dee800ea546832cc460ffd3a3c6bccf9b5bdeb9ee05a49fdc31a482e7911"

@@ -43,7 +43,7 @@ from triton.language.extra import libdevice
 
 KEY = "7fef8addf6d59cde"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "31ae972c2df0"
+CODEGEN = "6110dbeaf4c5"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -476,4 +476,4 @@ def head_loss_7fef8addf6d59cde(
             tl.store(ws_ptr + 0, value_forward_kl)
             tl.store(ws_ptr + 1, weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "458e16b9e1a548414891989bd01944ed22181f3a473fd8f1df67b371e630350f"
+TEXT_HASH = "4773b609ef0af17bb80c5858586f9d8b3f5819e6be76ff7741878662e6100e57"

@@ -303,10 +303,13 @@ def _only_smooth(expr: sp.Expr, x: sp.Symbol) -> bool:
 
 
 def _nonlinear(piece: sp.Expr) -> bool:
-    """Whether a summand, apart from its exponentials, reads the logits or the teacher's other than
-    linearly (``z**2``, ``z*t``, ``log(z)``)."""
+    """Whether a summand, apart from its exponentials, is a polynomial of degree 2 or more in the
+    logits and the teacher's (``z**2``, ``z*t``): what no shift keeps relative to the running maxima.
+    (A bounded function of them, ``tanh(z)``, or a per-class vector's weight, ``w*z``, is summed as
+    before.)"""
     rest = sp.Mul(*[f for f in sp.Mul.make_args(piece) if not isinstance(f, sp.exp)])
-    return rest.has(S.logit, S.teacher_logit) and _linear(rest) is None
+    z, t = S.logit, S.teacher_logit
+    return rest.is_polynomial(z, t) and any(rest.diff(a, b) != 0 for a, b in ((z, z), (z, t), (t, t)))
 
 
 def _linear(h: sp.Expr):

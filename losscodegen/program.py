@@ -65,17 +65,21 @@ def online(plan: Plan, body: dict[str, sp.Expr]) -> tuple[OnlineGroup, ...]:
                 base = base_of(a, plan.lowered.accumulators).name
                 moved = (cz * (M - M_REF) + ct * (MT - MT_REF)) * sp.Symbol(base, real=True)
                 shifts.append(Shift(a.name, base, moved))
+        kept = tuple(a.name for a in accs if a.name in compensated)
+        # (a compensated sum is a normaliser's, whose summand is 1: it never moves, and two_sum has no move)
+        assert not set(kept) & {s.acc for s in shifts}, f"compensated sums {kept} that move"
         out.append(OnlineGroup(i, online_exponent(alpha, beta), alpha * (M - M_REF) + beta * (MT - MT_REF),
-                               tuple((a.name, body[a.name]) for a in accs), tuple(shifts),
-                               tuple(a.name for a in accs if a.name in compensated)))
+                               tuple((a.name, body[a.name]) for a in accs), tuple(shifts), kept))
     return tuple(out)
 
 
 def two_sum(acc: str, tile: str, rescale: str | None) -> list[str]:
     """The statements adding a tile's sum ``tile`` to the running sum ``acc`` (times ``rescale``,
     the group's factor when the maxima grow; None: none), compensated: ``acc_lo`` keeps what the
-    fp32 addition rounds away (Knuth's two-sum, exact in any order of magnitudes), and the read folds
-    it in once, after its last tile (``acc = acc + acc_lo``). Plain arithmetic: every dialect's."""
+    fp32 addition rounds away (Knuth's two-sum, exact in any order of magnitudes where the addition
+    is rounded on its own: a compiler that fuses it with the rescale's product into one fma, when
+    the maxima grow, leaves that product's rounding), and the read folds it in once, after its
+    last tile (``acc = acc + acc_lo``). Plain arithmetic: every dialect's."""
     r = f" * {rescale}" if rescale else ""
     return [f"{acc}_a = {acc}{r}", f"{acc}_lo = {acc}_lo{r}", f"{acc}_s = {acc}_a + {tile}",
             f"{acc}_b = {acc}_s - {acc}_a",
@@ -147,15 +151,18 @@ class Dialect:
         """The merge's statements, in whatever arrangement the backend's template places."""
         raise NotImplementedError
 
-    # the name of an online group's rescale factor in the dialect's template (``index``: the group's)
+    # the name of an online group's rescale factor (``index``: the group's), which the dialect's
+    # template assigns and reads as ``rescale_var``
     rescale_name = "r{index}"
 
     def online(self, groups: tuple[OnlineGroup, ...]) -> list[dict[str, Any]]:
         """Each online group printed: ``scale`` (its exponential; None without one), ``rescale``
-        (None: none), ``accs`` (name, printed summand), ``shifts`` (name -> printed move),
-        ``compensated`` (name -> the statements adding its tile sum, ``<name>_tile``: ``two_sum``)."""
+        (None: none) and ``rescale_var`` (the name it is held in), ``accs`` (name, printed summand),
+        ``shifts`` (name -> printed move), ``compensated`` (name -> the statements adding its tile
+        sum, ``<name>_tile``: ``two_sum``)."""
         return [dict(index=g.index, scale=None if g.exponent == 0 else self.print(sp.exp(g.exponent)),
                      rescale=None if g.rescale == 0 else self.print(sp.exp(g.rescale)),
+                     rescale_var=self.rescale_name.format(index=g.index),
                      accs=[(name, self.summand(g, body)) for name, body in g.accs],
                      shifts={s.acc: self.where(f"{s.base} > 0.0", self.print(s.moved), "0.0") for s in g.shifts},
                      compensated={name: two_sum(name, f"{name}_tile", None if g.rescale == 0 or g.exponent == 0

@@ -197,18 +197,31 @@ def check(head: lcg.HeadLoss, plan: Plan, *, rows: int = 12, vocab: int = 64, se
         got = _run_here(head, plan, logits, labels, kw, up)
     _compare(head, plan, got, want, dtype, _reference(head, logits, labels, kw, up, torch.float32))
     if plan.teacher_grad and head.loss_terms:
-        got_t = teacher.grad if teacher.grad is not None else torch.zeros_like(teacher)
-        # (a teacher's gradient that cancels to 0 keeps the rounding of its parts, each a loss-sized
-        # value times the derivative's scale, which the logits' gradient shows: 1/temperature, the
-        # upstream gradient. A one-hot teacher at temperature 0.05 cancels parts of 20 * 2.2 * 35557
-        # to 0; plain torch's 0 there comes from subtracting the very value it summed.)
-        floor = gradient_floor(want[0]) * max(1.0, float(want[3].nan_to_num(0.0, 0.0, 0.0).abs().max()))
-        try:
-            compare("gradient of teacher_logits", got_t, _teacher_gradient(head, logits, labels, kw, up), dtype,
-                    where=f"({plan.code()})", plain=_teacher_gradient(head, logits, labels, kw, up, torch.float32),
-                    floor=floor)
-        except AssertionError as e:
-            raise Mismatch(str(e)) from None
+        _compare_teacher_gradient(teacher.grad if teacher.grad is not None else torch.zeros_like(teacher),
+                                  _teacher_gradient(head, logits, labels, kw, up),
+                                  _teacher_gradient(head, logits, labels, kw, up, torch.float32), want, dtype, plan)
+
+
+def _compare_teacher_gradient(got: torch.Tensor, ref: torch.Tensor, plain: torch.Tensor, want, dtype,
+                              plan: Plan) -> None:
+    """The teacher's gradient. One that cancels to 0 keeps the rounding of its parts, each a row's
+    loss-sized value times the derivative's scale, which the row's logits gradient shows
+    (1/temperature, the upstream gradient): a one-hot teacher at temperature 0.05 cancels parts of
+    20 * 2.2 * 35557 to 0, where plain torch's exact 0 comes from subtracting the very value it
+    summed. The floor is the largest such product of one row (not one row's loss times another's
+    gradient); as every floor, it holds only where the whole gradient is below it."""
+    V = ref.shape[-1]
+    grad = want[3].reshape(-1, V).nan_to_num(0.0, 0.0, 0.0).abs()
+    loss = want[0].reshape(-1).nan_to_num(0.0, 0.0, 0.0).abs()
+    floor = 0.0
+    for r in range(grad.shape[0]):
+        row_loss = loss[r if loss.numel() == grad.shape[0] else 0]
+        floor = max(floor, gradient_floor(row_loss) * max(1.0, float(grad[r].max()) if V else 0.0))
+    try:
+        compare("gradient of teacher_logits", got, ref, dtype, where=f"({plan.code()})", plain=plain,
+                floor=floor or gradient_floor(want[0]))
+    except AssertionError as e:
+        raise Mismatch(str(e)) from None
 
 
 def _forced(head, plan: Plan, logits: torch.Tensor) -> Any:

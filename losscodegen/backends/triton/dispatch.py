@@ -73,6 +73,8 @@ def _tree_sums() -> Iterator[None]:
         data = input.handle.data
         if self.axis is None:
             total = numpy.sum(data.ravel())
+            if self.keep_dims:
+                total = numpy.reshape(total, (1,) * data.ndim)
         else:
             total = numpy.ascontiguousarray(numpy.moveaxis(data, self.axis, -1)).sum(-1)
             if self.keep_dims:
