@@ -663,8 +663,10 @@ def phases(plan: Plan, spec: KernelSpec, printer: ArrayPrinter, statements: Stat
                                          (n.symbol.name, n.alpha * M + n.beta * MT + n.log_acc))],
         neg_inf=neg_inf,
         row_temps=row_temps, rows=list(zip(row_names, row_exprs)),
+        # (a term by "sequence" is a segment term, but where its formula binds to 0, a parameter folded
+        # at 0: segment_mean(0) is 0, its rows are 0 and left undivided; found by the fuzzer)
         finish=[(n, row_names.index(n), lw.outputs.index(n),
-                 {"tokens": " * value_scale", "mean": " * count_scale", "sum": ""}[norm[n]])
+                 {"tokens": " * value_scale", "mean": " * count_scale", "sum": "", "sequence": ""}[norm[n]])
                 for n in lw.outputs if n not in spec.segments],
         finish_loss=" + ".join(f"{weight_name(n)} * value_{n}" for n in spec.row_loss_terms),
         grad_weights=[(n, f"{weight_name(n)} * grad_scale" if norm[n] == "tokens" else weight_name(n))

@@ -420,6 +420,16 @@ def test_fuzz_case_jsd_at_a_low_temperature_where_plain_torch_is_nan():
     fuzz.check(head, fuzz.Plan(), rows=6, vocab=61, seed=817)
 
 
+def test_fuzz_case_a_term_by_sequence_whose_formula_binds_to_zero():
+    """Found by the CPU fuzz (seed 5252): a term by "sequence" whose parameter is folded at 0 binds
+    to segment_mean(0) = 0, no segment term, and the kernel's file stopped at KeyError: 'sequence'.
+    Its rows are 0, on both backends."""
+    T0 = lcg.declare_term('f4', S.param('c'))
+    for backend in ("triton", "torch"):
+        fuzz.check(lcg.HeadLoss(T0(weight=1.0, c=0.0, normalize='sequence'), backend=backend), fuzz.Plan(),
+                   rows=3, vocab=40, seed=26)
+
+
 # ---- open: mismatches of the CPU fuzz runs (2026-12-07, seeds 4848 to 5050), not fixed yet --------
 # Each fails today (strict): fixed, it passes and its mark goes. docs/decisions.md, "Numerics".
 
