@@ -43,7 +43,7 @@ from triton.language.extra import libdevice
 
 KEY = "7fef8addf6d59cde"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "10c2a2cd8b13"
+CODEGEN = "5b931023b11a"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -476,4 +476,4 @@ def head_loss_7fef8addf6d59cde(
             tl.store(ws_ptr + 0, value_forward_kl)
             tl.store(ws_ptr + 1, weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "b24e6e00c7ae30729082cb129535d9d2f91ccf5a6c65339a37e6a9b11eb973c5"
+TEXT_HASH = "61e26a22812be27f704dc1a53ce3be93e99281d4a605848ee39ac26ccb3ac5ee"

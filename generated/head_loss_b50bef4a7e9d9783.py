@@ -49,7 +49,7 @@ from triton.language.extra import libdevice
 
 KEY = "b50bef4a7e9d9783"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "10c2a2cd8b13"
+CODEGEN = "5b931023b11a"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_ratio_low', 'clip_ratio_high', 'clip_ratio_region']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -532,4 +532,4 @@ def head_loss_b50bef4a7e9d9783(
             tl.store(ws_ptr + 4, value_clip_ratio_region)
             tl.store(ws_ptr + 5, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "48bd9970129c42dc60cfcfe3d7fa640313968851d9772cb29ae79272e840b9e7"
+TEXT_HASH = "811aa02d4972739bd596eeffa39175c301bf1e7510fc53f60783cdb361abf13e"

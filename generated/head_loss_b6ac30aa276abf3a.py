@@ -47,7 +47,7 @@ from triton.language.extra import libdevice
 
 KEY = "b6ac30aa276abf3a"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "10c2a2cd8b13"
+CODEGEN = "5b931023b11a"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss', 'entropy', 'token_accuracy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -504,4 +504,4 @@ def head_loss_b6ac30aa276abf3a(
             tl.store(ws_ptr + 3, value_token_accuracy)
             tl.store(ws_ptr + 4, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "05d13d823c8657895b321c3f4d5f412cb3cd19714f2d24b2c8d8cf2a925ab891"
+TEXT_HASH = "d925ceac854ed4b6fbc97ff33eef6a3fdf28ee4c870b57dee394fb0074ff58fd"

@@ -160,15 +160,17 @@ class Dialect:
         (None: none) and ``rescale_var`` (the name it is held in), ``accs`` (name, printed summand),
         ``shifts`` (name -> printed move), ``compensated`` (name -> the statements adding its tile
         sum, ``<name>_tile``: ``two_sum``)."""
-        return [dict(index=g.index, scale=None if g.exponent == 0 else self.print(sp.exp(g.exponent)),
-                     rescale=None if g.rescale == 0 else self.print(sp.exp(g.rescale)),
-                     rescale_var=self.rescale_name.format(index=g.index),
-                     accs=[(name, self.summand(g, body)) for name, body in g.accs],
-                     shifts={s.acc: self.where(f"{s.base} > 0.0", self.print(s.moved), "0.0") for s in g.shifts},
-                     compensated={name: two_sum(name, f"{name}_tile", None if g.rescale == 0 or g.exponent == 0
-                                                else self.rescale_name.format(index=g.index))
-                                  for name in g.compensated})
-                for g in groups]
+        return [self._online_group(g) for g in groups]
+
+    def _online_group(self, g: OnlineGroup) -> dict[str, Any]:
+        rescale_var = self.rescale_name.format(index=g.index)
+        rescaled = g.rescale != 0 and g.exponent != 0
+        return dict(index=g.index, scale=None if g.exponent == 0 else self.print(sp.exp(g.exponent)),
+                    rescale=None if g.rescale == 0 else self.print(sp.exp(g.rescale)), rescale_var=rescale_var,
+                    accs=[(name, self.summand(g, body)) for name, body in g.accs],
+                    shifts={s.acc: self.where(f"{s.base} > 0.0", self.print(s.moved), "0.0") for s in g.shifts},
+                    compensated={name: two_sum(name, f"{name}_tile", rescale_var if rescaled else None)
+                                 for name in g.compensated})
 
     def row_loss(self, terms: tuple[tuple[str, int], ...], weight: Callable[[str], str]) -> str:
         """The per-row loss: each term's weight (``weight(term)``: its name) times its row value."""
