@@ -34,8 +34,8 @@ TEMPLATE = "head_loss.py.j2"
 # the files it includes, one a phase of the kernels (templates/triton/, in the order they appear),
 # and their macros
 PHASES = tuple(f"triton/_{name}.j2" for name in (
-    "macros", "functions", "row", "inputs", "stats", "merge", "exact", "rows", "grad", "ignored", "finish",
-    "segments"))
+    "macros", "dialect", "functions", "row", "inputs", "stats", "merge", "exact", "rows", "grad", "ignored",
+    "finish", "segments"))
 
 
 class TritonPrinter(ArrayPrinter):
@@ -367,7 +367,7 @@ def render(plan: Plan, key: str, header: str, codegen: str,
         common,
         pow_helper=_POW_HELPER if run_time_powers else "",
         header="\n#   ".join([f"{header}\n#\n# cost:", *describe_costs(plan).splitlines()]), spec=spec, sigs=sigs,
-        key=key, codegen=codegen, sweeps={w.name: w for w in plan.sweeps},
+        key=key, codegen=codegen, sweeps={w.name: w for w in plan.sweeps}, dialect="triton/_dialect.j2",
         online=online,
         stats_tile_sums=_tile_sums([acc for group in online for acc in group["accs"]], not pad["stats"]),
         exact_tile_sums=_tile_sums(common["exact"], not pad["exact"]),
