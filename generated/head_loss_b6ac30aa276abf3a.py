@@ -44,10 +44,14 @@ import os
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin as _gl_builtin
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 KEY = "b6ac30aa276abf3a"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "6694fe485add"
+CODEGEN = "e218c719d61a"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss', 'entropy', 'token_accuracy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -503,5 +507,359 @@ def head_loss_b6ac30aa276abf3a(
             value_token_accuracy = tl.sum(tl.where(c == 3, total, 0.0), 0) * count_scale
             tl.store(ws_ptr + 3, value_token_accuracy)
             tl.store(ws_ptr + 4, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss)  # LOSS
+
+
+# Gluon's names that moved between Triton 3.6 and 3.9 (docs/decisions.md, "Gluon in Triton 3.6 and
+# 3.9"), resolved once: builtins, which a kernel reads as globals
+_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+_async_copy = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+
+
+@_gl_builtin
+def _reinterpret(desc, dtype, shape, layout, _semantic=None):
+    # shared memory viewed with another shape and layout (``_reinterpret`` in 3.6, ``reinterpret`` in 3.9)
+    view = getattr(desc, "reinterpret", None) or desc._reinterpret
+    return view(dtype, shape, layout, _semantic=_semantic)
+
+
+@triton.jit
+def _arrive_and_wait(count, n):
+    # this program's arrival at a row's count (release: what its threads stored before is visible
+    # first), then a wait until n programs have arrived (acquire)
+    tl.debug_barrier()
+    tl.atomic_add(count, 1.0, sem="release")
+    seen = tl.atomic_add(count, 0.0, sem="acquire")
+    while seen < n:
+        seen = tl.atomic_add(count, 0.0, sem="acquire")
+    tl.debug_barrier()
+
+
+@gluon.jit
+def _copy_slice(bufs, slot, src, n, offs2):
+    # asynchronous copies of the first n columns at src into buffer ``slot`` of ``bufs`` (one operation:
+    # Triton puts a barrier between any two copies into one allocation); columns past n are not read
+    _async_copy(bufs.index(slot), src + offs2, offs2 < n)
+
+
+@gluon.jit
+def _slice_columns(y_ptr, rr, n_launch, columns, row_offset, ignore_index):
+    # the columns of the launch's row rr to copy: none past its last row, nor of a row whose label is ignored
+    live = rr < n_launch
+    if y_ptr is not None:
+        live = live & (tl.load(y_ptr + row_offset + rr, mask=rr < n_launch, other=ignore_index) != ignore_index)
+    return tl.where(live, columns, 0)
+
+
+@gluon.jit(do_not_specialize=[
+    'row_offset', 'n_rows', 'off_rows', 'off_loss_rows', 'off_stats', 'vocab_start', 'n_vocab',
+])
+def head_loss_slices_b6ac30aa276abf3a(
+    x_ptr, x_stride, grad_ptr, grad_stride, y_ptr, mask_ptr, ws_ptr, off_rows, off_loss_rows,
+    off_stats, gathered_ptr, div_ptr, flag_ptr, up_loss_ptr, up_rows_ptr, row_offset, n_rows,
+    n_launch,
+    scalars_ptr, logit_scale, softcap, V, vocab_start, n_vocab, ignore_index,
+    SUM: tl.constexpr, PER_ROW: tl.constexpr, STATS: tl.constexpr, EXCHANGE: tl.constexpr,
+    MERGE: tl.constexpr, EXACT: tl.constexpr, STORE_STATS: tl.constexpr, ROWS: tl.constexpr,
+    GRAD: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    G: tl.constexpr, N_CHUNKS: tl.constexpr, NBUF: tl.constexpr,
+):
+    # Programs in groups of G, all resident at once (a cooperative launch). Group g takes rows g,
+    # g + groups, ...; member k of a group holds columns [k * SLICE, (k + 1) * SLICE) of each of its
+    # rows in shared memory, copied there asynchronously while it works on the rows before (NBUF - 1
+    # rows ahead), and reads them there for every read of the row: the row's stats, exchanged with
+    # the group's other members (the merge of vocab shards), its exact sums, its gradient. The buffer
+    # ``gathered_ptr`` holds each of the launch's rows' two counts, then the members' stats, then their
+    # exact sums (zeroed before the launch).
+    NW: gl.constexpr = gl.num_warps()
+    VEC: gl.constexpr = BLOCK_V // (32 * NW)   # a thread's consecutive columns: 16 bytes
+    SLICE: gl.constexpr = BLOCK_V * N_CHUNKS
+    L1: gl.constexpr = gl.BlockedLayout([VEC], [32], [NW], [0])
+    L2: gl.constexpr = gl.BlockedLayout([1, VEC], [1, 32], [1, NW], [1, 0])
+    FIN: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [NW, 1], [0, 1])
+    S1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    S2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    pid = tl.program_id(0)
+    n_groups = tl.num_programs(0) // G
+    group = pid // G
+    member = pid % G
+    base = member * SLICE
+    row_columns = V - base                  # the member's columns of a row, from its slice's first
+    V = tl.minimum(row_columns, SLICE)
+    vocab_start = vocab_start + base
+    count_ptr = gathered_ptr
+    part_ptr = gathered_ptr + 2 * n_launch
+    offs2 = (gl.arange(0, N_CHUNKS, layout=gl.SliceLayout(1, L2))[:, None] * BLOCK_V
+             + gl.arange(0, BLOCK_V, layout=gl.SliceLayout(0, L2))[None, :])
+    # NBUF buffers of N_CHUNKS chunks: chunk c of buffer b is x_smem.index(b * N_CHUNKS + c), a
+    # buffer x_bufs.index(b) (the same memory: shapes are powers of 2)
+    x_smem = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [NBUF * N_CHUNKS, BLOCK_V], S1)
+    x_bufs = _reinterpret(x_smem, x_ptr.dtype.element_ty, [NBUF, N_CHUNKS, BLOCK_V], S2)
+    for ahead in gl.static_range(NBUF - 1):
+        rr = group + ahead * n_groups
+        n_copy = _slice_columns(y_ptr, rr, n_launch, row_columns, row_offset, ignore_index)
+        _copy_slice(x_bufs, ahead, x_ptr + rr.to(tl.int64) * x_stride + base, n_copy, offs2)
+        async_copy.commit_group()
+    slot = 0
+    for rw in range(group, n_launch, n_groups):
+        # every thread is done with the buffer the next copies overwrite (the row NBUF - 1 before)
+        _cta_barrier()
+        rr = rw + (NBUF - 1) * n_groups
+        n_copy = _slice_columns(y_ptr, rr, n_launch, row_columns, row_offset, ignore_index)
+        _copy_slice(x_bufs, (slot + NBUF - 1) % NBUF, x_ptr + rr.to(tl.int64) * x_stride + base, n_copy,
+                    offs2)
+        async_copy.commit_group()
+        async_copy.wait_group(NBUF - 1)    # this thread's copies of row rw have landed ...
+        _cta_barrier()                     # ... and every thread's
+        row = rw.to(tl.int64)
+        grow = row_offset + row
+        x_row = x_ptr + row * x_stride + base
+        grad_row = grad_ptr + row * grad_stride + base
+        stats_row = ws_ptr + off_stats + grow * 5
+        y = -1
+        live = True
+        if y_ptr is not None:
+            y = tl.load(y_ptr + grow)
+            live = y != ignore_index
+        if mask_ptr is not None:
+            live = live & (tl.load(mask_ptr + grow) != 0)
+        compute = live
+        if flag_ptr is not None:
+            if y_ptr is not None:
+                # A label outside the vocabulary: the row's values and gradient are NaN, and the flag
+                # buffer tells the host which value it was.
+                bad = live & ((y < 0) | (y >= n_vocab))
+                if bad:
+                    tl.store(flag_ptr + 0, y)
+                compute = live & ~bad
+
+        if compute:
+            label = y.to(tl.float32)
+            y_local = y - vocab_start
+            y_here = (y_local >= 0) & (y_local < V)
+
+            if STATS:
+                # First read: the running max and every online accumulator, rescaled when the max grows.
+                m = float("-inf")
+                argmax = 0.0
+                acc0 = 0.0
+                acc1 = 0.0
+                # The slice's chunks, from shared memory (the row's copies landed there: no HBM read)
+                n_blocks = tl.cdiv(V, BLOCK_V)
+                for i in range(0, n_blocks):
+                    start = i * BLOCK_V
+                    cols = start + gl.arange(0, BLOCK_V, layout=L1)
+                    in_row = cols < V
+                    x_tile = x_smem.index(slot * N_CHUNKS + i).load(L1)
+                    z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
+                    # past the row's end, -inf: every sum of this read is 0 there (the teacher is loaded so)
+                    z = tl.where(in_row, z, float("-inf"))
+                    block_max = tl.max(z, 0)
+                    m_new = tl.maximum(m, block_max)
+                    # the exponents' reference: 0 while every logit so far is -inf (-inf - -inf is NaN)
+                    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    # strictly greater: the first index wins ties, like torch.argmax
+                    block_arg = tl.argmax(z, 0)
+                    argmax = tl.where(block_max > m, (vocab_start + start + block_arg).to(tl.float32), argmax)
+                    # -inf as FLOOR (a NaN stays NaN): its probability is still 0, and 0 * FLOOR is 0 where 0 * -inf is NaN
+                    z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
+
+                    # the elements relative to the running maxima, after the floor (z - m of a floored -inf, not -inf - m)
+                    zm = -m_ref + z
+                    s0 = tl.exp2(1.4426950408889634 * zm)
+                    r0 = tl.exp2(1.4426950408889634 * (m - m_ref))
+                    acc1_moved = tl.where(acc0 > 0.0, acc0*(m - m_ref), 0.0)
+                    # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
+                    acc0_tile = tl.sum(s0, 0)
+                    acc1_tile = tl.sum(s0*zm, 0)
+                    acc0 = acc0 * r0 + acc0_tile
+                    acc1 = (acc1 + acc1_moved) * r0 + acc1_tile
+                    m = m_new
+                z_y = tl.where(y_here, _logits(tl.load(x_row + y_local, mask=y_here, other=0.0).to(tl.float32),
+                                               logit_scale, softcap), 0.0)
+                if EXCHANGE:
+                    # The slice's packed stats to the row's other programs, through global memory: slot
+                    # [member, row] of the buffer, then the row's count (release: the stats are visible
+                    # before it); then a wait until all G have arrived (acquire). All G are resident (a
+                    # cooperative launch), so the wait ends.
+                    at = part_ptr + (member * n_launch + row) * 5
+                    tl.store(at + 0, m)
+                    tl.store(at + 1, z_y)
+                    tl.store(at + 2, argmax)
+                    tl.store(at + 3, acc0)
+                    tl.store(at + 4, acc1)
+                    _arrive_and_wait(count_ptr + row, G)
+            if MERGE:
+                # The packed stats of every vocab shard, gathered ([world, rows of this launch, 5]),
+                # merged by each column's rule: maxima first, then the sums rescaled to them.
+                part = part_ptr + row * 5
+                step = n_launch * 5
+                m = float("-inf")
+                z_y = 0.0
+                argmax = 0.0
+                best = float("-inf")
+                acc0 = 0.0
+                acc1 = 0.0
+                for r in range(G):
+                    m = tl.maximum(m, tl.load(part + r * step + 0, cache_modifier=".cg"))
+                for r in range(G):
+                    at = part + r * step
+                    m_r = tl.load(at + 0, cache_modifier=".cg")
+                    z_y += tl.load(at + 1, cache_modifier=".cg")
+                    argmax = tl.where(m_r > best, tl.load(at + 2, cache_modifier=".cg"), argmax)
+                    best = tl.maximum(best, m_r)
+                    acc0 += tl.load(at + 3, cache_modifier=".cg") * tl.exp2(1.4426950408889634 * (-m + m_r))
+                    acc1 += (tl.load(at + 4, cache_modifier=".cg") + tl.where(tl.load(at + 3, cache_modifier=".cg") > 0.0, (-m + m_r) * tl.load(at + 3, cache_modifier=".cg"), 0.0)) * tl.exp2(1.4426950408889634 * (-m + m_r))
+            elif not STATS:
+                m = tl.load(stats_row + 0)
+                z_y = tl.load(stats_row + 1)
+                argmax = tl.load(stats_row + 2)
+                acc0 = tl.load(stats_row + 3)
+                acc1 = tl.load(stats_row + 4)
+            # a row whose logits (or teacher logits) are all -inf has no distribution: its values are NaN
+            finite_row = (m > FLOOR)
+
+            L_N0 = _log(acc0)
+            N0 = L_N0 + m
+            zym = z_y - m
+
+            if STORE_STATS:
+                tl.store(stats_row + 0, m)
+                tl.store(stats_row + 1, z_y)
+                tl.store(stats_row + 2, argmax)
+                tl.store(stats_row + 3, acc0)
+                tl.store(stats_row + 4, acc1)
+
+            if ROWS:
+                weight_cross_entropy = tl.load(scalars_ptr + 0)
+                weight_z_loss = tl.load(scalars_ptr + 1)
+                r0 = _log(acc0)
+                v0 = tl.where(finite_row, r0 - zym, float("nan"))  # cross_entropy
+                tl.store(ws_ptr + off_rows + 0 * n_rows + grow, v0)
+                v1 = tl.where(finite_row, ((m + r0) * (m + r0)), float("nan"))  # z_loss
+                tl.store(ws_ptr + off_rows + 1 * n_rows + grow, v1)
+                v2 = tl.where(finite_row, r0 + (-acc1)*_rcp(acc0), float("nan"))  # entropy
+                tl.store(ws_ptr + off_rows + 2 * n_rows + grow, v2)
+                v3 = tl.where(finite_row, tl.where((argmax == label), 1.0, 0.0), float("nan"))  # token_accuracy
+                tl.store(ws_ptr + off_rows + 3 * n_rows + grow, v3)
+                if PER_ROW:
+                    tl.store(ws_ptr + off_loss_rows + grow, weight_cross_entropy * v0 + weight_z_loss * v1)
+
+            if GRAD:
+                if PER_ROW:
+                    grad_scale = 1.0
+                elif div_ptr is not None:
+                    grad_scale = 1.0 / tl.load(div_ptr)
+                elif SUM:
+                    grad_scale = 1.0
+                else:
+                    grad_scale = 1.0 / tl.maximum(tl.load(ws_ptr + 5), 1.0)  # the valid rows (COUNT)
+                weight_cross_entropy = tl.load(scalars_ptr + 0)
+                weight_z_loss = tl.load(scalars_ptr + 1)
+                if up_loss_ptr is not None:
+                    # reduction="none", in backward: each term's weight times the row's upstream gradient
+                    # on the loss, plus the one on the term's own rows (out.rows)
+                    up = tl.load(up_loss_ptr + grow)
+                    w_cross_entropy = weight_cross_entropy * up
+                    w_z_loss = weight_z_loss * up
+                    if up_rows_ptr is not None:
+                        w_cross_entropy += tl.load(up_rows_ptr + 0 * n_rows + grow)
+                        w_z_loss += tl.load(up_rows_ptr + 1 * n_rows + grow)
+                else:
+                    w_cross_entropy = weight_cross_entropy * grad_scale
+                    w_z_loss = weight_z_loss * grad_scale
+                g0 = tl.where(finite_row, w_cross_entropy + 2.0*w_z_loss*(m + _log(acc0)), float("nan"))
+                g1 = tl.where(finite_row, -w_cross_entropy, float("nan"))
+                # (a row of -inf read as FLOOR would look uniform: its gradient is NaN, as its values are)
+                # the label's raw logit, read before any gradient is stored (it may overwrite it)
+                x_y = tl.load(x_row + y_local, mask=y_here, other=0.0).to(tl.float32)
+                # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
+                # The slice's chunks, from shared memory (the row's copies landed there: no HBM read)
+                n_blocks = tl.cdiv(V, BLOCK_V)
+                for i in range(0, n_blocks):
+                    start = i * BLOCK_V
+                    cols = start + gl.arange(0, BLOCK_V, layout=L1)
+                    in_row = cols < V
+                    x_tile = x_smem.index(slot * N_CHUNKS + i).load(L1)
+                    x = x_tile.to(tl.float32)
+                    z = _logits(x, logit_scale, softcap)
+
+                    zm = z - m
+
+                    dz = g0*tl.exp2(1.4426950408889634 * zm + 1.4426950408889634 * (-L_N0))
+                    tl.store(grad_row + cols, (dz * _dlogits(x, logit_scale, softcap)).to(grad_ptr.dtype.element_ty),
+                             mask=in_row, cache_modifier=".cs")
+                # The label's column, after every thread's dense stores are done: the dense gradient
+                # there again plus the label's part, added once a row rather than as a compare and a
+                # multiply-add an element (one rounding to the gradient's dtype, as everywhere)
+                tl.debug_barrier()
+                x = x_y
+                z = _logits(x, logit_scale, softcap)
+
+                zm = z - m
+
+                dz = g0*tl.exp2(1.4426950408889634 * zm + 1.4426950408889634 * (-L_N0))
+                dz = (dz + (g1)) * _dlogits(x, logit_scale, softcap)
+                tl.store(grad_row + y_local, dz.to(grad_ptr.dtype.element_ty), mask=y_here)
+        else:
+            # An ignored row adds nothing (zero gradient, zero values); a valid row is here for a bad
+            # value (label, top-k id) and adds NaN. (Worked out here, not kept from above: a value alive
+            # through the whole row costs registers, which the widest tiles have none of.)
+            fill = 0.0
+            if flag_ptr is not None:
+                fill = float("nan")
+                if y_ptr is not None:
+                    fill = tl.where(y != ignore_index, fill, 0.0)
+                if mask_ptr is not None:
+                    fill = tl.where(tl.load(mask_ptr + grow) != 0, fill, 0.0)
+            if GRAD:
+                for start in range(0, V, BLOCK_V):
+                    cols = start + gl.arange(0, BLOCK_V, layout=L1)
+                    tl.store(grad_row + cols, (gl.zeros([BLOCK_V], gl.float32, L1) + fill).to(grad_ptr.dtype.element_ty),
+                             mask=cols < V)
+            if ROWS:
+                tl.store(ws_ptr + off_rows + 0 * n_rows + grow, fill)
+                tl.store(ws_ptr + off_rows + 1 * n_rows + grow, fill)
+                tl.store(ws_ptr + off_rows + 2 * n_rows + grow, fill)
+                tl.store(ws_ptr + off_rows + 3 * n_rows + grow, fill)
+                if PER_ROW:
+                    tl.store(ws_ptr + off_loss_rows + grow, fill)
+
+        slot = (slot + 1) % NBUF
+    async_copy.wait_group(0)    # (the copies issued for rows past the end are empty)
+
+    if ROWS:
+        # Rows finish in any order. Each program counts itself done once its values are stored; the
+        # last one reduces every row's values in a fixed order (the same sums on every run) and
+        # writes the terms, the metrics and the loss.
+        tl.debug_barrier()
+        done = tl.atomic_add(ws_ptr + 6, 1.0, sem="acq_rel")  # DONE
+        if done == tl.num_programs(0) - 1:
+            if div_ptr is not None:
+                value_scale = 1.0 / tl.load(div_ptr)
+            elif SUM:
+                value_scale = 1.0
+            else:
+                value_scale = 1.0 / tl.maximum(tl.load(ws_ptr + 5), 1.0)  # the valid rows (COUNT)
+            # metrics: means over the valid rows, whatever the call's divisor or reduction
+            count_scale = 1.0 / tl.maximum(tl.load(ws_ptr + 5), 1.0)  # COUNT
+            weight_cross_entropy = tl.load(scalars_ptr + 0)
+            weight_z_loss = tl.load(scalars_ptr + 1)
+            r = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, FIN))
+            c = gl.arange(0, 4, layout=gl.SliceLayout(0, FIN))
+            total = gl.zeros([4], gl.float32, gl.SliceLayout(0, FIN))
+            for start in range(0, n_rows, BLOCK_R):
+                idx = start + r
+                at = ws_ptr + off_rows + c[None, :] * n_rows + idx[:, None]
+                total += tl.sum(tl.load(at, mask=(idx[:, None] < n_rows) & (c[None, :] < 4),
+                                        other=0.0, cache_modifier=".cg"), 0)
+            value_cross_entropy = tl.sum(tl.where(c == 0, total, 0.0), 0) * value_scale
+            tl.store(ws_ptr + 0, value_cross_entropy)
+            value_z_loss = tl.sum(tl.where(c == 1, total, 0.0), 0) * value_scale
+            tl.store(ws_ptr + 1, value_z_loss)
+            value_entropy = tl.sum(tl.where(c == 2, total, 0.0), 0) * count_scale
+            tl.store(ws_ptr + 2, value_entropy)
+            value_token_accuracy = tl.sum(tl.where(c == 3, total, 0.0), 0) * count_scale
+            tl.store(ws_ptr + 3, value_token_accuracy)
+            tl.store(ws_ptr + 4, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "2a543819610b2e13480f17ced3ac3d66bde58efa6ce61279f80bfe0b858c0331"
+TEXT_HASH = "3e813c34890c92830d0b357f7e92726693b86976fa1e4ddefa05bac694a2b4ad"

@@ -70,6 +70,7 @@ class Value(enum.Enum):
     UP_LOSS = enum.auto()
     UP_ROWS = enum.auto()
     ROW_OFFSET = enum.auto()
+    LAUNCH_ROWS = enum.auto()    # the launch's rows (its logits'), where a kernel loops over them
     # the layout's (``Role.FIXED``)
     WORLD = enum.auto()
     SCALARS = enum.auto()
@@ -147,6 +148,7 @@ GATHERED_PTR, PEERS_PTR, EPOCH = (_arg("gathered_ptr", Value.GATHERED), _arg("pe
 DIV_PTR, FLAG_PTR = _arg("div_ptr", Value.DIVISOR), _arg("flag_ptr", Value.FLAGS)
 UP_LOSS_PTR, UP_ROWS_PTR = _arg("up_loss_ptr", Value.UP_LOSS), _arg("up_rows_ptr", Value.UP_ROWS)
 ROW_OFFSET, N_ROWS = _arg("row_offset", Value.ROW_OFFSET), _arg("n_rows", Value.N_ROWS)
+N_LAUNCH = _arg("n_launch", Value.LAUNCH_ROWS)
 OFF = {region: offset_arg(region) for region in Region}
 
 WORLD, SCALARS_PTR = _fixed("world", Value.WORLD), _fixed("scalars_ptr", Value.SCALARS)
@@ -158,11 +160,11 @@ IGNORE_INDEX = _fixed("ignore_index", Value.IGNORE_INDEX)
 # the per-launch and fixed arguments a kernel may take besides its tokens' and vectors' (``resolve``)
 _STANDARD = (X_PTR, X_STRIDE, GRAD_PTR, GRAD_STRIDE, Y_PTR, MASK_PTR, T_PTR, T_STRIDE, TGRAD_PTR, TGRAD_STRIDE,
              *TOPK, SEG_PTR, N_SEG, WS_PTR, GATHERED_PTR, PEERS_PTR, EPOCH, DIV_PTR, FLAG_PTR, UP_LOSS_PTR,
-             UP_ROWS_PTR, ROW_OFFSET, N_ROWS, *OFF.values(), WORLD, SCALARS_PTR, LOGIT_SCALE, SOFTCAP, V,
+             UP_ROWS_PTR, ROW_OFFSET, N_ROWS, N_LAUNCH, *OFF.values(), WORLD, SCALARS_PTR, LOGIT_SCALE, SOFTCAP, V,
              VOCAB_START, N_VOCAB, IGNORE_INDEX)
 # The head kernel's integer arguments that change between calls (Triton compiles no variant for
 # each of their values), in the order its files list them.
-VARYING = (ROW_OFFSET, N_ROWS, EPOCH, OFF[Region.ROWS], OFF[Region.LOSS_ROWS], OFF[Region.STATS],
+VARYING = (ROW_OFFSET, N_ROWS, N_LAUNCH, EPOCH, OFF[Region.ROWS], OFF[Region.LOSS_ROWS], OFF[Region.STATS],
            OFF[Region.EXACT], VOCAB_START, N_VOCAB, N_SEG, OFF[Region.SEG_SUMS], OFF[Region.SEG_COEFS])
 
 
@@ -179,6 +181,7 @@ class Signature:
     name: str                  # the jitted function
     params: tuple[Arg, ...]    # in signature order: each launch's own, the fixed ones, the constexprs
     varying: tuple[Arg, ...] = ()  # integer arguments that change between calls: no variant each
+    kind: str = "head_loss"    # which of a file's kernels: head_loss, segments, slices
 
     def _of(self, role: Role) -> tuple[str, ...]:
         return tuple(a.name for a in self.params if a.role is role)
@@ -233,8 +236,17 @@ def signatures(plan: Plan, key: str, reads_scalars: bool, per_sequence: tuple[st
              IGNORE_INDEX]
     constexprs = _constexprs("SUM", "PER_ROW", "STATS", "EXCHANGE", "MERGE", "EXACT", "STORE_STATS", "ROWS", "GRAD",
                              "BLOCK_V", "BLOCK_K", "BLOCK_R")
-    out = {"head_loss": Signature(f"head_loss_{key}", (*args, *fixed, *constexprs),
-                                  tuple(a for a in VARYING if a in args + fixed))}
+    varying = tuple(a for a in VARYING if a in args + fixed)
+    out = {"head_loss": Signature(f"head_loss_{key}", (*args, *fixed, *constexprs), varying)}
+    if holds_row_slices(plan):
+        # the row-slices kernel (templates/gluon/_slices.j2): the head kernel's interface but the
+        # vocab shards' exchange (``gathered_ptr`` its own buffer), with the launch's rows (which its
+        # programs take in turn), and the programs a row (G), the
+        # chunks of BLOCK_V columns a program holds (N_CHUNKS) and the rows whose slices it holds at
+        # once (NBUF)
+        own = [a for a in (*args, N_LAUNCH, *fixed) if a not in (PEERS_PTR, EPOCH, WORLD)]
+        out["slices"] = Signature(f"head_loss_slices_{key}", (*own, *constexprs, *_constexprs("G", "N_CHUNKS", "NBUF")),
+                                  tuple(a for a in varying if a in own), "slices")
     if segments:
         seg_args = (WS_PTR, OFF[Region.SEG_SUMS], OFF[Region.SEG_COEFS], N_SEG,
                     *((DIV_PTR,) if set(segments) - set(per_sequence) else ()),
@@ -244,8 +256,19 @@ def signatures(plan: Plan, key: str, reads_scalars: bool, per_sequence: tuple[st
                                                          *_constexprs("SUM", *(("PER_ROW",) if by_rows else ()),
                                                                       "BLOCK_S")),
                                     (N_SEG, OFF[Region.SEG_SUMS], OFF[Region.SEG_COEFS],
-                                     *((OFF[Region.ROWS], OFF[Region.LOSS_ROWS], N_ROWS) if by_rows else ())))
+                                     *((OFF[Region.ROWS], OFF[Region.LOSS_ROWS], N_ROWS) if by_rows else ())),
+                                    "segments")
     return out
+
+
+def holds_row_slices(plan: Plan) -> bool:
+    """Whether a head's file has the row-slices kernel (issue 47: each row's slices held in shared
+    memory, read from HBM once): every head whose row is the whole of its work. Not one with
+    segment statistics (a row adds into its segment: once a row, not once a slice), top-k entries
+    (their ids index the whole row) or a teacher that takes a gradient (the teacher's gradient
+    kernel has none)."""
+    lw = plan.lowered
+    return not (lw.segments or lw.uses_topk or lw.teacher_grad)
 
 
 def resolve(names: tuple[str, ...], tokens: tuple[str, ...], vectors: tuple[str, ...], kernel: str) -> tuple[Arg, ...]:
@@ -419,12 +442,12 @@ class KernelSpec(FileSpec):
 
     head_scalars: tuple[str, ...] = ()     # the scalars the head's kernel reads
     segment_scalars: tuple[str, ...] = ()  # those the segment kernel reads
-    signatures: tuple[Signature, ...] = ()  # the head's kernel, then the segment kernel if any
+    signatures: tuple[Signature, ...] = ()  # the head's kernel, then the segment or row-slices kernel if any
 
     @property
     def sigs(self) -> dict[str, Signature]:
-        """``interface.signatures``' form: by kernel kind (``head_loss``, ``segments``)."""
-        return dict(zip(("head_loss", "segments"), self.signatures))
+        """``interface.signatures``' form: by kernel kind (``head_loss``, ``segments``, ``slices``)."""
+        return {sig.kind: sig for sig in self.signatures}
 
     @property
     def recorded(self) -> FileSpec:

@@ -59,7 +59,7 @@ _CALL = (Value.LABELS, Value.MASK, Value.TOPK_IDS, Value.TOPK_LOGPROBS, Value.TO
          Value.SEGMENT_IDS, Value.N_SEG, Value.WORKSPACE, Value.DIVISOR, Value.FLAGS, Value.N_ROWS)
 _LAUNCH = (Value.LOGITS, Value.LOGITS_STRIDE, Value.GRAD, Value.GRAD_STRIDE, Value.TEACHER, Value.TEACHER_STRIDE,
            Value.TEACHER_GRAD, Value.TEACHER_GRAD_STRIDE, Value.GATHERED, Value.PEERS, Value.EPOCH, Value.UP_LOSS,
-           Value.UP_ROWS, Value.ROW_OFFSET)
+           Value.UP_ROWS, Value.ROW_OFFSET, Value.LAUNCH_ROWS)
 
 
 def binding(spec: FileSpec, names: tuple[str, ...], kernel: str, *,
@@ -131,8 +131,19 @@ def _layout(head, sig: LayoutKey) -> _Layout:
     deferred = sig.grad and sig.reduction == "none"
     launches = head.launches(sharded=sharded, grad=sig.grad, split=config.split, exchange=sig.exchange,
                              deferred=deferred, teacher_grad=sig.teacher_grad)
-    cut = next((i + 1 for i, launch in enumerate(launches) if launch.then is Then.SEGMENTS), len(launches))
     name = f"head_loss_{spec.key}"
+    if config.kernel == "slices":
+        # the row-slices kernel serves a call of one launch with the gradient, where the file has it
+        name = f"head_loss_slices_{spec.key}"
+        if not (len(launches) == 1 and launches[0].grad and hasattr(k, name)):
+            config, name = config.fallback, f"head_loss_{spec.key}"
+    cut = next((i + 1 for i, launch in enumerate(launches) if launch.then is Then.SEGMENTS), len(launches))
+    fn = getattr(k, name)
+    # (its interface: the head kernel's, or the row-slices kernel's parameters among them, by name)
+    args, fixed_names = spec.args, spec.fixed
+    if config.kernel == "slices":
+        args, fixed_names = (tuple(n for n in fn.arg_names if n in names) for names in
+                             ((*spec.args, "n_launch"), spec.fixed))
     options = config.launch(sig.V_local, sig.element_size)
     vocab_start, n_vocab = head.shard_columns(sig.group, sig.V_local, sig.device)   # (shards of any width)
     fixed = {Value.WORLD: world, Value.LOGIT_SCALE: head.logit_scale, Value.SOFTCAP: float(head.softcap or 1.0),
@@ -140,11 +151,17 @@ def _layout(head, sig: LayoutKey) -> _Layout:
              Value.IGNORE_INDEX: head.ignore_index, Value.SCALARS: head.scalar_buffer(sig.device)}
     constexprs = dict(SUM=sig.reduction == "sum", PER_ROW=sig.reduction == "none", BLOCK_V=options.pop("BLOCK_V"),
                       BLOCK_K=pow2(sig.topk) if sig.topk else 1, BLOCK_R=_BLOCK_R)
+    constexpr_names = spec.constexprs
+    if config.kernel == "slices":
+        constexprs.update({n: options.pop(n) for n in ("G", "N_CHUNKS", "NBUF")})
+        constexpr_names = (*spec.constexprs, "G", "N_CHUNKS", "NBUF")
     kernels = []
     for launch in launches:
         phases = {f.name.upper(): getattr(launch, f.name) for f in fields(Launch) if f.name != "then"}
-        kernels.append(backend.kernel(getattr(k, name), fixed_values(spec, spec.fixed, fixed, name),
-                                      dict(zip(spec.constexprs, by_name({**constexprs, **phases}, spec.constexprs, name))),
+        if config.kernel == "slices":   # (its G programs of a row exchange and merge their stats, as vocab shards do)
+            phases.update(EXCHANGE=True, MERGE=True)
+        kernels.append(backend.kernel(fn, fixed_values(spec, fixed_names, fixed, name),
+                                      dict(zip(constexpr_names, by_name({**constexprs, **phases}, constexpr_names, name))),
                                       options))
     segment_kernel = None
     if spec.segments:
@@ -161,7 +178,7 @@ def _layout(head, sig: LayoutKey) -> _Layout:
     norms = {spec.normalization[n] for n in spec.outputs if n not in spec.segments or n in spec.segment_row_terms}
     count = "mean" in norms or ("tokens" in norms and not sig.divisor and sig.reduction != "sum")
     return _Layout(world, n_vocab, tuple(zip(launches, kernels)), cut, deferred, count,
-                   backend.prologue(count), binding(spec, spec.args, name),
+                   backend.prologue(count), binding(spec, args, name),
                    binding(spec, spec.segment_args, seg_name, per_launch=False) if spec.segments else None,
                    segment_kernel)
 
@@ -355,7 +372,7 @@ class Launcher:
             *self.values, x, x.stride(0), x if grad is None else grad, 0 if grad is None else grad.stride(0),
             teacher, 0 if teacher is None else teacher.stride(0),
             teacher if tgrad is None else tgrad, 0 if tgrad is None else tgrad.stride(0),
-            gathered, peers, epoch, up_loss, up_rows, row_offset)))
+            gathered, peers, epoch, up_loss, up_rows, row_offset, x.shape[0])))
 
 
 def run(head, call, *, grad: bool, inplace: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Launcher]:

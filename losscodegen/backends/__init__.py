@@ -49,6 +49,8 @@ class Config(Protocol):
     """A call's launch configuration (the runtime's choice, never hashed into a kernel)."""
 
     split: bool     # run the reads of a call as a launch each (plan.launch_sequence's ``split``)
+    kernel: str     # which of the file's kernels it launches (interface.Signature.kind); a "slices"
+                    # configuration has a ``fallback`` for the calls its kernel does not serve
 
     def launch(self, V: int, element_size: int) -> dict[str, Any]:
         """``BLOCK_V`` (a constexpr of the head's kernel) and the backend's launch options, for a

@@ -29,6 +29,7 @@ class Config:
 
     block_v: int = BLOCK_V
     split: bool = False
+    kernel = "head_loss"   # (the file's one head kernel)
 
     def launch(self, V: int, element_size: int) -> dict[str, Any]:
         return dict(BLOCK_V=max(1, min(V, self.block_v)))

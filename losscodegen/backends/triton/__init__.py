@@ -18,6 +18,7 @@ from .. import SHARED_TEMPLATES
 from . import helpers, tiles
 from . import render as renderer
 from .dispatch import Kernel
+from .slices import SliceKernel
 
 
 class Triton:
@@ -48,8 +49,10 @@ class Triton:
         return (f"tile for a large vocabulary, by rule: {tiles.rule(state)} (on a GPU a measured table may "
                 "choose another: losscodegen/backends/triton/tiles.py)")
 
-    def kernel(self, fn: Any, fixed: list[Any], constexprs: dict[str, Any], options: dict[str, Any]) -> Kernel:
-        return Kernel(fn, *fixed, **constexprs, **options)
+    def kernel(self, fn: Any, fixed: list[Any], constexprs: dict[str, Any],
+               options: dict[str, Any]) -> Kernel | SliceKernel:
+        # (the row-slices kernel is the one that takes G, its programs a row)
+        return (SliceKernel if "G" in constexprs else Kernel)(fn, *fixed, **constexprs, **options)
 
     def prologue(self, count: bool) -> Kernel:
         return helpers.PROLOGUES[count]

@@ -32,6 +32,7 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile as triton_compile, make_backend
+from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
 from ... import backends, collectives
@@ -97,7 +98,7 @@ def parse_targets(text: str) -> list[Target]:
 
 
 # the calls each head is driven through (``_drive``), by name
-CALLS = ("grad", "values", "rows", "split", "sharded", "exchange", "teacher")
+CALLS = ("grad", "values", "rows", "split", "sharded", "exchange", "teacher", "slices")
 
 
 def build(heads: list[tuple[str, HeadLoss]], targets: list[Target], *, vocab: int = 128256,
@@ -141,7 +142,9 @@ def build(heads: list[tuple[str, HeadLoss]], targets: list[Target], *, vocab: in
                     current["head"] = line
                     # (a copy resolves its backend again, under _compiling's resolve: Triton, which
                     # "auto" picks only where it can run, and here it compiles without running)
-                    _drive(copy.deepcopy(head), vocab, dist.group.WORLD, calls)
+                    # (the row-slices kernel is Gluon for NVIDIA's asynchronous copies: its CUDA targets only)
+                    _drive(copy.deepcopy(head), vocab, dist.group.WORLD,
+                           calls if target.backend == "cuda" else tuple(c for c in calls if c != "slices"))
     finally:
         if owned:
             dist.destroy_process_group()
@@ -184,6 +187,12 @@ def _drive(head: HeadLoss, vocab: int, group: Any, calls: tuple[str, ...]) -> No
     if "exchange" in calls:
         with mock.patch.object(collectives, "exchange", lambda group, device: _NoExchange()):
             call(process_group=group).loss.backward()   # ... exchanging the stats in-kernel
+    if "slices" in calls and hasattr(head.kernel, f"head_loss_slices_{head.kernel.KEY}"):
+        head.tile_override = tiles.Slices(16384, 8)     # the row-slices kernel (its CUDA targets)
+        try:
+            call().loss.backward()
+        finally:
+            head.tile_override = None
     if "teacher" in calls and "teacher_logits" in inputs:
         # teacher logits that require grad: the head's other kernel, which writes their gradient too
         teacher = inputs["teacher_logits"].detach().requires_grad_()
@@ -205,7 +214,8 @@ def _compiling(target: Target, record: Callable[[Compiled], None]) -> Iterator[d
         name = f"{fn.__name__} [{flags}]" if flags else fn.__name__
         warps = options.num_warps
         try:
-            compiled = triton_compile(ASTSource(fn, signature, constexprs, attrs), target=target.gpu_target(),
+            source = (GluonASTSource if fn.is_gluon() else ASTSource)(fn, signature, constexprs, attrs)
+            compiled = triton_compile(source, target=target.gpu_target(),
                                       options=options.__dict__)
         except Exception as e:     # (Triton's CompilationError, or its backend's: reported, the build goes on)
             record(Compiled(target.name, current["head"], name, kwargs.get("BLOCK_V"), warps, None, None, 0,

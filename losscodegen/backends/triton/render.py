@@ -35,7 +35,7 @@ TEMPLATE = "head_loss.py.j2"
 # and their macros
 PHASES = tuple(f"triton/_{name}.j2" for name in (
     "macros", "dialect", "functions", "row", "inputs", "stats", "merge", "exact", "rows", "grad", "ignored",
-    "finish", "segments"))
+    "finish", "segments")) + ("gluon/_dialect.j2", "gluon/_slices.j2")
 
 
 class TritonPrinter(ArrayPrinter):
@@ -213,13 +213,16 @@ def describe_costs(plan: Plan) -> str:
         + [f"  in all: {total[0]} SFU + {total[1]} other"])
 
 
-def _tile_sums(sums: list[tuple[str, str]], masked: bool) -> list[str]:
+def _tile_sums(sums: list[tuple[str, str]], masked: bool, joined: bool = True) -> list[str]:
     """Statements that sum several per-element tensors (``(name, body)``) over a tile in few
     reductions: each run of a power-of-two count of them (the binary digits of the count) is joined
     pairwise into one ``[BLOCK_V, 2, ..., 2]`` tensor, summed over the tile once, and split back
     into ``<name>_tile``. ``masked``: each tensor 0 past the row's end (else its read takes the
-    columns there as -inf inputs, where every summand is 0)."""
+    columns there as -inf inputs, where every summand is 0). Not ``joined``: a reduction each (the
+    row-slices kernel's: Gluon in Triton 3.6 cannot lay out a split of a joined tile's sum)."""
     leaves = [(f"tl.where(in_row, {body}, 0.0)" if masked else body, acc) for acc, body in sums]
+    if not joined:
+        return [f"{acc}_tile = tl.sum({body}, 0)" for body, acc in leaves]
     lines: list[str] = []
     parts = itertools.count()
 
@@ -248,6 +251,7 @@ class TritonDialect(Dialect):
     gathered buffer (``part``, a rank's at ``part + r * step``) in a loop over the ranks."""
 
     printer = _TL
+    load_hint = ""      # the merge's loads' options
 
     def summand(self, group: OnlineGroup, body: sp.Expr) -> str:
         # (times the group's exponential of the tile, ``s<index>``)
@@ -260,10 +264,10 @@ class TritonDialect(Dialect):
         """``init`` (before the loop over ranks), ``maxima`` (a first loop), ``sums`` (a second)."""
         init, maxima, sums = [], [], ["at = part + r * step"]
         for c in steps:
-            load = f"tl.load(at + {c.at})"
+            load = f"tl.load(at + {c.at}{self.load_hint})"
             if c.rule is Merge.MAX:
                 init.append(f"{c.name} = float(\"-inf\")")
-                maxima.append(f"{c.name} = tl.maximum({c.name}, tl.load(part + r * step + {c.at}))")
+                maxima.append(f"{c.name} = tl.maximum({c.name}, tl.load(part + r * step + {c.at}{self.load_hint}))")
                 sums.append(f"{c.name}_r = {load}")
             elif c.rule is Merge.SUM:
                 init.append(f"{c.name} = 0.0")
@@ -271,7 +275,7 @@ class TritonDialect(Dialect):
             elif c.rule is Merge.SCALED:
                 init.append(f"{c.name} = 0.0")
                 if c.moved is not None:
-                    base = f"tl.load(at + {c.base_at})"
+                    base = f"tl.load(at + {c.base_at}{self.load_hint})"
                     load = f"({load} + {self.where(f'{base} > 0.0', f'({self.print(c.moved)}) * {base}', '0.0')})"
                 sums.append(f"{c.name} += {load} * {self.print(sp.exp(c.rescale))}")
             elif c.rule is Merge.ARGMAX:
@@ -280,7 +284,14 @@ class TritonDialect(Dialect):
         return dict(init=init, maxima=maxima, sums=sums)
 
 
-_DIALECT = TritonDialect()
+class SlicesDialect(TritonDialect):
+    """The phase program in the row-slices kernel: the G programs of a row are its shards, their stats
+    in the launch's buffer (written by the other programs of the launch: read past L1)."""
+
+    load_hint = ', cache_modifier=".cg"'
+
+
+_DIALECT, _SLICES = TritonDialect(), SlicesDialect()
 
 
 def _parameters(sig: Signature) -> list[str]:
@@ -373,6 +384,13 @@ def render(plan: Plan, key: str, header: str, codegen: str,
         exact_tile_sums=_tile_sums(common["exact"], not pad["exact"]),
         rows_p2=pow2(len(row_names)), pad=pad, relative_floor=relative_floor, merge=_DIALECT.merge(program.merge(plan)), scalar_loads=scalar_loads,
         per_row_loss=_DIALECT.row_loss(program.row_loss(spec.row_loss_terms, spec.row_values), weight_name),
+        # the row-slices kernel's own printing of the same phases, where the file has one
+        slices=dict(merge=_SLICES.merge(program.merge(plan)), dialect="gluon/_dialect.j2",
+                    streams=("x", "t") if lw.uses_teacher else ("x",),
+                    stats_tile_sums=_tile_sums([acc for group in online for acc in group["accs"]],
+                                               not pad["stats"], joined=False),
+                    exact_tile_sums=_tile_sums(common["exact"], not pad["exact"], joined=False))
+        if "slices" in sigs else None,
     )
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), keep_trailing_newline=True,
                              trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)

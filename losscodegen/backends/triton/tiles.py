@@ -62,6 +62,7 @@ class Config:
     num_warps: int
     split: bool = False
     maxnreg: int | None = None
+    kernel = "head_loss"     # the file's kernel it launches (interface.Signature.kind)
 
     def launch(self, V: int, element_size: int) -> dict:
         """Kernel options for a vocabulary of V (per rank) and logits of ``element_size`` bytes: the
@@ -81,6 +82,42 @@ class Config:
     def entry(self) -> list:
         """The table's form: [block_v, num_warps, split], and the register cap where there is one."""
         return [self.block_v, self.num_warps, self.split] + ([self.maxnreg] if self.maxnreg is not None else [])
+
+
+@dataclass(frozen=True)
+class Slices:
+    """The row-slices kernel (issue 47; templates/gluon/_slices.j2): a row split over G programs of
+    ``columns`` columns each (a power of 2, for 2-byte logits), each slice held in shared memory in
+    ``nbuf`` buffers (``nbuf - 1`` rows' copies in flight), ``num_warps`` warps; every program resident
+    at once (a cooperative launch), in groups of G. ``fallback``: the tile of a call it does not
+    serve (a launch a read, the gradient in backward)."""
+    columns: int
+    num_warps: int
+    nbuf: int = 2
+    fallback: Config = Config(4096, 8)
+    split = False
+    kernel = "slices"
+
+    def launch(self, V: int, element_size: int) -> dict:
+        """The constexprs and options for V columns a rank: BLOCK_V a chunk of 16 bytes a thread (of
+        the widest logits), G programs a row, N_CHUNKS chunks a slice (Gluon's shapes: powers of 2)."""
+        block_v = 16 // max(element_size, 2) * 32 * self.num_warps
+        G = -(-V // self.columns)
+        width = max(pow2(-(-V // G)), block_v)
+        return dict(BLOCK_V=block_v, G=G, N_CHUNKS=width // block_v, NBUF=self.nbuf, num_warps=self.num_warps,
+                    launch_cooperative_grid=True)
+
+    def __repr__(self) -> str:
+        return f"Slices(columns={self.columns}, num_warps={self.num_warps}, nbuf={self.nbuf})"
+
+    def entry(self) -> list:
+        """The table's form: ["slices", columns, num_warps, nbuf]."""
+        return ["slices", self.columns, self.num_warps, self.nbuf]
+
+
+def of_entry(entry: list) -> Config | Slices:
+    """A table entry (``entry()``'s form) as its configuration."""
+    return Slices(*entry[1:]) if entry[0] == "slices" else Config(*entry)
 
 
 def key(device: torch.device, spec: FileSpec, V: int, element_size: int) -> str:
@@ -105,9 +142,9 @@ class _Table:
                 if path.exists():
                     self._entries.update(json.loads(path.read_text()))
         entry = self._entries.get(name)
-        return None if entry is None else Config(*entry)
+        return None if entry is None else of_entry(entry)
 
-    def put(self, name: str, config: Config) -> None:
+    def put(self, name: str, config: Config | Slices) -> None:
         self.get(name)
         self._entries[name] = config.entry()
         path = self._path()
@@ -131,20 +168,23 @@ def rule(state: tuple[str, int, int]) -> Config:
 
 
 def choose(head, k: ModuleType, V: int, dtype: torch.dtype, device: torch.device, *,
-           sharded: bool = False) -> Config:
+           sharded: bool = False) -> Config | Slices:
     """The configuration for a call of ``head`` over V vocabulary columns a rank of ``dtype`` logits:
     ``head.tile_override`` (set while ``python -m losscodegen tune`` measures), else as the
-    module's doc says."""
+    module's doc says. The row-slices kernel only where a measurement chose it, on a GPU whose
+    Triton has Gluon (its fallback the rule's tile)."""
     if head.tile_override is not None:
         config = head.tile_override
     elif sharded:
         config = Config(*SHARDED[k.SPEC.state[0]])
     else:
         config = measured(k, V, dtype, device) or rule(k.SPEC.state)
+    if isinstance(config, Slices):
+        return replace(config, fallback=fit(rule(k.SPEC.state), lanes(device)))
     return fit(config, lanes(device))
 
 
-def measured(k: ModuleType, V: int, dtype: torch.dtype, device: torch.device) -> Config | None:
+def measured(k: ModuleType, V: int, dtype: torch.dtype, device: torch.device) -> Config | Slices | None:
     """The tables' entry for a call on a GPU (the user's measurements, else the shipped ones), or None."""
     if device.type != "cuda":
         return None
