@@ -262,7 +262,7 @@ class HeadLoss(torch.nn.Module):
             str(p.lowered), "numerics (forms that can be 0/0 where the formulas are finite):",
             *["  " + line for line in numerics_report(p.lowered) or ["none"]],
             "plan:", *["  " + line for line in str(p).splitlines()],
-            self.backend.describe_config(p.state), self.backend.describe_costs(p),
+            self.backend.describe_config(p), self.backend.describe_costs(p),
             f"kernel: {_load.module_path(self.key, self.backend)}"])
 
     # ---- calls ----------------------------------------------------------------------------------

@@ -79,7 +79,7 @@ class Backend(Protocol):
         columns a rank of ``dtype`` logits."""
         ...
 
-    def describe_config(self, state: tuple[str, int, int]) -> str:
+    def describe_config(self, plan: Plan) -> str:
         """For ``explain()``: the configuration chosen for a large vocabulary, and how."""
         ...
 

@@ -33,10 +33,10 @@ def _without_interpreter(tmp_path) -> dict:
 
 
 # each working target with a manifest head and the calls it is driven through: the teacher-stream
-# mix; GSPO (its segment kernel); the softcap (libdevice's tanh) at the widest tile (32768 x 32
+# mix, by the head kernel and by the row-slices kernel (Gluon: asynchronous copies); GSPO (its segment kernel); the softcap (libdevice's tanh) at the widest tile (32768 x 32
 # warps), and its vocab-parallel launch exchanging stats in-kernel (atomics across GPUs); on AMD (a
 # wavefront of 64), CE and GSPO (its segment kernel)
-PLAN = {"sm_90a": ("HeadLoss(CrossEntropy(), ZLoss(), ForwardKL(), metrics=(Entropy(),))", ("grad",)),
+PLAN = {"sm_90a": ("HeadLoss(CrossEntropy(), ZLoss(), ForwardKL(), metrics=(Entropy(),))", ("grad", "slices")),
         "sm_100a": ("HeadLoss(GSPO(), metrics=(Entropy(),))", ("grad",)),
         "sm_120a": ("HeadLoss(CrossEntropy(), softcap=30.0)", ("grad", "exchange")),
         "gfx942": ("HeadLoss(CrossEntropy())", ("grad",)),
@@ -79,6 +79,9 @@ def test_a_manifest_kernel_compiles_for_hopper_blackwell_and_amd_without_a_gpu(t
     widest = [r for r in results if r.target == "sm_120a" and r.block_v == 32768]
     assert widest and all(r.num_warps == 32 for r in widest)          # the rule's tile for CE
     assert any("EXCHANGE" in r.kernel for r in results if r.target == "sm_120a")
+    # the row-slices kernel: no spills, its two streams' slices (2 buffers of 16384 bf16 each) in shared memory
+    sliced = [r for r in results if r.kernel.startswith("head_loss_slices_")]
+    assert [r.target for r in sliced] == ["sm_90a"] and sliced[0].spilled == 0 and sliced[0].shared >= 4 * 16384 * 2
 
 
 @pytest.mark.skipif(os.environ.get("LOSSCODEGEN_FULL_BUILD") != "1",

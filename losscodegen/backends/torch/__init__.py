@@ -89,7 +89,7 @@ class Torch:
                sharded: bool) -> Config:
         return head.tile_override if head.tile_override is not None else Config()
 
-    def describe_config(self, state: tuple[str, int, int]) -> str:
+    def describe_config(self, plan: Any) -> str:
         return f"torch backend: blocks of {BLOCK_V} vocabulary columns, chunks of rows (launch.py's BLOCK_R)"
 
     def describe_costs(self, plan: Any) -> str:

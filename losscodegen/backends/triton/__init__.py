@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ...interface import holds_row_slices
 from ...resources import TEMPLATES
 from .. import SHARED_TEMPLATES
 from . import helpers, tiles
@@ -45,9 +46,14 @@ class Triton:
             _measure_once(head, V, dtype, device)
         return tiles.choose(head, k, V, dtype, device, sharded=sharded)
 
-    def describe_config(self, state: tuple[str, int, int]) -> str:
-        return (f"tile for a large vocabulary, by rule: {tiles.rule(state)} (on a GPU a measured table may "
-                "choose another: losscodegen/backends/triton/tiles.py)")
+    def describe_config(self, plan: Any) -> str:
+        slices = ("the file also has the row-slices kernel (each element read from HBM once: the row split over "
+                  "programs holding it in shared memory), which runs only where the tile table holds a Slices "
+                  "configuration measured faster on that GPU (python -m losscodegen tune), for a call with its "
+                  "gradient in one launch" if holds_row_slices(plan) else
+                  "no row-slices kernel (segment statistics, top-k entries or a teacher's gradient)")
+        return (f"tile for a large vocabulary, by rule: {tiles.rule(plan.state)} (on a GPU a measured table may "
+                f"choose another: losscodegen/backends/triton/tiles.py); {slices}")
 
     def kernel(self, fn: Any, fixed: list[Any], constexprs: dict[str, Any],
                options: dict[str, Any]) -> Kernel | SliceKernel:

@@ -17,12 +17,19 @@ from ...testing import random_inputs
 CANDIDATES = ((4096, 8), (8192, 8), (8192, 16), (16384, 16), (16384, 32), (32768, 32))
 
 
-def candidates(spec: FileSpec, V: int) -> list[tiles.Config]:
+# the row-slices kernel's (columns a slice, warps), where the head's file has it and the GPU copies
+# asynchronously (compute capability 8.0 on): 2 to 16 programs a row at 32K-256K columns
+SLICES = ((16384, 8), (8192, 8), (8192, 4), (4096, 4))
+
+
+def candidates(spec: FileSpec, V: int, slices: bool = False) -> list[tiles.Config | tiles.Slices]:
     """The configurations worth timing for a vocabulary of V: tiles no wider than it needs, each
-    also split into a launch a read where the head has an exact read."""
+    also split into a launch a read where the head has an exact read; with ``slices``, the row-slices
+    kernel's too."""
     top = max(tiles.pow2(V), CANDIDATES[0][0])
     return [tiles.Config(b, w, split) for b, w in CANDIDATES if b <= top
-            for split in ((False, True) if spec.has_exact else (False,))]
+            for split in ((False, True) if spec.has_exact else (False,))] + \
+        [tiles.Slices(c, w) for c, w in SLICES if slices and c < V]
 
 
 def register_caps(warps: int, regs: int, regs_per_sm: int = 65536, n: int = 2) -> list[int]:
@@ -73,7 +80,8 @@ def measure(head: HeadLoss, V: int, dtype: torch.dtype, device: torch.device, ro
         head(x, labels, **inputs).loss.backward()
     times = {}
     side = torch.cuda.Stream(device)
-    todo = candidates(head.kernel.SPEC, V)
+    slices = hasattr(head.kernel, f"head_loss_slices_{head.kernel.KEY}") and torch.cuda.get_device_capability(device)[0] >= 8
+    todo = candidates(head.kernel.SPEC, V, slices)
     try:
         while todo:
             config = todo.pop(0)
@@ -83,7 +91,7 @@ def measure(head: HeadLoss, V: int, dtype: torch.dtype, device: torch.device, ro
             with torch.cuda.stream(side):
                 step()                          # compiles, outside the capture
             torch.cuda.current_stream(device).wait_stream(side)
-            if config.maxnreg is None:
+            if isinstance(config, tiles.Config) and config.maxnreg is None:
                 # the binaries this configuration compiled (every launch of a split call its own)
                 options = config.launch(V, dtype.itemsize)
                 binary = (torch.cuda.get_device_name(device), head.kernel.KEY, dtype, config.split,
@@ -98,23 +106,37 @@ def measure(head: HeadLoss, V: int, dtype: torch.dtype, device: torch.device, ro
                     # (compiled before this process's tuner ran: its registers are not known here)
                     print(f"head_loss_{head.kernel.KEY}, {config}: compiled before the tuner ran, no register "
                           "cap timed", flush=True)
-            graph = torch.cuda.CUDAGraph()
-            # (thread_local: another thread's CUDA calls meanwhile do not break the capture)
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                step()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            graph.replay()
-            start.record()
-            for _ in range(reps):
-                graph.replay()
-            end.record()
-            torch.cuda.synchronize(device)
-            times[config] = start.elapsed_time(end) / reps
-            del graph
+            try:
+                times[config] = _timed(step, reps, device, graph=True)
+            except RuntimeError as e:
+                if not isinstance(config, tiles.Slices):
+                    raise
+                # (a cooperative launch that this CUDA does not capture in a graph: timed as launched)
+                print(f"{config}: not captured in a CUDA graph ({e}); timed eagerly", flush=True)
+                times[config] = _timed(step, reps, device, graph=False)
     finally:
         head.tile_override = None
         x.grad = None
     return times
+
+
+def _timed(step, reps: int, device: torch.device, *, graph: bool) -> float:
+    """ms a call of ``step`` takes: replayed from a CUDA graph of it (``graph``), else launched."""
+    run = step
+    if graph:
+        captured = torch.cuda.CUDAGraph()
+        # (thread_local: another thread's CUDA calls meanwhile do not break the capture)
+        with torch.cuda.graph(captured, capture_error_mode="thread_local"):
+            step()
+        run = captured.replay
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    run()
+    start.record()
+    for _ in range(reps):
+        run()
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end) / reps
 
 
 def tune(heads: list[HeadLoss], vocabs: list[int], device: torch.device, rows: int,

@@ -1,0 +1,80 @@
+"""The row-slices kernel (issue 47; templates/gluon/_slices.j2) as far as a CPU can check it: which
+files have it, how a Slices configuration splits a row and how many programs fit at once, and that
+a call it does not serve takes its fallback while one it serves says it needs a GPU (Triton's
+interpreter does not run Gluon). Its compiled form for sm_90a is checked in
+tests/compiler/test_portable_builds.py, its values on a GPU in tests/gpu/test_gpu_slices.py."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import losscodegen as lcg
+from losscodegen.backends.triton import tiles
+from losscodegen.backends.triton.slices import resident_per_sm
+
+
+def _head(*terms) -> lcg.HeadLoss:
+    return lcg.HeadLoss(*terms, backend="triton")
+
+
+def test_a_file_has_the_row_slices_kernel_where_its_rows_are_the_whole_work():
+    for head, has in ((_head(lcg.CrossEntropy()), True), (_head(lcg.JSD()), True),
+                      (_head(lcg.GSPO()), False),     # segment statistics: a row adds into its segment
+                      (_head(lcg.CrossEntropy(), lcg.TopKForwardKL()), False)):
+        assert hasattr(head.kernel, f"head_loss_slices_{head.kernel.KEY}") is has, head
+
+
+@pytest.mark.parametrize("V, element_size, expect", [
+    (128256, 2, dict(BLOCK_V=2048, G=8, N_CHUNKS=8)),      # 8 slices of 16384 columns (the last 13568)
+    (262144, 2, dict(BLOCK_V=2048, G=16, N_CHUNKS=8)),
+    (32000, 2, dict(BLOCK_V=2048, G=2, N_CHUNKS=8)),
+    (500, 2, dict(BLOCK_V=2048, G=1, N_CHUNKS=1)),          # one program a row, one chunk, mostly masked
+    (128256, 4, dict(BLOCK_V=1024, G=8, N_CHUNKS=16)),      # fp32: 16 bytes a thread are 4 columns
+])
+def test_a_slices_configuration_splits_a_row_into_slices_of_whole_chunks(V, element_size, expect):
+    options = tiles.Slices(16384, 8).launch(V, element_size)
+    assert {k: options[k] for k in expect} == expect and options["launch_cooperative_grid"]
+    # every column is in a slice, every slice a power of 2 of whole chunks
+    assert options["G"] * options["N_CHUNKS"] * options["BLOCK_V"] >= V
+
+
+def test_a_table_entry_of_a_slices_configuration_reads_back_as_it():
+    config = tiles.Slices(8192, 4, 2)
+    assert tiles.of_entry(config.entry()) == config and tiles.of_entry([4096, 8, False]) == tiles.Config(4096, 8)
+
+
+def test_programs_resident_at_once_take_the_least_that_registers_shared_memory_and_threads_allow():
+    h100 = SimpleNamespace(regs_per_multiprocessor=65536, shared_memory_per_multiprocessor=233472,
+                           max_threads_per_multi_processor=2048)
+    assert resident_per_sm(128, 65568, 8, h100) == 2     # registers: 128 x 256 threads twice is 64K
+    assert resident_per_sm(40, 65568, 8, h100) == 3      # shared memory: 3 x (64 KB + 1 KB)
+    assert resident_per_sm(40, 131104, 8, h100) == 1
+    assert resident_per_sm(32, 1024, 4, h100) == 16      # threads: 2048 / 128
+
+
+def _inputs(head, R=6, V=700):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(R, V, generator=g) * 2
+    y = torch.randint(0, V, (R,), generator=g)
+    y[::3] = -100
+    kw = {"teacher_logits": torch.randn(R, V, generator=g)} if head.kernel.USES_TEACHER else {}
+    return x, y, kw
+
+
+@pytest.mark.parametrize("make", [lambda: _head(lcg.CrossEntropy()), lambda: _head(lcg.JSD())])
+def test_a_call_the_row_slices_kernel_does_not_serve_takes_its_fallback(make):
+    head = make()
+    x, y, kw = _inputs(head)
+    want = head(x, y, **kw, reduction="none").loss
+    head.tile_override = tiles.Slices(16384, 8)
+    with torch.no_grad():
+        assert torch.equal(head(x, y, **kw).loss, make()(x, y, **kw).loss)        # no gradient: no slices
+    assert torch.equal(head(x, y, **kw, reduction="none").loss, want)           # the gradient in backward
+
+
+def test_a_call_the_row_slices_kernel_serves_needs_a_gpu():
+    head = _head(lcg.CrossEntropy())
+    head.tile_override = tiles.Slices(16384, 8)
+    x, y, _ = _inputs(head)
+    with pytest.raises(ValueError, match="runs on a GPU only"):
+        head(x.requires_grad_(), y)
