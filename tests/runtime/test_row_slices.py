@@ -34,8 +34,16 @@ def test_a_file_has_the_row_slices_kernel_where_its_rows_are_the_whole_work():
 def test_a_slices_configuration_splits_a_row_into_slices_of_whole_chunks(V, element_size, expect):
     options = tiles.Slices(16384, 8).launch(V, element_size)
     assert {k: options[k] for k in expect} == expect and options["launch_cooperative_grid"]
-    # every column is in a slice, every slice a power of 2 of whole chunks
-    assert options["G"] * options["N_CHUNKS"] * options["BLOCK_V"] >= V
+    # every column is in a slice, and every slice holds some of the row
+    width = options["N_CHUNKS"] * options["BLOCK_V"]
+    assert options["G"] * width >= V > (options["G"] - 1) * width
+
+
+def test_no_program_of_a_row_holds_none_of_it_where_a_chunk_is_wider_than_the_slices_asked_for():
+    for V in range(1000, 40000, 337):
+        options = tiles.Slices(1024, 8).launch(V, 2)      # 2048-column chunks
+        width = options["N_CHUNKS"] * options["BLOCK_V"]
+        assert options["G"] * width >= V > (options["G"] - 1) * width
 
 
 def test_a_table_entry_of_a_slices_configuration_reads_back_as_it():

@@ -102,8 +102,10 @@ class Slices:
         """The constexprs and options for V columns a rank: BLOCK_V a chunk of 16 bytes a thread (of
         the widest logits), G programs a row, N_CHUNKS chunks a slice (Gluon's shapes: powers of 2)."""
         block_v = 16 // max(element_size, 2) * 32 * self.num_warps
-        G = -(-V // self.columns)
-        width = max(pow2(-(-V // G)), block_v)
+        # slices of at most ``columns`` (a power of 2 of whole chunks), as few as cover the row; G of them,
+        # every one holding some of it
+        width = max(pow2(-(-V // -(-V // self.columns))), block_v)
+        G = -(-V // width)
         return dict(BLOCK_V=block_v, G=G, N_CHUNKS=width // block_v, NBUF=self.nbuf, num_warps=self.num_warps,
                     launch_cooperative_grid=True)
 
