@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 KEY = "05a2ed77b2099870"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "e218c719d61a"
+CODEGEN = "d56ed5fb7ca8"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'token_accuracy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -648,7 +648,7 @@ def head_loss_slices_05a2ed77b2099870(
                     tl.store(at + 3, acc0)
                     _arrive_and_wait(count_ptr + row, G)
             if MERGE:
-                # The packed stats of every vocab shard, gathered ([world, rows of this launch, 4]),
+                # The packed stats of every program of the row, exchanged ([G, rows of this launch, 4]),
                 # merged by each column's rule: maxima first, then the sums rescaled to them.
                 part = part_ptr + row * 4
                 step = n_launch * 4
@@ -716,7 +716,7 @@ def head_loss_slices_05a2ed77b2099870(
                 g1 = -w_cross_entropy
                 # the label's raw logit, read before any gradient is stored (it may overwrite it)
                 x_y = tl.load(x_row + y_local, mask=y_here, other=0.0).to(tl.float32)
-                # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
+                # Gradient read: the slice again, from shared memory.
                 # The slice's chunks, from shared memory (the row's copies landed there: no HBM read)
                 n_blocks = tl.cdiv(V, BLOCK_V)
                 for i in range(0, n_blocks):
@@ -799,4 +799,4 @@ def head_loss_slices_05a2ed77b2099870(
             tl.store(ws_ptr + 1, value_token_accuracy)
             tl.store(ws_ptr + 2, weight_cross_entropy * value_cross_entropy)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "649ad9717d6579e65faa9b737cdb8b376f47b53338af78834bb9936e54df72ed"
+TEXT_HASH = "50f74ad20eb46d98ccd04aaed7251c02f0f6008b1b655d65fecce139ce478ff5"

@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 KEY = "39f035c152db4d19"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "e218c719d61a"
+CODEGEN = "d56ed5fb7ca8"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_fraction']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -701,7 +701,7 @@ def head_loss_slices_39f035c152db4d19(
                     tl.store(at + 3, acc1)
                     _arrive_and_wait(count_ptr + row, G)
             if MERGE:
-                # The packed stats of every vocab shard, gathered ([world, rows of this launch, 4]),
+                # The packed stats of every program of the row, exchanged ([G, rows of this launch, 4]),
                 # merged by each column's rule: maxima first, then the sums rescaled to them.
                 part = part_ptr + row * 4
                 step = n_launch * 4
@@ -790,7 +790,7 @@ def head_loss_slices_39f035c152db4d19(
                 # (a row of -inf read as FLOOR would look uniform: its gradient is NaN, as its values are)
                 # the label's raw logit, read before any gradient is stored (it may overwrite it)
                 x_y = tl.load(x_row + y_local, mask=y_here, other=0.0).to(tl.float32)
-                # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
+                # Gradient read: the slice again, from shared memory.
                 # The slice's chunks, from shared memory (the row's copies landed there: no HBM read)
                 n_blocks = tl.cdiv(V, BLOCK_V)
                 for i in range(0, n_blocks):
@@ -876,4 +876,4 @@ def head_loss_slices_39f035c152db4d19(
             tl.store(ws_ptr + 2, value_clip_fraction)
             tl.store(ws_ptr + 3, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "d403497ccecf4f49ad2d6db0ec0ba2ec0619fbbb8d89eb320c4617b533d20116"
+TEXT_HASH = "11d082e4145b034c357d05d9b103767b00aab561157510923d46a58ecf5f808b"

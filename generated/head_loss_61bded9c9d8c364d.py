@@ -47,7 +47,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 KEY = "61bded9c9d8c364d"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "e218c719d61a"
+CODEGEN = "d56ed5fb7ca8"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['reverse_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -677,7 +677,7 @@ def head_loss_slices_61bded9c9d8c364d(
                     tl.store(at + 4, acc2)
                     _arrive_and_wait(count_ptr + row, G)
             if MERGE:
-                # The packed stats of every vocab shard, gathered ([world, rows of this launch, 5]),
+                # The packed stats of every program of the row, exchanged ([G, rows of this launch, 5]),
                 # merged by each column's rule: maxima first, then the sums rescaled to them.
                 part = part_ptr + row * 5
                 step = n_launch * 5
@@ -746,7 +746,7 @@ def head_loss_slices_61bded9c9d8c364d(
                 g0 = tl.where(finite_row, w_reverse_kl, float("nan"))
                 g1 = tl.where(finite_row, w_reverse_kl*(_log(acc0) - _log(acc2) - 1.0 + (-acc1)*_rcp(acc0)), float("nan"))
                 # (a row of -inf read as FLOOR would look uniform: its gradient is NaN, as its values are)
-                # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
+                # Gradient read: the slice again, from shared memory.
                 # The slice's chunks, from shared memory (the row's copies landed there: no HBM read)
                 n_blocks = tl.cdiv(V, BLOCK_V)
                 for i in range(0, n_blocks):
@@ -818,4 +818,4 @@ def head_loss_slices_61bded9c9d8c364d(
             tl.store(ws_ptr + 0, value_reverse_kl)
             tl.store(ws_ptr + 1, weight_reverse_kl * value_reverse_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "c9d753b3c1bc531467529a2e62abcaf697a4148f1b3d88f79a990e3a079d4c6e"
+TEXT_HASH = "510a49aa3a9881c0cd2e06df91d984c23d0c30b293cc1a154784e6e4fd28febc"

@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 KEY = "6dc3df098f5c5073"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "e218c719d61a"
+CODEGEN = "d56ed5fb7ca8"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cispo', 'entropy', 'cispo_clip_ratio']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -668,7 +668,7 @@ def head_loss_slices_6dc3df098f5c5073(
                     tl.store(at + 3, acc1)
                     _arrive_and_wait(count_ptr + row, G)
             if MERGE:
-                # The packed stats of every vocab shard, gathered ([world, rows of this launch, 4]),
+                # The packed stats of every program of the row, exchanged ([G, rows of this launch, 4]),
                 # merged by each column's rule: maxima first, then the sums rescaled to them.
                 part = part_ptr + row * 4
                 step = n_launch * 4
@@ -743,7 +743,7 @@ def head_loss_slices_6dc3df098f5c5073(
                 # (a row of -inf read as FLOOR would look uniform: its gradient is NaN, as its values are)
                 # the label's raw logit, read before any gradient is stored (it may overwrite it)
                 x_y = tl.load(x_row + y_local, mask=y_here, other=0.0).to(tl.float32)
-                # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
+                # Gradient read: the slice again, from shared memory.
                 # The slice's chunks, from shared memory (the row's copies landed there: no HBM read)
                 n_blocks = tl.cdiv(V, BLOCK_V)
                 for i in range(0, n_blocks):
@@ -829,4 +829,4 @@ def head_loss_slices_6dc3df098f5c5073(
             tl.store(ws_ptr + 2, value_cispo_clip_ratio)
             tl.store(ws_ptr + 3, weight_cispo * value_cispo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "2612aadd073aee4233471b425dc4a8364d42bd60623601eabebed6ef0a73cafb"
+TEXT_HASH = "57ea7db1ce68a69ff3f20dc34bb1f150f43ef8c5ebead75aedcc520f04e56c01"

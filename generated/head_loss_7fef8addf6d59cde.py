@@ -47,7 +47,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 KEY = "7fef8addf6d59cde"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "e218c719d61a"
+CODEGEN = "d56ed5fb7ca8"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -674,7 +674,7 @@ def head_loss_slices_7fef8addf6d59cde(
                     tl.store(at + 4, acc2)
                     _arrive_and_wait(count_ptr + row, G)
             if MERGE:
-                # The packed stats of every vocab shard, gathered ([world, rows of this launch, 5]),
+                # The packed stats of every program of the row, exchanged ([G, rows of this launch, 5]),
                 # merged by each column's rule: maxima first, then the sums rescaled to them.
                 part = part_ptr + row * 5
                 step = n_launch * 5
@@ -743,7 +743,7 @@ def head_loss_slices_7fef8addf6d59cde(
                 g0 = tl.where(finite_row, w_forward_kl, float("nan"))
                 g1 = tl.where(finite_row, w_forward_kl, float("nan"))
                 # (a row of -inf read as FLOOR would look uniform: its gradient is NaN, as its values are)
-                # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
+                # Gradient read: the slice again, from shared memory.
                 # The slice's chunks, from shared memory (the row's copies landed there: no HBM read)
                 n_blocks = tl.cdiv(V, BLOCK_V)
                 for i in range(0, n_blocks):
@@ -812,4 +812,4 @@ def head_loss_slices_7fef8addf6d59cde(
             tl.store(ws_ptr + 0, value_forward_kl)
             tl.store(ws_ptr + 1, weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "ca392d60d7e3b2b854930e624098592d77d0d2ebe4c50403d961a612701ee954"
+TEXT_HASH = "1706b22275ae0386d61318fdefc53ca473ec2a9558785a599f7731cf75e50800"

@@ -53,7 +53,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 KEY = "97832387ccf65118"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "e218c719d61a"
+CODEGEN = "d56ed5fb7ca8"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -742,7 +742,7 @@ def head_loss_slices_97832387ccf65118(
                     tl.store(at + 6, acc3)
                     _arrive_and_wait(count_ptr + row, G)
             if MERGE:
-                # The packed stats of every vocab shard, gathered ([world, rows of this launch, 7]),
+                # The packed stats of every program of the row, exchanged ([G, rows of this launch, 7]),
                 # merged by each column's rule: maxima first, then the sums rescaled to them.
                 part = part_ptr + row * 7
                 step = n_launch * 7
@@ -833,7 +833,7 @@ def head_loss_slices_97832387ccf65118(
                 # (a row of -inf read as FLOOR would look uniform: its gradient is NaN, as its values are)
                 # the label's raw logit, read before any gradient is stored (it may overwrite it)
                 x_y = tl.load(x_row + y_local, mask=y_here, other=0.0).to(tl.float32)
-                # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
+                # Gradient read: the slice again, from shared memory.
                 # The slice's chunks, from shared memory (the row's copies landed there: no HBM read)
                 n_blocks = tl.cdiv(V, BLOCK_V)
                 for i in range(0, n_blocks):
@@ -920,4 +920,4 @@ def head_loss_slices_97832387ccf65118(
             tl.store(ws_ptr + 1, value_forward_kl)
             tl.store(ws_ptr + 2, weight_cross_entropy * value_cross_entropy + weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "1e3781f8ae3296d6138feab5e8a4243aa47434a45b1e023bd29f0533ee66d07d"
+TEXT_HASH = "c2a0360b7016045ce2685b2487f7c8f9890ee07053046c08ecab18309a3946c2"

@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 KEY = "b035e884472ee995"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "e218c719d61a"
+CODEGEN = "d56ed5fb7ca8"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['jsd']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -710,7 +710,7 @@ def head_loss_slices_b035e884472ee995(
                     tl.store(at + 3, acc2)
                     _arrive_and_wait(count_ptr + row, G)
             if MERGE:
-                # The packed stats of every vocab shard, gathered ([world, rows of this launch, 4]),
+                # The packed stats of every program of the row, exchanged ([G, rows of this launch, 4]),
                 # merged by each column's rule: maxima first, then the sums rescaled to them.
                 part = part_ptr + row * 4
                 step = n_launch * 4
@@ -823,7 +823,7 @@ def head_loss_slices_b035e884472ee995(
                     w_jsd = weight_jsd * grad_scale
                 g0 = w_jsd
                 g1 = -acc1*p_jsd__beta*w_jsd
-                # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
+                # Gradient read: the slice again, from shared memory.
                 # The slice's chunks, from shared memory (the row's copies landed there: no HBM read)
                 n_blocks = tl.cdiv(V, BLOCK_V)
                 for i in range(0, n_blocks):
@@ -898,4 +898,4 @@ def head_loss_slices_b035e884472ee995(
             tl.store(ws_ptr + 0, value_jsd)
             tl.store(ws_ptr + 1, weight_jsd * value_jsd)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "c504f775ea0b9ffea94b901b6ae4ec770941ff55eccc2e38457bc01eaa43a5e3"
+TEXT_HASH = "2b7f6b910e59b9d9b717f500c3e6d2f401fec5eb4e877f74e668b1e38fd83c0e"

@@ -51,7 +51,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 KEY = "b6ac30aa276abf3a"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "e218c719d61a"
+CODEGEN = "d56ed5fb7ca8"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss', 'entropy', 'token_accuracy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -689,7 +689,7 @@ def head_loss_slices_b6ac30aa276abf3a(
                     tl.store(at + 4, acc1)
                     _arrive_and_wait(count_ptr + row, G)
             if MERGE:
-                # The packed stats of every vocab shard, gathered ([world, rows of this launch, 5]),
+                # The packed stats of every program of the row, exchanged ([G, rows of this launch, 5]),
                 # merged by each column's rule: maxima first, then the sums rescaled to them.
                 part = part_ptr + row * 5
                 step = n_launch * 5
@@ -772,7 +772,7 @@ def head_loss_slices_b6ac30aa276abf3a(
                 # (a row of -inf read as FLOOR would look uniform: its gradient is NaN, as its values are)
                 # the label's raw logit, read before any gradient is stored (it may overwrite it)
                 x_y = tl.load(x_row + y_local, mask=y_here, other=0.0).to(tl.float32)
-                # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
+                # Gradient read: the slice again, from shared memory.
                 # The slice's chunks, from shared memory (the row's copies landed there: no HBM read)
                 n_blocks = tl.cdiv(V, BLOCK_V)
                 for i in range(0, n_blocks):
@@ -862,4 +862,4 @@ def head_loss_slices_b6ac30aa276abf3a(
             tl.store(ws_ptr + 3, value_token_accuracy)
             tl.store(ws_ptr + 4, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "3e813c34890c92830d0b357f7e92726693b86976fa1e4ddefa05bac694a2b4ad"
+TEXT_HASH = "8df434b5fd97430db7112e718c42f49eae32704e53b2eb04788b3392a7fcb40a"

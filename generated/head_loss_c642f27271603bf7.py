@@ -44,7 +44,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 KEY = "c642f27271603bf7"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "e218c719d61a"
+CODEGEN = "d56ed5fb7ca8"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -617,7 +617,7 @@ def head_loss_slices_c642f27271603bf7(
                     tl.store(at + 2, acc0)
                     _arrive_and_wait(count_ptr + row, G)
             if MERGE:
-                # The packed stats of every vocab shard, gathered ([world, rows of this launch, 3]),
+                # The packed stats of every program of the row, exchanged ([G, rows of this launch, 3]),
                 # merged by each column's rule: maxima first, then the sums rescaled to them.
                 part = part_ptr + row * 3
                 step = n_launch * 3
@@ -677,7 +677,7 @@ def head_loss_slices_c642f27271603bf7(
                 g1 = -w_cross_entropy
                 # the label's raw logit, read before any gradient is stored (it may overwrite it)
                 x_y = tl.load(x_row + y_local, mask=y_here, other=0.0).to(tl.float32)
-                # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
+                # Gradient read: the slice again, from shared memory.
                 # The slice's chunks, from shared memory (the row's copies landed there: no HBM read)
                 n_blocks = tl.cdiv(V, BLOCK_V)
                 for i in range(0, n_blocks):
@@ -755,4 +755,4 @@ def head_loss_slices_c642f27271603bf7(
             tl.store(ws_ptr + 0, value_cross_entropy)
             tl.store(ws_ptr + 1, weight_cross_entropy * value_cross_entropy)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "33e22959c1a3e3825f9ddc9bbb367f9b7b9e7048d0350ddf8043b63aaeb78f19"
+TEXT_HASH = "4a09b3015ec1ac8926d2a071b5a0aaaa1d4878ad373dd383cce1e8ff27ab6268"

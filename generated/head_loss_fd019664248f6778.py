@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 KEY = "fd019664248f6778"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "e218c719d61a"
+CODEGEN = "d56ed5fb7ca8"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -642,7 +642,7 @@ def head_loss_slices_fd019664248f6778(
                     tl.store(at + 3, acc1)
                     _arrive_and_wait(count_ptr + row, G)
             if MERGE:
-                # The packed stats of every vocab shard, gathered ([world, rows of this launch, 4]),
+                # The packed stats of every program of the row, exchanged ([G, rows of this launch, 4]),
                 # merged by each column's rule: maxima first, then the sums rescaled to them.
                 part = part_ptr + row * 4
                 step = n_launch * 4
@@ -711,7 +711,7 @@ def head_loss_slices_fd019664248f6778(
                 # (a row of -inf read as FLOOR would look uniform: its gradient is NaN, as its values are)
                 # the label's raw logit, read before any gradient is stored (it may overwrite it)
                 x_y = tl.load(x_row + y_local, mask=y_here, other=0.0).to(tl.float32)
-                # Gradient read: in one launch with the stats the row was just read, and L2 still holds much of it.
+                # Gradient read: the slice again, from shared memory.
                 # The slice's chunks, from shared memory (the row's copies landed there: no HBM read)
                 n_blocks = tl.cdiv(V, BLOCK_V)
                 for i in range(0, n_blocks):
@@ -789,4 +789,4 @@ def head_loss_slices_fd019664248f6778(
             tl.store(ws_ptr + 0, value_cross_entropy)
             tl.store(ws_ptr + 1, weight_cross_entropy * value_cross_entropy)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "c6d47e05e98210fd3ba4eee54d11217055a32819606f58b48968a4903a414af2"
+TEXT_HASH = "a628d3273816ce4072b6fbddc0cee63b1f165987ff762b70f2d4e2c7f439b367"
