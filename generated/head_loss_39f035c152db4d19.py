@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 KEY = "39f035c152db4d19"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "d56ed5fb7ca8"
+CODEGEN = "d8ec42c48738"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_fraction']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -876,4 +876,4 @@ def head_loss_slices_39f035c152db4d19(
             tl.store(ws_ptr + 2, value_clip_fraction)
             tl.store(ws_ptr + 3, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "11d082e4145b034c357d05d9b103767b00aab561157510923d46a58ecf5f808b"
+TEXT_HASH = "69053fe955c334373bf010a0a198c70b73972791c2e3d5e009c448ff317ae6af"

@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 KEY = "b035e884472ee995"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "d56ed5fb7ca8"
+CODEGEN = "d8ec42c48738"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['jsd']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -898,4 +898,4 @@ def head_loss_slices_b035e884472ee995(
             tl.store(ws_ptr + 0, value_jsd)
             tl.store(ws_ptr + 1, weight_jsd * value_jsd)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "2b7f6b910e59b9d9b717f500c3e6d2f401fec5eb4e877f74e668b1e38fd83c0e"
+TEXT_HASH = "05bf738058149b209c43b2d6659666404a4db4c9bd5cd8837aa97fab7d86dfa9"

@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 KEY = "fd019664248f6778"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "d56ed5fb7ca8"
+CODEGEN = "d8ec42c48738"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -789,4 +789,4 @@ def head_loss_slices_fd019664248f6778(
             tl.store(ws_ptr + 0, value_cross_entropy)
             tl.store(ws_ptr + 1, weight_cross_entropy * value_cross_entropy)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "a628d3273816ce4072b6fbddc0cee63b1f165987ff762b70f2d4e2c7f439b367"
+TEXT_HASH = "7cfaaea749db416292cedc7ded41fded592f7e596e12bd29f22b6bc387192dea"

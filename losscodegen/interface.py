@@ -265,10 +265,10 @@ def holds_row_slices(plan: Plan) -> bool:
     """Whether a head's file has the row-slices kernel (issue 47: each row's slices held in shared
     memory, read from HBM once): every head whose row is the whole of its work. Not one with
     segment statistics (a row adds into its segment: once a row, not once a slice), top-k entries
-    (their ids index the whole row) or a teacher that takes a gradient (the teacher's gradient
-    kernel has none)."""
+    (their ids index the whole row), a teacher that takes a gradient (the teacher's gradient
+    kernel has none) or the row's argmax (Gluon's argmax needs a layout the phases do not give)."""
     lw = plan.lowered
-    return not (lw.segments or lw.uses_topk or lw.teacher_grad)
+    return not (lw.segments or lw.uses_topk or lw.teacher_grad or lw.uses_argmax)
 
 
 def resolve(names: tuple[str, ...], tokens: tuple[str, ...], vectors: tuple[str, ...], kernel: str) -> tuple[Arg, ...]:

@@ -49,6 +49,7 @@ class LayoutKey(NamedTuple):
     topk: int                  # the teacher's top-k count (0: none)
     exchange: bool             # whether vocab shards exchange their stats in-kernel
     teacher_grad: bool         # the kernel that writes the teacher's gradient too (HeadLoss.kernel_for)
+    aligned: bool              # rows of the logits (and the teacher's) at 16-byte multiples (``aligned``)
 
 
 # Where the launcher takes each per-launch argument (``Arg.value``) from: one tuple a launch, the
@@ -133,9 +134,10 @@ def _layout(head, sig: LayoutKey) -> _Layout:
                              deferred=deferred, teacher_grad=sig.teacher_grad)
     name = f"head_loss_{spec.key}"
     if config.kernel == "slices":
-        # the row-slices kernel serves a call of one launch with the gradient, where the file has it
+        # the row-slices kernel serves a call of one launch with the gradient, where the file has it,
+        # on rows its 16-byte copies can read (``aligned``)
         name = f"head_loss_slices_{spec.key}"
-        if not (len(launches) == 1 and launches[0].grad and hasattr(k, name)):
+        if not (len(launches) == 1 and launches[0].grad and sig.aligned and hasattr(k, name)):
             config, name = config.fallback, f"head_loss_{spec.key}"
     cut = next((i + 1 for i, launch in enumerate(launches) if launch.then is Then.SEGMENTS), len(launches))
     fn = getattr(k, name)
@@ -181,6 +183,13 @@ def _layout(head, sig: LayoutKey) -> _Layout:
                    backend.prologue(count), binding(spec, args, name),
                    binding(spec, spec.segment_args, seg_name, per_launch=False) if spec.segments else None,
                    segment_kernel)
+
+
+def aligned(x: torch.Tensor) -> bool:
+    """Whether every row of ``x`` starts at a multiple of 16 bytes as Triton can tell when it compiles
+    (a 16-byte aligned start and a stride of a multiple of 16 elements, which it specialises on): the
+    row-slices kernel's asynchronous copies, 4 to 16 bytes each, need it."""
+    return x.data_ptr() % 16 == 0 and x.stride(0) % 16 == 0
 
 
 # The workspace after the kernel's fixed slots, region by region in this order (fp32 each); the
@@ -277,7 +286,7 @@ class Launcher:
         # NamedTuple costs a call host time, so one is made only for a new layout.
         key = (call.V_local, dtype, element_size, call.device, call.reduction, call.group, grad,
                call.divisor is not None, call.topk_ids.shape[1] if spec.uses_topk else 0, self.exchange is not None,
-               call.teacher_grad)
+               call.teacher_grad, aligned(call.x) and (call.teacher is None or aligned(call.teacher)))
         # (a configuration being measured takes no layout kept from a call before it, nor leaves one)
         layout = head.layouts.get(key) if head.tile_override is None else None
         if layout is None:

@@ -98,7 +98,9 @@ class Plan:
     each), "compile" (``torch.compile`` of a call). ``tile``: a forced ``(block_v, num_warps, split)``
     (None: the runtime's own choice). ``backend``: the head built on that backend ("": the head's own).
     ``inplace``: the head built with ``inplace_backward=True`` (the gradient written over the logits).
-    ``teacher_grad``: teacher logits that require grad (co-distillation), their gradient checked too."""
+    ``teacher_grad``: teacher logits that require grad (co-distillation), their gradient checked too.
+    ``slices``: the row-slices kernel forced, its slices at most ``(columns, copy_bytes)`` a thread's
+    chunk (one warp: chunks of 64 columns)."""
 
     kind: str = "call"
     dtype: str = "float32"
@@ -111,6 +113,7 @@ class Plan:
     backend: str = ""
     inplace: bool = False
     teacher_grad: bool = False
+    slices: tuple[int, int] | None = None
 
     def code(self) -> str:
         fields_ = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
@@ -303,9 +306,10 @@ def generate_case(rng: random.Random, device: str = "cpu") -> Case:
     # (softcap=2.0 saturates on the spread regime's rows)
     options = rng.choice([(), (), (), (("softcap", 20.0),), (("logit_scale", 0.5),), (("softcap", 2.0),)])
     regime = "randn" if rng.random() < 0.35 else rng.choice([r for r in REGIMES if r != "randn"])
+    # (on a GPU, 128 too: the row-slices kernel's smallest chunks split it over two programs)
+    vocab = rng.choice([40, 64, 61] + ([128] if device == "cuda" else []))
     return Case(tuple(unique), Plan(), options, rows=12 if layout else rng.choice([7, 12]),
-                vocab=rng.choice([40, 64, 61]), seed=rng.randrange(1000), device=device, layout=layout,
-                regime=regime)
+                vocab=vocab, seed=rng.randrange(1000), device=device, layout=layout, regime=regime)
 def plans(rng: random.Random, case: Case, *, compile_share: float = 0.0, sharded: bool = True,
           segments: bool = False, teacher: bool = False) -> list[Plan]:
     """The plans a case runs under: every reduction, forced tiles (several tiles a row, split
@@ -333,6 +337,11 @@ def plans(rng: random.Random, case: Case, *, compile_share: float = 0.0, sharded
                 base = V // world
                 out.append(Plan(kind="sharded", world=world,
                                 shards=tuple(base + (r < V - base * world) for r in range(world))))
+    if case.device == "cuda" and case.vocab % 16 == 0:
+        # the row-slices kernel (Gluon, a GPU's only), its rows in slices of one or two 64-column chunks:
+        # one program a row at 64 columns, two at 128
+        out += [Plan(slices=(64, 4), dtype=rng.choice(["float32", "bfloat16"]), reduction=rng.choice(["mean", "sum"])),
+                Plan(slices=(64, 4), dtype="bfloat16", divisor=3.0)]
     if teacher:   # the teacher's own gradient (its second kernel), on either backend
         out += [Plan(teacher_grad=True, tile=(16, 4, rng.random() < 0.5), reduction=rng.choice(["mean", none])),
                 Plan(teacher_grad=True, backend="torch", dtype=rng.choice(["float32", "bfloat16"]))]

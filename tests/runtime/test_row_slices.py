@@ -13,14 +13,15 @@ from losscodegen.backends.triton import tiles
 from losscodegen.backends.triton.slices import resident_per_sm
 
 
-def _head(*terms) -> lcg.HeadLoss:
-    return lcg.HeadLoss(*terms, backend="triton")
+def _head(*terms, **options) -> lcg.HeadLoss:
+    return lcg.HeadLoss(*terms, backend="triton", **options)
 
 
 def test_a_file_has_the_row_slices_kernel_where_its_rows_are_the_whole_work():
     for head, has in ((_head(lcg.CrossEntropy()), True), (_head(lcg.JSD()), True),
                       (_head(lcg.GSPO()), False),     # segment statistics: a row adds into its segment
-                      (_head(lcg.CrossEntropy(), lcg.TopKForwardKL()), False)):
+                      (_head(lcg.CrossEntropy(), lcg.TopKForwardKL()), False),
+                      (_head(lcg.CrossEntropy(), metrics=(lcg.TokenAccuracy(),)), False)):   # the argmax
         assert hasattr(head.kernel, f"head_loss_slices_{head.kernel.KEY}") is has, head
 
 
@@ -47,8 +48,9 @@ def test_no_program_of_a_row_holds_none_of_it_where_a_chunk_is_wider_than_the_sl
 
 
 def test_a_table_entry_of_a_slices_configuration_reads_back_as_it():
-    config = tiles.Slices(8192, 4, 2)
-    assert tiles.of_entry(config.entry()) == config and tiles.of_entry([4096, 8, False]) == tiles.Config(4096, 8)
+    for config in (tiles.Slices(8192, 4, 2), tiles.Slices(64, 1, copy_bytes=4)):
+        assert tiles.of_entry(config.entry()) == config
+    assert tiles.of_entry([4096, 8, False]) == tiles.Config(4096, 8)
 
 
 def test_programs_resident_at_once_take_the_least_that_registers_shared_memory_and_threads_allow():
@@ -83,6 +85,16 @@ def test_a_call_the_row_slices_kernel_does_not_serve_takes_its_fallback(make):
 def test_a_call_the_row_slices_kernel_serves_needs_a_gpu():
     head = _head(lcg.CrossEntropy())
     head.tile_override = tiles.Slices(16384, 8)
-    x, y, _ = _inputs(head)
+    x, y, _ = _inputs(head, V=704)
     with pytest.raises(ValueError, match="runs on a GPU only"):
         head(x.requires_grad_(), y)
+
+
+def test_rows_its_copies_cannot_read_take_the_fallback():
+    # rows of 700 fp32 columns start at multiples of 2800 bytes, not of 16: no 16-byte copy reads them
+    # (nor can Triton tell they are 4-byte aligned), so the call runs the head kernel
+    head = _head(lcg.CrossEntropy())
+    x, y, _ = _inputs(head, V=700)
+    want = torch.autograd.grad(head(x.requires_grad_(), y).loss, x)[0]
+    head.tile_override = tiles.Slices(16384, 8)
+    assert torch.equal(torch.autograd.grad(head(x, y).loss, x)[0], want)

@@ -94,6 +94,7 @@ class Slices:
     columns: int
     num_warps: int
     nbuf: int = 2
+    copy_bytes: int = 16    # a thread's columns of a chunk (and of a copy), in bytes of the widest logits
     fallback: Config = Config(4096, 8)
     split = False
     kernel = "slices"
@@ -101,7 +102,9 @@ class Slices:
     def launch(self, V: int, element_size: int) -> dict:
         """The constexprs and options for V columns a rank: BLOCK_V a chunk of 16 bytes a thread (of
         the widest logits), G programs a row, N_CHUNKS chunks a slice (Gluon's shapes: powers of 2)."""
-        block_v = 16 // max(element_size, 2) * 32 * self.num_warps
+        # (2 columns a thread at least: a copy of a 2-byte stream beside a 4-byte one is 4 bytes, the least
+        # an asynchronous copy moves)
+        block_v = max(self.copy_bytes // element_size, 2) * 32 * self.num_warps
         # slices of at most ``columns`` (a power of 2 of whole chunks), as few as cover the row; G of them,
         # every one holding some of it
         width = max(pow2(-(-V // -(-V // self.columns))), block_v)
@@ -110,11 +113,12 @@ class Slices:
                     launch_cooperative_grid=True)
 
     def __repr__(self) -> str:
-        return f"Slices(columns={self.columns}, num_warps={self.num_warps}, nbuf={self.nbuf})"
+        small = "" if self.copy_bytes == 16 else f", copy_bytes={self.copy_bytes}"
+        return f"Slices(columns={self.columns}, num_warps={self.num_warps}, nbuf={self.nbuf}{small})"
 
     def entry(self) -> list:
-        """The table's form: ["slices", columns, num_warps, nbuf]."""
-        return ["slices", self.columns, self.num_warps, self.nbuf]
+        """The table's form: ["slices", columns, num_warps, nbuf, copy_bytes]."""
+        return ["slices", self.columns, self.num_warps, self.nbuf, self.copy_bytes]
 
 
 def of_entry(entry: list) -> Config | Slices:
