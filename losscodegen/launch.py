@@ -49,7 +49,8 @@ class LayoutKey(NamedTuple):
     topk: int                  # the teacher's top-k count (0: none)
     exchange: bool             # whether vocab shards exchange their stats in-kernel
     teacher_grad: bool         # the kernel that writes the teacher's gradient too (HeadLoss.kernel_for)
-    aligned: bool              # rows of the logits (and the teacher's) at 16-byte multiples (``aligned``)
+    aligned: bool              # rows of the logits (and the teacher's) at 16-byte multiples (``aligned``);
+                               # False for head.linear's, made a chunk at a time
 
 
 # Where the launcher takes each per-launch argument (``Arg.value``) from: one tuple a launch, the
@@ -286,7 +287,7 @@ class Launcher:
         # NamedTuple costs a call host time, so one is made only for a new layout.
         key = (call.V_local, dtype, element_size, call.device, call.reduction, call.group, grad,
                call.divisor is not None, call.topk_ids.shape[1] if spec.uses_topk else 0, self.exchange is not None,
-               call.teacher_grad, aligned(call.x) and (call.teacher is None or aligned(call.teacher)))
+               call.teacher_grad, call.x is not None and aligned(call.x) and (call.teacher is None or aligned(call.teacher)))
         # (a configuration being measured takes no layout kept from a call before it, nor leaves one)
         layout = head.layouts.get(key) if head.tile_override is None else None
         if layout is None:
