@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 KEY = "2e7b8aa488a0d8ec"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "d8ec42c48738"
+CODEGEN = "5a651e491388"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -595,8 +595,8 @@ def head_loss_slices_2e7b8aa488a0d8ec(
 
             if STATS:
                 # First read: the running max and every online accumulator, rescaled when the max grows.
-                m = float("-inf")
-                acc0 = 0.0
+                m = gl.full([BLOCK_V], float("-inf"), gl.float32, L1)
+                acc0 = gl.full([BLOCK_V], 0.0, gl.float32, L1)
                 # The slice's chunks, from shared memory (the row's copies landed there: no HBM read)
                 n_blocks = tl.cdiv(V, BLOCK_V)
                 for i in range(0, n_blocks):
@@ -605,7 +605,7 @@ def head_loss_slices_2e7b8aa488a0d8ec(
                     in_row = cols < V
                     x_tile = x_smem.index(slot * N_CHUNKS + i).load(L1)
                     z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
-                    block_max = tl.max(tl.where(in_row, z, float("-inf")), 0)
+                    block_max = tl.where(in_row, z, float("-inf"))
                     m_new = tl.maximum(m, block_max)
                     # the exponents' reference: 0 while every logit so far is -inf (-inf - -inf is NaN)
                     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -615,9 +615,14 @@ def head_loss_slices_2e7b8aa488a0d8ec(
                     s0 = tl.exp2(1.4426950408889634 * zm)
                     r0 = tl.exp2(1.4426950408889634 * (m - m_ref))
                     # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
-                    acc0_tile = tl.sum(tl.where(in_row, s0, 0.0), 0)
+                    acc0_tile = tl.where(in_row, s0, 0.0)
                     acc0 = acc0 * r0 + acc0_tile
                     m = m_new
+                # the lanes' stats merged, each lane a shard of the slice: the maxima, then the sums rescaled to them
+                m_lanes = m
+                m = tl.max(m_lanes, 0)
+                acc0_merged = tl.sum(acc0 * tl.exp2(1.4426950408889634 * (-m + m_lanes)), 0)
+                acc0 = acc0_merged
                 z_y = tl.where(y_here, _logits(tl.load(x_row + y_local, mask=y_here, other=0.0).to(tl.float32),
                                                logit_scale, softcap), 0.0)
                 if EXCHANGE:
@@ -781,4 +786,4 @@ def head_loss_slices_2e7b8aa488a0d8ec(
             tl.store(ws_ptr + 1, value_z_loss)
             tl.store(ws_ptr + 2, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "6f7f885d32cdace163ef1e8cef5b404fdfa844d7a89534dc955e36b6cc51f94c"
+TEXT_HASH = "66bc5db7d35a586f92d0914ba920a9d1142391c7ed06befd7675cfcd5958d816"

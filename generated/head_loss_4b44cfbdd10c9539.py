@@ -53,7 +53,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 KEY = "4b44cfbdd10c9539"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "d8ec42c48738"
+CODEGEN = "5a651e491388"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_fraction', 'ratio_mean', 'kl_new_old']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -657,10 +657,10 @@ def head_loss_slices_4b44cfbdd10c9539(
 
             if STATS:
                 # First read: the running max and every online accumulator, rescaled when the max grows.
-                m = float("-inf")
-                acc0 = 0.0
-                acc0_lo = 0.0
-                acc1 = 0.0
+                m = gl.full([BLOCK_V], float("-inf"), gl.float32, L1)
+                acc0 = gl.full([BLOCK_V], 0.0, gl.float32, L1)
+                acc0_lo = gl.full([BLOCK_V], 0.0, gl.float32, L1)
+                acc1 = gl.full([BLOCK_V], 0.0, gl.float32, L1)
                 # The slice's chunks, from shared memory (the row's copies landed there: no HBM read)
                 n_blocks = tl.cdiv(V, BLOCK_V)
                 for i in range(0, n_blocks):
@@ -671,7 +671,7 @@ def head_loss_slices_4b44cfbdd10c9539(
                     z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
                     # past the row's end, -inf: every sum of this read is 0 there (the teacher is loaded so)
                     z = tl.where(in_row, z, float("-inf"))
-                    block_max = tl.max(z, 0)
+                    block_max = z
                     m_new = tl.maximum(m, block_max)
                     # the exponents' reference: 0 while every logit so far is -inf (-inf - -inf is NaN)
                     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -684,8 +684,8 @@ def head_loss_slices_4b44cfbdd10c9539(
                     r0 = tl.exp2(1.4426950408889634 * (m - m_ref))
                     acc1_moved = tl.where(acc0 > 0.0, acc0*(m - m_ref), 0.0)
                     # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
-                    acc0_tile = tl.sum(s0, 0)
-                    acc1_tile = tl.sum(s0*zm, 0)
+                    acc0_tile = s0
+                    acc1_tile = s0*zm
                     # (compensated: what rounding each tile's addition drops is kept, and added back after the read)
                     acc0_a = acc0 * r0
                     acc0_lo = acc0_lo * r0
@@ -696,6 +696,13 @@ def head_loss_slices_4b44cfbdd10c9539(
                     acc1 = (acc1 + acc1_moved) * r0 + acc1_tile
                     m = m_new
                 acc0 = acc0 + acc0_lo
+                # the lanes' stats merged, each lane a shard of the slice: the maxima, then the sums rescaled to them
+                m_lanes = m
+                m = tl.max(m_lanes, 0)
+                acc0_merged = tl.sum(acc0 * tl.exp2(1.4426950408889634 * (-m + m_lanes)), 0)
+                acc1_merged = tl.sum((acc1 + tl.where(acc0 > 0.0, (-m + m_lanes) * acc0, 0.0)) * tl.exp2(1.4426950408889634 * (-m + m_lanes)), 0)
+                acc0 = acc0_merged
+                acc1 = acc1_merged
                 z_y = tl.where(y_here, _logits(tl.load(x_row + y_local, mask=y_here, other=0.0).to(tl.float32),
                                                logit_scale, softcap), 0.0)
                 if EXCHANGE:
@@ -893,4 +900,4 @@ def head_loss_slices_4b44cfbdd10c9539(
             tl.store(ws_ptr + 4, value_kl_new_old)
             tl.store(ws_ptr + 5, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "270da79784eb565147a5f88ad3a712df6f25b06bce0117f4f3bccbf94bbb90bf"
+TEXT_HASH = "844def0bf98482cb93f7c4db5c890e109929b8e442c298470e88a815d46aa638"

@@ -47,7 +47,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 KEY = "61bded9c9d8c364d"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "d8ec42c48738"
+CODEGEN = "5a651e491388"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['reverse_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -619,11 +619,11 @@ def head_loss_slices_61bded9c9d8c364d(
 
             if STATS:
                 # First read: the running max and every online accumulator, rescaled when the max grows.
-                m = float("-inf")
-                m_t = float("-inf")
-                acc0 = 0.0
-                acc1 = 0.0
-                acc2 = 0.0
+                m = gl.full([BLOCK_V], float("-inf"), gl.float32, L1)
+                m_t = gl.full([BLOCK_V], float("-inf"), gl.float32, L1)
+                acc0 = gl.full([BLOCK_V], 0.0, gl.float32, L1)
+                acc1 = gl.full([BLOCK_V], 0.0, gl.float32, L1)
+                acc2 = gl.full([BLOCK_V], 0.0, gl.float32, L1)
                 # The slice's chunks, from shared memory (the row's copies landed there: no HBM read)
                 n_blocks = tl.cdiv(V, BLOCK_V)
                 for i in range(0, n_blocks):
@@ -636,12 +636,12 @@ def head_loss_slices_61bded9c9d8c364d(
                     z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
                     # past the row's end, -inf: every sum of this read is 0 there (the teacher is loaded so)
                     z = tl.where(in_row, z, float("-inf"))
-                    block_max = tl.max(z, 0)
+                    block_max = z
                     m_new = tl.maximum(m, block_max)
                     # the exponents' reference: 0 while every logit so far is -inf (-inf - -inf is NaN)
                     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
                     t = t_tile.to(tl.float32)
-                    m_t_new = tl.maximum(m_t, tl.max(t, 0))
+                    m_t_new = tl.maximum(m_t, t)
                     m_t_ref = tl.where(m_t_new == float("-inf"), 0.0, m_t_new)
                     # -inf as FLOOR (a NaN stays NaN): its probability is still 0, and 0 * FLOOR is 0 where 0 * -inf is NaN
                     z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
@@ -656,14 +656,25 @@ def head_loss_slices_61bded9c9d8c364d(
                     s1 = tl.exp2(1.4426950408889634 * tm)
                     r1 = tl.exp2(1.4426950408889634 * (m_t - m_t_ref))
                     # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
-                    acc0_tile = tl.sum(s0, 0)
-                    acc1_tile = tl.sum(s0*(-tm + zm), 0)
-                    acc2_tile = tl.sum(s1, 0)
+                    acc0_tile = s0
+                    acc1_tile = s0*(-tm + zm)
+                    acc2_tile = s1
                     acc0 = acc0 * r0 + acc0_tile
                     acc1 = (acc1 + acc1_moved) * r0 + acc1_tile
                     acc2 = acc2 * r1 + acc2_tile
                     m = m_new
                     m_t = m_t_new
+                # the lanes' stats merged, each lane a shard of the slice: the maxima, then the sums rescaled to them
+                m_lanes = m
+                m = tl.max(m_lanes, 0)
+                m_t_lanes = m_t
+                m_t = tl.max(m_t_lanes, 0)
+                acc0_merged = tl.sum(acc0 * tl.exp2(1.4426950408889634 * (-m + m_lanes)), 0)
+                acc1_merged = tl.sum((acc1 + tl.where(acc0 > 0.0, (-m + m_lanes + m_t - m_t_lanes) * acc0, 0.0)) * tl.exp2(1.4426950408889634 * (-m + m_lanes)), 0)
+                acc2_merged = tl.sum(acc2 * tl.exp2(1.4426950408889634 * (-m_t + m_t_lanes)), 0)
+                acc0 = acc0_merged
+                acc1 = acc1_merged
+                acc2 = acc2_merged
                 if EXCHANGE:
                     # The slice's packed stats to the row's other programs, through global memory: slot
                     # [member, row] of the buffer, then the row's count (release: the stats are visible
@@ -818,4 +829,4 @@ def head_loss_slices_61bded9c9d8c364d(
             tl.store(ws_ptr + 0, value_reverse_kl)
             tl.store(ws_ptr + 1, weight_reverse_kl * value_reverse_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "3b325fb5a7f4878c17f1bb735acf495036e3e6617181541aba7b31d0444fb8c0"
+TEXT_HASH = "f32aa6c6a107e48cfb362d71833e30674fc98c613ce0fb521024ae34805fb7a8"

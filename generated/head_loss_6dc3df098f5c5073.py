@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 KEY = "6dc3df098f5c5073"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "d8ec42c48738"
+CODEGEN = "5a651e491388"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cispo', 'entropy', 'cispo_clip_ratio']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -623,9 +623,9 @@ def head_loss_slices_6dc3df098f5c5073(
 
             if STATS:
                 # First read: the running max and every online accumulator, rescaled when the max grows.
-                m = float("-inf")
-                acc0 = 0.0
-                acc1 = 0.0
+                m = gl.full([BLOCK_V], float("-inf"), gl.float32, L1)
+                acc0 = gl.full([BLOCK_V], 0.0, gl.float32, L1)
+                acc1 = gl.full([BLOCK_V], 0.0, gl.float32, L1)
                 # The slice's chunks, from shared memory (the row's copies landed there: no HBM read)
                 n_blocks = tl.cdiv(V, BLOCK_V)
                 for i in range(0, n_blocks):
@@ -636,7 +636,7 @@ def head_loss_slices_6dc3df098f5c5073(
                     z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
                     # past the row's end, -inf: every sum of this read is 0 there (the teacher is loaded so)
                     z = tl.where(in_row, z, float("-inf"))
-                    block_max = tl.max(z, 0)
+                    block_max = z
                     m_new = tl.maximum(m, block_max)
                     # the exponents' reference: 0 while every logit so far is -inf (-inf - -inf is NaN)
                     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -649,11 +649,18 @@ def head_loss_slices_6dc3df098f5c5073(
                     r0 = tl.exp2(1.4426950408889634 * (m - m_ref))
                     acc1_moved = tl.where(acc0 > 0.0, acc0*(m - m_ref), 0.0)
                     # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
-                    acc0_tile = tl.sum(s0, 0)
-                    acc1_tile = tl.sum(s0*zm, 0)
+                    acc0_tile = s0
+                    acc1_tile = s0*zm
                     acc0 = acc0 * r0 + acc0_tile
                     acc1 = (acc1 + acc1_moved) * r0 + acc1_tile
                     m = m_new
+                # the lanes' stats merged, each lane a shard of the slice: the maxima, then the sums rescaled to them
+                m_lanes = m
+                m = tl.max(m_lanes, 0)
+                acc0_merged = tl.sum(acc0 * tl.exp2(1.4426950408889634 * (-m + m_lanes)), 0)
+                acc1_merged = tl.sum((acc1 + tl.where(acc0 > 0.0, (-m + m_lanes) * acc0, 0.0)) * tl.exp2(1.4426950408889634 * (-m + m_lanes)), 0)
+                acc0 = acc0_merged
+                acc1 = acc1_merged
                 z_y = tl.where(y_here, _logits(tl.load(x_row + y_local, mask=y_here, other=0.0).to(tl.float32),
                                                logit_scale, softcap), 0.0)
                 if EXCHANGE:
@@ -829,4 +836,4 @@ def head_loss_slices_6dc3df098f5c5073(
             tl.store(ws_ptr + 2, value_cispo_clip_ratio)
             tl.store(ws_ptr + 3, weight_cispo * value_cispo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "f055fd1313f0eaa2e0e85135d572c7e0c9060fb242e3de821d0bdd9c9ebf1e0a"
+TEXT_HASH = "af661199b7be9dce00341d1ed11df52ffd7db7675c398669e4a074e6133a789e"

@@ -47,7 +47,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 KEY = "7fef8addf6d59cde"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "d8ec42c48738"
+CODEGEN = "5a651e491388"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -616,11 +616,11 @@ def head_loss_slices_7fef8addf6d59cde(
 
             if STATS:
                 # First read: the running max and every online accumulator, rescaled when the max grows.
-                m = float("-inf")
-                m_t = float("-inf")
-                acc0 = 0.0
-                acc1 = 0.0
-                acc2 = 0.0
+                m = gl.full([BLOCK_V], float("-inf"), gl.float32, L1)
+                m_t = gl.full([BLOCK_V], float("-inf"), gl.float32, L1)
+                acc0 = gl.full([BLOCK_V], 0.0, gl.float32, L1)
+                acc1 = gl.full([BLOCK_V], 0.0, gl.float32, L1)
+                acc2 = gl.full([BLOCK_V], 0.0, gl.float32, L1)
                 # The slice's chunks, from shared memory (the row's copies landed there: no HBM read)
                 n_blocks = tl.cdiv(V, BLOCK_V)
                 for i in range(0, n_blocks):
@@ -633,12 +633,12 @@ def head_loss_slices_7fef8addf6d59cde(
                     z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
                     # past the row's end, -inf: every sum of this read is 0 there (the teacher is loaded so)
                     z = tl.where(in_row, z, float("-inf"))
-                    block_max = tl.max(z, 0)
+                    block_max = z
                     m_new = tl.maximum(m, block_max)
                     # the exponents' reference: 0 while every logit so far is -inf (-inf - -inf is NaN)
                     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
                     t = t_tile.to(tl.float32)
-                    m_t_new = tl.maximum(m_t, tl.max(t, 0))
+                    m_t_new = tl.maximum(m_t, t)
                     m_t_ref = tl.where(m_t_new == float("-inf"), 0.0, m_t_new)
                     # -inf as FLOOR (a NaN stays NaN): its probability is still 0, and 0 * FLOOR is 0 where 0 * -inf is NaN
                     z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
@@ -653,14 +653,25 @@ def head_loss_slices_7fef8addf6d59cde(
                     s1 = tl.exp2(1.4426950408889634 * zm)
                     r1 = tl.exp2(1.4426950408889634 * (m - m_ref))
                     # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
-                    acc0_tile = tl.sum(s0, 0)
-                    acc1_tile = tl.sum(s0*(tm - zm), 0)
-                    acc2_tile = tl.sum(s1, 0)
+                    acc0_tile = s0
+                    acc1_tile = s0*(tm - zm)
+                    acc2_tile = s1
                     acc0 = acc0 * r0 + acc0_tile
                     acc1 = (acc1 + acc1_moved) * r0 + acc1_tile
                     acc2 = acc2 * r1 + acc2_tile
                     m = m_new
                     m_t = m_t_new
+                # the lanes' stats merged, each lane a shard of the slice: the maxima, then the sums rescaled to them
+                m_lanes = m
+                m = tl.max(m_lanes, 0)
+                m_t_lanes = m_t
+                m_t = tl.max(m_t_lanes, 0)
+                acc0_merged = tl.sum(acc0 * tl.exp2(1.4426950408889634 * (-m_t + m_t_lanes)), 0)
+                acc1_merged = tl.sum((acc1 + tl.where(acc0 > 0.0, (m - m_lanes - m_t + m_t_lanes) * acc0, 0.0)) * tl.exp2(1.4426950408889634 * (-m_t + m_t_lanes)), 0)
+                acc2_merged = tl.sum(acc2 * tl.exp2(1.4426950408889634 * (-m + m_lanes)), 0)
+                acc0 = acc0_merged
+                acc1 = acc1_merged
+                acc2 = acc2_merged
                 if EXCHANGE:
                     # The slice's packed stats to the row's other programs, through global memory: slot
                     # [member, row] of the buffer, then the row's count (release: the stats are visible
@@ -812,4 +823,4 @@ def head_loss_slices_7fef8addf6d59cde(
             tl.store(ws_ptr + 0, value_forward_kl)
             tl.store(ws_ptr + 1, weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "5cd736b366ca87518cb0b3f1f6cad1c8b8fc9f3a79c5d10b04d3364314234fcb"
+TEXT_HASH = "23b7e523fe43c44aa9ce3e0f80905d32d0f2925114d8564f60ba70f6828058e9"

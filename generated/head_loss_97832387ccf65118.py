@@ -53,7 +53,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 KEY = "97832387ccf65118"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "d8ec42c48738"
+CODEGEN = "5a651e491388"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -675,12 +675,12 @@ def head_loss_slices_97832387ccf65118(
 
             if STATS:
                 # First read: the running max and every online accumulator, rescaled when the max grows.
-                m = float("-inf")
-                m_t = float("-inf")
-                acc0 = 0.0
-                acc1 = 0.0
-                acc2 = 0.0
-                acc3 = 0.0
+                m = gl.full([BLOCK_V], float("-inf"), gl.float32, L1)
+                m_t = gl.full([BLOCK_V], float("-inf"), gl.float32, L1)
+                acc0 = gl.full([BLOCK_V], 0.0, gl.float32, L1)
+                acc1 = gl.full([BLOCK_V], 0.0, gl.float32, L1)
+                acc2 = gl.full([BLOCK_V], 0.0, gl.float32, L1)
+                acc3 = gl.full([BLOCK_V], 0.0, gl.float32, L1)
                 # The slice's chunks, from shared memory (the row's copies landed there: no HBM read)
                 n_blocks = tl.cdiv(V, BLOCK_V)
                 for i in range(0, n_blocks):
@@ -693,12 +693,12 @@ def head_loss_slices_97832387ccf65118(
                     z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
                     # past the row's end, -inf: every sum of this read is 0 there (the teacher is loaded so)
                     z = tl.where(in_row, z, float("-inf"))
-                    block_max = tl.max(z, 0)
+                    block_max = z
                     m_new = tl.maximum(m, block_max)
                     # the exponents' reference: 0 while every logit so far is -inf (-inf - -inf is NaN)
                     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
                     t = t_tile.to(tl.float32)
-                    m_t_new = tl.maximum(m_t, tl.max(t, 0))
+                    m_t_new = tl.maximum(m_t, t)
                     m_t_ref = tl.where(m_t_new == float("-inf"), 0.0, m_t_new)
                     # -inf as FLOOR (a NaN stays NaN): its probability is still 0, and 0 * FLOOR is 0 where 0 * -inf is NaN
                     z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
@@ -715,16 +715,29 @@ def head_loss_slices_97832387ccf65118(
                     s2 = tl.exp2(1.4426950408889634 * ((0.5)*zm))
                     r2 = tl.exp2(1.4426950408889634 * ((0.5)*(m - m_ref)))
                     # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
-                    acc0_tile = tl.sum(s0, 0)
-                    acc1_tile = tl.sum(s0*(tm - zm), 0)
-                    acc2_tile = tl.sum(s1, 0)
-                    acc3_tile = tl.sum(s2, 0)
+                    acc0_tile = s0
+                    acc1_tile = s0*(tm - zm)
+                    acc2_tile = s1
+                    acc3_tile = s2
                     acc0 = acc0 * r0 + acc0_tile
                     acc1 = (acc1 + acc1_moved) * r0 + acc1_tile
                     acc2 = acc2 * r1 + acc2_tile
                     acc3 = acc3 * r2 + acc3_tile
                     m = m_new
                     m_t = m_t_new
+                # the lanes' stats merged, each lane a shard of the slice: the maxima, then the sums rescaled to them
+                m_lanes = m
+                m = tl.max(m_lanes, 0)
+                m_t_lanes = m_t
+                m_t = tl.max(m_t_lanes, 0)
+                acc0_merged = tl.sum(acc0 * tl.exp2(1.4426950408889634 * ((0.5)*(-m_t + m_t_lanes))), 0)
+                acc1_merged = tl.sum((acc1 + tl.where(acc0 > 0.0, (m - m_lanes - m_t + m_t_lanes) * acc0, 0.0)) * tl.exp2(1.4426950408889634 * ((0.5)*(-m_t + m_t_lanes))), 0)
+                acc2_merged = tl.sum(acc2 * tl.exp2(1.4426950408889634 * (-m + m_lanes)), 0)
+                acc3_merged = tl.sum(acc3 * tl.exp2(1.4426950408889634 * ((0.5)*(-m + m_lanes))), 0)
+                acc0 = acc0_merged
+                acc1 = acc1_merged
+                acc2 = acc2_merged
+                acc3 = acc3_merged
                 z_y = tl.where(y_here, _logits(tl.load(x_row + y_local, mask=y_here, other=0.0).to(tl.float32),
                                                logit_scale, softcap), 0.0)
                 if EXCHANGE:
@@ -920,4 +933,4 @@ def head_loss_slices_97832387ccf65118(
             tl.store(ws_ptr + 1, value_forward_kl)
             tl.store(ws_ptr + 2, weight_cross_entropy * value_cross_entropy + weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "1ce1518545ddb5bc8a69a3761e69d6fbd4e7fc2538cb34d0e5d1eeceb6fa6780"
+TEXT_HASH = "92e4bdfe6d7a0663c933f2b996ee41d5d317670d77ce11fc4454fbcaf8cf380a"

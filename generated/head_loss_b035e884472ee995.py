@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 KEY = "b035e884472ee995"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "d8ec42c48738"
+CODEGEN = "5a651e491388"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['jsd']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -660,10 +660,10 @@ def head_loss_slices_b035e884472ee995(
 
             if STATS:
                 # First read: the running max and every online accumulator, rescaled when the max grows.
-                m = float("-inf")
-                m_t = float("-inf")
-                acc0 = 0.0
-                acc2 = 0.0
+                m = gl.full([BLOCK_V], float("-inf"), gl.float32, L1)
+                m_t = gl.full([BLOCK_V], float("-inf"), gl.float32, L1)
+                acc0 = gl.full([BLOCK_V], 0.0, gl.float32, L1)
+                acc2 = gl.full([BLOCK_V], 0.0, gl.float32, L1)
                 # The slice's chunks, from shared memory (the row's copies landed there: no HBM read)
                 n_blocks = tl.cdiv(V, BLOCK_V)
                 for i in range(0, n_blocks):
@@ -676,12 +676,12 @@ def head_loss_slices_b035e884472ee995(
                     z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
                     # past the row's end, -inf: every sum of this read is 0 there (the teacher is loaded so)
                     z = tl.where(in_row, z, float("-inf"))
-                    block_max = tl.max(z, 0)
+                    block_max = z
                     m_new = tl.maximum(m, block_max)
                     # the exponents' reference: 0 while every logit so far is -inf (-inf - -inf is NaN)
                     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
                     t = t_tile.to(tl.float32)
-                    m_t_new = tl.maximum(m_t, tl.max(t, 0))
+                    m_t_new = tl.maximum(m_t, t)
                     m_t_ref = tl.where(m_t_new == float("-inf"), 0.0, m_t_new)
 
                     # the elements relative to the running maxima, after the floor (z - m of a floored -inf, not -inf - m)
@@ -692,12 +692,21 @@ def head_loss_slices_b035e884472ee995(
                     s1 = tl.exp2(1.4426950408889634 * tm)
                     r1 = tl.exp2(1.4426950408889634 * (m_t - m_t_ref))
                     # the tile sums of all running sums: one reduction (one barrier) per binary digit of their count
-                    acc0_tile = tl.sum(s0, 0)
-                    acc2_tile = tl.sum(s1, 0)
+                    acc0_tile = s0
+                    acc2_tile = s1
                     acc0 = acc0 * r0 + acc0_tile
                     acc2 = acc2 * r1 + acc2_tile
                     m = m_new
                     m_t = m_t_new
+                # the lanes' stats merged, each lane a shard of the slice: the maxima, then the sums rescaled to them
+                m_lanes = m
+                m = tl.max(m_lanes, 0)
+                m_t_lanes = m_t
+                m_t = tl.max(m_t_lanes, 0)
+                acc0_merged = tl.sum(acc0 * tl.exp2(1.4426950408889634 * (-m + m_lanes)), 0)
+                acc2_merged = tl.sum(acc2 * tl.exp2(1.4426950408889634 * (-m_t + m_t_lanes)), 0)
+                acc0 = acc0_merged
+                acc2 = acc2_merged
                 if EXCHANGE:
                     # The slice's packed stats to the row's other programs, through global memory: slot
                     # [member, row] of the buffer, then the row's count (release: the stats are visible
@@ -742,8 +751,8 @@ def head_loss_slices_b035e884472ee995(
 
             if EXACT:
                 # Second read: sums that need the final normalisers inside a non-exponential function.
-                acc1 = 0.0
-                acc3 = 0.0
+                acc1 = gl.full([BLOCK_V], 0.0, gl.float32, L1)
+                acc3 = gl.full([BLOCK_V], 0.0, gl.float32, L1)
                 # The slice's chunks, from shared memory (the row's copies landed there: no HBM read)
                 n_blocks = tl.cdiv(V, BLOCK_V)
                 for i in range(0, n_blocks):
@@ -764,10 +773,12 @@ def head_loss_slices_b035e884472ee995(
                     e2 = L_N1 - tm
                     e3 = tl.exp2(1.4426950408889634 * (-e2))
                     e4 = _log(e1*p_jsd__beta + (e3*(1.0 - p_jsd__beta) + TINY))
-                    acc1_tile = tl.sum(tl.where(in_row, e1*(-e0 - e4), 0.0), 0)
-                    acc3_tile = tl.sum(tl.where(in_row, e3*(-e2 - e4), 0.0), 0)
+                    acc1_tile = tl.where(in_row, e1*(-e0 - e4), 0.0)
+                    acc3_tile = tl.where(in_row, e3*(-e2 - e4), 0.0)
                     acc1 += acc1_tile
                     acc3 += acc3_tile
+                acc1 = tl.sum(acc1, 0)
+                acc3 = tl.sum(acc3, 0)
             elif ROWS or GRAD:
                 acc1 = tl.load(exact_row + 0)
                 acc3 = tl.load(exact_row + 1)
@@ -898,4 +909,4 @@ def head_loss_slices_b035e884472ee995(
             tl.store(ws_ptr + 0, value_jsd)
             tl.store(ws_ptr + 1, weight_jsd * value_jsd)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "05bf738058149b209c43b2d6659666404a4db4c9bd5cd8837aa97fab7d86dfa9"
+TEXT_HASH = "366610fda49bccde34ed3f05c7b9cb2efd8897d0555adabb8a48be3792db2cce"

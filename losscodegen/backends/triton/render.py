@@ -213,16 +213,16 @@ def describe_costs(plan: Plan) -> str:
         + [f"  in all: {total[0]} SFU + {total[1]} other"])
 
 
-def _tile_sums(sums: list[tuple[str, str]], masked: bool, joined: bool = True) -> list[str]:
+def _tile_sums(sums: list[tuple[str, str]], masked: bool, lanes: bool = False) -> list[str]:
     """Statements that sum several per-element tensors (``(name, body)``) over a tile in few
     reductions: each run of a power-of-two count of them (the binary digits of the count) is joined
     pairwise into one ``[BLOCK_V, 2, ..., 2]`` tensor, summed over the tile once, and split back
     into ``<name>_tile``. ``masked``: each tensor 0 past the row's end (else its read takes the
-    columns there as -inf inputs, where every summand is 0). Not ``joined``: a reduction each (the
-    row-slices kernel's: Gluon in Triton 3.6 cannot lay out a split of a joined tile's sum)."""
+    columns there as -inf inputs, where every summand is 0). ``lanes``: no reduction, each lane's
+    own (the row-slices kernel's, whose lanes are merged after the read)."""
     leaves = [(f"tl.where(in_row, {body}, 0.0)" if masked else body, acc) for acc, body in sums]
-    if not joined:
-        return [f"{acc}_tile = tl.sum({body}, 0)" for body, acc in leaves]
+    if lanes:
+        return [f"{acc}_tile = {body}" for body, acc in leaves]
     lines: list[str] = []
     parts = itertools.count()
 
@@ -286,9 +286,32 @@ class TritonDialect(Dialect):
 
 class SlicesDialect(TritonDialect):
     """The phase program in the row-slices kernel: the G programs of a row are its shards, their stats
-    in the launch's buffer (written by the other programs of the launch: read past L1)."""
+    in the launch's buffer (written by the other programs of the launch: read past L1); and within a
+    program, each lane of a chunk is a shard of its slice, merged after the first read (``lanes``)."""
 
     load_hint = ', cache_modifier=".cg"'
+
+    def lanes(self, steps: tuple[MergeStep, ...], online: tuple[str, ...]) -> list[str]:
+        """The statements merging the lanes' running maxima and ``online`` sums after the first read:
+        each maximum reduced (its lanes' kept, ``<name>_lanes``, as the ranks' maxima the rescales
+        read), then each sum rescaled to it and reduced, as ``merge`` does with the shards' (every sum
+        computed from the lanes before any is replaced: a moved sum reads its weights' lanes)."""
+        lanes = {program.RANK_M: sp.Symbol("m_lanes", real=True), program.RANK_MT: sp.Symbol("m_t_lanes", real=True)}
+        out = []
+        for c in steps:
+            if c.rule is Merge.MAX:
+                out += [f"{c.name}_lanes = {c.name}", f"{c.name} = tl.max({c.name}_lanes, 0)"]
+        summed = [c for c in steps if c.name in online]
+        for c in summed:
+            value = c.name
+            if c.rule is Merge.SCALED:
+                if c.moved is not None:
+                    base = next(s.name for s in steps if s.at == c.base_at)
+                    moved = self.print(c.moved.xreplace(lanes))
+                    value = f"({value} + {self.where(f'{base} > 0.0', f'({moved}) * {base}', '0.0')})"
+                value = f"{value} * {self.print(sp.exp(c.rescale.xreplace(lanes)))}"
+            out.append(f"{c.name}_merged = tl.sum({value}, 0)")
+        return out + [f"{c.name} = {c.name}_merged" for c in summed]
 
 
 _DIALECT, _SLICES = TritonDialect(), SlicesDialect()
@@ -388,8 +411,10 @@ def render(plan: Plan, key: str, header: str, codegen: str,
         slices=dict(merge=_SLICES.merge(program.merge(plan)), dialect="gluon/_dialect.j2",
                     streams=("x", "t") if lw.uses_teacher else ("x",),
                     stats_tile_sums=_tile_sums([acc for group in online for acc in group["accs"]],
-                                               not pad["stats"], joined=False),
-                    exact_tile_sums=_tile_sums(common["exact"], not pad["exact"], joined=False))
+                                               not pad["stats"], lanes=True),
+                    exact_tile_sums=_tile_sums(common["exact"], not pad["exact"], lanes=True),
+                    lane_merge=_SLICES.lanes(program.merge(plan), tuple(acc for group in online
+                                                                        for acc, _ in group["accs"])))
         if "slices" in sigs else None,
     )
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), keep_trailing_newline=True,
