@@ -47,9 +47,11 @@ def parity(quick: bool) -> list[dict]:
     return out
 
 
-def timings(quick: bool, bandwidth: float) -> list[dict]:
+def timings(quick: bool, bandwidth: float, only: list[str]) -> list[dict]:
     out = []
     for name, (make, needs, _) in bench.LOGIT_WORKLOADS.items():
+        if only and name not in only:
+            continue
         for R, V in ((8192, 128256),) if quick else ((8192, 128256), (4096, 262144)):
             head, step = bench.logit_step(make, needs, R, V)
             floor = bench._floor(needs, R, V, bandwidth)
@@ -74,13 +76,14 @@ def main() -> None:
     ap.add_argument("--ignored", default="every7", choices=sorted(bench.IGNORED))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip-parity", action="store_true")
+    ap.add_argument("--workloads", nargs="*", default=[], help="only these (bench.LOGIT_WORKLOADS' names)")
     args = ap.parse_args()
     bench.ignored = args.ignored
     print(torch.cuda.get_device_name(), "triton", triton.__version__, flush=True)
     checks = [] if args.skip_parity else parity(args.quick)
     bench._warm_up()
     bandwidth = bench.copy_bandwidth()
-    times = timings(args.quick, bandwidth)
+    times = timings(args.quick, bandwidth, args.workloads)
     result = dict(device=torch.cuda.get_device_name(), triton=triton.__version__, copy_bandwidth=bandwidth,
                   parity=checks, times=times)
     with open(os.path.join(args.out, "slices.json"), "w") as f:

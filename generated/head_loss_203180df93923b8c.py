@@ -55,7 +55,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 KEY = "203180df93923b8c"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "5a651e491388"
+CODEGEN = "a349485eb18b"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss', 'forward_kl', 'entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -692,8 +692,17 @@ def head_loss_slices_203180df93923b8c(
 
             if STATS:
                 # First read: the running max and every online accumulator, rescaled when the max grows.
+                # the slice's maxima first, lane by lane from shared memory, then one reduction each
                 m = gl.full([BLOCK_V], float("-inf"), gl.float32, L1)
                 m_t = gl.full([BLOCK_V], float("-inf"), gl.float32, L1)
+                for i in range(0, tl.cdiv(V, BLOCK_V)):
+                    in_row = i * BLOCK_V + gl.arange(0, BLOCK_V, layout=L1) < V
+                    z = _logits(x_smem.index(slot * N_CHUNKS + i).load(L1).to(tl.float32), logit_scale, softcap)
+                    m = tl.maximum(m, tl.where(in_row, z, float("-inf")))
+                    m_t = tl.maximum(m_t, tl.where(in_row, t_smem.index(slot * N_CHUNKS + i).load(L1).to(tl.float32),
+                                                   float("-inf")))
+                m = tl.max(m, 0)
+                m_t = tl.max(m_t, 0)
                 acc0 = gl.full([BLOCK_V], 0.0, gl.float32, L1)
                 acc1 = gl.full([BLOCK_V], 0.0, gl.float32, L1)
                 acc2 = gl.full([BLOCK_V], 0.0, gl.float32, L1)
@@ -710,12 +719,12 @@ def head_loss_slices_203180df93923b8c(
                     z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
                     # past the row's end, -inf: every sum of this read is 0 there (the teacher is loaded so)
                     z = tl.where(in_row, z, float("-inf"))
-                    block_max = z
+                    block_max = m
                     m_new = tl.maximum(m, block_max)
                     # the exponents' reference: 0 while every logit so far is -inf (-inf - -inf is NaN)
                     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
                     t = t_tile.to(tl.float32)
-                    m_t_new = tl.maximum(m_t, t)
+                    m_t_new = tl.maximum(m_t, m_t)
                     m_t_ref = tl.where(m_t_new == float("-inf"), 0.0, m_t_new)
                     # -inf as FLOOR (a NaN stays NaN): its probability is still 0, and 0 * FLOOR is 0 where 0 * -inf is NaN
                     z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
@@ -741,19 +750,10 @@ def head_loss_slices_203180df93923b8c(
                     acc3 = (acc3 + acc3_moved) * r1 + acc3_tile
                     m = m_new
                     m_t = m_t_new
-                # the lanes' stats merged, each lane a shard of the slice: the maxima, then the sums rescaled to them
-                m_lanes = m
-                m = tl.max(m_lanes, 0)
-                m_t_lanes = m_t
-                m_t = tl.max(m_t_lanes, 0)
-                acc0_merged = tl.sum(acc0 * tl.exp2(1.4426950408889634 * (-m_t + m_t_lanes)), 0)
-                acc1_merged = tl.sum((acc1 + tl.where(acc0 > 0.0, (m - m_lanes - m_t + m_t_lanes) * acc0, 0.0)) * tl.exp2(1.4426950408889634 * (-m_t + m_t_lanes)), 0)
-                acc2_merged = tl.sum(acc2 * tl.exp2(1.4426950408889634 * (-m + m_lanes)), 0)
-                acc3_merged = tl.sum((acc3 + tl.where(acc2 > 0.0, (-m + m_lanes) * acc2, 0.0)) * tl.exp2(1.4426950408889634 * (-m + m_lanes)), 0)
-                acc0 = acc0_merged
-                acc1 = acc1_merged
-                acc2 = acc2_merged
-                acc3 = acc3_merged
+                acc0 = tl.sum(acc0, 0)
+                acc1 = tl.sum(acc1, 0)
+                acc2 = tl.sum(acc2, 0)
+                acc3 = tl.sum(acc3, 0)
                 z_y = tl.where(y_here, _logits(tl.load(x_row + y_local, mask=y_here, other=0.0).to(tl.float32),
                                                logit_scale, softcap), 0.0)
                 if EXCHANGE:
@@ -965,4 +965,4 @@ def head_loss_slices_203180df93923b8c(
             tl.store(ws_ptr + 3, value_entropy)
             tl.store(ws_ptr + 4, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss + weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "3a28a5cd31383fbaf4e624bdd45e076d2770858b28a6243d368135e5623ead9a"
+TEXT_HASH = "44f927fbc7389a5324449c753ada8c3c3ae0362e0e1fac5ed40f67a5966a6d14"

@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 KEY = "2e7b8aa488a0d8ec"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "5a651e491388"
+CODEGEN = "a349485eb18b"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -595,7 +595,13 @@ def head_loss_slices_2e7b8aa488a0d8ec(
 
             if STATS:
                 # First read: the running max and every online accumulator, rescaled when the max grows.
+                # the slice's maxima first, lane by lane from shared memory, then one reduction each
                 m = gl.full([BLOCK_V], float("-inf"), gl.float32, L1)
+                for i in range(0, tl.cdiv(V, BLOCK_V)):
+                    in_row = i * BLOCK_V + gl.arange(0, BLOCK_V, layout=L1) < V
+                    z = _logits(x_smem.index(slot * N_CHUNKS + i).load(L1).to(tl.float32), logit_scale, softcap)
+                    m = tl.maximum(m, tl.where(in_row, z, float("-inf")))
+                m = tl.max(m, 0)
                 acc0 = gl.full([BLOCK_V], 0.0, gl.float32, L1)
                 # The slice's chunks, from shared memory (the row's copies landed there: no HBM read)
                 n_blocks = tl.cdiv(V, BLOCK_V)
@@ -605,7 +611,7 @@ def head_loss_slices_2e7b8aa488a0d8ec(
                     in_row = cols < V
                     x_tile = x_smem.index(slot * N_CHUNKS + i).load(L1)
                     z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
-                    block_max = tl.where(in_row, z, float("-inf"))
+                    block_max = m
                     m_new = tl.maximum(m, block_max)
                     # the exponents' reference: 0 while every logit so far is -inf (-inf - -inf is NaN)
                     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -618,11 +624,7 @@ def head_loss_slices_2e7b8aa488a0d8ec(
                     acc0_tile = tl.where(in_row, s0, 0.0)
                     acc0 = acc0 * r0 + acc0_tile
                     m = m_new
-                # the lanes' stats merged, each lane a shard of the slice: the maxima, then the sums rescaled to them
-                m_lanes = m
-                m = tl.max(m_lanes, 0)
-                acc0_merged = tl.sum(acc0 * tl.exp2(1.4426950408889634 * (-m + m_lanes)), 0)
-                acc0 = acc0_merged
+                acc0 = tl.sum(acc0, 0)
                 z_y = tl.where(y_here, _logits(tl.load(x_row + y_local, mask=y_here, other=0.0).to(tl.float32),
                                                logit_scale, softcap), 0.0)
                 if EXCHANGE:
@@ -786,4 +788,4 @@ def head_loss_slices_2e7b8aa488a0d8ec(
             tl.store(ws_ptr + 1, value_z_loss)
             tl.store(ws_ptr + 2, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "66bc5db7d35a586f92d0914ba920a9d1142391c7ed06befd7675cfcd5958d816"
+TEXT_HASH = "3f8aa3d7043f7cfef611cb053f7ed529e1e3ecbc20ed9ed64c95c70965d6a9b2"

@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "3d268cb74e027a19"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "5a651e491388"
+CODEGEN = "a349485eb18b"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['gspo', 'entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -568,4 +568,4 @@ def segments_3d268cb74e027a19(
     loss += weight_gspo * (gspo / div)
     tl.store(ws_ptr + 2, loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "b96df1164785c332b7ef244379d113fe9098d1ca65d85e8f526c27bed1e42a92"
+TEXT_HASH = "7f659474e278c49a32059f1e778d9a515ac4da5aa8fd69802b03a2b48ae0d275"

@@ -47,7 +47,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 KEY = "61bded9c9d8c364d"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "5a651e491388"
+CODEGEN = "a349485eb18b"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['reverse_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -619,8 +619,17 @@ def head_loss_slices_61bded9c9d8c364d(
 
             if STATS:
                 # First read: the running max and every online accumulator, rescaled when the max grows.
+                # the slice's maxima first, lane by lane from shared memory, then one reduction each
                 m = gl.full([BLOCK_V], float("-inf"), gl.float32, L1)
                 m_t = gl.full([BLOCK_V], float("-inf"), gl.float32, L1)
+                for i in range(0, tl.cdiv(V, BLOCK_V)):
+                    in_row = i * BLOCK_V + gl.arange(0, BLOCK_V, layout=L1) < V
+                    z = _logits(x_smem.index(slot * N_CHUNKS + i).load(L1).to(tl.float32), logit_scale, softcap)
+                    m = tl.maximum(m, tl.where(in_row, z, float("-inf")))
+                    m_t = tl.maximum(m_t, tl.where(in_row, t_smem.index(slot * N_CHUNKS + i).load(L1).to(tl.float32),
+                                                   float("-inf")))
+                m = tl.max(m, 0)
+                m_t = tl.max(m_t, 0)
                 acc0 = gl.full([BLOCK_V], 0.0, gl.float32, L1)
                 acc1 = gl.full([BLOCK_V], 0.0, gl.float32, L1)
                 acc2 = gl.full([BLOCK_V], 0.0, gl.float32, L1)
@@ -636,12 +645,12 @@ def head_loss_slices_61bded9c9d8c364d(
                     z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
                     # past the row's end, -inf: every sum of this read is 0 there (the teacher is loaded so)
                     z = tl.where(in_row, z, float("-inf"))
-                    block_max = z
+                    block_max = m
                     m_new = tl.maximum(m, block_max)
                     # the exponents' reference: 0 while every logit so far is -inf (-inf - -inf is NaN)
                     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
                     t = t_tile.to(tl.float32)
-                    m_t_new = tl.maximum(m_t, t)
+                    m_t_new = tl.maximum(m_t, m_t)
                     m_t_ref = tl.where(m_t_new == float("-inf"), 0.0, m_t_new)
                     # -inf as FLOOR (a NaN stays NaN): its probability is still 0, and 0 * FLOOR is 0 where 0 * -inf is NaN
                     z = tl.maximum(z, FLOOR, propagate_nan=tl.PropagateNan.ALL)
@@ -664,17 +673,9 @@ def head_loss_slices_61bded9c9d8c364d(
                     acc2 = acc2 * r1 + acc2_tile
                     m = m_new
                     m_t = m_t_new
-                # the lanes' stats merged, each lane a shard of the slice: the maxima, then the sums rescaled to them
-                m_lanes = m
-                m = tl.max(m_lanes, 0)
-                m_t_lanes = m_t
-                m_t = tl.max(m_t_lanes, 0)
-                acc0_merged = tl.sum(acc0 * tl.exp2(1.4426950408889634 * (-m + m_lanes)), 0)
-                acc1_merged = tl.sum((acc1 + tl.where(acc0 > 0.0, (-m + m_lanes + m_t - m_t_lanes) * acc0, 0.0)) * tl.exp2(1.4426950408889634 * (-m + m_lanes)), 0)
-                acc2_merged = tl.sum(acc2 * tl.exp2(1.4426950408889634 * (-m_t + m_t_lanes)), 0)
-                acc0 = acc0_merged
-                acc1 = acc1_merged
-                acc2 = acc2_merged
+                acc0 = tl.sum(acc0, 0)
+                acc1 = tl.sum(acc1, 0)
+                acc2 = tl.sum(acc2, 0)
                 if EXCHANGE:
                     # The slice's packed stats to the row's other programs, through global memory: slot
                     # [member, row] of the buffer, then the row's count (release: the stats are visible
@@ -829,4 +830,4 @@ def head_loss_slices_61bded9c9d8c364d(
             tl.store(ws_ptr + 0, value_reverse_kl)
             tl.store(ws_ptr + 1, weight_reverse_kl * value_reverse_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "f32aa6c6a107e48cfb362d71833e30674fc98c613ce0fb521024ae34805fb7a8"
+TEXT_HASH = "99b8dd2d73a4a248a8e3e21035223ffdccbceccb1f1169c5ebb8ba53cfc58933"

@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 KEY = "b035e884472ee995"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "5a651e491388"
+CODEGEN = "a349485eb18b"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['jsd']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -660,8 +660,17 @@ def head_loss_slices_b035e884472ee995(
 
             if STATS:
                 # First read: the running max and every online accumulator, rescaled when the max grows.
+                # the slice's maxima first, lane by lane from shared memory, then one reduction each
                 m = gl.full([BLOCK_V], float("-inf"), gl.float32, L1)
                 m_t = gl.full([BLOCK_V], float("-inf"), gl.float32, L1)
+                for i in range(0, tl.cdiv(V, BLOCK_V)):
+                    in_row = i * BLOCK_V + gl.arange(0, BLOCK_V, layout=L1) < V
+                    z = _logits(x_smem.index(slot * N_CHUNKS + i).load(L1).to(tl.float32), logit_scale, softcap)
+                    m = tl.maximum(m, tl.where(in_row, z, float("-inf")))
+                    m_t = tl.maximum(m_t, tl.where(in_row, t_smem.index(slot * N_CHUNKS + i).load(L1).to(tl.float32),
+                                                   float("-inf")))
+                m = tl.max(m, 0)
+                m_t = tl.max(m_t, 0)
                 acc0 = gl.full([BLOCK_V], 0.0, gl.float32, L1)
                 acc2 = gl.full([BLOCK_V], 0.0, gl.float32, L1)
                 # The slice's chunks, from shared memory (the row's copies landed there: no HBM read)
@@ -676,12 +685,12 @@ def head_loss_slices_b035e884472ee995(
                     z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
                     # past the row's end, -inf: every sum of this read is 0 there (the teacher is loaded so)
                     z = tl.where(in_row, z, float("-inf"))
-                    block_max = z
+                    block_max = m
                     m_new = tl.maximum(m, block_max)
                     # the exponents' reference: 0 while every logit so far is -inf (-inf - -inf is NaN)
                     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
                     t = t_tile.to(tl.float32)
-                    m_t_new = tl.maximum(m_t, t)
+                    m_t_new = tl.maximum(m_t, m_t)
                     m_t_ref = tl.where(m_t_new == float("-inf"), 0.0, m_t_new)
 
                     # the elements relative to the running maxima, after the floor (z - m of a floored -inf, not -inf - m)
@@ -698,15 +707,8 @@ def head_loss_slices_b035e884472ee995(
                     acc2 = acc2 * r1 + acc2_tile
                     m = m_new
                     m_t = m_t_new
-                # the lanes' stats merged, each lane a shard of the slice: the maxima, then the sums rescaled to them
-                m_lanes = m
-                m = tl.max(m_lanes, 0)
-                m_t_lanes = m_t
-                m_t = tl.max(m_t_lanes, 0)
-                acc0_merged = tl.sum(acc0 * tl.exp2(1.4426950408889634 * (-m + m_lanes)), 0)
-                acc2_merged = tl.sum(acc2 * tl.exp2(1.4426950408889634 * (-m_t + m_t_lanes)), 0)
-                acc0 = acc0_merged
-                acc2 = acc2_merged
+                acc0 = tl.sum(acc0, 0)
+                acc2 = tl.sum(acc2, 0)
                 if EXCHANGE:
                     # The slice's packed stats to the row's other programs, through global memory: slot
                     # [member, row] of the buffer, then the row's count (release: the stats are visible
@@ -909,4 +911,4 @@ def head_loss_slices_b035e884472ee995(
             tl.store(ws_ptr + 0, value_jsd)
             tl.store(ws_ptr + 1, weight_jsd * value_jsd)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "366610fda49bccde34ed3f05c7b9cb2efd8897d0555adabb8a48be3792db2cce"
+TEXT_HASH = "f356a7f37f43548619c747adbee854e8ae116ebd606fd482d0040b828789e4a2"

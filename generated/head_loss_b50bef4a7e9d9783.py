@@ -53,7 +53,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 KEY = "b50bef4a7e9d9783"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "5a651e491388"
+CODEGEN = "a349485eb18b"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_ratio_low', 'clip_ratio_high', 'clip_ratio_region']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -669,7 +669,13 @@ def head_loss_slices_b50bef4a7e9d9783(
 
             if STATS:
                 # First read: the running max and every online accumulator, rescaled when the max grows.
+                # the slice's maxima first, lane by lane from shared memory, then one reduction each
                 m = gl.full([BLOCK_V], float("-inf"), gl.float32, L1)
+                for i in range(0, tl.cdiv(V, BLOCK_V)):
+                    in_row = i * BLOCK_V + gl.arange(0, BLOCK_V, layout=L1) < V
+                    z = _logits(x_smem.index(slot * N_CHUNKS + i).load(L1).to(tl.float32), logit_scale, softcap)
+                    m = tl.maximum(m, tl.where(in_row, z, float("-inf")))
+                m = tl.max(m, 0)
                 acc0 = gl.full([BLOCK_V], 0.0, gl.float32, L1)
                 acc0_lo = gl.full([BLOCK_V], 0.0, gl.float32, L1)
                 acc1 = gl.full([BLOCK_V], 0.0, gl.float32, L1)
@@ -683,7 +689,7 @@ def head_loss_slices_b50bef4a7e9d9783(
                     z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
                     # past the row's end, -inf: every sum of this read is 0 there (the teacher is loaded so)
                     z = tl.where(in_row, z, float("-inf"))
-                    block_max = z
+                    block_max = m
                     m_new = tl.maximum(m, block_max)
                     # the exponents' reference: 0 while every logit so far is -inf (-inf - -inf is NaN)
                     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -708,13 +714,8 @@ def head_loss_slices_b50bef4a7e9d9783(
                     acc1 = (acc1 + acc1_moved) * r0 + acc1_tile
                     m = m_new
                 acc0 = acc0 + acc0_lo
-                # the lanes' stats merged, each lane a shard of the slice: the maxima, then the sums rescaled to them
-                m_lanes = m
-                m = tl.max(m_lanes, 0)
-                acc0_merged = tl.sum(acc0 * tl.exp2(1.4426950408889634 * (-m + m_lanes)), 0)
-                acc1_merged = tl.sum((acc1 + tl.where(acc0 > 0.0, (-m + m_lanes) * acc0, 0.0)) * tl.exp2(1.4426950408889634 * (-m + m_lanes)), 0)
-                acc0 = acc0_merged
-                acc1 = acc1_merged
+                acc0 = tl.sum(acc0, 0)
+                acc1 = tl.sum(acc1, 0)
                 z_y = tl.where(y_here, _logits(tl.load(x_row + y_local, mask=y_here, other=0.0).to(tl.float32),
                                                logit_scale, softcap), 0.0)
                 if EXCHANGE:
@@ -921,4 +922,4 @@ def head_loss_slices_b50bef4a7e9d9783(
             tl.store(ws_ptr + 4, value_clip_ratio_region)
             tl.store(ws_ptr + 5, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "768797533d0a6db6d61376db8dc1efb992cdda7475335e3b1678ac0aa744ee5d"
+TEXT_HASH = "d0e1882cc39d766df644c62d0f9e6fbb679b9f4b1c114759ac5d3e5440b9489a"

@@ -44,7 +44,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 KEY = "c642f27271603bf7"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "5a651e491388"
+CODEGEN = "a349485eb18b"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -581,7 +581,13 @@ def head_loss_slices_c642f27271603bf7(
 
             if STATS:
                 # First read: the running max and every online accumulator, rescaled when the max grows.
+                # the slice's maxima first, lane by lane from shared memory, then one reduction each
                 m = gl.full([BLOCK_V], float("-inf"), gl.float32, L1)
+                for i in range(0, tl.cdiv(V, BLOCK_V)):
+                    in_row = i * BLOCK_V + gl.arange(0, BLOCK_V, layout=L1) < V
+                    z = _logits(x_smem.index(slot * N_CHUNKS + i).load(L1).to(tl.float32), logit_scale, softcap)
+                    m = tl.maximum(m, tl.where(in_row, z, float("-inf")))
+                m = tl.max(m, 0)
                 acc0 = gl.full([BLOCK_V], 0.0, gl.float32, L1)
                 # The slice's chunks, from shared memory (the row's copies landed there: no HBM read)
                 n_blocks = tl.cdiv(V, BLOCK_V)
@@ -591,7 +597,7 @@ def head_loss_slices_c642f27271603bf7(
                     in_row = cols < V
                     x_tile = x_smem.index(slot * N_CHUNKS + i).load(L1)
                     z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
-                    block_max = tl.where(in_row, z, float("-inf"))
+                    block_max = m
                     m_new = tl.maximum(m, block_max)
                     # the exponents' reference: 0 while every logit so far is -inf (-inf - -inf is NaN)
                     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -604,11 +610,7 @@ def head_loss_slices_c642f27271603bf7(
                     acc0_tile = tl.where(in_row, s0, 0.0)
                     acc0 = acc0 * r0 + acc0_tile
                     m = m_new
-                # the lanes' stats merged, each lane a shard of the slice: the maxima, then the sums rescaled to them
-                m_lanes = m
-                m = tl.max(m_lanes, 0)
-                acc0_merged = tl.sum(acc0 * tl.exp2(1.4426950408889634 * (-m + m_lanes)), 0)
-                acc0 = acc0_merged
+                acc0 = tl.sum(acc0, 0)
                 z_y = tl.where(y_here, _logits(tl.load(x_row + y_local, mask=y_here, other=0.0).to(tl.float32),
                                                logit_scale, softcap), 0.0)
                 if EXCHANGE:
@@ -760,4 +762,4 @@ def head_loss_slices_c642f27271603bf7(
             tl.store(ws_ptr + 0, value_cross_entropy)
             tl.store(ws_ptr + 1, weight_cross_entropy * value_cross_entropy)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "547ab9deb8598fe2a17a5a62c8c5fe88d8e3973ff4bd606b12e1d81a1dc3e6d0"
+TEXT_HASH = "772f6550ccbf89e20b50c41bb88a553df367f5bc9bb0ebb15a024656eec61989"

@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 KEY = "fd019664248f6778"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "5a651e491388"
+CODEGEN = "a349485eb18b"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -600,7 +600,13 @@ def head_loss_slices_fd019664248f6778(
 
             if STATS:
                 # First read: the running max and every online accumulator, rescaled when the max grows.
+                # the slice's maxima first, lane by lane from shared memory, then one reduction each
                 m = gl.full([BLOCK_V], float("-inf"), gl.float32, L1)
+                for i in range(0, tl.cdiv(V, BLOCK_V)):
+                    in_row = i * BLOCK_V + gl.arange(0, BLOCK_V, layout=L1) < V
+                    z = _logits(x_smem.index(slot * N_CHUNKS + i).load(L1).to(tl.float32), logit_scale, softcap)
+                    m = tl.maximum(m, tl.where(in_row, z, float("-inf")))
+                m = tl.max(m, 0)
                 acc0 = gl.full([BLOCK_V], 0.0, gl.float32, L1)
                 acc1 = gl.full([BLOCK_V], 0.0, gl.float32, L1)
                 # The slice's chunks, from shared memory (the row's copies landed there: no HBM read)
@@ -611,7 +617,7 @@ def head_loss_slices_fd019664248f6778(
                     in_row = cols < V
                     x_tile = x_smem.index(slot * N_CHUNKS + i).load(L1)
                     z = _logits(x_tile.to(tl.float32), logit_scale, softcap)
-                    block_max = tl.where(in_row, z, float("-inf"))
+                    block_max = m
                     m_new = tl.maximum(m, block_max)
                     # the exponents' reference: 0 while every logit so far is -inf (-inf - -inf is NaN)
                     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -628,13 +634,8 @@ def head_loss_slices_fd019664248f6778(
                     acc0 = acc0 + acc0_tile
                     acc1 = acc1 * r1 + acc1_tile
                     m = m_new
-                # the lanes' stats merged, each lane a shard of the slice: the maxima, then the sums rescaled to them
-                m_lanes = m
-                m = tl.max(m_lanes, 0)
-                acc0_merged = tl.sum(acc0 * 1.0, 0)
-                acc1_merged = tl.sum(acc1 * tl.exp2(1.4426950408889634 * (-m + m_lanes)), 0)
-                acc0 = acc0_merged
-                acc1 = acc1_merged
+                acc0 = tl.sum(acc0, 0)
+                acc1 = tl.sum(acc1, 0)
                 z_y = tl.where(y_here, _logits(tl.load(x_row + y_local, mask=y_here, other=0.0).to(tl.float32),
                                                logit_scale, softcap), 0.0)
                 if EXCHANGE:
@@ -796,4 +797,4 @@ def head_loss_slices_fd019664248f6778(
             tl.store(ws_ptr + 0, value_cross_entropy)
             tl.store(ws_ptr + 1, weight_cross_entropy * value_cross_entropy)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "78a937470d5f654767bfa1446ba19aa71b74e6549ebea7e857e25207392856b4"
+TEXT_HASH = "7ef8005ee87cb95f09de2f1b5a006659938f3e6be0481c6f6db57536126880d2"

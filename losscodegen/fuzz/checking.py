@@ -228,9 +228,8 @@ def _forced(head, plan: Plan, logits: torch.Tensor) -> Any:
     """The head's backend configuration for this call with the plan's tile and split forced (a
     dataclass: each field the backend's configuration has of ``block_v``, ``num_warps``, ``split``),
     or None: the runtime's own choice."""
-    if plan.slices is not None:
-        from ..backends.triton.tiles import Slices    # (the row-slices kernel is the Triton backend's)
-        return Slices(plan.slices[0], 1, copy_bytes=plan.slices[1])
+    if plan.slices is not None:     # (the row-slices kernel is the Triton backend's)
+        return head.backend.row_slices(plan.slices[0], 1, copy_bytes=plan.slices[1])
     if plan.tile is None:
         return None
     config = head.backend.config(head, head.kernel, logits.shape[-1], logits.dtype, logits.device,

@@ -60,6 +60,9 @@ class Triton:
         # (the row-slices kernel is the one that takes G, its programs a row)
         return (SliceKernel if "G" in constexprs else Kernel)(fn, *fixed, **constexprs, **options)
 
+    # a configuration of the row-slices kernel (tiles.Slices), for the fuzzer to force
+    row_slices = staticmethod(tiles.Slices)
+
     def prologue(self, count: bool) -> Kernel:
         return helpers.PROLOGUES[count]
 

@@ -286,32 +286,10 @@ class TritonDialect(Dialect):
 
 class SlicesDialect(TritonDialect):
     """The phase program in the row-slices kernel: the G programs of a row are its shards, their stats
-    in the launch's buffer (written by the other programs of the launch: read past L1); and within a
-    program, each lane of a chunk is a shard of its slice, merged after the first read (``lanes``)."""
+    in the launch's buffer (written by the other programs of the launch: read past L1)."""
 
     load_hint = ', cache_modifier=".cg"'
 
-    def lanes(self, steps: tuple[MergeStep, ...], online: tuple[str, ...]) -> list[str]:
-        """The statements merging the lanes' running maxima and ``online`` sums after the first read:
-        each maximum reduced (its lanes' kept, ``<name>_lanes``, as the ranks' maxima the rescales
-        read), then each sum rescaled to it and reduced, as ``merge`` does with the shards' (every sum
-        computed from the lanes before any is replaced: a moved sum reads its weights' lanes)."""
-        lanes = {program.RANK_M: sp.Symbol("m_lanes", real=True), program.RANK_MT: sp.Symbol("m_t_lanes", real=True)}
-        out = []
-        for c in steps:
-            if c.rule is Merge.MAX:
-                out += [f"{c.name}_lanes = {c.name}", f"{c.name} = tl.max({c.name}_lanes, 0)"]
-        summed = [c for c in steps if c.name in online]
-        for c in summed:
-            value = c.name
-            if c.rule is Merge.SCALED:
-                if c.moved is not None:
-                    base = next(s.name for s in steps if s.at == c.base_at)
-                    moved = self.print(c.moved.xreplace(lanes))
-                    value = f"({value} + {self.where(f'{base} > 0.0', f'({moved}) * {base}', '0.0')})"
-                value = f"{value} * {self.print(sp.exp(c.rescale.xreplace(lanes)))}"
-            out.append(f"{c.name}_merged = tl.sum({value}, 0)")
-        return out + [f"{c.name} = {c.name}_merged" for c in summed]
 
 
 _DIALECT, _SLICES = TritonDialect(), SlicesDialect()
@@ -412,9 +390,7 @@ def render(plan: Plan, key: str, header: str, codegen: str,
                     streams=("x", "t") if lw.uses_teacher else ("x",),
                     stats_tile_sums=_tile_sums([acc for group in online for acc in group["accs"]],
                                                not pad["stats"], lanes=True),
-                    exact_tile_sums=_tile_sums(common["exact"], not pad["exact"], lanes=True),
-                    lane_merge=_SLICES.lanes(program.merge(plan), tuple(acc for group in online
-                                                                        for acc, _ in group["accs"])))
+                    exact_tile_sums=_tile_sums(common["exact"], not pad["exact"], lanes=True))
         if "slices" in sigs else None,
     )
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), keep_trailing_newline=True,
