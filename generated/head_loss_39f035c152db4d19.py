@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 KEY = "39f035c152db4d19"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "a349485eb18b"
+CODEGEN = "62ee27aa591f"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_fraction']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -564,11 +564,11 @@ def head_loss_slices_39f035c152db4d19(
     x_ptr, x_stride, grad_ptr, grad_stride, y_ptr, mask_ptr, tok_advantages_ptr,
     tok_old_logprobs_ptr, tok_ref_logprobs_ptr, ws_ptr, off_rows, off_loss_rows, off_stats,
     gathered_ptr, div_ptr, flag_ptr, up_loss_ptr, up_rows_ptr, row_offset, n_rows, n_launch,
-    scalars_ptr, logit_scale, softcap, V, vocab_start, n_vocab, ignore_index,
+    scalars_ptr, softcap, V, vocab_start, n_vocab, ignore_index,
     SUM: tl.constexpr, PER_ROW: tl.constexpr, STATS: tl.constexpr, EXCHANGE: tl.constexpr,
     MERGE: tl.constexpr, EXACT: tl.constexpr, STORE_STATS: tl.constexpr, ROWS: tl.constexpr,
     GRAD: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    G: tl.constexpr, N_CHUNKS: tl.constexpr, NBUF: tl.constexpr,
+    logit_scale: tl.constexpr, G: tl.constexpr, N_CHUNKS: tl.constexpr, NBUF: tl.constexpr,
 ):
     # Programs in groups of G, all resident at once (a cooperative launch). Group g takes rows g,
     # g + groups, ...; member k of a group holds columns [k * SLICE, (k + 1) * SLICE) of each of its
@@ -884,4 +884,4 @@ def head_loss_slices_39f035c152db4d19(
             tl.store(ws_ptr + 2, value_clip_fraction)
             tl.store(ws_ptr + 3, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "6ebe67024439d6e8501cbfe418b22f83a15394d18750f3522eb78f7cc146a45d"
+TEXT_HASH = "c0a741a392281ddf205b8d257aa17a336832cc17608ca20b40c71788a105b8e6"

@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 KEY = "6dc3df098f5c5073"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "a349485eb18b"
+CODEGEN = "62ee27aa591f"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cispo', 'entropy', 'cispo_clip_ratio']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -540,11 +540,11 @@ def head_loss_slices_6dc3df098f5c5073(
     x_ptr, x_stride, grad_ptr, grad_stride, y_ptr, mask_ptr, tok_advantages_ptr,
     tok_old_logprobs_ptr, ws_ptr, off_rows, off_loss_rows, off_stats, gathered_ptr, div_ptr,
     flag_ptr, up_loss_ptr, up_rows_ptr, row_offset, n_rows, n_launch,
-    scalars_ptr, logit_scale, softcap, V, vocab_start, n_vocab, ignore_index,
+    scalars_ptr, softcap, V, vocab_start, n_vocab, ignore_index,
     SUM: tl.constexpr, PER_ROW: tl.constexpr, STATS: tl.constexpr, EXCHANGE: tl.constexpr,
     MERGE: tl.constexpr, EXACT: tl.constexpr, STORE_STATS: tl.constexpr, ROWS: tl.constexpr,
     GRAD: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    G: tl.constexpr, N_CHUNKS: tl.constexpr, NBUF: tl.constexpr,
+    logit_scale: tl.constexpr, G: tl.constexpr, N_CHUNKS: tl.constexpr, NBUF: tl.constexpr,
 ):
     # Programs in groups of G, all resident at once (a cooperative launch). Group g takes rows g,
     # g + groups, ...; member k of a group holds columns [k * SLICE, (k + 1) * SLICE) of each of its
@@ -837,4 +837,4 @@ def head_loss_slices_6dc3df098f5c5073(
             tl.store(ws_ptr + 2, value_cispo_clip_ratio)
             tl.store(ws_ptr + 3, weight_cispo * value_cispo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "9b80dba76277be544c6dd02cc07dd7a9527b510ff053dd0f2999516fe53886ad"
+TEXT_HASH = "0dde88f2c82c7d8666f7560695c62b14a4bbe3f808029a803aafbbc73931df98"

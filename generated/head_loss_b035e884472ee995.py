@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 KEY = "b035e884472ee995"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "a349485eb18b"
+CODEGEN = "62ee27aa591f"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['jsd']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -571,11 +571,11 @@ def head_loss_slices_b035e884472ee995(
     x_ptr, x_stride, grad_ptr, grad_stride, y_ptr, mask_ptr, t_ptr, t_stride, ws_ptr, off_rows,
     off_loss_rows, off_stats, off_exact, gathered_ptr, div_ptr, flag_ptr, up_loss_ptr, up_rows_ptr,
     row_offset, n_rows, n_launch,
-    scalars_ptr, logit_scale, softcap, V, vocab_start, n_vocab, ignore_index,
+    scalars_ptr, softcap, V, vocab_start, n_vocab, ignore_index,
     SUM: tl.constexpr, PER_ROW: tl.constexpr, STATS: tl.constexpr, EXCHANGE: tl.constexpr,
     MERGE: tl.constexpr, EXACT: tl.constexpr, STORE_STATS: tl.constexpr, ROWS: tl.constexpr,
     GRAD: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    G: tl.constexpr, N_CHUNKS: tl.constexpr, NBUF: tl.constexpr,
+    logit_scale: tl.constexpr, G: tl.constexpr, N_CHUNKS: tl.constexpr, NBUF: tl.constexpr,
 ):
     # Programs in groups of G, all resident at once (a cooperative launch). Group g takes rows g,
     # g + groups, ...; member k of a group holds columns [k * SLICE, (k + 1) * SLICE) of each of its
@@ -911,4 +911,4 @@ def head_loss_slices_b035e884472ee995(
             tl.store(ws_ptr + 0, value_jsd)
             tl.store(ws_ptr + 1, weight_jsd * value_jsd)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "f356a7f37f43548619c747adbee854e8ae116ebd606fd482d0040b828789e4a2"
+TEXT_HASH = "bad31aec276e4dd859f65b14cdc8e5323cfbe297a67e1f87e32e6b15f77642ae"

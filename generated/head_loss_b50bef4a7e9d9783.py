@@ -53,7 +53,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 KEY = "b50bef4a7e9d9783"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "a349485eb18b"
+CODEGEN = "62ee27aa591f"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_ratio_low', 'clip_ratio_high', 'clip_ratio_region']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -585,11 +585,11 @@ def head_loss_slices_b50bef4a7e9d9783(
     x_ptr, x_stride, grad_ptr, grad_stride, y_ptr, mask_ptr, tok_advantages_ptr,
     tok_old_logprobs_ptr, tok_ref_logprobs_ptr, ws_ptr, off_rows, off_loss_rows, off_stats,
     gathered_ptr, div_ptr, flag_ptr, up_loss_ptr, up_rows_ptr, row_offset, n_rows, n_launch,
-    scalars_ptr, logit_scale, softcap, V, vocab_start, n_vocab, ignore_index,
+    scalars_ptr, softcap, V, vocab_start, n_vocab, ignore_index,
     SUM: tl.constexpr, PER_ROW: tl.constexpr, STATS: tl.constexpr, EXCHANGE: tl.constexpr,
     MERGE: tl.constexpr, EXACT: tl.constexpr, STORE_STATS: tl.constexpr, ROWS: tl.constexpr,
     GRAD: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    G: tl.constexpr, N_CHUNKS: tl.constexpr, NBUF: tl.constexpr,
+    logit_scale: tl.constexpr, G: tl.constexpr, N_CHUNKS: tl.constexpr, NBUF: tl.constexpr,
 ):
     # Programs in groups of G, all resident at once (a cooperative launch). Group g takes rows g,
     # g + groups, ...; member k of a group holds columns [k * SLICE, (k + 1) * SLICE) of each of its
@@ -922,4 +922,4 @@ def head_loss_slices_b50bef4a7e9d9783(
             tl.store(ws_ptr + 4, value_clip_ratio_region)
             tl.store(ws_ptr + 5, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "d0e1882cc39d766df644c62d0f9e6fbb679b9f4b1c114759ac5d3e5440b9489a"
+TEXT_HASH = "bd241e8163c8ea35d14bfa17f4e1ad0559f8c7e71207616c14e16da2e0276553"

@@ -44,7 +44,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 KEY = "c642f27271603bf7"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "a349485eb18b"
+CODEGEN = "62ee27aa591f"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -500,11 +500,11 @@ def head_loss_slices_c642f27271603bf7(
     x_ptr, x_stride, grad_ptr, grad_stride, y_ptr, mask_ptr, ws_ptr, off_rows, off_loss_rows,
     off_stats, gathered_ptr, div_ptr, flag_ptr, up_loss_ptr, up_rows_ptr, row_offset, n_rows,
     n_launch,
-    scalars_ptr, logit_scale, softcap, V, vocab_start, n_vocab, ignore_index,
+    scalars_ptr, softcap, V, vocab_start, n_vocab, ignore_index,
     SUM: tl.constexpr, PER_ROW: tl.constexpr, STATS: tl.constexpr, EXCHANGE: tl.constexpr,
     MERGE: tl.constexpr, EXACT: tl.constexpr, STORE_STATS: tl.constexpr, ROWS: tl.constexpr,
     GRAD: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    G: tl.constexpr, N_CHUNKS: tl.constexpr, NBUF: tl.constexpr,
+    logit_scale: tl.constexpr, G: tl.constexpr, N_CHUNKS: tl.constexpr, NBUF: tl.constexpr,
 ):
     # Programs in groups of G, all resident at once (a cooperative launch). Group g takes rows g,
     # g + groups, ...; member k of a group holds columns [k * SLICE, (k + 1) * SLICE) of each of its
@@ -762,4 +762,4 @@ def head_loss_slices_c642f27271603bf7(
             tl.store(ws_ptr + 0, value_cross_entropy)
             tl.store(ws_ptr + 1, weight_cross_entropy * value_cross_entropy)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "772f6550ccbf89e20b50c41bb88a553df367f5bc9bb0ebb15a024656eec61989"
+TEXT_HASH = "b895760894b391bf030262f013053c3bced53fc261656c49cbd7c14d6cc28071"

@@ -241,11 +241,12 @@ def signatures(plan: Plan, key: str, reads_scalars: bool, per_sequence: tuple[st
     if holds_row_slices(plan):
         # the row-slices kernel (templates/gluon/_slices.j2): the head kernel's interface but the
         # vocab shards' exchange (``gathered_ptr`` its own buffer), with the launch's rows (which its
-        # programs take in turn), and the programs a row (G), the
-        # chunks of BLOCK_V columns a program holds (N_CHUNKS) and the rows whose slices it holds at
-        # once (NBUF)
-        own = [a for a in (*args, N_LAUNCH, *fixed) if a not in (PEERS_PTR, EPOCH, WORLD)]
-        out["slices"] = Signature(f"head_loss_slices_{key}", (*own, *constexprs, *_constexprs("G", "N_CHUNKS", "NBUF")),
+        # programs take in turn), the logits' scale a constexpr (a head's, fixed: at 1 its multiply an
+        # element, 4 a column of its sweeps, is folded away), and the programs a row (G), the chunks
+        # of BLOCK_V columns a program holds (N_CHUNKS) and the rows whose slices it holds at once (NBUF)
+        own = [a for a in (*args, N_LAUNCH, *fixed) if a not in (PEERS_PTR, EPOCH, WORLD, LOGIT_SCALE)]
+        out["slices"] = Signature(f"head_loss_slices_{key}",
+                                  (*own, *constexprs, *_constexprs("logit_scale", "G", "N_CHUNKS", "NBUF")),
                                   tuple(a for a in varying if a in own), "slices")
     if segments:
         seg_args = (WS_PTR, OFF[Region.SEG_SUMS], OFF[Region.SEG_COEFS], N_SEG,

@@ -145,8 +145,8 @@ def _layout(head, sig: LayoutKey) -> _Layout:
     # (its interface: the head kernel's, or the row-slices kernel's parameters among them, by name)
     args, fixed_names = spec.args, spec.fixed
     if config.kernel == "slices":
-        args, fixed_names = (tuple(n for n in fn.arg_names if n in names) for names in
-                             ((*spec.args, "n_launch"), spec.fixed))
+        taken = [p.name for p in fn.params if not p.is_constexpr]
+        args, fixed_names = (tuple(n for n in taken if n in names) for names in ((*spec.args, "n_launch"), spec.fixed))
     options = config.launch(sig.V_local, sig.element_size)
     vocab_start, n_vocab = head.shard_columns(sig.group, sig.V_local, sig.device)   # (shards of any width)
     fixed = {Value.WORLD: world, Value.LOGIT_SCALE: head.logit_scale, Value.SOFTCAP: float(head.softcap or 1.0),
@@ -156,8 +156,8 @@ def _layout(head, sig: LayoutKey) -> _Layout:
                       BLOCK_K=pow2(sig.topk) if sig.topk else 1, BLOCK_R=_BLOCK_R)
     constexpr_names = spec.constexprs
     if config.kernel == "slices":
-        constexprs.update({n: options.pop(n) for n in ("G", "N_CHUNKS", "NBUF")})
-        constexpr_names = (*spec.constexprs, "G", "N_CHUNKS", "NBUF")
+        constexprs.update({n: options.pop(n) for n in ("G", "N_CHUNKS", "NBUF")}, logit_scale=head.logit_scale)
+        constexpr_names = (*spec.constexprs, "logit_scale", "G", "N_CHUNKS", "NBUF")
     kernels = []
     for launch in launches:
         phases = {f.name.upper(): getattr(launch, f.name) for f in fields(Launch) if f.name != "then"}
