@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 KEY = "39f035c152db4d19"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "62ee27aa591f"
+CODEGEN = "069500e9d46b"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_fraction']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -884,4 +884,4 @@ def head_loss_slices_39f035c152db4d19(
             tl.store(ws_ptr + 2, value_clip_fraction)
             tl.store(ws_ptr + 3, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "c0a741a392281ddf205b8d257aa17a336832cc17608ca20b40c71788a105b8e6"
+TEXT_HASH = "56e957a89a6fb3eb2010be040001ff81aecc23256844f97e1d7d3e23be2fadc3"

@@ -45,7 +45,7 @@ from triton.language.extra import libdevice
 
 KEY = "3d268cb74e027a19"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "62ee27aa591f"
+CODEGEN = "069500e9d46b"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['gspo', 'entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -568,4 +568,4 @@ def segments_3d268cb74e027a19(
     loss += weight_gspo * (gspo / div)
     tl.store(ws_ptr + 2, loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "0667d8fb5b486caf6090ee5dd059301b40cde2c37d8218e1cbb8f891bf52c3d8"
+TEXT_HASH = "bae52b607739dfdb0b26b60a091f86902bc579e3927eaa4758105dccb48b629c"

@@ -53,7 +53,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 KEY = "4b44cfbdd10c9539"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "62ee27aa591f"
+CODEGEN = "069500e9d46b"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_fraction', 'ratio_mean', 'kl_new_old']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -901,4 +901,4 @@ def head_loss_slices_4b44cfbdd10c9539(
             tl.store(ws_ptr + 4, value_kl_new_old)
             tl.store(ws_ptr + 5, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "29b18991aa75195b7701cbc97c40f127992a2bbc8e56e3501e67ce5961983d8d"
+TEXT_HASH = "2c3de86af3fcd4a7919034625622d6215dd747500c7a45a0761628693624a601"

@@ -47,7 +47,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 KEY = "61bded9c9d8c364d"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "62ee27aa591f"
+CODEGEN = "069500e9d46b"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['reverse_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -830,4 +830,4 @@ def head_loss_slices_61bded9c9d8c364d(
             tl.store(ws_ptr + 0, value_reverse_kl)
             tl.store(ws_ptr + 1, weight_reverse_kl * value_reverse_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "afde928191892b42f89c4d9baf785bbdee947d18bae60f7ad11530ad23cb92e1"
+TEXT_HASH = "46f47cae823099be3c63b103c04fa1556bbb68dd63d91d738c4a783c15e9140b"

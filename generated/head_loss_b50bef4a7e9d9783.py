@@ -53,7 +53,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 KEY = "b50bef4a7e9d9783"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "62ee27aa591f"
+CODEGEN = "069500e9d46b"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['grpo', 'entropy', 'clip_ratio_low', 'clip_ratio_high', 'clip_ratio_region']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -922,4 +922,4 @@ def head_loss_slices_b50bef4a7e9d9783(
             tl.store(ws_ptr + 4, value_clip_ratio_region)
             tl.store(ws_ptr + 5, weight_grpo * value_grpo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "bd241e8163c8ea35d14bfa17f4e1ad0559f8c7e71207616c14e16da2e0276553"
+TEXT_HASH = "f59c5c419ddc4860993077fe2c6b1058a784bbfc7a165bf8234079e2027adb30"

@@ -244,9 +244,8 @@ def signatures(plan: Plan, key: str, reads_scalars: bool, per_sequence: tuple[st
         # programs take in turn), the logits' scale a constexpr (a head's, fixed: at 1 its multiply an
         # element, 4 a column of its sweeps, is folded away), and the programs a row (G), the chunks
         # of BLOCK_V columns a program holds (N_CHUNKS) and the rows whose slices it holds at once (NBUF)
-        own = [a for a in (*args, N_LAUNCH, *fixed) if a not in (PEERS_PTR, EPOCH, WORLD, LOGIT_SCALE)]
-        out["slices"] = Signature(f"head_loss_slices_{key}",
-                                  (*own, *constexprs, *_constexprs("logit_scale", "G", "N_CHUNKS", "NBUF")),
+        own = [a for a in (*args, *SLICES_ARGS, *fixed) if a not in SLICES_DROPPED]
+        out["slices"] = Signature(f"head_loss_slices_{key}", (*own, *constexprs, *_constexprs(*SLICES_CONSTEXPRS)),
                                   tuple(a for a in varying if a in own), "slices")
     if segments:
         seg_args = (WS_PTR, OFF[Region.SEG_SUMS], OFF[Region.SEG_COEFS], N_SEG,
@@ -260,6 +259,20 @@ def signatures(plan: Plan, key: str, reads_scalars: bool, per_sequence: tuple[st
                                      *((OFF[Region.ROWS], OFF[Region.LOSS_ROWS], N_ROWS) if by_rows else ())),
                                     "segments")
     return out
+
+
+# The row-slices kernel's interface against the head kernel's: what it drops, what it adds
+SLICES_DROPPED = (PEERS_PTR, EPOCH, WORLD, LOGIT_SCALE)
+SLICES_ARGS = (N_LAUNCH,)
+SLICES_CONSTEXPRS = ("logit_scale", "G", "N_CHUNKS", "NBUF")
+
+
+def slices_interface(spec: FileSpec) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """The row-slices kernel's (ARGS, FIXED, CONSTEXPRS) names, from its file's head kernel's, as
+    ``signatures`` declares it."""
+    dropped = {a.name for a in SLICES_DROPPED}
+    return (tuple(n for n in (*spec.args, *(a.name for a in SLICES_ARGS)) if n not in dropped),
+            tuple(n for n in spec.fixed if n not in dropped), (*spec.constexprs, *SLICES_CONSTEXPRS))
 
 
 def holds_row_slices(plan: Plan) -> bool:

@@ -19,7 +19,7 @@ import torch
 
 from . import collectives, segments
 from .backends import Launchable
-from .interface import Arg, FileSpec, Region, Role, Value, resolve
+from .interface import Arg, FileSpec, Region, Role, Value, resolve, slices_interface
 from .plan import Launch, Then, pow2
 
 _BLOCK_R = 256      # rows a tile when the last program reduces the rows' values
@@ -142,11 +142,9 @@ def _layout(head, sig: LayoutKey) -> _Layout:
             config, name = config.fallback, f"head_loss_{spec.key}"
     cut = next((i + 1 for i, launch in enumerate(launches) if launch.then is Then.SEGMENTS), len(launches))
     fn = getattr(k, name)
-    # (its interface: the head kernel's, or the row-slices kernel's parameters among them, by name)
-    args, fixed_names = spec.args, spec.fixed
-    if config.kernel == "slices":
-        taken = [p.name for p in fn.params if not p.is_constexpr]
-        args, fixed_names = (tuple(n for n in taken if n in names) for names in ((*spec.args, "n_launch"), spec.fixed))
+    # (its interface: the head kernel's, or the row-slices kernel's, by name)
+    args, fixed_names, constexpr_names = slices_interface(spec) if config.kernel == "slices" else \
+        (spec.args, spec.fixed, spec.constexprs)
     options = config.launch(sig.V_local, sig.element_size)
     vocab_start, n_vocab = head.shard_columns(sig.group, sig.V_local, sig.device)   # (shards of any width)
     fixed = {Value.WORLD: world, Value.LOGIT_SCALE: head.logit_scale, Value.SOFTCAP: float(head.softcap or 1.0),
@@ -154,10 +152,8 @@ def _layout(head, sig: LayoutKey) -> _Layout:
              Value.IGNORE_INDEX: head.ignore_index, Value.SCALARS: head.scalar_buffer(sig.device)}
     constexprs = dict(SUM=sig.reduction == "sum", PER_ROW=sig.reduction == "none", BLOCK_V=options.pop("BLOCK_V"),
                       BLOCK_K=pow2(sig.topk) if sig.topk else 1, BLOCK_R=_BLOCK_R)
-    constexpr_names = spec.constexprs
     if config.kernel == "slices":
         constexprs.update({n: options.pop(n) for n in ("G", "N_CHUNKS", "NBUF")}, logit_scale=head.logit_scale)
-        constexpr_names = (*spec.constexprs, "logit_scale", "G", "N_CHUNKS", "NBUF")
     kernels = []
     for launch in launches:
         phases = {f.name.upper(): getattr(launch, f.name) for f in fields(Launch) if f.name != "then"}
