@@ -48,22 +48,38 @@ class SliceKernel:
         args = list(args)
         # each row's two counts (zeroed: the programs count their arrivals), then the exchanged stats
         args[self.at_buffer] = torch.zeros(self.width * grid, device=x.device)
-        groups = self._fit(args, x.device) if x.device.type == "cuda" else 1
-        self.kernel(self.G * max(min(groups, grid), 1), *args)
+        if x.device.type != "cuda":      # (compiled, not run: python -m losscodegen build)
+            self.kernel(self.G, *args)
+            return
+        # (a group at least: its last program writes the outputs, whatever the rows)
+        key = (x.device, *map(_spec, args))
+        if key in self._groups:
+            self.kernel(self.G * max(min(self._groups[key], grid), 1), *args)
+            return
+        groups = self._fit(args, x.device)
+        while True:
+            try:
+                self.kernel(self.G * max(min(groups, grid), 1), *args)
+                break
+            except RuntimeError as e:
+                # (a grid the driver finds larger than fits at once, where the occupancy rules above
+                # counted more: half of it, until it fits)
+                if "cooperative" not in str(e).lower() or groups == 1:
+                    raise
+                groups //= 2
+        self._groups[key] = groups
 
     def _fit(self, args: list, device: torch.device) -> int:
-        """Groups of G programs all resident at once on ``device`` for these arguments' kernel."""
-        key = (device, *map(_spec, args))
-        groups = self._groups.get(key)
-        if groups is None:
-            k = self.kernel
-            compiled = k.fn.warmup(*args, *k.fixed, grid=(1,), **k.constexprs)
-            compiled._init_handles()       # (n_regs is read when the binary loads)
-            props = torch.cuda.get_device_properties(device)
-            per_sm = resident_per_sm(compiled.n_regs, compiled.metadata.shared, k.constexprs["num_warps"], props)
-            groups = self._groups[key] = per_sm * props.multi_processor_count // self.G
-            if groups == 0:
-                raise ValueError(f"the row-slices kernel's {self.G} programs a row do not fit on {device} at once "
-                                 f"({compiled.n_regs} registers a thread, {compiled.metadata.shared} B of shared "
-                                 "memory a program): take a Slices configuration of wider slices or no Slices")
+        """Groups of G programs all resident at once on ``device`` for these arguments' kernel, by
+        CUDA's occupancy rules from what the kernel compiled to."""
+        k = self.kernel
+        compiled = k.fn.warmup(*args, *k.fixed, grid=(1,), **k.constexprs)
+        compiled._init_handles()       # (n_regs is read when the binary loads)
+        props = torch.cuda.get_device_properties(device)
+        per_sm = resident_per_sm(compiled.n_regs, compiled.metadata.shared, k.constexprs["num_warps"], props)
+        groups = per_sm * props.multi_processor_count // self.G
+        if groups == 0:
+            raise ValueError(f"the row-slices kernel's {self.G} programs a row do not fit on {device} at once "
+                             f"({compiled.n_regs} registers a thread, {compiled.metadata.shared} B of shared "
+                             "memory a program): take a Slices configuration of wider slices or no Slices")
         return groups
