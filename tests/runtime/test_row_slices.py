@@ -1,15 +1,19 @@
 """The row-slices kernel (issue 47; templates/gluon/_slices.j2) as far as a CPU can check it: which
 files have it, how a Slices configuration splits a row and how many programs fit at once, and that
 a call it does not serve takes its fallback while one it serves says it needs a GPU (Triton's
-interpreter does not run Gluon). Its compiled form for sm_90a is checked in
+interpreter does not run Gluon); and its phases, in Triton's interpreter at one program a row (its
+Gluon layout mapped onto Triton's language), against float64. Its compiled form for sm_90a is checked in
 tests/compiler/test_portable_builds.py, its values on a GPU in tests/gpu/test_gpu_slices.py."""
+import importlib.util
+import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 import losscodegen as lcg
-from losscodegen.backends.triton import tiles
+from losscodegen.backends.triton import slices, tiles
 from losscodegen.backends.triton.slices import resident_per_sm
 
 
@@ -98,3 +102,71 @@ def test_rows_its_copies_cannot_read_take_the_fallback():
     want = torch.autograd.grad(head(x.requires_grad_(), y).loss, x)[0]
     head.tile_override = tiles.Slices(16384, 8)
     assert torch.equal(torch.autograd.grad(head(x, y).loss, x)[0], want)
+
+
+# ---- the row-slices kernel's phases in Triton's interpreter ------------------------------------
+# The interpreter does not run Gluon (shared memory, asynchronous copies) and runs a grid's programs
+# one after another (the G programs of a row would wait for each other forever). At one program a
+# row, though, the kernel's phases are plain Triton but for the layout: its Gluon primitives mapped
+# onto Triton's language below (each shared-memory chunk read from global memory instead, the copies
+# and CTA barriers dropped, the layouts' aranges and fills without a layout), the generated kernel
+# runs as it is written otherwise: its first read (the slice's maxima, then lane-by-lane sums), its
+# exchange and merge (of one), its exact sums, its gradient and its finish.
+_GLUON_TO_TRITON = (
+    (r"@gluon\.jit", "@triton.jit"),
+    (r"\n[ ]*_copy_slice\((?:[^()]|\((?:[^()]|\([^()]*\))*\))*\)", ""),
+    (r"async_copy\.(commit_group|wait_group)\([^)]*\)", "pass"),
+    (r"\n[ ]*\w+_smem = gl\.allocate_shared_memory\([^\n]*", ""),
+    (r"\n[ ]*\w+_bufs = _reinterpret\([^\n]*", ""),
+    (r"\n[ ]*offs2 = \(gl\.arange[^\n]*\n[^\n]*", ""),
+    (r"_cta_barrier\(\)", "tl.debug_barrier()"),
+    (r"gl\.static_range", "tl.static_range"),
+    (r"gl\.num_warps\(\)", "4"),
+    (r"row = rw\.to\(tl\.int64\)", "row = tl.full([], rw, tl.int64)"),
+    (r"gl\.arange\(0, ([^,]+), layout=(?:gl\.SliceLayout\([^()]*\)|\w+)\)", r"tl.arange(0, \1)"),
+    (r"gl\.full\(\[([^\]]+)\], ([^,]+), gl\.float32, \w+\)", r"tl.full([\1], \2, tl.float32)"),
+    (r"gl\.zeros\(\[([^\]]+)\], gl\.float32, (?:gl\.SliceLayout\([^()]*\)|\w+)\)", r"tl.zeros([\1], tl.float32)"),
+    (r"(\w+)_smem\.index\(slot \* N_CHUNKS \+ i\)\.load\(L1\)",
+     r"tl.load(\1_row + i * BLOCK_V + tl.arange(0, BLOCK_V), mask=i * BLOCK_V + tl.arange(0, BLOCK_V) < V, other=0.0)"),
+)
+
+
+def _interpretable(head, tmp_path):
+    """``head`` with its kernel file's row-slices kernel mapped onto Triton's language (a module of
+    its own, written to ``tmp_path``: the interpreter reads a kernel's source)."""
+    k = head.kernel
+    text = Path(k.__file__).read_text()
+    for pattern, replacement in _GLUON_TO_TRITON:
+        text, n = re.subn(pattern, replacement, text)
+        assert n, f"the row-slices kernel no longer has {pattern!r}: update the mapping"
+    path = tmp_path / f"slices_{k.KEY}.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.SPEC = k.SPEC
+    head._kernel = module
+    return head
+
+
+@pytest.mark.parametrize("make", [
+    lambda: _head(lcg.CrossEntropy()),
+    lambda: _head(lcg.JSD()),    # two streams, an exact read and its exchange
+    pytest.param(lambda: _head(lcg.GRPO(kl_beta=0.04), metrics=(lcg.Entropy(), lcg.ClipFraction())),
+                 marks=pytest.mark.slow),   # a compensated normaliser sum
+    pytest.param(lambda: _head(lcg.CrossEntropy(), lcg.ZLoss(weight=1e-4), lcg.ForwardKL(weight=0.5),
+                               metrics=(lcg.Entropy(),)), marks=pytest.mark.slow),   # moved sums
+], ids=["ce", "jsd", "grpo-kl", "fkl-mix"])
+def test_the_row_slices_kernels_phases_at_one_program_a_row_match_float64(make, tmp_path, monkeypatch):
+    head = _interpretable(make(), tmp_path)
+    ran = []
+    monkeypatch.setattr(slices, "interpreting", lambda: False)
+    monkeypatch.setattr(slices.SliceKernel, "__call__", lambda self, grid, *args: ran.append(grid) or
+                        _SLICE_CALL(self, grid, *args))
+    # slices of 4 chunks (64 columns of fp32 or 128 of bf16 each: the lanes' sums run over chunks)
+    head.tile_override = tiles.Slices(4096, 1, copy_bytes=8)
+    lcg.testing.assert_parity(head, rows=12, vocab=256, device="cpu")
+    assert ran, "the row-slices kernel did not run"
+
+
+_SLICE_CALL = slices.SliceKernel.__call__
