@@ -55,7 +55,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 KEY = "203180df93923b8c"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "069500e9d46b"
+CODEGEN = "14e65aec5cf3"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss', 'forward_kl', 'entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -965,4 +965,4 @@ def head_loss_slices_203180df93923b8c(
             tl.store(ws_ptr + 3, value_entropy)
             tl.store(ws_ptr + 4, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss + weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "ca8b57c15dab2680f7152135cf011e43a07c4b50f2d17a67dc2d52932167e658"
+TEXT_HASH = "65325576c7486cb7f8fead0bdda79c9d938821a0521e26fa5520bf3d81beebd7"

@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 KEY = "2e7b8aa488a0d8ec"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "069500e9d46b"
+CODEGEN = "14e65aec5cf3"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'z_loss']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -788,4 +788,4 @@ def head_loss_slices_2e7b8aa488a0d8ec(
             tl.store(ws_ptr + 1, value_z_loss)
             tl.store(ws_ptr + 2, weight_cross_entropy * value_cross_entropy + weight_z_loss * value_z_loss)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "6f27a5a92fb66d03d8b0cd13bac92b909604da05facde628fb2b695b948d806f"
+TEXT_HASH = "3fd30f3bbed5ff0b4398b7f6c13fabdf24a46e05a112e5cd73f5666069a7dda9"

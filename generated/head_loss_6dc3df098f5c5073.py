@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 KEY = "6dc3df098f5c5073"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "069500e9d46b"
+CODEGEN = "14e65aec5cf3"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cispo', 'entropy', 'cispo_clip_ratio']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -837,4 +837,4 @@ def head_loss_slices_6dc3df098f5c5073(
             tl.store(ws_ptr + 2, value_cispo_clip_ratio)
             tl.store(ws_ptr + 3, weight_cispo * value_cispo)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "8faf115e665420ed15bf25cac054de4b4dbc5c0c7d8b2eac67ffbb9e7c7a8545"
+TEXT_HASH = "5b1351028ef7dd394fa621046ecadd858e294899c5c62ec06c9935f64dc9ecc7"

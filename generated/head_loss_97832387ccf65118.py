@@ -53,7 +53,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 KEY = "97832387ccf65118"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "069500e9d46b"
+CODEGEN = "14e65aec5cf3"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy', 'forward_kl']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -933,4 +933,4 @@ def head_loss_slices_97832387ccf65118(
             tl.store(ws_ptr + 1, value_forward_kl)
             tl.store(ws_ptr + 2, weight_cross_entropy * value_cross_entropy + weight_forward_kl * value_forward_kl)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "69888b4c9ae7c96bafba44955325893449991b3333363ad79eaac221eae9bbc8"
+TEXT_HASH = "6fc7bfeb0ce61512be4866ae507e0585e72fbf0423a3b227291ea0471a105f66"

@@ -44,7 +44,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 KEY = "c642f27271603bf7"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "069500e9d46b"
+CODEGEN = "14e65aec5cf3"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -762,4 +762,4 @@ def head_loss_slices_c642f27271603bf7(
             tl.store(ws_ptr + 0, value_cross_entropy)
             tl.store(ws_ptr + 1, weight_cross_entropy * value_cross_entropy)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "155fcf5cffea3a7ac2e64aebc3408fed89d45d89734b0f5fc124c5dc84af1a7b"
+TEXT_HASH = "0c7f98d3050151bf93574f5e7cd02fe436af690c0283ab927c9c524f47401fe7"

@@ -44,7 +44,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 KEY = "dfdadf8e6cb4b92c"
 # the code generator that wrote this file; a file from another one is never used
-CODEGEN = "069500e9d46b"
+CODEGEN = "14e65aec5cf3"
 # what the head reports, in this order: its terms, then its metrics
 OUTPUTS = ['cross_entropy']
 # per-row values the kernel writes: row terms, metrics and the quantities segment terms average
@@ -762,4 +762,4 @@ def head_loss_slices_dfdadf8e6cb4b92c(
             tl.store(ws_ptr + 0, value_cross_entropy)
             tl.store(ws_ptr + 1, weight_cross_entropy * value_cross_entropy)  # LOSS
 # TEXT_HASH: the sha256 of this file up to its last line (a file that does not match is never used)
-TEXT_HASH = "fe3be859acc71d80644b2286a8aaf61619e7fa28c03cfa10f428a71ed2286c07"
+TEXT_HASH = "74d1e0c0899d4f2b2fc41af64c7460259d432fda715c97fca5833b221f39edf1"

@@ -24,6 +24,7 @@ from typing import Any, Callable
 import sympy as sp
 
 from . import symbols as S
+from .stable import compensated_sums
 from .plan import Plan
 
 
@@ -280,9 +281,11 @@ def holds_row_slices(plan: Plan) -> bool:
     memory, read from HBM once): every head whose row is the whole of its work. Not one with
     segment statistics (a row adds into its segment: once a row, not once a slice), top-k entries
     (their ids index the whole row), a teacher that takes a gradient (the teacher's gradient
-    kernel has none) or the row's argmax (Gluon's argmax needs a layout the phases do not give)."""
+    kernel has none), the row's argmax (Gluon's argmax needs a layout the phases do not give) or a
+    compensated normaliser sum (``stable.compensated_sums``: its lanes and programs would be added
+    up uncompensated, rounding away the rest of a confident row's mass that it keeps)."""
     lw = plan.lowered
-    return not (lw.segments or lw.uses_topk or lw.teacher_grad or lw.uses_argmax)
+    return not (lw.segments or lw.uses_topk or lw.teacher_grad or lw.uses_argmax or compensated_sums(lw))
 
 
 def resolve(names: tuple[str, ...], tokens: tuple[str, ...], vectors: tuple[str, ...], kernel: str) -> tuple[Arg, ...]:

@@ -49,8 +49,8 @@ class LayoutKey(NamedTuple):
     topk: int                  # the teacher's top-k count (0: none)
     exchange: bool             # whether vocab shards exchange their stats in-kernel
     teacher_grad: bool         # the kernel that writes the teacher's gradient too (HeadLoss.kernel_for)
-    aligned: bool              # rows of the logits (and the teacher's) at 16-byte multiples (``aligned``);
-                               # False for head.linear's, made a chunk at a time
+    aligned: bool              # rows of the logits (and the teacher's) at 16-byte multiples (``aligned``),
+                               # of a multiple of 16 columns; False for head.linear's, made a chunk at a time
 
 
 # Where the launcher takes each per-launch argument (``Arg.value``) from: one tuple a launch, the
@@ -135,10 +135,11 @@ def _layout(head, sig: LayoutKey) -> _Layout:
                              deferred=deferred, teacher_grad=sig.teacher_grad)
     name = f"head_loss_{spec.key}"
     if config.kernel == "slices":
-        # the row-slices kernel serves a call of one launch with the gradient, where the file has it,
-        # on rows its 16-byte copies can read (``aligned``)
+        # the row-slices kernel serves a call of one launch with the gradient on one vocab shard (its
+        # programs merge their own row's slices), where the file has it, on rows its copies can read
+        # (``aligned``: Triton knows their 16-byte starts, and whole copies of at least 4 bytes cover them)
         name = f"head_loss_slices_{spec.key}"
-        if not (len(launches) == 1 and launches[0].grad and sig.aligned and hasattr(k, name)):
+        if not (len(launches) == 1 and launches[0].grad and not sharded and sig.aligned and hasattr(k, name)):
             config, name = config.fallback, f"head_loss_{spec.key}"
     cut = next((i + 1 for i, launch in enumerate(launches) if launch.then is Then.SEGMENTS), len(launches))
     fn = getattr(k, name)
@@ -185,7 +186,9 @@ def _layout(head, sig: LayoutKey) -> _Layout:
 def aligned(x: torch.Tensor) -> bool:
     """Whether every row of ``x`` starts at a multiple of 16 bytes as Triton can tell when it compiles
     (a 16-byte aligned start and a stride of a multiple of 16 elements, which it specialises on): the
-    row-slices kernel's asynchronous copies, 4 to 16 bytes each, need it."""
+    row-slices kernel's asynchronous copies, 4 to 16 bytes each, need it (and a row of a multiple of 16
+    columns, which the call's key checks: a mask Triton cannot tell is constant over 16 columns splits
+    a copy into single elements, which ``cp.async`` does not move)."""
     return x.data_ptr() % 16 == 0 and x.stride(0) % 16 == 0
 
 
@@ -283,7 +286,8 @@ class Launcher:
         # NamedTuple costs a call host time, so one is made only for a new layout.
         key = (call.V_local, dtype, element_size, call.device, call.reduction, call.group, grad,
                call.divisor is not None, call.topk_ids.shape[1] if spec.uses_topk else 0, self.exchange is not None,
-               call.teacher_grad, call.x is not None and aligned(call.x) and (call.teacher is None or aligned(call.teacher)))
+               call.teacher_grad, call.V_local % 16 == 0 and call.x is not None and aligned(call.x)
+               and (call.teacher is None or aligned(call.teacher)))
         # (a configuration being measured takes no layout kept from a call before it, nor leaves one)
         layout = head.layouts.get(key) if head.tile_override is None else None
         if layout is None:

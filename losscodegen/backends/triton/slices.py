@@ -53,10 +53,7 @@ class SliceKernel:
             return
         # (a group at least: its last program writes the outputs, whatever the rows)
         key = (x.device, *map(_spec, args))
-        if key in self._groups:
-            self.kernel(self.G * max(min(self._groups[key], grid), 1), *args)
-            return
-        groups = self._fit(args, x.device)
+        groups = self._groups.get(key) or self._fit(args, x.device)
         while True:
             try:
                 self.kernel(self.G * max(min(groups, grid), 1), *args)
@@ -66,7 +63,9 @@ class SliceKernel:
                 # counted more: half of it, until it fits)
                 if "cooperative" not in str(e).lower() or groups == 1:
                     raise
-                groups //= 2
+                groups = min(groups, grid) // 2
+        # (kept as launched: a grid clipped to fewer rows than groups was not tried at full size, and a
+        # later call with more rows that the driver refuses halves it again)
         self._groups[key] = groups
 
     def _fit(self, args: list, device: torch.device) -> int:

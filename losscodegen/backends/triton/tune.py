@@ -80,7 +80,10 @@ def measure(head: HeadLoss, V: int, dtype: torch.dtype, device: torch.device, ro
         head(x, labels, **inputs).loss.backward()
     times = {}
     side = torch.cuda.Stream(device)
-    slices = hasattr(head.kernel, f"head_loss_slices_{head.kernel.KEY}") and torch.cuda.get_device_capability(device)[0] >= 8
+    # (the row-slices kernel where the file has it, the GPU copies asynchronously, and these inputs'
+    # rows are ones its copies read: else the call would time its fallback under its name)
+    slices = hasattr(head.kernel, f"head_loss_slices_{head.kernel.KEY}") and V % 16 == 0 \
+        and torch.cuda.get_device_capability(device)[0] >= 8
     todo = candidates(head.kernel.SPEC, V, slices)
     try:
         while todo:
@@ -92,7 +95,8 @@ def measure(head: HeadLoss, V: int, dtype: torch.dtype, device: torch.device, ro
                 try:
                     step()
                     times[config] = _timed(step, reps, device)
-                except Exception as e:
+                except (RuntimeError, ValueError) as e:
+                    torch.cuda.synchronize(device)    # (an error the device keeps is not this candidate's alone)
                     print(f"head_loss_slices_{head.kernel.KEY}, {config}: not timed ({type(e).__name__}: {e})",
                           flush=True)
                 continue
