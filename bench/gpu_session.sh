@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for a session's GPU checks, each step with its own time limit so that the call ends
 # inside the device tool's 10 minutes and leaves what it finished under $OUT:
-#   bash bench/gpu_session.sh [STEP...]     (steps: gluon numerics gpu-tests host ab fuzz tests+fuzz;
+#   bash bench/gpu_session.sh [STEP...]     (steps: gluon slices numerics gpu-tests host ab fuzz tests+fuzz;
 #                                            default: all but tests+fuzz)
 # tests+fuzz runs the fuzzer in the background on the same GPU while gpu-tests runs, for the call's
 # whole time (the fuzz's small shapes fit beside the tests; the tests' time is then a loaded one).
@@ -32,13 +32,17 @@ fuzz() {   # the fuzzer for $1 seconds of the call (25 of them to finish and pri
     > "$out/fuzz.txt" 2>&1
 }
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(gluon numerics gpu-tests host ab fuzz)
+[ ${#steps[@]} -eq 0 ] && steps=(gluon slices numerics gpu-tests host ab fuzz)
 summary=()
 for step in "${steps[@]}"; do
   t0=$SECONDS
   case "$step" in
     gluon)      # issue 47's one-read CE prototype beside the default call and the copy rate
       timeout 200 python3 bench/gluon_row.py --out "$out" > "$out/gluon.txt" 2>&1; rc=$? ;;
+    slices)     # issue 47's row-slices kernel of the compiler: its GPU tests, then beside the default call
+      timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_slices.py > "$out/slices-tests.txt" 2>&1
+      timeout 200 python3 bench/slices.py --out "$out" --quick --skip-parity > "$out/slices.txt" 2>&1; rc=$?
+      tail -13 "$out/slices.txt" ;;
     numerics)   # issue 45's regimes on the GPU's compiled kernels (assert_parity runs on cuda)
       timeout 150 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_numerics.py \
         -k "every_built_in or focal or parameter or all_rows" > "$out/numerics.txt" 2>&1; rc=$? ;;
