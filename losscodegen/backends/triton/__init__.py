@@ -51,7 +51,8 @@ class Triton:
                   "programs holding it in shared memory), which runs only where the tile table holds a Slices "
                   "configuration measured faster on that GPU (python -m losscodegen tune), for a call with its "
                   "gradient in one launch" if holds_row_slices(plan) else
-                  "no row-slices kernel (segment statistics, top-k entries or a teacher's gradient)")
+                  "no row-slices kernel (segment statistics, top-k entries, a teacher's gradient, the row's "
+                  "argmax or a compensated sum: interface.holds_row_slices)")
         return (f"tile for a large vocabulary, by rule: {tiles.rule(plan.state)} (on a GPU a measured table may "
                 f"choose another: losscodegen/backends/triton/tiles.py); {slices}")
 
