@@ -133,19 +133,18 @@ def _layout(head, sig: LayoutKey) -> _Layout:
     deferred = sig.grad and sig.reduction == "none"
     launches = head.launches(sharded=sharded, grad=sig.grad, split=config.split, exchange=sig.exchange,
                              deferred=deferred, teacher_grad=sig.teacher_grad)
-    name = f"head_loss_{spec.key}"
-    if config.kernel == "slices":
-        # the row-slices kernel serves a call of one launch with the gradient on one vocab shard (its
-        # programs merge their own row's slices), where the file has it, on rows its copies can read
-        # (``aligned``: Triton knows their 16-byte starts, and whole copies of at least 4 bytes cover them)
-        name = f"head_loss_slices_{spec.key}"
-        if not (len(launches) == 1 and launches[0].grad and not sharded and sig.aligned and hasattr(k, name)):
-            config, name = config.fallback, f"head_loss_{spec.key}"
+    # the row-slices kernel serves a call of one launch with the gradient on one vocab shard (its
+    # programs merge their own row's slices), where the file has it, on rows its copies can read
+    # (``aligned``: Triton knows their 16-byte starts, and whole copies of at least 4 bytes cover them)
+    slices = config.kernel == "slices"
+    if slices and not (len(launches) == 1 and launches[0].grad and not sharded and sig.aligned
+                       and hasattr(k, f"head_loss_slices_{spec.key}")):
+        config, slices = config.fallback, False
+    name = f"head_loss_slices_{spec.key}" if slices else f"head_loss_{spec.key}"
     cut = next((i + 1 for i, launch in enumerate(launches) if launch.then is Then.SEGMENTS), len(launches))
     fn = getattr(k, name)
     # (its interface: the head kernel's, or the row-slices kernel's, by name)
-    args, fixed_names, constexpr_names = slices_interface(spec) if config.kernel == "slices" else \
-        (spec.args, spec.fixed, spec.constexprs)
+    args, fixed_names, constexpr_names = slices_interface(spec) if slices else (spec.args, spec.fixed, spec.constexprs)
     options = config.launch(sig.V_local, sig.element_size)
     vocab_start, n_vocab = head.shard_columns(sig.group, sig.V_local, sig.device)   # (shards of any width)
     fixed = {Value.WORLD: world, Value.LOGIT_SCALE: head.logit_scale, Value.SOFTCAP: float(head.softcap or 1.0),
@@ -153,15 +152,16 @@ def _layout(head, sig: LayoutKey) -> _Layout:
              Value.IGNORE_INDEX: head.ignore_index, Value.SCALARS: head.scalar_buffer(sig.device)}
     constexprs = dict(SUM=sig.reduction == "sum", PER_ROW=sig.reduction == "none", BLOCK_V=options.pop("BLOCK_V"),
                       BLOCK_K=pow2(sig.topk) if sig.topk else 1, BLOCK_R=_BLOCK_R)
-    if config.kernel == "slices":
-        constexprs.update({n: options.pop(n) for n in ("G", "N_CHUNKS", "NBUF")}, logit_scale=head.logit_scale)
+    # the row-slices kernel's own constexprs (its G programs of a row exchange and merge their stats,
+    # as vocab shards do, whatever the launch)
+    own = dict({n: options.pop(n) for n in ("G", "N_CHUNKS", "NBUF")}, logit_scale=head.logit_scale,
+               EXCHANGE=True, MERGE=True) if slices else {}
     kernels = []
     for launch in launches:
         phases = {f.name.upper(): getattr(launch, f.name) for f in fields(Launch) if f.name != "then"}
-        if config.kernel == "slices":   # (its G programs of a row exchange and merge their stats, as vocab shards do)
-            phases.update(EXCHANGE=True, MERGE=True)
         kernels.append(backend.kernel(fn, fixed_values(spec, fixed_names, fixed, name),
-                                      dict(zip(constexpr_names, by_name({**constexprs, **phases}, constexpr_names, name))),
+                                      dict(zip(constexpr_names, by_name({**constexprs, **phases, **own}, constexpr_names,
+                                                                        name))),
                                       options))
     segment_kernel = None
     if spec.segments:
